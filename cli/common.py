@@ -1,0 +1,110 @@
+"""What `peer` and `backbone` share: config loading from flags, running a daemon under trio with
+signal handling, and turning user and network errors into one line and exit code 2."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import trio
+import typer
+
+from peer.config import LoadedConfig, load_config
+from peer.errors import PeertrainError, UserError
+from peer.logs import setup_logging
+
+EXIT_USER_ERROR = 2
+
+ConfigOpt = Annotated[
+    Path | None, typer.Option("--config", "-c", help="TOML config file (see configs/default.toml).", envvar="PEERTRAIN_CONFIG")
+]
+IdentityOpt = Annotated[Path | None, typer.Option("--identity", help="Ed25519 key file; created on first run.")]
+ListenOpt = Annotated[list[str] | None, typer.Option("--listen", help="Multiaddr to listen on (repeatable).")]
+AnnounceOpt = Annotated[list[str] | None, typer.Option("--announce", help="Multiaddr to advertise (repeatable).")]
+PortOpt = Annotated[int | None, typer.Option("--port", help="TCP port to listen on (replaces the port of every --listen).")]
+CollabOpt = Annotated[str | None, typer.Option("--collaboration", help="Collaboration name (namespace of all DHT keys).")]
+LogLevelOpt = Annotated[str | None, typer.Option("--log-level", help="debug, info, warning or error.")]
+LogFormatOpt = Annotated[str | None, typer.Option("--log-format", help="rich or json.")]
+
+
+def fail(message: str) -> NoReturn:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(EXIT_USER_ERROR)
+
+
+def with_port(listen: list[str], port: int) -> list[str]:
+    """Replace the TCP port of each listen multiaddr."""
+    out = []
+    for addr in listen:
+        parts = addr.split("/")
+        if "tcp" not in parts:
+            fail(f"--port given but listen address {addr!r} has no /tcp/ part")
+        parts[parts.index("tcp") + 1] = str(port)
+        out.append("/".join(parts))
+    return out
+
+
+def build_config(config_file: Path | None, overrides: dict[str, Any], *, port: int | None = None) -> LoadedConfig:
+    """Load defaults < file < PEERTRAIN_* env < flags, or exit 2 with the config error."""
+    try:
+        loaded = load_config(file=config_file, env=os.environ, overrides=overrides)
+        if port is not None:
+            loaded = load_config(
+                file=config_file,
+                env=os.environ,
+                overrides={**overrides, "net.listen": with_port(list(loaded.config.net.listen), port)},
+            )
+    except UserError as error:
+        fail(str(error))
+    setup_logging(level=loaded.config.log.level, fmt=loaded.config.log.format)
+    return loaded
+
+
+def run_until_signal(main: Callable[[], Awaitable[None]]) -> None:
+    """Run `main` under trio; SIGINT/SIGTERM cancel it (a second one exits at once).
+
+    User errors and unreachable peers end in one line on stderr and exit code 2.
+    """
+
+    async def supervised() -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async with trio.open_nursery() as nursery:
+
+                async def watch() -> None:
+                    async for _ in signals:
+                        if nursery.cancel_scope.cancel_called:
+                            os._exit(130)  # second Ctrl+C: the user wants out now
+                        nursery.cancel_scope.cancel()
+
+                nursery.start_soon(watch)
+                await main()
+                nursery.cancel_scope.cancel()
+
+    try:
+        trio.run(supervised)
+    except BaseException as error:
+        ours = find_error(error)
+        if ours is None:
+            raise
+        fail(str(ours))
+
+
+def find_error(error: BaseException) -> PeertrainError | None:
+    """The first of our own (user or remote) errors in a possibly nested exception group."""
+    if isinstance(error, PeertrainError):
+        return error
+    if isinstance(error, BaseExceptionGroup):
+        for inner in error.exceptions:
+            found = find_error(inner)
+            if found is not None:
+                return found
+    return None
+
+
+def echo(line: str) -> None:
+    print(line, flush=True)
+    sys.stdout.flush()

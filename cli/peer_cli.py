@@ -1,0 +1,101 @@
+"""`peer`: join a collaboration, look at it, or run a local demo of one."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import trio
+import typer
+from rich.console import Console
+
+from cli import common
+from cli.render import status_table
+from peer.daemon import run_daemon
+from peer.net.host import Node
+from peer.status import collect_status
+
+app = typer.Typer(help="Donate compute to a peertrain collaboration.", no_args_is_help=True, add_completion=False)
+
+BackboneOpt = Annotated[
+    list[str] | None,
+    typer.Option("--backbone", "-b", help="Backbone multiaddr with /p2p/<id> (repeatable; any one that answers is enough)."),
+]
+
+
+@app.command()
+def join(
+    backbone: BackboneOpt = None,
+    identity: common.IdentityOpt = None,
+    config: common.ConfigOpt = None,
+    listen: common.ListenOpt = None,
+    announce: common.AnnounceOpt = None,
+    port: common.PortOpt = None,
+    collaboration: common.CollabOpt = None,
+    log_level: common.LogLevelOpt = None,
+    log_format: common.LogFormatOpt = None,
+) -> None:
+    """Join a collaboration through its backbones and stay until Ctrl+C."""
+    loaded = common.build_config(
+        config,
+        {
+            "collaboration.backbones": backbone or None,
+            "identity.path": str(identity) if identity else None,
+            "net.listen": listen or None,
+            "net.announce": announce or None,
+            "collaboration.name": collaboration,
+            "log.level": log_level,
+            "log.format": log_format,
+        },
+        port=port,
+    )
+
+    def on_ready(node: Node) -> None:
+        common.echo(f"peer {node.peer_id} joined collaboration {loaded.config.collaboration.name!r}; reachable at:")
+        for addr in node.public_addrs():
+            common.echo(f"  {addr}")
+
+    common.run_until_signal(lambda: run_daemon(loaded.config, role="peer", on_ready=on_ready))
+
+
+@app.command()
+def status(
+    backbone: BackboneOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+    config: common.ConfigOpt = None,
+    collaboration: common.CollabOpt = None,
+    log_level: common.LogLevelOpt = None,
+) -> None:
+    """Show the live peers of a collaboration (works from any machine that reaches a backbone)."""
+    loaded = common.build_config(
+        config,
+        {
+            "collaboration.backbones": backbone or None,
+            "collaboration.name": collaboration,
+            "log.level": log_level or "warning",
+        },
+    )
+
+    async def show() -> None:
+        report = await collect_status(loaded.config)
+        if as_json:
+            common.echo(json.dumps(report.to_json(), indent=2))
+        else:
+            Console().print(status_table(report))
+
+    common.run_until_signal(show)
+
+
+@app.command()
+def demo(
+    peers: Annotated[int, typer.Option(help="Number of peers to start.", min=1, max=16)] = 3,
+    duration: Annotated[float, typer.Option(help="Seconds to run before stopping everything.", min=1)] = 20.0,
+) -> None:
+    """Run a local collaboration on loopback: a backbone and N peers, with a live status view."""
+    from cli.demo import run_demo
+
+    trio.run(run_demo, peers, duration)
+
+
+if __name__ == "__main__":
+    app()

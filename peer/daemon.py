@@ -1,0 +1,102 @@
+"""The long-lived node that `peer join` and `backbone start` run.
+
+    identity key (locked) -> libp2p host -> DHT (server mode) -> join through backbones
+    -> presence record kept fresh -> ... until cancelled -> presence withdrawn, connections closed
+
+A peer must reach at least one backbone to join; a backbone may be the first of its
+collaboration and then starts alone.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import trio
+from libp2p.peer.id import ID
+from multiaddr import Multiaddr
+
+from peer import __version__
+from peer.config import PeerConfig
+from peer.dht.node import DHT
+from peer.errors import Unreachable
+from peer.net.host import Node, open_node, split_peer_addr
+from peer.net.identity import hold_identity, load_or_create_identity
+from peer.presence import PresenceRecord, Role, keep_present
+
+log = logging.getLogger("peertrain.daemon")
+
+JOIN_BACKOFF = (0.5, 1.0, 2.0, 4.0)
+
+
+def parse_backbones(addrs: Sequence[str]) -> list[tuple[ID, Multiaddr]]:
+    return [split_peer_addr(text, what="backbone address") for text in addrs]
+
+
+async def join(dht: DHT, seeds: list[tuple[ID, Multiaddr]], *, backoff: Sequence[float] = JOIN_BACKOFF) -> list[ID]:
+    """Bootstrap through any seed that answers, retrying with backoff; raise Unreachable if none does."""
+    for delay in (*backoff, None):
+        reached = await dht.bootstrap(seeds)
+        if reached:
+            return reached
+        if delay is not None:
+            log.info("no backbone answered; retrying in %.3gs", delay)
+            await trio.sleep(delay)
+    tried = ", ".join(f"{addr}/p2p/{peer_id}" for peer_id, addr in seeds)
+    raise Unreachable(
+        f"no backbone answered (tried {tried}); check the addresses `backbone start` printed "
+        "and that a backbone is running and reachable"
+    )
+
+
+async def run_daemon(
+    config: PeerConfig,
+    *,
+    role: Role,
+    on_ready: Callable[[Node], None] = lambda node: None,
+    task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run a node until cancelled. `on_ready` sees it once it has joined and published presence."""
+    seeds = parse_backbones(config.collaboration.backbones)
+    if role == "peer" and not seeds:
+        raise Unreachable("no backbone given; pass --backbone MADDR (printed by `backbone start`)")
+    identity = load_or_create_identity(Path(config.identity.path).expanduser())
+    with hold_identity(identity):
+        async with open_node(
+            identity,
+            listen=config.net.listen,
+            announce=config.net.announce,
+            max_message_bytes=config.net.max_message_bytes,
+        ) as node:
+            dht = DHT(node, config.dht, server=True, rpc_timeout=config.net.rpc_timeout)
+            started_at = time.time()
+
+            def presence() -> PresenceRecord:
+                return PresenceRecord(
+                    node.peer_id.to_base58(), role, node.public_addrs(), __version__, started_at, time.time()
+                )
+
+            async with trio.open_nursery() as nursery:
+                await nursery.start(dht.run)
+                seeds = [(peer_id, addr) for peer_id, addr in seeds if peer_id != node.peer_id]
+                if seeds:
+                    dht.seeds = seeds
+                    if role == "peer":
+                        await join(dht, seeds)
+                    elif not await dht.bootstrap(seeds):
+                        log.warning("no other backbone answered; starting alone, will retry in the background")
+                await nursery.start(
+                    lambda task_status: keep_present(
+                        dht,
+                        presence,
+                        collaboration=config.collaboration.name,
+                        ttl=config.presence.ttl,
+                        refresh=config.presence.refresh,
+                        task_status=task_status,
+                    )
+                )
+                on_ready(node)
+                task_status.started(node)
+                await trio.sleep_forever()

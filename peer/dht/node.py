@@ -1,0 +1,298 @@
+"""The DHT node: Kademlia routing plus peertrain's record rules, over the RPC layer.
+
+Reads are always fresh: `get` asks the `replicas` nodes closest to the key and merges their
+answers (latest expiration wins), so a reader never serves a copy cached from an earlier read.
+`store` writes to the `replicas` closest nodes it can reach. A server-mode node also stores and
+answers for others; a client-mode node (`peer status`) only asks.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import trio
+from libp2p.peer.id import ID
+from multiaddr import Multiaddr
+
+from peer.config import DhtConfig
+from peer.dht import protocol as p
+from peer.dht.records import Entry, Limits, RecordStore, live, make_entry, merge, validate_entry
+from peer.dht.routing import Contact, Lookup, RoutingTable, key_id, node_id
+from peer.errors import ProtocolError, RemoteError
+from peer.net.host import Node
+from peer.net.rpc import RpcServer
+
+log = logging.getLogger("peertrain.dht")
+
+Clock = Callable[[], float]
+
+
+@dataclass(frozen=True)
+class DhtStatistics:
+    contacts: int
+    keys_held: int
+    stores_received: int
+    gets_served: int
+
+
+class DHT:
+    def __init__(
+        self, node: Node, config: DhtConfig, *, server: bool, rpc_timeout: float, clock: Clock = time.time
+    ) -> None:
+        self.node = node
+        self.config = config
+        self.server = server
+        self.rpc_timeout = rpc_timeout
+        self.clock = clock
+        self.table = RoutingTable(node.peer_id, bucket_size=config.bucket_size)
+        self.records = RecordStore(
+            Limits(
+                max_value_bytes=config.max_value_bytes,
+                max_subkeys=config.max_subkeys,
+                max_keys=config.max_keys,
+                max_ttl=config.max_ttl,
+                max_clock_skew=config.max_clock_skew,
+            )
+        )
+        self.seeds: list[tuple[ID, Multiaddr]] = []  # backbones to fall back on
+        self._stores_received = 0
+        self._gets_served = 0
+        rpc = RpcServer(node.host, p.SERVICE, max_message_bytes=node.rpc.max_message_bytes)
+        rpc.add_unary("find_node", p.FindNode, self._on_find_node)
+        rpc.add_unary("store", p.Store, self._on_store)
+        rpc.add_unary("get", p.Get, self._on_get)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Background upkeep: purge expired entries, refresh the routing table."""
+        task_status.started()
+        next_refresh = trio.current_time() + self.config.refresh_interval
+        while True:
+            await trio.sleep(self.config.purge_interval)
+            purged = self.records.purge(now=self.clock())
+            if purged:
+                log.debug("purged %d expired entries", purged)
+            if self.seeds and not any(peer_id in self.table for peer_id, _ in self.seeds):
+                await self.bootstrap(self.seeds)  # lost every backbone: they may be back
+            elif trio.current_time() >= next_refresh:
+                next_refresh = trio.current_time() + self.config.refresh_interval
+                await self.find_nodes(random.getrandbits(256))
+
+    async def bootstrap(self, seeds: Sequence[tuple[ID, Multiaddr]]) -> list[ID]:
+        """Contact seed nodes (backbones), then look ourselves up to fill the routing table.
+
+        Returns the seeds that answered; an empty list means none did.
+        """
+        reached: list[ID] = []
+
+        async def contact(peer_id: ID, addr: Multiaddr) -> None:
+            try:
+                await self.node.connect(peer_id, [addr], timeout=self.rpc_timeout)
+                nodes = await self._call(peer_id, "find_node", p.FindNode(self._own_target(), self._caller_addrs()), p.Nodes)
+            except RemoteError as error:
+                log.debug("seed %s did not answer: %s", peer_id, error)
+                return
+            self._learn(Contact(peer_id, (str(addr),)))
+            for other in p.to_contacts(nodes.nodes, exclude=self.node.peer_id):
+                self._learn(other)
+            reached.append(peer_id)
+
+        async with trio.open_nursery() as nursery:
+            for peer_id, addr in seeds:
+                nursery.start_soon(contact, peer_id, addr)
+        if reached:
+            await self.find_nodes(node_id(self.node.peer_id))
+        return reached
+
+    def statistics(self) -> DhtStatistics:
+        return DhtStatistics(len(self.table), len(self.records), self._stores_received, self._gets_served)
+
+    # ------------------------------------------------------------------ public operations
+
+    async def store(self, key: str, subkey: str, value: bytes | None, *, expiration: float) -> int:
+        """Store (key, subkey) -> value until `expiration`; returns how many replicas kept it.
+
+        A subkey equal to our own peer id is signed with our key (an owner-signed entry).
+        """
+        signer = self.node.identity.key_pair.private_key if subkey == self.node.peer_id.to_base58() else None
+        return await self.store_entries(key, {subkey: make_entry(key, subkey, value, expiration, signer=signer)})
+
+    async def withdraw(self, key: str, subkey: str, *, expiration: float) -> int:
+        """Delete (key, subkey) with a tombstone; `expiration` must exceed the live entry's."""
+        return await self.store(key, subkey, None, expiration=expiration)
+
+    async def store_entries(self, key: str, entries: dict[str, Entry]) -> int:
+        lookup = await self.find_nodes(key_id(key))
+        targets = lookup.closest_answered()[: self.config.replicas]
+        accepted = 0
+        if self.server and self._we_belong_among(key_id(key), targets):
+            try:
+                accepted += any(self.records.store(key, s, e, now=self.clock()) for s, e in entries.items())
+            except ProtocolError as error:
+                log.debug("local store refused %s: %s", key, error)
+        request = p.Store(key, entries, self._caller_addrs())
+
+        async def send(contact: Contact) -> None:
+            nonlocal accepted
+            try:
+                reply = await self._call(contact.peer_id, "store", request, p.StoreReply)
+            except RemoteError as error:
+                self._forget(contact, error)
+                return
+            accepted += any(v in ("stored", "kept-newer") for v in reply.verdicts.values())
+
+        async with trio.open_nursery() as nursery:
+            for contact in targets:
+                nursery.start_soon(send, contact)
+        return accepted
+
+    async def get(self, key: str) -> dict[str, Entry]:
+        """The live entries of `key`, merged from the closest replicas (fresh, never cached)."""
+        merged: dict[str, Entry] = {}
+        if self.server:
+            merge(merged, self.records.get(key, now=self.clock()))
+        request = p.Get(key, self._caller_addrs())
+
+        async def query(contact: Contact) -> list[Contact]:
+            reply = await self._call(contact.peer_id, "get", request, p.GetReply)
+            now = self.clock()
+            valid = {}
+            for subkey, entry in reply.entries.items():
+                try:  # a replica may be malicious: check every entry as if it were stored here
+                    validate_entry(key, subkey, entry, now=now, limits=self.records.limits)
+                except ProtocolError as error:
+                    log.debug("dropping invalid entry from %s: %s", contact.peer_id, error)
+                    continue
+                valid[subkey] = entry
+            merge(merged, valid)
+            return p.to_contacts(reply.nodes, exclude=self.node.peer_id)
+
+        await self._lookup(key_id(key), query)
+        return live(merged, now=self.clock())
+
+    async def find_nodes(self, target: int) -> Lookup:
+        async def query(contact: Contact) -> list[Contact]:
+            reply = await self._call(
+                contact.peer_id, "find_node", p.FindNode(target.to_bytes(32, "big"), self._caller_addrs()), p.Nodes
+            )
+            return p.to_contacts(reply.nodes, exclude=self.node.peer_id)
+
+        return await self._lookup(target, query)
+
+    # ------------------------------------------------------------------ lookup shell
+
+    async def _lookup(self, target: int, query: Callable[[Contact], Awaitable[list[Contact]]]) -> Lookup:
+        k = self.config.replicas
+        lookup = Lookup(target, self.table.nearest(target, k), k=k, alpha=self.config.alpha)
+        finished_send, finished_recv = trio.open_memory_channel[None](float("inf"))
+
+        async def ask(contact: Contact) -> None:
+            try:
+                closer = await query(contact)
+            except RemoteError as error:
+                lookup.on_failure(contact)
+                self._forget(contact, error)
+            else:
+                lookup.on_answer(contact, closer)
+                self._learn(contact)
+                for other in closer:
+                    self._learn_later(other)
+            finally:
+                finished_send.send_nowait(None)
+
+        async with trio.open_nursery() as nursery:
+            while True:
+                for contact in lookup.next_queries():
+                    nursery.start_soon(ask, contact)
+                if lookup.done:
+                    break
+                await finished_recv.receive()
+        return lookup
+
+    # ------------------------------------------------------------------ handlers
+
+    async def _on_find_node(self, caller: ID, request: p.FindNode) -> p.Nodes:
+        self._note_caller(caller, request.caller_addrs)
+        target = int.from_bytes(request.target, "big")
+        nearest = self.table.nearest(target, self.config.bucket_size, exclude=[caller])
+        return p.Nodes([p.WireContact.of(c) for c in nearest])
+
+    async def _on_store(self, caller: ID, request: p.Store) -> p.StoreReply:
+        self._note_caller(caller, request.caller_addrs)
+        self._stores_received += 1
+        verdicts = {}
+        now = self.clock()
+        for subkey, entry in request.entries.items():
+            try:
+                kept = self.records.store(request.key, subkey, entry, now=now)
+                verdicts[subkey] = "stored" if kept else "kept-newer"
+            except ProtocolError as error:
+                verdicts[subkey] = f"rejected: {error}"
+        return p.StoreReply(verdicts)
+
+    async def _on_get(self, caller: ID, request: p.Get) -> p.GetReply:
+        self._note_caller(caller, request.caller_addrs)
+        self._gets_served += 1
+        target = key_id(request.key)
+        # More contacts than the caller keeps: some may be dead, and the caller must still
+        # find the `replicas` closest live ones.
+        nearest = self.table.nearest(target, self.config.bucket_size, exclude=[caller])
+        entries = self.records.get(request.key, now=self.clock())
+        return p.GetReply(entries, [p.WireContact.of(c) for c in nearest])
+
+    # ------------------------------------------------------------------ helpers
+
+    async def _call(self, peer_id: ID, method: str, request: object, reply_type: type):  # noqa: ANN202
+        return await self.node.rpc.call(peer_id, p.SERVICE, method, request, reply_type, timeout=self.rpc_timeout)
+
+    def _caller_addrs(self) -> list[str] | None:
+        return [str(a) for a in self.node.announce] if self.server else None
+
+    def _own_target(self) -> bytes:
+        return node_id(self.node.peer_id).to_bytes(32, "big")
+
+    def _note_caller(self, caller: ID, addrs: list[str] | None) -> None:
+        if addrs:
+            self._learn(Contact(caller, tuple(addrs)))
+
+    def _learn(self, contact: Contact) -> None:
+        """Add a contact that answered us or called us, and let the host dial it."""
+        known = self.table.get(contact.peer_id)
+        if known is None or known.addrs != contact.addrs:
+            addrs = _parse_addrs(contact.addrs)
+            if not addrs:
+                return
+            self.node.remember_addrs(contact.peer_id, addrs)
+        self.table.add(contact)
+
+    def _learn_later(self, contact: Contact) -> None:
+        """A contact someone else told us about: dialable, but not in the table until it answers."""
+        if contact.peer_id not in self.table:
+            addrs = _parse_addrs(contact.addrs)
+            if addrs:
+                self.node.remember_addrs(contact.peer_id, addrs)
+
+    def _forget(self, contact: Contact, error: Exception) -> None:
+        log.debug("dropping contact %s: %s", contact.peer_id, error)
+        self.table.remove(contact.peer_id)
+        self.node.rpc.forget(contact.peer_id)
+
+    def _we_belong_among(self, target: int, contacts: list[Contact]) -> bool:
+        if len(contacts) < self.config.replicas:
+            return True
+        return self.table.own ^ target < max(c.id ^ target for c in contacts)
+
+
+def _parse_addrs(addrs: Sequence[str]) -> list[Multiaddr]:
+    out = []
+    for text in addrs:
+        try:
+            out.append(Multiaddr(text))
+        except Exception:  # the multiaddr package raises several unrelated types
+            continue
+    return out

@@ -1,0 +1,83 @@
+"""Messages of the DHT protocol `/peertrain/dht/1` (msgspec schemas, validated on receipt).
+
+    find_node(FindNode) -> Nodes       the contacts the callee knows closest to `target`
+    store(Store)        -> StoreReply   keep these entries of `key`; one verdict per subkey
+    get(Get)            -> GetReply     the entries of `key` it holds, plus closer contacts
+
+A server-mode caller sends its own dialable addresses in `caller_addrs` so the callee can add
+it to its routing table; its peer id comes from the authenticated connection, never from the
+message. A client-mode caller (e.g. `peer status`) sends none and is never added.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+from libp2p.peer.id import ID
+
+from peer.dht.records import MAX_KEY_BYTES, MAX_SUBKEY_BYTES, Entry
+from peer.dht.routing import Contact
+
+SERVICE = "dht"
+MAX_ADDRS = 16
+MAX_CONTACTS = 64
+MAX_ENTRIES = 4096
+
+Addr = Annotated[str, msgspec.Meta(max_length=256)]
+Addrs = Annotated[list[Addr], msgspec.Meta(max_length=MAX_ADDRS)]
+Key = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_KEY_BYTES)]
+Subkey = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_SUBKEY_BYTES)]
+Entries = Annotated[dict[Subkey, Entry], msgspec.Meta(max_length=MAX_ENTRIES)]
+
+
+class WireContact(msgspec.Struct, frozen=True):
+    peer_id: Annotated[str, msgspec.Meta(max_length=128)]
+    addrs: Addrs
+
+    @classmethod
+    def of(cls, contact: Contact) -> WireContact:
+        return cls(contact.peer_id.to_base58(), list(contact.addrs))
+
+
+class FindNode(msgspec.Struct, frozen=True):
+    target: Annotated[bytes, msgspec.Meta(min_length=32, max_length=32)]
+    caller_addrs: Addrs | None = None
+
+
+class Nodes(msgspec.Struct, frozen=True):
+    nodes: Annotated[list[WireContact], msgspec.Meta(max_length=MAX_CONTACTS)]
+
+
+class Store(msgspec.Struct, frozen=True):
+    key: Key
+    entries: Entries
+    caller_addrs: Addrs | None = None
+
+
+class StoreReply(msgspec.Struct, frozen=True):
+    # subkey -> "stored" | "kept-newer" | "rejected: <reason>"
+    verdicts: dict[str, str]
+
+
+class Get(msgspec.Struct, frozen=True):
+    key: Key
+    caller_addrs: Addrs | None = None
+
+
+class GetReply(msgspec.Struct, frozen=True):
+    entries: Entries
+    nodes: Annotated[list[WireContact], msgspec.Meta(max_length=MAX_CONTACTS)]
+
+
+def to_contacts(wire: list[WireContact], *, exclude: ID) -> list[Contact]:
+    """Contacts from a reply, skipping ids that do not parse and ourselves."""
+    out = []
+    for item in wire:
+        try:
+            peer_id = ID.from_base58(item.peer_id)
+        except Exception:  # base58/multihash errors: a bad contact is ignored, not fatal
+            continue
+        if peer_id != exclude and item.addrs:
+            out.append(Contact(peer_id, tuple(item.addrs)))
+    return out

@@ -1,0 +1,156 @@
+"""Kademlia routing, pure: node ids, XOR distance, k-buckets and the iterative lookup.
+
+Node ids and key ids are SHA-256 digests read as 256-bit integers; the distance between two
+ids is their XOR (Maymounkov & Mazieres, "Kademlia", 2002). `RoutingTable` keeps up to k
+contacts per bucket, least recently seen first, plus a small replacement cache that refills a
+bucket when a contact fails. `Lookup` is the iterative search as a state machine: the caller
+asks which nodes to query next, reports each answer or failure, and stops when `done`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from libp2p.peer.id import ID
+
+ID_BITS = 256
+
+
+def key_id(key: str) -> int:
+    return int.from_bytes(hashlib.sha256(key.encode()).digest(), "big")
+
+
+def node_id(peer_id: ID) -> int:
+    return int.from_bytes(hashlib.sha256(peer_id.to_bytes()).digest(), "big")
+
+
+@dataclass(frozen=True)
+class Contact:
+    """A DHT server node: who it is and where to dial it."""
+
+    peer_id: ID
+    addrs: tuple[str, ...]
+    id: int = field(init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "id", node_id(self.peer_id))
+
+
+class RoutingTable:
+    def __init__(self, own_id: ID, *, bucket_size: int, replacements: int = 8) -> None:
+        self.own = node_id(own_id)
+        self.own_peer = own_id
+        self.bucket_size = bucket_size
+        self.replacements = replacements
+        self._buckets: list[OrderedDict[ID, Contact]] = [OrderedDict() for _ in range(ID_BITS)]
+        self._spare: list[OrderedDict[ID, Contact]] = [OrderedDict() for _ in range(ID_BITS)]
+
+    def _bucket_index(self, other: int) -> int:
+        return max((self.own ^ other).bit_length() - 1, 0)
+
+    def __len__(self) -> int:
+        return sum(len(bucket) for bucket in self._buckets)
+
+    def __contains__(self, peer_id: ID) -> bool:
+        return peer_id in self._buckets[self._bucket_index(node_id(peer_id))]
+
+    def get(self, peer_id: ID) -> Contact | None:
+        return self._buckets[self._bucket_index(node_id(peer_id))].get(peer_id)
+
+    def add(self, contact: Contact) -> None:
+        """Record that `contact` answered: it moves to the tail (most recently seen).
+
+        A full bucket keeps its old contacts (long-lived nodes tend to stay, per the paper) and
+        the newcomer waits in the replacement cache.
+        """
+        if contact.peer_id == self.own_peer:
+            return
+        index = self._bucket_index(contact.id)
+        bucket = self._buckets[index]
+        if contact.peer_id in bucket or len(bucket) < self.bucket_size:
+            bucket[contact.peer_id] = contact
+            bucket.move_to_end(contact.peer_id)
+            return
+        spare = self._spare[index]
+        spare[contact.peer_id] = contact
+        spare.move_to_end(contact.peer_id)
+        while len(spare) > self.replacements:
+            spare.popitem(last=False)
+
+    def remove(self, peer_id: ID) -> None:
+        """Forget a contact that failed; the freshest replacement takes its place."""
+        index = self._bucket_index(node_id(peer_id))
+        self._spare[index].pop(peer_id, None)
+        if self._buckets[index].pop(peer_id, None) is not None and self._spare[index]:
+            _, replacement = self._spare[index].popitem(last=True)
+            self._buckets[index][replacement.peer_id] = replacement
+
+    def nearest(self, target: int, count: int, *, exclude: Iterable[ID] = ()) -> list[Contact]:
+        excluded = set(exclude)
+        contacts = [c for b in self._buckets for c in b.values() if c.peer_id not in excluded]
+        contacts.sort(key=lambda c: c.id ^ target)
+        return contacts[:count]
+
+    def contacts(self) -> list[Contact]:
+        return [c for bucket in self._buckets for c in bucket.values()]
+
+
+class Lookup:
+    """Iterative Kademlia lookup toward `target`, as a state machine without I/O.
+
+    Keeps the `k` closest contacts seen so far. Up to `alpha` queries are in flight; the lookup
+    is done when every one of the k closest live contacts has answered and nothing is pending.
+    """
+
+    def __init__(self, target: int, seeds: Iterable[Contact], *, k: int, alpha: int) -> None:
+        self.target = target
+        self.k = k
+        self.alpha = alpha
+        self._known: dict[ID, Contact] = {}
+        self._answered: set[ID] = set()
+        self._failed: set[ID] = set()
+        self._pending: set[ID] = set()
+        for contact in seeds:
+            self._known.setdefault(contact.peer_id, contact)
+
+    def _closest_live(self) -> list[Contact]:
+        live = [c for c in self._known.values() if c.peer_id not in self._failed]
+        live.sort(key=lambda c: c.id ^ self.target)
+        return live[: self.k]
+
+    def next_queries(self) -> list[Contact]:
+        """Contacts to query now; each is marked pending."""
+        slots = self.alpha - len(self._pending)
+        chosen = []
+        for contact in self._closest_live():
+            if slots <= 0:
+                break
+            if contact.peer_id not in self._answered and contact.peer_id not in self._pending:
+                chosen.append(contact)
+                self._pending.add(contact.peer_id)
+                slots -= 1
+        return chosen
+
+    def on_answer(self, contact: Contact, closer: Iterable[Contact]) -> None:
+        self._pending.discard(contact.peer_id)
+        self._answered.add(contact.peer_id)
+        for other in closer:
+            if other.peer_id not in self._failed:
+                self._known.setdefault(other.peer_id, other)
+
+    def on_failure(self, contact: Contact) -> None:
+        self._pending.discard(contact.peer_id)
+        self._failed.add(contact.peer_id)
+
+    @property
+    def done(self) -> bool:
+        if self._pending:
+            return False
+        return all(c.peer_id in self._answered for c in self._closest_live())
+
+    def closest_answered(self) -> list[Contact]:
+        """The k closest contacts that answered: where a record lives."""
+        return [c for c in self._closest_live() if c.peer_id in self._answered]

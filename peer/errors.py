@@ -1,0 +1,61 @@
+"""One error hierarchy for peertrain.
+
+A remote peer's fault (a bad message, a missed deadline, an unreachable address) is a
+`RemoteError`: the caller drops or bans that peer and carries on. A user's fault (a wrong config
+value, a key file in use) is a `UserError`: the CLI prints its one-line message and exits 2.
+Anything else is our own bug and crashes loudly.
+"""
+
+from __future__ import annotations
+
+
+class PeertrainError(Exception):
+    """Base class of every error peertrain raises on purpose."""
+
+
+class UserError(PeertrainError):
+    """Bad input from the person running peertrain; the message says what to do."""
+
+
+class ConfigError(UserError):
+    """A configuration value is unknown, of the wrong type or out of range."""
+
+
+class IdentityError(UserError):
+    """The identity key file cannot be used (in use, unreadable, malformed)."""
+
+
+class RemoteError(PeertrainError):
+    """Something another peer did, or failed to do."""
+
+
+class ProtocolError(RemoteError):
+    """A peer sent bytes that break the protocol (malformed, truncated, oversized, wrong type)."""
+
+
+class MessageTooLarge(ProtocolError):
+    """A frame announced a length above the limit; nothing was allocated for it."""
+
+
+class Unreachable(RemoteError):
+    """No connection could be made to a peer or to any backbone."""
+
+
+class DeadlineExceeded(RemoteError):
+    """A remote call did not complete before its deadline."""
+
+
+class RpcError(RemoteError):
+    """The remote side answered a call with an error.
+
+    `code` is one of `RpcError.CODES`; `message` is the remote's explanation.
+    """
+
+    CODES = frozenset(
+        {"bad_request", "unknown_method", "too_large", "forbidden", "unavailable", "internal"}
+    )
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message

@@ -1,0 +1,178 @@
+"""The libp2p host every peertrain node runs: TCP, Noise only, yamux.
+
+py-libp2p 0.8.1 defaults that we override, and why (see docs/ARCHITECTURE.md):
+- security: its default offers Noise, TLS, SECIO *and plaintext*; a plaintext-only dialer would
+  get an unauthenticated session. We offer Noise alone.
+- dialing: `Swarm.dial_peer` waits out a 250 ms happy-eyeballs delay after every dial unless the
+  per-peer connection limit is reached; with a limit of 1 the first success ends the wait.
+- the auto-connector dials up to 200 peers from the peerstore to reach a watermark; our DHT
+  decides whom to talk to, so it is stopped.
+- the negative dial cache blocks a peer for 60 s after one failed dial, which would defeat our
+  retries against a restarting backbone; we shorten it.
+- the resource manager refuses connections when the process uses > 80 % of RAM, which a
+  training process may well do; memory limits are off (our own caps bound what peers send).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import psutil
+import trio
+from libp2p import new_host
+from libp2p.abc import IHost
+from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
+from libp2p.network.config import ConnectionConfig
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
+from libp2p.rcmgr import new_resource_manager
+from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
+from libp2p.security.noise.transport import Transport as NoiseTransport
+from multiaddr import Multiaddr
+
+from peer.errors import ConfigError, Unreachable
+from peer.net.identity import Identity
+from peer.net.rpc import TRANSPORT_ERRORS, RpcClient
+
+log = logging.getLogger("peertrain.host")
+
+NEGATIVE_DIAL_CACHE_SECONDS = 1.0
+PEERSTORE_ADDR_TTL = 3600
+
+
+def parse_multiaddr(text: str, *, what: str) -> Multiaddr:
+    try:
+        return Multiaddr(text)
+    except Exception as error:  # the multiaddr package raises several unrelated types
+        raise ConfigError(f"{what} {text!r} is not a valid multiaddr ({error}); expected e.g. /ip4/203.0.113.5/tcp/31337") from None
+
+
+def split_peer_addr(text: str, *, what: str) -> tuple[ID, Multiaddr]:
+    """`/ip4/1.2.3.4/tcp/5/p2p/12D3...` -> (peer id, transport address)."""
+    maddr = parse_multiaddr(text, what=what)
+    try:
+        peer_b58 = maddr.value_for_protocol("p2p")
+    except Exception:
+        peer_b58 = None
+    if not peer_b58:
+        raise ConfigError(f"{what} {text!r} has no /p2p/<peer id> part; copy the full address a backbone prints")
+    return ID.from_base58(peer_b58), maddr.decapsulate(Multiaddr(f"/p2p/{peer_b58}"))
+
+
+def create_host(identity: Identity) -> IHost:
+    noise = NoiseTransport(identity.key_pair, noise_privkey=create_x25519_key_pair().private_key)
+    host = new_host(
+        key_pair=identity.key_pair,
+        sec_opt={NOISE_PROTOCOL_ID: noise},
+        muxer_preference="YAMUX",
+        connection_config=ConnectionConfig(max_connections_per_peer=1, dial_timeout=5.0),
+        resource_manager=new_resource_manager(enable_memory_limits=False),
+    )
+    # Private attribute of the pinned py-libp2p version; see the module docstring.
+    host.get_network()._negative_peer_cache._ttl = NEGATIVE_DIAL_CACHE_SECONDS  # type: ignore[attr-defined]
+    return host
+
+
+def _interface_ips() -> list[str]:
+    ips = []
+    for addrs in psutil.net_if_addrs().values():
+        for addr in addrs:
+            if addr.family.name == "AF_INET":
+                ips.append(addr.address)
+    # Addresses another machine can use come first; loopback last.
+    return sorted(set(ips), key=lambda ip: (ipaddress.ip_address(ip).is_loopback, ip))
+
+
+def dialable_addrs(bound: Sequence[Multiaddr]) -> list[Multiaddr]:
+    """Expand wildcard listen addresses (0.0.0.0) into one address per local interface."""
+    out: list[Multiaddr] = []
+    for maddr in bound:
+        try:
+            ip = maddr.value_for_protocol("ip4")
+        except Exception:
+            ip = None
+        if ip == "0.0.0.0":
+            rest = str(maddr).removeprefix("/ip4/0.0.0.0")
+            out.extend(Multiaddr(f"/ip4/{local}{rest}") for local in _interface_ips())
+        else:
+            out.append(maddr)
+    return out
+
+
+@dataclass
+class Node:
+    """A running host with its RPC client and the addresses it advertises."""
+
+    host: IHost
+    identity: Identity
+    rpc: RpcClient
+    announce: list[Multiaddr]
+
+    @property
+    def peer_id(self) -> ID:
+        return self.identity.peer_id
+
+    def public_addrs(self) -> list[str]:
+        """Full multiaddrs (with /p2p/<id>) that other machines can dial."""
+        return [f"{addr}/p2p/{self.peer_id}" for addr in self.announce]
+
+    def remember_addrs(self, peer_id: ID, addrs: Sequence[Multiaddr]) -> None:
+        if peer_id != self.peer_id and addrs:
+            self.host.get_peerstore().add_addrs(peer_id, list(addrs), PEERSTORE_ADDR_TTL)
+
+    async def connect(self, peer_id: ID, addrs: Sequence[Multiaddr], *, timeout: float) -> None:
+        self.remember_addrs(peer_id, addrs)
+        try:
+            with trio.fail_after(timeout):
+                await self.host.connect(PeerInfo(peer_id, list(addrs)))
+        except trio.TooSlowError:
+            raise Unreachable(f"no answer from {peer_id} within {timeout:.3g}s") from None
+        except TRANSPORT_ERRORS as error:
+            raise Unreachable(f"cannot connect to {peer_id}: {error}") from None
+
+
+@asynccontextmanager
+async def open_node(
+    identity: Identity, *, listen: Sequence[str], announce: Sequence[str], max_message_bytes: int
+) -> AsyncIterator[Node]:
+    listen_addrs = [parse_multiaddr(text, what="listen address") for text in listen]
+    announce_addrs = [parse_multiaddr(text, what="announce address") for text in announce]
+    host = create_host(identity)
+    started = False
+    try:
+        async with host.run(listen_addrs=listen_addrs):
+            started = True
+            # See the module docstring: our DHT chooses connections, not the auto-connector.
+            await host.get_network().auto_connector.stop()  # type: ignore[attr-defined]
+            bound = [Multiaddr(str(a).split("/p2p/")[0]) for a in host.get_addrs()]
+            node = Node(host, identity, RpcClient(host, max_message_bytes=max_message_bytes),
+                        announce_addrs or dialable_addrs(bound))
+            try:
+                yield node
+            finally:
+                # Swarm.close() closes connections one by one with sleeps (seconds with ~20
+                # peers); cap it so a stopping daemon keeps its 3 s promise.
+                await _close_connections(host)
+    except OSError as error:
+        if started:
+            raise
+        raise ConfigError(f"cannot listen on {', '.join(listen)}: {error.strerror or error}; pick another --port") from None
+
+
+async def _close_connections(host: IHost) -> None:
+    network = host.get_network()
+    with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+        async with trio.open_nursery() as nursery:
+            for peer_id in list(network.connections):
+                nursery.start_soon(_close_peer, network, peer_id)
+
+
+async def _close_peer(network: object, peer_id: ID) -> None:
+    try:
+        await network.close_peer(peer_id)  # type: ignore[attr-defined]
+    except TRANSPORT_ERRORS:
+        pass

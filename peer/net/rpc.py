@@ -1,0 +1,383 @@
+"""Framed msgpack RPC over libp2p streams.
+
+Wire format (every message is one frame, see `peer.net.framing`), protocol id
+`/peertrain/<service>/1`:
+
+    caller -> Request{method, body}
+    callee -> Ok{body}                        unary reply
+            | Item{body} ... Item{body} End{}  streaming reply
+            | Err{code, message}              at any point; ends the call
+
+A stream carries one call at a time and may carry many in sequence: the client keeps idle
+streams in a small pool per (peer, protocol), which saves the multistream-select round trips
+of opening a stream for every call. Every body is decoded into the method's msgspec schema
+before a handler sees it; anything else gets `Err{bad_request}`. A frame over the size limit
+gets `Err{too_large}` and the stream is reset, since the rest of it cannot be parsed.
+Deadlines belong to the caller: `call()` takes a `timeout`; the server only bounds idle streams.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import msgspec
+import trio
+from libp2p.abc import IHost, INetStream
+from libp2p.exceptions import BaseLibp2pError
+from libp2p.peer.id import ID
+
+from peer.errors import (
+    DeadlineExceeded,
+    MessageTooLarge,
+    ProtocolError,
+    RemoteError,
+    RpcError,
+    Unreachable,
+    UserError,
+)
+from peer.net.framing import FrameDecoder, encode_frame
+
+log = logging.getLogger("peertrain.rpc")
+
+T = TypeVar("T")
+READ_CHUNK = 64 * 1024
+# Errors py-libp2p and trio raise when a stream or connection goes away under us.
+TRANSPORT_ERRORS = (BaseLibp2pError, trio.BrokenResourceError, trio.ClosedResourceError, OSError)
+
+
+def protocol_id(service: str) -> str:
+    return f"/peertrain/{service}/1"
+
+
+class Request(msgspec.Struct, tag=True):
+    method: str
+    body: msgspec.Raw
+
+
+class Ok(msgspec.Struct, tag=True):
+    body: msgspec.Raw
+
+
+class Item(msgspec.Struct, tag=True):
+    body: msgspec.Raw
+
+
+class End(msgspec.Struct, tag=True):
+    pass
+
+
+class Err(msgspec.Struct, tag=True):
+    code: str
+    message: str
+
+
+Reply = Ok | Item | End | Err
+_request_decoder = msgspec.msgpack.Decoder(Request)
+_reply_decoder = msgspec.msgpack.Decoder(Reply)
+_encoder = msgspec.msgpack.Encoder()
+
+
+def _raw(value: Any) -> msgspec.Raw:
+    return msgspec.Raw(_encoder.encode(value))
+
+
+class FramedStream:
+    """A libp2p stream that reads and writes whole frames."""
+
+    def __init__(self, stream: INetStream, max_size: int) -> None:
+        self.stream = stream
+        self.decoder = FrameDecoder(max_size)
+        self.last_used = time.monotonic()
+
+    async def read_frame(self) -> bytes | None:
+        """The next frame, or None on a clean end of stream between frames."""
+        while True:
+            frame = self.decoder.next_frame()
+            if frame is not None:
+                return frame
+            try:
+                data = await self.stream.read(READ_CHUNK)
+            except EOFError:
+                data = b""
+            if not data:
+                if self.decoder.has_partial_frame:
+                    raise ProtocolError("stream ended in the middle of a frame (truncated)")
+                return None
+            self.decoder.feed(data)
+
+    async def write_frame(self, payload: bytes) -> None:
+        await self.stream.write(encode_frame(payload))
+        self.last_used = time.monotonic()
+
+    async def reset(self) -> None:
+        """Abort the stream; safe to call from a cancelled scope."""
+        with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+            try:
+                await self.stream.reset()
+            except TRANSPORT_ERRORS:
+                pass
+
+
+# ---------------------------------------------------------------------------- server
+
+
+Handler = Callable[[ID, Any], Awaitable[Any]]
+StreamHandler = Callable[[ID, Any], AsyncIterator[Any]]
+
+
+@dataclass(frozen=True)
+class _Method:
+    request_type: type
+    handler: Handler | StreamHandler
+    streaming: bool
+
+
+class RpcServer:
+    """Serves the methods of one service on `/peertrain/<service>/1`."""
+
+    def __init__(
+        self, host: IHost, service: str, *, max_message_bytes: int, idle_timeout: float = 60.0
+    ) -> None:
+        self.host = host
+        self.service = service
+        self.max_message_bytes = max_message_bytes
+        self.idle_timeout = idle_timeout
+        self._methods: dict[str, _Method] = {}
+        host.set_stream_handler(protocol_id(service), self._serve_stream)
+
+    def add_unary(self, name: str, request_type: type[T], handler: Callable[[ID, T], Awaitable[Any]]) -> None:
+        self._methods[name] = _Method(request_type, handler, streaming=False)
+
+    def add_streaming(
+        self, name: str, request_type: type[T], handler: Callable[[ID, T], AsyncIterator[Any]]
+    ) -> None:
+        self._methods[name] = _Method(request_type, handler, streaming=True)
+
+    async def _serve_stream(self, stream: INetStream) -> None:
+        framed = FramedStream(stream, self.max_message_bytes)
+        caller = stream.muxed_conn.peer_id
+        try:
+            while True:
+                with trio.move_on_after(self.idle_timeout):
+                    frame = await framed.read_frame()
+                    if frame is None:
+                        break
+                    await self._answer(caller, framed, frame)
+                    continue
+                break  # idle for too long: free the stream
+            with trio.move_on_after(1.0):
+                await stream.close()
+        except MessageTooLarge as error:
+            await self._send_error(framed, "too_large", str(error))
+            await framed.reset()
+        except ProtocolError as error:
+            log.debug("closing stream from %s: %s", caller, error)
+            await framed.reset()
+        except TRANSPORT_ERRORS as error:
+            log.debug("stream from %s failed: %r", caller, error)
+            await framed.reset()
+
+    async def _answer(self, caller: ID, framed: FramedStream, frame: bytes) -> None:
+        try:
+            request = _request_decoder.decode(frame)
+        except msgspec.DecodeError as error:
+            await self._send_error(framed, "bad_request", f"malformed request: {error}")
+            return
+        method = self._methods.get(request.method)
+        if method is None:
+            known = ", ".join(sorted(self._methods))
+            await self._send_error(
+                framed, "unknown_method", f"{self.service} has no method {request.method!r} (known: {known})"
+            )
+            return
+        try:
+            body = msgspec.msgpack.decode(request.body, type=method.request_type)
+        except msgspec.DecodeError as error:  # ValidationError is a subclass
+            await self._send_error(framed, "bad_request", f"{request.method}: {error}")
+            return
+        try:
+            if method.streaming:
+                async for item in method.handler(caller, body):  # type: ignore[attr-defined]
+                    await framed.write_frame(_encoder.encode(Item(_raw(item))))
+                await framed.write_frame(_encoder.encode(End()))
+            else:
+                result = await method.handler(caller, body)  # type: ignore[misc]
+                await framed.write_frame(_encoder.encode(Ok(_raw(result))))
+        except RpcError as error:
+            await self._send_error(framed, error.code, error.message)
+        except (RemoteError, UserError) as error:
+            await self._send_error(framed, "bad_request", str(error))
+        except TRANSPORT_ERRORS:
+            raise
+        except Exception:
+            log.exception("handler %s.%s failed", self.service, request.method)
+            await self._send_error(framed, "internal", "the handler failed; see the callee's log")
+
+    @staticmethod
+    async def _send_error(framed: FramedStream, code: str, message: str) -> None:
+        try:
+            with trio.move_on_after(2.0):
+                await framed.write_frame(_encoder.encode(Err(code, message[:1000])))
+        except TRANSPORT_ERRORS:
+            pass
+
+
+# ---------------------------------------------------------------------------- client
+
+
+class RpcClient:
+    """Calls methods on other peers, reusing idle streams."""
+
+    def __init__(
+        self, host: IHost, *, max_message_bytes: int, max_idle_per_peer: int = 4, idle_timeout: float = 30.0
+    ) -> None:
+        self.host = host
+        self.max_message_bytes = max_message_bytes
+        self.max_idle_per_peer = max_idle_per_peer
+        self.idle_timeout = idle_timeout  # below the server's, so we never reuse a stream it dropped
+        self._idle: dict[tuple[ID, str], list[FramedStream]] = {}
+
+    async def call(
+        self, peer_id: ID, service: str, method: str, request: Any, response_type: type[T], *, timeout: float
+    ) -> T:
+        """One unary call. Raises RpcError, DeadlineExceeded, Unreachable or ProtocolError."""
+        try:
+            with trio.fail_after(timeout):
+                return await self._call(peer_id, service, method, request, response_type)
+        except trio.TooSlowError:
+            raise DeadlineExceeded(f"{service}.{method} to {peer_id} took over {timeout:.3g}s") from None
+
+    async def _call(self, peer_id: ID, service: str, method: str, request: Any, response_type: type[T]) -> T:
+        payload = _encoder.encode(Request(method, _raw(request)))
+        # A pooled stream may have died since its last use: then retry once on a fresh one.
+        for reused in (True, False):
+            framed = await self._checkout(peer_id, service, reuse=reused)
+            if framed is None:
+                continue
+            try:
+                await framed.write_frame(payload)
+                frame = await framed.read_frame()
+            except BaseException as error:
+                await framed.reset()
+                if reused and isinstance(error, (*TRANSPORT_ERRORS, ProtocolError)):
+                    continue
+                if isinstance(error, TRANSPORT_ERRORS):
+                    raise Unreachable(f"{service}.{method} to {peer_id}: stream failed ({error!r})") from error
+                raise
+            if frame is None:
+                await framed.reset()
+                if reused:
+                    continue
+                raise ProtocolError(f"{peer_id} closed the stream without answering {service}.{method}")
+            reply = self._decode_reply(frame, peer_id)
+            if isinstance(reply, Err):
+                await self._checkin(peer_id, service, framed)
+                raise RpcError(reply.code, reply.message)
+            if not isinstance(reply, Ok):
+                await framed.reset()
+                raise ProtocolError(f"{peer_id} sent {type(reply).__name__} to a unary call")
+            await self._checkin(peer_id, service, framed)
+            return _decode_body(reply.body, response_type, peer_id)
+        raise AssertionError("unreachable: the fresh-stream attempt always returns or raises")
+
+    @asynccontextmanager
+    async def stream(
+        self, peer_id: ID, service: str, method: str, request: Any, item_type: type[T], *, timeout: float
+    ) -> AsyncIterator[AsyncIterator[T]]:
+        """A streaming call: `async with client.stream(...) as items: async for item in items`.
+
+        `timeout` bounds the wait for each item, not the whole stream.
+        """
+        framed = await self._open(peer_id, service)
+        done = False
+
+        async def items() -> AsyncIterator[T]:
+            nonlocal done
+            while True:
+                try:
+                    with trio.fail_after(timeout):
+                        frame = await framed.read_frame()
+                except trio.TooSlowError:
+                    raise DeadlineExceeded(f"{service}.{method} from {peer_id}: no item within {timeout:.3g}s") from None
+                except TRANSPORT_ERRORS as error:
+                    raise Unreachable(f"{service}.{method} from {peer_id}: stream failed ({error!r})") from error
+                if frame is None:
+                    raise ProtocolError(f"{peer_id} ended {service}.{method} without End")
+                reply = self._decode_reply(frame, peer_id)
+                if isinstance(reply, End):
+                    done = True
+                    return
+                if isinstance(reply, Err):
+                    raise RpcError(reply.code, reply.message)
+                if not isinstance(reply, Item):
+                    raise ProtocolError(f"{peer_id} sent {type(reply).__name__} in a stream")
+                yield _decode_body(reply.body, item_type, peer_id)
+
+        try:
+            with trio.fail_after(timeout):
+                await framed.write_frame(_encoder.encode(Request(method, _raw(request))))
+        except trio.TooSlowError:
+            await framed.reset()
+            raise DeadlineExceeded(f"{service}.{method} to {peer_id}: request not sent in {timeout:.3g}s") from None
+        except TRANSPORT_ERRORS as error:
+            await framed.reset()
+            raise Unreachable(f"{service}.{method} to {peer_id}: stream failed ({error!r})") from error
+        try:
+            yield items()
+        finally:
+            if done:
+                await self._checkin(peer_id, service, framed)
+            else:
+                await framed.reset()
+
+    def _decode_reply(self, frame: bytes, peer_id: ID) -> Reply:
+        try:
+            return _reply_decoder.decode(frame)
+        except msgspec.DecodeError as error:
+            raise ProtocolError(f"{peer_id} sent a malformed reply: {error}") from None
+
+    async def _checkout(self, peer_id: ID, service: str, *, reuse: bool) -> FramedStream | None:
+        if not reuse:
+            return await self._open(peer_id, service)
+        pool = self._idle.get((peer_id, service), [])
+        now = time.monotonic()
+        while pool:
+            framed = pool.pop()
+            if now - framed.last_used < self.idle_timeout:
+                return framed
+            await framed.reset()
+        return None
+
+    async def _checkin(self, peer_id: ID, service: str, framed: FramedStream) -> None:
+        pool = self._idle.setdefault((peer_id, service), [])
+        if len(pool) < self.max_idle_per_peer:
+            pool.append(framed)
+        else:
+            await framed.reset()
+
+    async def _open(self, peer_id: ID, service: str) -> FramedStream:
+        try:
+            stream = await self.host.new_stream(peer_id, [protocol_id(service)])
+        except TRANSPORT_ERRORS as error:
+            raise Unreachable(f"cannot open {protocol_id(service)} to {peer_id}: {error}") from error
+        return FramedStream(stream, self.max_message_bytes)
+
+    def forget(self, peer_id: ID) -> None:
+        """Drop pooled streams to a peer (it left, or its connection closed)."""
+        for key in [key for key in self._idle if key[0] == peer_id]:
+            del self._idle[key]
+
+
+def _decode_body(body: msgspec.Raw, type_: type[T], peer_id: ID) -> T:
+    try:
+        return msgspec.msgpack.decode(body, type=type_)
+    except msgspec.DecodeError as error:
+        raise ProtocolError(f"{peer_id} sent a reply that does not fit the schema: {error}") from None
+
+
+__all__ = ["FramedStream", "RpcClient", "RpcServer", "protocol_id"]

@@ -1,0 +1,89 @@
+"""Presence: each node's signed, expiring "I am here" record in the DHT.
+
+Key `<collaboration>/presence`, subkey = the node's peer id, so the entry is owner-signed and
+no one else can write or withdraw it. The node rewrites it every `refresh` seconds with a
+`ttl`-second expiration; a node that dies simply stops refreshing and its entry expires.
+A node that stops cleanly withdraws it with a tombstone.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Annotated, Literal
+
+import msgspec
+import trio
+
+from peer.dht.node import DHT
+from peer.errors import RemoteError
+
+log = logging.getLogger("peertrain.presence")
+
+Role = Literal["peer", "backbone"]
+
+
+class PresenceRecord(msgspec.Struct, frozen=True):
+    peer_id: Annotated[str, msgspec.Meta(max_length=128)]
+    role: Role
+    addrs: Annotated[list[Annotated[str, msgspec.Meta(max_length=256)]], msgspec.Meta(max_length=16)]
+    version: Annotated[str, msgspec.Meta(max_length=64)]
+    started_at: float
+    updated_at: float
+
+
+def presence_key(collaboration: str) -> str:
+    return f"{collaboration}/presence"
+
+
+async def keep_present(
+    dht: DHT,
+    make_record: Callable[[], PresenceRecord],
+    *,
+    collaboration: str,
+    ttl: float,
+    refresh: float,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Publish our presence now and every `refresh` seconds; withdraw it when cancelled."""
+    key = presence_key(collaboration)
+    subkey = dht.node.peer_id.to_base58()
+    started = False
+    last_expiration = 0.0
+    try:
+        while True:
+            record = make_record()
+            last_expiration = record.updated_at + ttl
+            try:
+                # Bounded by refresh so a slow round never lets the record lapse unnoticed.
+                with trio.move_on_after(refresh):
+                    replicas = await dht.store(key, subkey, msgspec.msgpack.encode(record), expiration=last_expiration)
+                    if replicas == 0:
+                        log.warning("presence record stored on no replica; retrying in %.3gs", refresh)
+            except RemoteError as error:
+                log.warning("could not publish presence: %s", error)
+            if not started:
+                started = True
+                task_status.started()
+            await trio.sleep(refresh)
+    finally:
+        # The tombstone must outlive the record it replaces, hence last_expiration + 1.
+        with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+            try:
+                await dht.withdraw(key, subkey, expiration=last_expiration + 1.0)
+            except RemoteError as error:
+                log.debug("could not withdraw presence: %s", error)
+
+
+def decode_presence(entries: dict[str, object]) -> list[PresenceRecord]:
+    """Records from a presence get; entries whose record names another peer are dropped."""
+    records = []
+    for subkey, entry in entries.items():
+        try:
+            record = msgspec.msgpack.decode(entry.value, type=PresenceRecord)  # type: ignore[attr-defined]
+        except msgspec.DecodeError:
+            log.debug("ignoring malformed presence record under %s", subkey)
+            continue
+        if record.peer_id == subkey:
+            records.append(record)
+    return sorted(records, key=lambda r: (r.role != "backbone", r.peer_id))

@@ -1,0 +1,92 @@
+"""Kademlia routing table and lookup state machine, pure."""
+
+import random
+
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.id import ID
+
+from peer.dht.routing import Contact, Lookup, RoutingTable
+
+
+def new_id() -> ID:
+    return ID.from_pubkey(create_new_key_pair().public_key)
+
+
+def contact() -> Contact:
+    return Contact(new_id(), ("/ip4/127.0.0.1/tcp/1",))
+
+
+def test_nearest_is_sorted_by_xor_distance_and_excludes():
+    table = RoutingTable(new_id(), bucket_size=20)
+    contacts = [contact() for _ in range(30)]
+    for c in contacts:
+        table.add(c)
+    target = random.getrandbits(256)
+    got = table.nearest(target, 5, exclude=[contacts[0].peer_id])
+    assert [c.id ^ target for c in got] == sorted(c.id ^ target for c in got)
+    assert contacts[0] not in got
+    everyone = sorted((c for c in table.contacts() if c != contacts[0]), key=lambda c: c.id ^ target)
+    assert got == everyone[:5]
+
+
+def test_full_bucket_keeps_old_contacts_and_replacement_fills_on_removal():
+    own = new_id()
+    table = RoutingTable(own, bucket_size=2, replacements=2)
+    # The farthest bucket (top bit differs) receives about half of all random ids.
+    far = [c for c in (contact() for _ in range(64)) if (c.id ^ table.own).bit_length() == 256][:4]
+    for c in far:
+        table.add(c)
+    assert far[0].peer_id in table and far[1].peer_id in table
+    assert far[2].peer_id not in table
+    table.remove(far[0].peer_id)
+    assert far[3].peer_id in table  # the freshest replacement moved in
+    assert len(table) == 2
+
+
+def test_own_id_is_never_added():
+    own = new_id()
+    table = RoutingTable(own, bucket_size=20)
+    table.add(Contact(own, ("/ip4/127.0.0.1/tcp/1",)))
+    assert len(table) == 0
+
+
+def simulate(lookup: Lookup, tables: dict, dead: set) -> None:
+    """Drive a lookup against an in-memory network of routing tables."""
+    while not lookup.done:
+        batch = lookup.next_queries()
+        assert batch, "a lookup that is not done must have something to ask"
+        for c in batch:
+            if c.peer_id in dead:
+                lookup.on_failure(c)
+            else:
+                lookup.on_answer(c, tables[c.peer_id].nearest(lookup.target, 2 * lookup.k))
+
+
+def test_lookup_finds_the_k_closest_live_nodes_despite_failures():
+    rng = random.Random(7)
+    nodes = [contact() for _ in range(60)]
+    tables = {}
+    for n in nodes:  # small buckets, so no node knows everyone
+        tables[n.peer_id] = RoutingTable(n.peer_id, bucket_size=8)
+        for other in rng.sample(nodes, len(nodes)):
+            tables[n.peer_id].add(other)
+    dead = {n.peer_id for n in rng.sample(nodes, 15)}
+    for trial in range(20):
+        target = rng.getrandbits(256)
+        seeds = rng.sample([n for n in nodes if n.peer_id not in dead], 2)
+        lookup = Lookup(target, seeds, k=5, alpha=3)
+        simulate(lookup, tables, dead)
+        alive = [n for n in nodes if n.peer_id not in dead]
+        expected = sorted(alive, key=lambda n: n.id ^ target)[:5]
+        assert lookup.closest_answered() == expected, trial
+
+
+def test_lookup_respects_alpha():
+    nodes = [contact() for _ in range(10)]
+    lookup = Lookup(0, nodes, k=8, alpha=3)
+    assert len(lookup.next_queries()) == 3
+    assert lookup.next_queries() == []
+
+
+def test_lookup_with_no_seeds_is_done():
+    assert Lookup(0, [], k=5, alpha=3).done
