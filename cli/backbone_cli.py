@@ -10,7 +10,11 @@ from cli import common
 from peer.daemon import run_daemon
 from peer.net.host import Node
 
-app = typer.Typer(help="Run a peertrain backbone (DHT bootstrap node).", no_args_is_help=True, add_completion=False)
+app = typer.Typer(
+    help="Run a peertrain backbone (DHT bootstrap node).",
+    no_args_is_help=True,
+    add_completion=False,
+)
 
 DEFAULT_IDENTITY = "~/.peertrain/backbone.key"
 
@@ -25,7 +29,10 @@ def start(
     identity: common.IdentityOpt = None,
     port: common.PortOpt = None,
     bootstrap: Annotated[
-        list[str] | None, typer.Option("--bootstrap", help="Multiaddr of another backbone to connect to (repeatable).")
+        list[str] | None,
+        typer.Option(
+            "--bootstrap", help="Multiaddr of another backbone to connect to (repeatable)."
+        ),
     ] = None,
     config: common.ConfigOpt = None,
     listen: common.ListenOpt = None,
@@ -36,24 +43,30 @@ def start(
 ) -> None:
     """Start a backbone and print the addresses peers should pass to `peer join --backbone`."""
     overrides = {
-            "identity.path": str(identity) if identity else None,
-            "collaboration.backbones": bootstrap or None,
-            "net.listen": listen or None,
-            "net.announce": announce or None,
-            "collaboration.name": collaboration,
-            "log.level": log_level,
-            "log.format": log_format,
+        "identity.path": str(identity) if identity else None,
+        "collaboration.backbones": bootstrap or None,
+        "net.listen": listen or None,
+        "net.announce": announce or None,
+        "collaboration.name": collaboration,
+        "log.level": log_level,
+        "log.format": log_format,
     }
     loaded = common.build_config(config, overrides, port=port)
     if loaded.sources["identity.path"] == "default":  # a backbone's key lives apart from a peer's
-        loaded = common.build_config(config, {**overrides, "identity.path": DEFAULT_IDENTITY}, port=port)
+        loaded = common.build_config(
+            config, {**overrides, "identity.path": DEFAULT_IDENTITY}, port=port
+        )
 
     def on_ready(node: Node) -> None:
-        common.echo(f"backbone {node.peer_id} serving collaboration {loaded.config.collaboration.name!r}; peers join with:")
+        common.echo(
+            f"backbone {node.peer_id} serving collaboration {loaded.config.collaboration.name!r}; peers join with:"
+        )
         for addr in node.public_addrs():
             common.echo(f"  peer join --backbone {addr}")
 
-    common.run_until_signal(lambda: run_daemon(loaded.config, role="backbone", on_ready=on_ready))
+    common.run_until_signal(
+        lambda stop: run_daemon(loaded.config, stop, role="backbone", on_ready=on_ready)
+    )
 
 
 if __name__ == "__main__":

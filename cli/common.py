@@ -20,14 +20,34 @@ from peer.logs import setup_logging
 EXIT_USER_ERROR = 2
 
 ConfigOpt = Annotated[
-    Path | None, typer.Option("--config", "-c", help="TOML config file (see configs/default.toml).", envvar="PEERTRAIN_CONFIG")
+    Path | None,
+    typer.Option(
+        "--config",
+        "-c",
+        help="TOML config file (see configs/default.toml).",
+        envvar="PEERTRAIN_CONFIG",
+    ),
 ]
-IdentityOpt = Annotated[Path | None, typer.Option("--identity", help="Ed25519 key file; created on first run.")]
-ListenOpt = Annotated[list[str] | None, typer.Option("--listen", help="Multiaddr to listen on (repeatable).")]
-AnnounceOpt = Annotated[list[str] | None, typer.Option("--announce", help="Multiaddr to advertise (repeatable).")]
-PortOpt = Annotated[int | None, typer.Option("--port", help="TCP port to listen on (replaces the port of every --listen).")]
-CollabOpt = Annotated[str | None, typer.Option("--collaboration", help="Collaboration name (namespace of all DHT keys).")]
-LogLevelOpt = Annotated[str | None, typer.Option("--log-level", help="debug, info, warning or error.")]
+IdentityOpt = Annotated[
+    Path | None, typer.Option("--identity", help="Ed25519 key file; created on first run.")
+]
+ListenOpt = Annotated[
+    list[str] | None, typer.Option("--listen", help="Multiaddr to listen on (repeatable).")
+]
+AnnounceOpt = Annotated[
+    list[str] | None, typer.Option("--announce", help="Multiaddr to advertise (repeatable).")
+]
+PortOpt = Annotated[
+    int | None,
+    typer.Option("--port", help="TCP port to listen on (replaces the port of every --listen)."),
+]
+CollabOpt = Annotated[
+    str | None,
+    typer.Option("--collaboration", help="Collaboration name (namespace of all DHT keys)."),
+]
+LogLevelOpt = Annotated[
+    str | None, typer.Option("--log-level", help="debug, info, warning or error.")
+]
 LogFormatOpt = Annotated[str | None, typer.Option("--log-format", help="rich or json.")]
 
 
@@ -48,7 +68,9 @@ def with_port(listen: list[str], port: int) -> list[str]:
     return out
 
 
-def build_config(config_file: Path | None, overrides: dict[str, Any], *, port: int | None = None) -> LoadedConfig:
+def build_config(
+    config_file: Path | None, overrides: dict[str, Any], *, port: int | None = None
+) -> LoadedConfig:
     """Load defaults < file < PEERTRAIN_* env < flags, or exit 2 with the config error."""
     try:
         loaded = load_config(file=config_file, env=os.environ, overrides=overrides)
@@ -56,7 +78,10 @@ def build_config(config_file: Path | None, overrides: dict[str, Any], *, port: i
             loaded = load_config(
                 file=config_file,
                 env=os.environ,
-                overrides={**overrides, "net.listen": with_port(list(loaded.config.net.listen), port)},
+                overrides={
+                    **overrides,
+                    "net.listen": with_port(list(loaded.config.net.listen), port),
+                },
             )
     except UserError as error:
         fail(str(error))
@@ -64,24 +89,28 @@ def build_config(config_file: Path | None, overrides: dict[str, Any], *, port: i
     return loaded
 
 
-def run_until_signal(main: Callable[[], Awaitable[None]]) -> None:
-    """Run `main` under trio; SIGINT/SIGTERM cancel it (a second one exits at once).
+def run_until_signal(main: Callable[[trio.Event], Awaitable[None]], *, grace: float = 2.5) -> None:
+    """Run `main(stop)` under trio until it returns or a signal arrives.
 
-    User errors and unreachable peers end in one line on stderr and exit code 2.
+    The first SIGINT/SIGTERM sets `stop`, so a daemon can withdraw its records while its host
+    still runs; whatever is left after `grace` seconds is cancelled; a second signal exits at
+    once. User errors and unreachable peers end in one line on stderr and exit code 2.
     """
 
     async def supervised() -> None:
+        stop = trio.Event()
         with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with trio.open_nursery() as nursery:
 
                 async def watch() -> None:
                     async for _ in signals:
-                        if nursery.cancel_scope.cancel_called:
+                        if stop.is_set():
                             os._exit(130)  # second Ctrl+C: the user wants out now
-                        nursery.cancel_scope.cancel()
+                        stop.set()
+                        nursery.cancel_scope.deadline = trio.current_time() + grace
 
                 nursery.start_soon(watch)
-                await main()
+                await main(stop)
                 nursery.cancel_scope.cancel()
 
     try:

@@ -28,7 +28,11 @@ from peer.status import StatusReport, collect_status
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 # Short presence so the view follows joins and leaves within seconds.
-DEMO_ENV = {"PEERTRAIN_PRESENCE_TTL": "6", "PEERTRAIN_PRESENCE_REFRESH": "2", "PEERTRAIN_LOG_LEVEL": "warning"}
+DEMO_ENV = {
+    "PEERTRAIN_PRESENCE_TTL": "6",
+    "PEERTRAIN_PRESENCE_REFRESH": "2",
+    "PEERTRAIN_LOG_LEVEL": "warning",
+}
 STOP_GRACE = 5.0
 
 
@@ -85,7 +89,11 @@ def summary(children: list[Child], seen: set[str], peers: int) -> Table:
     for column in ("process", "exit code", "stopped in"):
         table.add_column(column)
     for child in children:
-        stopped = f"{child.stopped_in:.2f}s" if child.stopped_in is not None else f"killed after {STOP_GRACE:.0f}s"
+        stopped = (
+            f"{child.stopped_in:.2f}s"
+            if child.stopped_in is not None
+            else f"killed after {STOP_GRACE:.0f}s"
+        )
         table.add_row(child.name, str(child.process.returncode), stopped)
     table.caption = f"peers seen online: {len(seen)} of {peers}"
     return table
@@ -100,17 +108,34 @@ async def run_demo(peers: int, duration: float) -> None:
         async with trio.open_nursery() as nursery:
             backbone = await start(
                 "backbone",
-                ["cli.backbone_cli", "start", "--identity", str(workdir / "backbone.key"), "--listen", LOOPBACK],
+                [
+                    "cli.backbone_cli",
+                    "start",
+                    "--identity",
+                    str(workdir / "backbone.key"),
+                    "--listen",
+                    LOOPBACK,
+                ],
                 nursery,
             )
             children.append(backbone)
             address = await read_backbone_addr(backbone, timeout=30)
             console.print(f"backbone up at {address}")
             for index in range(peers):
-                args = ["cli.peer_cli", "join", "--backbone", address, "--listen", LOOPBACK,
-                        "--identity", str(workdir / f"peer{index}.key")]
+                args = [
+                    "cli.peer_cli",
+                    "join",
+                    "--backbone",
+                    address,
+                    "--listen",
+                    LOOPBACK,
+                    "--identity",
+                    str(workdir / f"peer{index}.key"),
+                ]
                 children.append(await start(f"peer {index}", args, nursery))
-            config = load_config(overrides={"collaboration.backbones": [address], "log.level": "warning"}).config
+            config = load_config(
+                overrides={"collaboration.backbones": [address], "log.level": "warning"}
+            ).config
             deadline = time.monotonic() + duration
             report: StatusReport | None = None
             with Live(console=console, refresh_per_second=4) as live:
@@ -121,13 +146,16 @@ async def run_demo(peers: int, duration: float) -> None:
                     except RemoteError as error:
                         live.update(Text(f"status: {error}"))
                     if report is not None:
-                        left = Text(f"stopping in {deadline - time.monotonic():.0f}s (Ctrl+C to stop now)")
+                        left = Text(
+                            f"stopping in {deadline - time.monotonic():.0f}s (Ctrl+C to stop now)"
+                        )
                         live.update(Group(status_table(report), left))
                     await trio.sleep(1.0)
             nursery.cancel_scope.cancel()
     finally:
         with trio.CancelScope(shield=True):
             await stop(children)
+        console.print()
         console.print(summary(children, seen, peers))
     if len(seen) < peers:
         raise SystemExit(1)

@@ -15,11 +15,17 @@ from peer.daemon import run_daemon
 from peer.net.host import Node
 from peer.status import collect_status
 
-app = typer.Typer(help="Donate compute to a peertrain collaboration.", no_args_is_help=True, add_completion=False)
+app = typer.Typer(
+    help="Donate compute to a peertrain collaboration.", no_args_is_help=True, add_completion=False
+)
 
 BackboneOpt = Annotated[
     list[str] | None,
-    typer.Option("--backbone", "-b", help="Backbone multiaddr with /p2p/<id> (repeatable; any one that answers is enough)."),
+    typer.Option(
+        "--backbone",
+        "-b",
+        help="Backbone multiaddr with /p2p/<id> (repeatable; any one that answers is enough).",
+    ),
 ]
 
 
@@ -51,11 +57,15 @@ def join(
     )
 
     def on_ready(node: Node) -> None:
-        common.echo(f"peer {node.peer_id} joined collaboration {loaded.config.collaboration.name!r}; reachable at:")
+        common.echo(
+            f"peer {node.peer_id} joined collaboration {loaded.config.collaboration.name!r}; reachable at:"
+        )
         for addr in node.public_addrs():
             common.echo(f"  {addr}")
 
-    common.run_until_signal(lambda: run_daemon(loaded.config, role="peer", on_ready=on_ready))
+    common.run_until_signal(
+        lambda stop: run_daemon(loaded.config, stop, role="peer", on_ready=on_ready)
+    )
 
 
 @app.command()
@@ -76,20 +86,22 @@ def status(
         },
     )
 
-    async def show() -> None:
+    async def show(stop: trio.Event) -> None:
         report = await collect_status(loaded.config)
         if as_json:
             common.echo(json.dumps(report.to_json(), indent=2))
         else:
             Console().print(status_table(report))
 
-    common.run_until_signal(show)
+    common.run_until_signal(show, grace=0)
 
 
 @app.command()
 def demo(
     peers: Annotated[int, typer.Option(help="Number of peers to start.", min=1, max=16)] = 3,
-    duration: Annotated[float, typer.Option(help="Seconds to run before stopping everything.", min=1)] = 20.0,
+    duration: Annotated[
+        float, typer.Option(help="Seconds to run before stopping everything.", min=1)
+    ] = 20.0,
 ) -> None:
     """Run a local collaboration on loopback: a backbone and N peers, with a live status view."""
     from cli.demo import run_demo

@@ -27,12 +27,16 @@ def status_table(report: StatusReport) -> Table:
         title_justify="left",
     )
     for column in ("peer id", "role", "address", "version", "uptime", "last seen"):
-        table.add_column(column, no_wrap=column != "address")
+        if column == "address":
+            table.add_column(column, overflow="fold")
+        else:
+            table.add_column(column, no_wrap=True)
     for row in report.peers:
         table.add_row(
             short_id(row.peer_id),
             row.role,
-            "\n".join(row.addrs[:2]) + (f"\n(+{len(row.addrs) - 2} more)" if len(row.addrs) > 2 else ""),
+            "\n".join(row.addrs[:2])
+            + (f"\n(+{len(row.addrs) - 2} more)" if len(row.addrs) > 2 else ""),
             row.version,
             duration(row.uptime_s),
             f"{duration(row.last_seen_s)} ago",

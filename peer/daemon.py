@@ -35,14 +35,16 @@ def parse_backbones(addrs: Sequence[str]) -> list[tuple[ID, Multiaddr]]:
     return [split_peer_addr(text, what="backbone address") for text in addrs]
 
 
-async def join(dht: DHT, seeds: list[tuple[ID, Multiaddr]], *, backoff: Sequence[float] = JOIN_BACKOFF) -> list[ID]:
+async def join(
+    dht: DHT, seeds: list[tuple[ID, Multiaddr]], *, backoff: Sequence[float] = JOIN_BACKOFF
+) -> list[ID]:
     """Bootstrap through any seed that answers, retrying with backoff; raise Unreachable if none does."""
     for delay in (*backoff, None):
         reached = await dht.bootstrap(seeds)
         if reached:
             return reached
         if delay is not None:
-            log.info("no backbone answered; retrying in %.3gs", delay)
+            log.debug("no backbone answered; retrying in %.3gs", delay)
             await trio.sleep(delay)
     tried = ", ".join(f"{addr}/p2p/{peer_id}" for peer_id, addr in seeds)
     raise Unreachable(
@@ -53,12 +55,18 @@ async def join(dht: DHT, seeds: list[tuple[ID, Multiaddr]], *, backoff: Sequence
 
 async def run_daemon(
     config: PeerConfig,
+    stop: trio.Event,
     *,
     role: Role,
     on_ready: Callable[[Node], None] = lambda node: None,
     task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Run a node until cancelled. `on_ready` sees it once it has joined and published presence."""
+    """Run a node until `stop` is set. `on_ready` sees it once it has joined and published presence.
+
+    Stopping is two-phase: the node's own tasks end first (presence is withdrawn) while the
+    host still runs, then the host closes. Cancelling from outside also stops it, but then
+    the host's connections are gone before the withdrawal can be sent.
+    """
     seeds = parse_backbones(config.collaboration.backbones)
     if role == "peer" and not seeds:
         raise Unreachable("no backbone given; pass --backbone MADDR (printed by `backbone start`)")
@@ -75,7 +83,12 @@ async def run_daemon(
 
             def presence() -> PresenceRecord:
                 return PresenceRecord(
-                    node.peer_id.to_base58(), role, node.public_addrs(), __version__, started_at, time.time()
+                    node.peer_id.to_base58(),
+                    role,
+                    node.public_addrs(),
+                    __version__,
+                    started_at,
+                    time.time(),
                 )
 
             async with trio.open_nursery() as nursery:
@@ -86,7 +99,9 @@ async def run_daemon(
                     if role == "peer":
                         await join(dht, seeds)
                     elif not await dht.bootstrap(seeds):
-                        log.warning("no other backbone answered; starting alone, will retry in the background")
+                        log.warning(
+                            "no other backbone answered; starting alone, will retry in the background"
+                        )
                 await nursery.start(
                     lambda task_status: keep_present(
                         dht,
@@ -99,4 +114,5 @@ async def run_daemon(
                 )
                 on_ready(node)
                 task_status.started(node)
-                await trio.sleep_forever()
+                await stop.wait()
+                nursery.cancel_scope.cancel()

@@ -26,7 +26,9 @@ Role = Literal["peer", "backbone"]
 class PresenceRecord(msgspec.Struct, frozen=True):
     peer_id: Annotated[str, msgspec.Meta(max_length=128)]
     role: Role
-    addrs: Annotated[list[Annotated[str, msgspec.Meta(max_length=256)]], msgspec.Meta(max_length=16)]
+    addrs: Annotated[
+        list[Annotated[str, msgspec.Meta(max_length=256)]], msgspec.Meta(max_length=16)
+    ]
     version: Annotated[str, msgspec.Meta(max_length=64)]
     started_at: float
     updated_at: float
@@ -57,9 +59,13 @@ async def keep_present(
             try:
                 # Bounded by refresh so a slow round never lets the record lapse unnoticed.
                 with trio.move_on_after(refresh):
-                    replicas = await dht.store(key, subkey, msgspec.msgpack.encode(record), expiration=last_expiration)
+                    replicas = await dht.store(
+                        key, subkey, msgspec.msgpack.encode(record), expiration=last_expiration
+                    )
                     if replicas == 0:
-                        log.warning("presence record stored on no replica; retrying in %.3gs", refresh)
+                        log.warning(
+                            "presence record stored on no replica; retrying in %.3gs", refresh
+                        )
             except RemoteError as error:
                 log.warning("could not publish presence: %s", error)
             if not started:
@@ -70,7 +76,8 @@ async def keep_present(
         # The tombstone must outlive the record it replaces, hence last_expiration + 1.
         with trio.CancelScope(shield=True), trio.move_on_after(1.0):
             try:
-                await dht.withdraw(key, subkey, expiration=last_expiration + 1.0)
+                replicas = await dht.withdraw(key, subkey, expiration=last_expiration + 1.0)
+                log.debug("presence withdrawn from %d replicas", replicas)
             except RemoteError as error:
                 log.debug("could not withdraw presence: %s", error)
 

@@ -51,7 +51,10 @@ class StatusReport:
     peers: list[PeerRow]
 
     def to_json(self) -> dict:
-        return {"collaboration": asdict(self.collaboration), "peers": [asdict(row) for row in self.peers]}
+        return {
+            "collaboration": asdict(self.collaboration),
+            "peers": [asdict(row) for row in self.peers],
+        }
 
 
 def ephemeral_identity() -> Identity:

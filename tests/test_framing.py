@@ -1,5 +1,7 @@
 """The frame codec, as a pure state machine (no sockets)."""
 
+import itertools
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -57,7 +59,7 @@ def test_any_split_of_a_byte_stream_yields_the_same_frames(frames, cuts):
     points = sorted({c % (len(wire) + 1) for c in cuts} | {0, len(wire)})
     decoder = FrameDecoder(max_size=300)
     out = []
-    for start, end in zip(points, points[1:], strict=False):
+    for start, end in itertools.pairwise(points):
         decoder.feed(wire[start:end])
         while (frame := decoder.next_frame()) is not None:
             out.append(frame)

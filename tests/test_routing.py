@@ -25,7 +25,9 @@ def test_nearest_is_sorted_by_xor_distance_and_excludes():
     got = table.nearest(target, 5, exclude=[contacts[0].peer_id])
     assert [c.id ^ target for c in got] == sorted(c.id ^ target for c in got)
     assert contacts[0] not in got
-    everyone = sorted((c for c in table.contacts() if c != contacts[0]), key=lambda c: c.id ^ target)
+    everyone = sorted(
+        (c for c in table.contacts() if c != contacts[0]), key=lambda c: c.id ^ target
+    )
     assert got == everyone[:5]
 
 

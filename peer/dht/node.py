@@ -41,7 +41,13 @@ class DhtStatistics:
 
 class DHT:
     def __init__(
-        self, node: Node, config: DhtConfig, *, server: bool, rpc_timeout: float, clock: Clock = time.time
+        self,
+        node: Node,
+        config: DhtConfig,
+        *,
+        server: bool,
+        rpc_timeout: float,
+        clock: Clock = time.time,
     ) -> None:
         self.node = node
         self.config = config
@@ -93,7 +99,12 @@ class DHT:
         async def contact(peer_id: ID, addr: Multiaddr) -> None:
             try:
                 await self.node.connect(peer_id, [addr], timeout=self.rpc_timeout)
-                nodes = await self._call(peer_id, "find_node", p.FindNode(self._own_target(), self._caller_addrs()), p.Nodes)
+                nodes = await self._call(
+                    peer_id,
+                    "find_node",
+                    p.FindNode(self._own_target(), self._caller_addrs()),
+                    p.Nodes,
+                )
             except RemoteError as error:
                 log.debug("seed %s did not answer: %s", peer_id, error)
                 return
@@ -110,7 +121,9 @@ class DHT:
         return reached
 
     def statistics(self) -> DhtStatistics:
-        return DhtStatistics(len(self.table), len(self.records), self._stores_received, self._gets_served)
+        return DhtStatistics(
+            len(self.table), len(self.records), self._stores_received, self._gets_served
+        )
 
     # ------------------------------------------------------------------ public operations
 
@@ -119,8 +132,14 @@ class DHT:
 
         A subkey equal to our own peer id is signed with our key (an owner-signed entry).
         """
-        signer = self.node.identity.key_pair.private_key if subkey == self.node.peer_id.to_base58() else None
-        return await self.store_entries(key, {subkey: make_entry(key, subkey, value, expiration, signer=signer)})
+        signer = (
+            self.node.identity.key_pair.private_key
+            if subkey == self.node.peer_id.to_base58()
+            else None
+        )
+        return await self.store_entries(
+            key, {subkey: make_entry(key, subkey, value, expiration, signer=signer)}
+        )
 
     async def withdraw(self, key: str, subkey: str, *, expiration: float) -> int:
         """Delete (key, subkey) with a tombstone; `expiration` must exceed the live entry's."""
@@ -132,7 +151,9 @@ class DHT:
         accepted = 0
         if self.server and self._we_belong_among(key_id(key), targets):
             try:
-                accepted += any(self.records.store(key, s, e, now=self.clock()) for s, e in entries.items())
+                accepted += any(
+                    self.records.store(key, s, e, now=self.clock()) for s, e in entries.items()
+                )
             except ProtocolError as error:
                 log.debug("local store refused %s: %s", key, error)
         request = p.Store(key, entries, self._caller_addrs())
@@ -178,7 +199,10 @@ class DHT:
     async def find_nodes(self, target: int) -> Lookup:
         async def query(contact: Contact) -> list[Contact]:
             reply = await self._call(
-                contact.peer_id, "find_node", p.FindNode(target.to_bytes(32, "big"), self._caller_addrs()), p.Nodes
+                contact.peer_id,
+                "find_node",
+                p.FindNode(target.to_bytes(32, "big"), self._caller_addrs()),
+                p.Nodes,
             )
             return p.to_contacts(reply.nodes, exclude=self.node.peer_id)
 
@@ -186,7 +210,9 @@ class DHT:
 
     # ------------------------------------------------------------------ lookup shell
 
-    async def _lookup(self, target: int, query: Callable[[Contact], Awaitable[list[Contact]]]) -> Lookup:
+    async def _lookup(
+        self, target: int, query: Callable[[Contact], Awaitable[list[Contact]]]
+    ) -> Lookup:
         k = self.config.replicas
         lookup = Lookup(target, self.table.nearest(target, k), k=k, alpha=self.config.alpha)
         finished_send, finished_recv = trio.open_memory_channel[None](float("inf"))
@@ -247,8 +273,10 @@ class DHT:
 
     # ------------------------------------------------------------------ helpers
 
-    async def _call(self, peer_id: ID, method: str, request: object, reply_type: type):  # noqa: ANN202
-        return await self.node.rpc.call(peer_id, p.SERVICE, method, request, reply_type, timeout=self.rpc_timeout)
+    async def _call(self, peer_id: ID, method: str, request: object, reply_type: type):
+        return await self.node.rpc.call(
+            peer_id, p.SERVICE, method, request, reply_type, timeout=self.rpc_timeout
+        )
 
     def _caller_addrs(self) -> list[str] | None:
         return [str(a) for a in self.node.announce] if self.server else None

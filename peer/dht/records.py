@@ -2,9 +2,9 @@
 
 Rules every node applies identically, so that any replica answers the same:
 - **Latest expiration wins.** Of two entries for one (key, subkey), the one that expires later
-  is kept; on a tie the larger value bytes win, so the choice never depends on arrival order.
-  A writer that updates a value therefore always supersedes its older copy, because its new
-  expiration (its clock now + ttl) is later.
+  is kept. A writer that updates a value therefore always supersedes its older copy, because its new
+  expiration (its clock now + ttl) is later. Ties are broken by a total order on the rest of
+  the entry, so the choice never depends on arrival order.
 - **Tombstones.** An entry whose value is None deletes: it supersedes older entries like any
   other write and is never returned to readers.
 - **Owner-signed subkeys.** A subkey that is an Ed25519 peer id (`12D3KooW...`) belongs to that
@@ -44,9 +44,11 @@ class Entry(msgspec.Struct, frozen=True):
     signature: bytes = b""
 
     def supersedes(self, other: Entry) -> bool:
-        if self.expiration != other.expiration:
-            return self.expiration > other.expiration
-        return (self.value or b"") > (other.value or b"")
+        return self._order() > other._order()
+
+    def _order(self) -> tuple[float, bool, bytes, bytes]:
+        # A total order, so every replica keeps the same entry whatever the arrival order.
+        return (self.expiration, self.value is not None, self.value or b"", self.signature)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,10 +91,15 @@ def validate_entry(key: str, subkey: str, entry: Entry, *, now: float, limits: L
     if not key or len(key.encode()) > MAX_KEY_BYTES:
         raise ProtocolError(f"key of {len(key.encode())} bytes; expected 1..{MAX_KEY_BYTES}")
     if not subkey or len(subkey.encode()) > MAX_SUBKEY_BYTES:
-        raise ProtocolError(f"subkey of {len(subkey.encode())} bytes; expected 1..{MAX_SUBKEY_BYTES}")
+        raise ProtocolError(
+            f"subkey of {len(subkey.encode())} bytes; expected 1..{MAX_SUBKEY_BYTES}"
+        )
     if entry.value is not None and len(entry.value) > limits.max_value_bytes:
         raise ProtocolError(f"value of {len(entry.value)} bytes; limit is {limits.max_value_bytes}")
-    if not entry.expiration == entry.expiration or entry.expiration > now + limits.max_ttl + limits.max_clock_skew:
+    if (
+        not entry.expiration == entry.expiration
+        or entry.expiration > now + limits.max_ttl + limits.max_clock_skew
+    ):
         raise ProtocolError(
             f"expiration {entry.expiration!r} is more than max_ttl={limits.max_ttl}s ahead of now"
         )

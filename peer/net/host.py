@@ -7,6 +7,8 @@ py-libp2p 0.8.1 defaults that we override, and why (see docs/ARCHITECTURE.md):
   per-peer connection limit is reached; with a limit of 1 the first success ends the wait.
 - the auto-connector dials up to 200 peers from the peerstore to reach a watermark; our DHT
   decides whom to talk to, so it is stopped.
+- a failed dial is retried 3 times with backoff (0.7 s) before failing, which makes every dead
+  contact in a DHT lookup cost that much; we dial once and let our own callers retry.
 - the negative dial cache blocks a peer for 60 s after one failed dial, which would defeat our
   retries against a restarting backbone; we shorten it.
 - the resource manager refuses connections when the process uses > 80 % of RAM, which a
@@ -18,7 +20,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 
 import psutil
@@ -26,7 +28,7 @@ import trio
 from libp2p import new_host
 from libp2p.abc import IHost
 from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
-from libp2p.network.config import ConnectionConfig
+from libp2p.network.config import ConnectionConfig, RetryConfig
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.rcmgr import new_resource_manager
@@ -48,7 +50,9 @@ def parse_multiaddr(text: str, *, what: str) -> Multiaddr:
     try:
         return Multiaddr(text)
     except Exception as error:  # the multiaddr package raises several unrelated types
-        raise ConfigError(f"{what} {text!r} is not a valid multiaddr ({error}); expected e.g. /ip4/203.0.113.5/tcp/31337") from None
+        raise ConfigError(
+            f"{what} {text!r} is not a valid multiaddr ({error}); expected e.g. /ip4/203.0.113.5/tcp/31337"
+        ) from None
 
 
 def split_peer_addr(text: str, *, what: str) -> tuple[ID, Multiaddr]:
@@ -59,7 +63,9 @@ def split_peer_addr(text: str, *, what: str) -> tuple[ID, Multiaddr]:
     except Exception:
         peer_b58 = None
     if not peer_b58:
-        raise ConfigError(f"{what} {text!r} has no /p2p/<peer id> part; copy the full address a backbone prints")
+        raise ConfigError(
+            f"{what} {text!r} has no /p2p/<peer id> part; copy the full address a backbone prints"
+        )
     return ID.from_base58(peer_b58), maddr.decapsulate(Multiaddr(f"/p2p/{peer_b58}"))
 
 
@@ -72,8 +78,11 @@ def create_host(identity: Identity) -> IHost:
         connection_config=ConnectionConfig(max_connections_per_peer=1, dial_timeout=5.0),
         resource_manager=new_resource_manager(enable_memory_limits=False),
     )
+    network = host.get_network()
+    # One dial attempt: retries belong to callers that know whether they are worth it.
+    network.retry_config = RetryConfig(max_retries=0)  # type: ignore[attr-defined]
     # Private attribute of the pinned py-libp2p version; see the module docstring.
-    host.get_network()._negative_peer_cache._ttl = NEGATIVE_DIAL_CACHE_SECONDS  # type: ignore[attr-defined]
+    network._negative_peer_cache._ttl = NEGATIVE_DIAL_CACHE_SECONDS  # type: ignore[attr-defined]
     return host
 
 
@@ -149,8 +158,12 @@ async def open_node(
             # See the module docstring: our DHT chooses connections, not the auto-connector.
             await host.get_network().auto_connector.stop()  # type: ignore[attr-defined]
             bound = [Multiaddr(str(a).split("/p2p/")[0]) for a in host.get_addrs()]
-            node = Node(host, identity, RpcClient(host, max_message_bytes=max_message_bytes),
-                        announce_addrs or dialable_addrs(bound))
+            node = Node(
+                host,
+                identity,
+                RpcClient(host, max_message_bytes=max_message_bytes),
+                announce_addrs or dialable_addrs(bound),
+            )
             try:
                 yield node
             finally:
@@ -160,7 +173,9 @@ async def open_node(
     except OSError as error:
         if started:
             raise
-        raise ConfigError(f"cannot listen on {', '.join(listen)}: {error.strerror or error}; pick another --port") from None
+        raise ConfigError(
+            f"cannot listen on {', '.join(listen)}: {error.strerror or error}; pick another --port"
+        ) from None
 
 
 async def _close_connections(host: IHost) -> None:
@@ -172,7 +187,5 @@ async def _close_connections(host: IHost) -> None:
 
 
 async def _close_peer(network: object, peer_id: ID) -> None:
-    try:
+    with suppress(TRANSPORT_ERRORS):
         await network.close_peer(peer_id)  # type: ignore[attr-defined]
-    except TRANSPORT_ERRORS:
-        pass

@@ -14,6 +14,8 @@ of opening a stream for every call. Every body is decoded into the method's msgs
 before a handler sees it; anything else gets `Err{bad_request}`. A frame over the size limit
 gets `Err{too_large}` and the stream is reset, since the rest of it cannot be parsed.
 Deadlines belong to the caller: `call()` takes a `timeout`; the server only bounds idle streams.
+A caller keeps its side of the stream open until the reply: the server takes an end of stream
+during a call as the caller hanging up (py-libp2p reports a reset as EOF) and cancels the handler.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -93,6 +95,7 @@ class FramedStream:
         self.stream = stream
         self.decoder = FrameDecoder(max_size)
         self.last_used = time.monotonic()
+        self.hung_up = False  # set when the caller reset the stream mid-call
 
     async def read_frame(self) -> bytes | None:
         """The next frame, or None on a clean end of stream between frames."""
@@ -116,11 +119,8 @@ class FramedStream:
 
     async def reset(self) -> None:
         """Abort the stream; safe to call from a cancelled scope."""
-        with trio.CancelScope(shield=True), trio.move_on_after(1.0):
-            try:
-                await self.stream.reset()
-            except TRANSPORT_ERRORS:
-                pass
+        with trio.CancelScope(shield=True), trio.move_on_after(1.0), suppress(TRANSPORT_ERRORS):
+            await self.stream.reset()
 
 
 # ---------------------------------------------------------------------------- server
@@ -150,7 +150,9 @@ class RpcServer:
         self._methods: dict[str, _Method] = {}
         host.set_stream_handler(protocol_id(service), self._serve_stream)
 
-    def add_unary(self, name: str, request_type: type[T], handler: Callable[[ID, T], Awaitable[Any]]) -> None:
+    def add_unary(
+        self, name: str, request_type: type[T], handler: Callable[[ID, T], Awaitable[Any]]
+    ) -> None:
         self._methods[name] = _Method(request_type, handler, streaming=False)
 
     def add_streaming(
@@ -192,7 +194,9 @@ class RpcServer:
         if method is None:
             known = ", ".join(sorted(self._methods))
             await self._send_error(
-                framed, "unknown_method", f"{self.service} has no method {request.method!r} (known: {known})"
+                framed,
+                "unknown_method",
+                f"{self.service} has no method {request.method!r} (known: {known})",
             )
             return
         try:
@@ -200,23 +204,43 @@ class RpcServer:
         except msgspec.DecodeError as error:  # ValidationError is a subclass
             await self._send_error(framed, "bad_request", f"{request.method}: {error}")
             return
-        try:
-            if method.streaming:
-                async for item in method.handler(caller, body):  # type: ignore[attr-defined]
-                    await framed.write_frame(_encoder.encode(Item(_raw(item))))
-                await framed.write_frame(_encoder.encode(End()))
-            else:
-                result = await method.handler(caller, body)  # type: ignore[misc]
-                await framed.write_frame(_encoder.encode(Ok(_raw(result))))
-        except RpcError as error:
-            await self._send_error(framed, error.code, error.message)
-        except (RemoteError, UserError) as error:
-            await self._send_error(framed, "bad_request", str(error))
-        except TRANSPORT_ERRORS:
-            raise
-        except Exception:
-            log.exception("handler %s.%s failed", self.service, request.method)
+        outcome: BaseException | None = None
+        async with trio.open_nursery() as nursery:
+            # A caller that gives up resets the stream: stop working for it.
+            nursery.start_soon(_cancel_on_reset, framed, nursery.cancel_scope)
+            outcome = await self._run_catching(method, caller, body, framed)
+            nursery.cancel_scope.cancel()
+        if framed.hung_up:
+            raise ProtocolError("the caller reset the stream before the reply")
+        if isinstance(outcome, TRANSPORT_ERRORS):
+            raise outcome
+        if isinstance(outcome, RpcError):
+            await self._send_error(framed, outcome.code, outcome.message)
+        elif isinstance(outcome, (RemoteError, UserError)):
+            await self._send_error(framed, "bad_request", str(outcome))
+        elif outcome is not None:
+            log.error("handler %s.%s failed", self.service, request.method, exc_info=outcome)
             await self._send_error(framed, "internal", "the handler failed; see the callee's log")
+
+    async def _run_catching(
+        self, method: _Method, caller: ID, body: Any, framed: FramedStream
+    ) -> BaseException | None:
+        """Run a handler; its failure is returned (to be answered), cancellation propagates."""
+        try:
+            await self._run(method, caller, body, framed)
+        except Exception as error:
+            return error
+        return None
+
+    @staticmethod
+    async def _run(method: _Method, caller: ID, body: Any, framed: FramedStream) -> None:
+        if method.streaming:
+            async for item in method.handler(caller, body):  # type: ignore[attr-defined]
+                await framed.write_frame(_encoder.encode(Item(_raw(item))))
+            await framed.write_frame(_encoder.encode(End()))
+        else:
+            result = await method.handler(caller, body)  # type: ignore[misc]
+            await framed.write_frame(_encoder.encode(Ok(_raw(result))))
 
     @staticmethod
     async def _send_error(framed: FramedStream, code: str, message: str) -> None:
@@ -227,6 +251,20 @@ class RpcServer:
             pass
 
 
+async def _cancel_on_reset(framed: FramedStream, handler_scope: trio.CancelScope) -> None:
+    # py-libp2p reports a caller's reset as plain EOF, so the protocol asks callers to keep
+    # their side open until the reply: EOF during a call means the caller is gone.
+    try:
+        data = await framed.stream.read(READ_CHUNK)
+    except (EOFError, *TRANSPORT_ERRORS):
+        data = b""
+    if data:
+        framed.decoder.feed(data)  # a pipelined next request: keep it for the serving loop
+    else:
+        framed.hung_up = True
+        handler_scope.cancel()
+
+
 # ---------------------------------------------------------------------------- client
 
 
@@ -234,25 +272,43 @@ class RpcClient:
     """Calls methods on other peers, reusing idle streams."""
 
     def __init__(
-        self, host: IHost, *, max_message_bytes: int, max_idle_per_peer: int = 4, idle_timeout: float = 30.0
+        self,
+        host: IHost,
+        *,
+        max_message_bytes: int,
+        max_idle_per_peer: int = 4,
+        idle_timeout: float = 30.0,
     ) -> None:
         self.host = host
         self.max_message_bytes = max_message_bytes
         self.max_idle_per_peer = max_idle_per_peer
-        self.idle_timeout = idle_timeout  # below the server's, so we never reuse a stream it dropped
+        self.idle_timeout = (
+            idle_timeout  # below the server's, so we never reuse a stream it dropped
+        )
         self._idle: dict[tuple[ID, str], list[FramedStream]] = {}
 
     async def call(
-        self, peer_id: ID, service: str, method: str, request: Any, response_type: type[T], *, timeout: float
+        self,
+        peer_id: ID,
+        service: str,
+        method: str,
+        request: Any,
+        response_type: type[T],
+        *,
+        timeout: float,
     ) -> T:
         """One unary call. Raises RpcError, DeadlineExceeded, Unreachable or ProtocolError."""
         try:
             with trio.fail_after(timeout):
                 return await self._call(peer_id, service, method, request, response_type)
         except trio.TooSlowError:
-            raise DeadlineExceeded(f"{service}.{method} to {peer_id} took over {timeout:.3g}s") from None
+            raise DeadlineExceeded(
+                f"{service}.{method} to {peer_id} took over {timeout:.3g}s"
+            ) from None
 
-    async def _call(self, peer_id: ID, service: str, method: str, request: Any, response_type: type[T]) -> T:
+    async def _call(
+        self, peer_id: ID, service: str, method: str, request: Any, response_type: type[T]
+    ) -> T:
         payload = _encoder.encode(Request(method, _raw(request)))
         # A pooled stream may have died since its last use: then retry once on a fresh one.
         for reused in (True, False):
@@ -267,13 +323,17 @@ class RpcClient:
                 if reused and isinstance(error, (*TRANSPORT_ERRORS, ProtocolError)):
                     continue
                 if isinstance(error, TRANSPORT_ERRORS):
-                    raise Unreachable(f"{service}.{method} to {peer_id}: stream failed ({error!r})") from error
+                    raise Unreachable(
+                        f"{service}.{method} to {peer_id}: stream failed ({error!r})"
+                    ) from error
                 raise
             if frame is None:
                 await framed.reset()
                 if reused:
                     continue
-                raise ProtocolError(f"{peer_id} closed the stream without answering {service}.{method}")
+                raise ProtocolError(
+                    f"{peer_id} closed the stream without answering {service}.{method}"
+                )
             reply = self._decode_reply(frame, peer_id)
             if isinstance(reply, Err):
                 await self._checkin(peer_id, service, framed)
@@ -287,7 +347,14 @@ class RpcClient:
 
     @asynccontextmanager
     async def stream(
-        self, peer_id: ID, service: str, method: str, request: Any, item_type: type[T], *, timeout: float
+        self,
+        peer_id: ID,
+        service: str,
+        method: str,
+        request: Any,
+        item_type: type[T],
+        *,
+        timeout: float,
     ) -> AsyncIterator[AsyncIterator[T]]:
         """A streaming call: `async with client.stream(...) as items: async for item in items`.
 
@@ -303,9 +370,13 @@ class RpcClient:
                     with trio.fail_after(timeout):
                         frame = await framed.read_frame()
                 except trio.TooSlowError:
-                    raise DeadlineExceeded(f"{service}.{method} from {peer_id}: no item within {timeout:.3g}s") from None
+                    raise DeadlineExceeded(
+                        f"{service}.{method} from {peer_id}: no item within {timeout:.3g}s"
+                    ) from None
                 except TRANSPORT_ERRORS as error:
-                    raise Unreachable(f"{service}.{method} from {peer_id}: stream failed ({error!r})") from error
+                    raise Unreachable(
+                        f"{service}.{method} from {peer_id}: stream failed ({error!r})"
+                    ) from error
                 if frame is None:
                     raise ProtocolError(f"{peer_id} ended {service}.{method} without End")
                 reply = self._decode_reply(frame, peer_id)
@@ -323,10 +394,14 @@ class RpcClient:
                 await framed.write_frame(_encoder.encode(Request(method, _raw(request))))
         except trio.TooSlowError:
             await framed.reset()
-            raise DeadlineExceeded(f"{service}.{method} to {peer_id}: request not sent in {timeout:.3g}s") from None
+            raise DeadlineExceeded(
+                f"{service}.{method} to {peer_id}: request not sent in {timeout:.3g}s"
+            ) from None
         except TRANSPORT_ERRORS as error:
             await framed.reset()
-            raise Unreachable(f"{service}.{method} to {peer_id}: stream failed ({error!r})") from error
+            raise Unreachable(
+                f"{service}.{method} to {peer_id}: stream failed ({error!r})"
+            ) from error
         try:
             yield items()
         finally:
@@ -364,7 +439,9 @@ class RpcClient:
         try:
             stream = await self.host.new_stream(peer_id, [protocol_id(service)])
         except TRANSPORT_ERRORS as error:
-            raise Unreachable(f"cannot open {protocol_id(service)} to {peer_id}: {error}") from error
+            raise Unreachable(
+                f"cannot open {protocol_id(service)} to {peer_id}: {error}"
+            ) from error
         return FramedStream(stream, self.max_message_bytes)
 
     def forget(self, peer_id: ID) -> None:
@@ -377,7 +454,9 @@ def _decode_body(body: msgspec.Raw, type_: type[T], peer_id: ID) -> T:
     try:
         return msgspec.msgpack.decode(body, type=type_)
     except msgspec.DecodeError as error:
-        raise ProtocolError(f"{peer_id} sent a reply that does not fit the schema: {error}") from None
+        raise ProtocolError(
+            f"{peer_id} sent a reply that does not fit the schema: {error}"
+        ) from None
 
 
 __all__ = ["FramedStream", "RpcClient", "RpcServer", "protocol_id"]

@@ -1,0 +1,347 @@
+"""Peer configuration: frozen keyword-only dataclasses, loaded from TOML, env and flags.
+
+Layers, lowest first: field defaults < the TOML file (`configs/*.toml`, or the file named by
+`PEERTRAIN_CONFIG`) < `PEERTRAIN_<SECTION>_<KEY>` environment variables < CLI overrides. Each
+dotted key remembers which layer set it (`LoadedConfig.sources`) so that every `ConfigError` can
+say where a bad value came from, in one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import tomllib
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from peer.errors import ConfigError
+
+__all__ = [
+    "CollaborationConfig",
+    "DhtConfig",
+    "IdentityConfig",
+    "LoadedConfig",
+    "LogConfig",
+    "NetConfig",
+    "PeerConfig",
+    "PresenceConfig",
+    "config_to_dict",
+    "load_config",
+]
+
+ENV_PREFIX = "PEERTRAIN_"
+#: Variables under ENV_PREFIX that are not config keys.
+ENV_ALLOWED = frozenset({"PEERTRAIN_CONFIG"})
+
+
+class _Section:
+    """Validates a section built directly in code, as the loader does for user input."""
+
+    def __post_init__(self) -> None:
+        section = _SECTION_NAMES[type(self).__name__]
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = _coerce(f"{section}.{f.name}", getattr(self, f.name), "code")
+            object.__setattr__(self, f.name, value)  # canonical form: 5 -> 5.0, tuple -> list
+        for dotted, other, holds, expected in _CROSS_RULES:
+            if dotted.startswith(f"{section}.") and other.startswith(f"{section}."):
+                value = getattr(self, dotted.partition(".")[2])
+                bound = getattr(self, other.partition(".")[2])
+                if not holds(value, bound):
+                    raise ConfigError(f"{dotted} = {value!r}: {expected} ({bound!r})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class IdentityConfig(_Section):
+    path: str = "~/.peertrain/peer.key"
+    """Ed25519 key file; created (mode 0600) on first run."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class NetConfig(_Section):
+    listen: list[str] = field(default_factory=lambda: ["/ip4/0.0.0.0/tcp/0"])
+    """Multiaddrs to listen on."""
+    announce: list[str] = field(default_factory=list)
+    """Addresses advertised to others; empty = derived from listen."""
+    connect_timeout: float = 5.0
+    """Seconds to open a connection to a peer."""
+    rpc_timeout: float = 5.0
+    """Default deadline of one RPC, in seconds."""
+    max_message_bytes: int = 4194304
+    """Largest frame accepted from a peer."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DhtConfig(_Section):
+    bucket_size: int = 20
+    """Kademlia k: contacts per routing-table bucket."""
+    replicas: int = 8
+    """Nodes a record is stored on."""
+    alpha: int = 3
+    """Parallel queries per lookup step."""
+    max_value_bytes: int = 65536
+    """Largest value of one subkey."""
+    max_subkeys: int = 4096
+    """Subkeys stored per key."""
+    max_keys: int = 100000
+    """Keys stored per node."""
+    max_ttl: float = 86400.0
+    """Longest record lifetime accepted, in seconds."""
+    max_clock_skew: float = 10.0
+    """Seconds a record's timestamp may lie in the future."""
+    purge_interval: float = 10.0
+    """Seconds between sweeps of expired records."""
+    refresh_interval: float = 60.0
+    """Seconds between routing-table refreshes."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PresenceConfig(_Section):
+    ttl: float = 30.0
+    """Seconds a presence record lives without refresh."""
+    refresh: float = 10.0
+    """Seconds between presence refreshes; must be < ttl."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CollaborationConfig(_Section):
+    name: str = "default"
+    """Namespace of every DHT key."""
+    backbones: list[str] = field(default_factory=list)
+    """Multiaddrs of backbone peers."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LogConfig(_Section):
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
+        "level": ("debug", "info", "warning", "error"),
+        "format": ("rich", "json"),
+    }
+    level: str = "info"
+    """One of debug, info, warning, error."""
+    format: str = "rich"
+    """rich (for people) or json (one object per line, for machines)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeerConfig:
+    identity: IdentityConfig = field(default_factory=IdentityConfig)
+    net: NetConfig = field(default_factory=NetConfig)
+    dht: DhtConfig = field(default_factory=DhtConfig)
+    presence: PresenceConfig = field(default_factory=PresenceConfig)
+    collaboration: CollaborationConfig = field(default_factory=CollaborationConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadedConfig:
+    config: PeerConfig
+    """The validated configuration."""
+    sources: dict[str, str]
+    """Dotted key -> "default", "file <path>", "env <VAR>" or "flag"."""
+
+
+_SECTION_TYPES = typing.get_type_hints(PeerConfig)
+SECTIONS: dict[str, type[_Section]] = {
+    f.name: _SECTION_TYPES[f.name] for f in dataclasses.fields(PeerConfig)
+}
+#: section -> field -> annotated type (str, int, float, bool or list[str]).
+FIELDS: dict[str, dict[str, Any]] = {
+    section: {f.name: typing.get_type_hints(cls)[f.name] for f in dataclasses.fields(cls)}
+    for section, cls in SECTIONS.items()
+}
+
+_SECTION_NAMES = {cls.__name__: name for name, cls in SECTIONS.items()}
+
+_EXPECTED: dict[Any, str] = {
+    bool: "expected true or false",
+    int: "expected an integer",
+    float: "expected a number",
+    str: "expected a string",
+    list[str]: "expected a list of strings (comma-separated in the environment)",
+}
+
+# Cross-field rules: (key, other key, holds(value, other), expectation). Checked after every
+# layer is merged, so a file may set ttl and a flag refresh.
+_CROSS_RULES: list[tuple[str, str, Callable[[Any, Any], bool], str]] = [
+    ("presence.refresh", "presence.ttl", lambda a, b: a < b, "expected less than presence.ttl"),
+    ("dht.replicas", "dht.bucket_size", lambda a, b: a <= b, "expected at most dht.bucket_size"),
+]
+
+
+def load_config(
+    *,
+    file: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> LoadedConfig:
+    """Merge defaults < file < env < overrides, validate, and record each key's source.
+
+    `env=None` means no environment at all (callers pass `os.environ` explicitly, tests a dict).
+    Without `file`, `env["PEERTRAIN_CONFIG"]` names the file if set. `None` overrides are
+    flags that were not given and are skipped.
+    """
+    env = env or {}
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    for section, cls in SECTIONS.items():
+        for key, value in config_to_dict(cls()).items():
+            values[f"{section}.{key}"] = value
+            sources[f"{section}.{key}"] = "default"
+
+    if file is None and env.get("PEERTRAIN_CONFIG"):
+        file = Path(env["PEERTRAIN_CONFIG"])
+    if file is not None:
+        origin = f"file {file}"
+        for dotted, raw in _read_toml(file).items():
+            values[dotted] = _coerce(dotted, raw, origin)
+            sources[dotted] = origin
+
+    for var in sorted(env):
+        if not var.startswith(ENV_PREFIX) or var in ENV_ALLOWED:
+            continue
+        dotted = _env_key(var)
+        origin = f"env {var}"
+        values[dotted] = _coerce(dotted, _parse_env(dotted, env[var], origin), origin)
+        sources[dotted] = origin
+
+    for dotted, raw in (overrides or {}).items():
+        if raw is None:
+            continue
+        _check_known(dotted, "flag")
+        values[dotted] = _coerce(dotted, raw, "flag")
+        sources[dotted] = "flag"
+
+    for dotted, other, holds, expected in _CROSS_RULES:
+        if not holds(values[dotted], values[other]):
+            raise ConfigError(
+                f"{dotted} = {values[dotted]!r} (from {sources[dotted]}): {expected} "
+                f"({values[other]!r} from {sources[other]})"
+            )
+    config = PeerConfig(
+        **{
+            name: cls(**{key: values[f"{name}.{key}"] for key in FIELDS[name]})
+            for name, cls in SECTIONS.items()
+        }
+    )
+    return LoadedConfig(config=config, sources=sources)
+
+
+def config_to_dict(cfg: Any) -> dict[str, Any]:
+    """A config dataclass as nested plain dicts and lists (for `peer config show`)."""
+    return dataclasses.asdict(cfg)
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    """Flatten a TOML file into {"section.key": value}, rejecting unknown sections and keys."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as error:
+        message = " ".join(str(error).split())
+        raise ConfigError(f"config file {path} is not valid TOML: {message}") from error
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"cannot read config file {path}: {error}") from error
+    origin = f"file {path}"
+    flat: dict[str, Any] = {}
+    for section, table in data.items():
+        if section not in SECTIONS:
+            raise ConfigError(
+                f"unknown section [{section}] in {origin}: known sections are {', '.join(SECTIONS)}"
+            )
+        if not isinstance(table, dict):
+            raise ConfigError(
+                f"{section} = {table!r} (from {origin}): expected a [{section}] table"
+            )
+        for key, value in table.items():
+            _check_known(f"{section}.{key}", origin)
+            flat[f"{section}.{key}"] = value
+    return flat
+
+
+def _check_known(dotted: str, origin: str) -> None:
+    section, _, key = dotted.partition(".")
+    if section not in FIELDS:
+        raise ConfigError(
+            f"unknown key {dotted!r} in {origin}: known sections are {', '.join(FIELDS)}"
+        )
+    if key not in FIELDS[section]:
+        known = sorted(FIELDS[section])
+        close = difflib.get_close_matches(key, known, n=1)
+        hint = f" (did you mean {section}.{close[0]}?)" if close else ""
+        raise ConfigError(
+            f"unknown key {dotted!r} in {origin}: known keys in [{section}] are "
+            f"{', '.join(known)}{hint}"
+        )
+
+
+def _env_key(var: str) -> str:
+    """PEERTRAIN_DHT_MAX_TTL -> "dht.max_ttl" (section names hold no underscore)."""
+    section, _, key = var.removeprefix(ENV_PREFIX).lower().partition("_")
+    dotted = f"{section}.{key}"
+    if section not in FIELDS:
+        raise ConfigError(
+            f"unknown environment variable {var}: expected {ENV_PREFIX}<SECTION>_<KEY> with a "
+            f"section among {', '.join(FIELDS)}, or one of {', '.join(sorted(ENV_ALLOWED))}"
+        )
+    _check_known(dotted, f"env {var}")
+    return dotted
+
+
+def _parse_env(dotted: str, text: str, origin: str) -> Any:
+    """Turn an environment string into the field's Python type (checked again by _coerce)."""
+    section, key = dotted.split(".")
+    kind = FIELDS[section][key]
+    try:
+        if kind is bool:
+            return {"true": True, "1": True, "false": False, "0": False}[text.strip().lower()]
+        if kind is int:
+            return int(text.strip())
+        if kind is float:
+            return float(text.strip())
+    except (KeyError, ValueError):
+        raise ConfigError(f"{dotted} = {text!r} (from {origin}): {_EXPECTED[kind]}") from None
+    if kind == list[str]:
+        return [item.strip() for item in text.split(",") if item.strip()]
+    return text
+
+
+def _coerce(dotted: str, value: Any, origin: str) -> Any:
+    """Check `value` against the field's type and range; return it in canonical form."""
+    section, key = dotted.split(".")
+    kind = FIELDS[section][key]
+    problem = None
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        problem = None if not ok or value > 0 else "expected an integer > 0"
+    elif kind is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        if ok:
+            value = float(value)
+            problem = None if math.isfinite(value) and value > 0 else "expected a number > 0"
+    elif kind == list[str]:
+        ok = isinstance(value, list | tuple) and all(isinstance(v, str) for v in value)
+        if ok:
+            value = list(value)
+            bad = [v for v in value if not v.startswith("/")]
+            problem = f"expected multiaddrs starting with '/', got {bad[0]!r}" if bad else None
+    else:
+        ok = isinstance(value, str)
+        choices = getattr(SECTIONS[section], "CHOICES", {}).get(key)
+        if ok and choices:
+            value = value.lower()
+            problem = None if value in choices else f"expected one of {', '.join(choices)}"
+        elif ok and not value.strip():
+            problem = "expected a non-empty string"
+    if not ok:
+        problem = _EXPECTED[kind]
+    if problem:
+        raise ConfigError(f"{dotted} = {value!r} (from {origin}): {problem}")
+    return value

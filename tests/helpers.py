@@ -1,0 +1,108 @@
+"""Test helpers: in-process libp2p nodes on loopback."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.id import ID
+
+from peer.config import DhtConfig
+from peer.dht.node import DHT
+from peer.dht.routing import node_id
+from peer.net.host import Node, open_node
+from peer.net.identity import Identity
+
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+
+
+def new_identity() -> Identity:
+    key_pair = create_new_key_pair()
+    return Identity(key_pair=key_pair, peer_id=ID.from_pubkey(key_pair.public_key), path=None)
+
+
+@asynccontextmanager
+async def nodes(count: int, *, max_message_bytes: int = 1 << 20) -> AsyncIterator[list[Node]]:
+    """`count` running nodes listening on 127.0.0.1, closed on exit."""
+    async with AsyncExitStack() as stack:
+        out = []
+        for _ in range(count):
+            node = await stack.enter_async_context(
+                open_node(
+                    new_identity(),
+                    listen=[LOOPBACK],
+                    announce=[],
+                    max_message_bytes=max_message_bytes,
+                )
+            )
+            out.append(node)
+        yield out
+
+
+class FakeClock:
+    """A wall clock the test moves by hand; `offset` models one node's skew."""
+
+    def __init__(self, start: float = 1_700_000_000.0) -> None:
+        self.now = start
+
+    def skewed(self, offset: float) -> Callable[[], float]:
+        return lambda: self.now + offset
+
+
+class Swarm:
+    """N DHT server nodes in one process; node i can be killed on its own."""
+
+    def __init__(self, nursery: trio.Nursery, config: DhtConfig, clock: FakeClock | None) -> None:
+        self.nursery = nursery
+        self.config = config
+        self.clock = clock
+        self.dhts: list[DHT] = []
+        self._scopes: list[trio.CancelScope] = []
+
+    async def add(self, *, offset: float = 0.0, bootstrap: bool = True) -> DHT:
+        clock = self.clock.skewed(offset) if self.clock else time.time
+        scope = trio.CancelScope()
+
+        async def run(task_status: trio.TaskStatus[DHT]) -> None:
+            with scope:
+                async with open_node(
+                    new_identity(), listen=[LOOPBACK], announce=[], max_message_bytes=1 << 20
+                ) as node:
+                    dht = DHT(node, self.config, server=True, rpc_timeout=5.0, clock=clock)
+                    async with trio.open_nursery() as inner:
+                        await inner.start(dht.run)
+                        task_status.started(dht)
+                        await trio.sleep_forever()
+
+        dht = await self.nursery.start(run)
+        if bootstrap and self.dhts:
+            first = self.dhts[0].node
+            assert await dht.bootstrap([(first.peer_id, first.announce[0])])
+        self.dhts.append(dht)
+        self._scopes.append(scope)
+        return dht
+
+    def kill(self, index: int) -> None:
+        self._scopes[index].cancel()
+
+
+@asynccontextmanager
+async def swarm(
+    count: int,
+    config: DhtConfig,
+    *,
+    clock: FakeClock | None = None,
+    offsets: list[float] | None = None,
+) -> AsyncIterator[Swarm]:
+    async with trio.open_nursery() as nursery:
+        s = Swarm(nursery, config, clock)
+        for i in range(count):
+            await s.add(offset=offsets[i] if offsets else 0.0)
+        # Everyone refreshes once more so early nodes learn of late ones.
+        for dht in s.dhts:
+            await dht.find_nodes(node_id(dht.node.peer_id))
+        yield s
+        nursery.cancel_scope.cancel()

@@ -1,0 +1,196 @@
+"""End to end through the real CLI, every node a separate process on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+# configs/debug.toml: presence ttl 4 s, refresh 1 s, loopback only.
+ENV = {
+    **os.environ,
+    "PEERTRAIN_CONFIG": str(ROOT / "configs" / "debug.toml"),
+    "PYTHONUNBUFFERED": "1",
+}
+
+
+class Proc:
+    """A CLI process whose stdout lines are read on a thread, so waits can have deadlines."""
+
+    def __init__(self, args: list[str]) -> None:
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", *args],
+            cwd=ROOT,
+            env=ENV,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        self.lines: queue.Queue[str] = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._pump, daemon=True).start()
+
+    def _pump(self) -> None:
+        for line in self.popen.stdout:  # type: ignore[union-attr]
+            self.lines.put(line)
+
+    def wait_line(self, needle: str, *, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                line = self.lines.get(timeout=0.1)
+            except queue.Empty:
+                if self.popen.poll() is not None:
+                    break
+                continue
+            self.seen.append(line)
+            if needle in line:
+                return line
+        raise AssertionError(
+            f"no line with {needle!r} within {timeout}s; got {self.seen}; "
+            f"stderr: {self.stderr_if_done()}"
+        )
+
+    def stderr_if_done(self) -> str:
+        return self.popen.stderr.read() if self.popen.poll() is not None else "(still running)"  # type: ignore[union-attr]
+
+
+@pytest.fixture
+def procs():
+    """Starts CLI processes and kills every one of them (by PID) at the end."""
+    started: list[Proc] = []
+
+    def start(*args: str) -> Proc:
+        proc = Proc(list(args))
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        if proc.popen.poll() is None:
+            proc.popen.kill()
+        proc.popen.wait(timeout=10)
+
+
+def start_backbone(start, tmp: Path, name: str, *bootstrap: str) -> tuple[Proc, str]:
+    args = [
+        "cli.backbone_cli",
+        "start",
+        "--identity",
+        str(tmp / f"{name}.key"),
+        "--listen",
+        LOOPBACK,
+    ]
+    for addr in bootstrap:
+        args += ["--bootstrap", addr]
+    proc = start(*args)
+    line = proc.wait_line("peer join --backbone /ip4/127.0.0.1/", timeout=30)
+    return proc, line.split("--backbone ", 1)[1].strip()
+
+
+def start_peer(start, tmp: Path, name: str, backbones: list[str]) -> tuple[Proc, str]:
+    args = ["cli.peer_cli", "join", "--identity", str(tmp / f"{name}.key"), "--listen", LOOPBACK]
+    for addr in backbones:
+        args += ["--backbone", addr]
+    proc = start(*args)
+    line = proc.wait_line(" joined collaboration", timeout=30)
+    return proc, line.split()[1]
+
+
+def status(backbones: list[str]) -> subprocess.CompletedProcess:
+    args = [sys.executable, "-m", "cli.peer_cli", "status", "--json"]
+    for addr in backbones:
+        args += ["--backbone", addr]
+    return subprocess.run(args, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=60)
+
+
+def listed_peers(backbones: list[str]) -> set[str]:
+    result = status(backbones)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert set(report) == {"collaboration", "peers"}
+    return {p["peer_id"] for p in report["peers"] if p["role"] == "peer"}
+
+
+def wait_for(predicate, *, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"{what} did not happen within {timeout}s")
+
+
+def test_collaboration_lifecycle(procs, tmp_path):
+    bb1, addr1 = start_backbone(procs, tmp_path, "bb1")
+    _bb2, addr2 = start_backbone(procs, tmp_path, "bb2", addr1)
+    backbones = [addr1, addr2]
+    peers = [start_peer(procs, tmp_path, f"p{i}", backbones) for i in range(3)]
+    ids = {peer_id for _, peer_id in peers}
+
+    # All three are listed within 10 s of joining.
+    wait_for(lambda: listed_peers(backbones) >= ids, timeout=10, what="3 peers listed")
+
+    # kill -9: no goodbye, so the peer disappears once its presence record expires (ttl 4 s).
+    victim, victim_id = peers[0]
+    victim.popen.send_signal(signal.SIGKILL)
+    wait_for(
+        lambda: victim_id not in listed_peers(backbones),
+        timeout=30,
+        what="killed peer leaves the list",
+    )
+    assert listed_peers(backbones) >= ids - {victim_id}
+
+    # With one backbone dead, a new peer still joins through the other.
+    bb1.popen.send_signal(signal.SIGKILL)
+    bb1.popen.wait(timeout=10)
+    _, newcomer = start_peer(procs, tmp_path, "late", [addr1, addr2])
+    wait_for(
+        lambda: newcomer in listed_peers([addr2]), timeout=20, what="newcomer listed via backbone 2"
+    )
+
+    # SIGINT: a clean exit within 3 s, no child processes left behind.
+    proc, peer_id = peers[1]
+    children = psutil.Process(proc.popen.pid).children(recursive=True)
+    started = time.monotonic()
+    proc.popen.send_signal(signal.SIGINT)
+    assert proc.popen.wait(timeout=3) == 0
+    assert time.monotonic() - started < 3
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    # It withdrew its presence: gone at once, without waiting for expiry.
+    assert peer_id not in listed_peers([addr2])
+
+
+def test_unreachable_backbone_is_a_one_line_error_with_exit_2(procs, tmp_path):
+    nobody = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWRq4tRRfDE1ZbAnpYPiwCxsQhV2U8uFDtM3qjUfASSFMV"
+    joiner = procs(
+        "cli.peer_cli", "join", "--identity", str(tmp_path / "p.key"), "--backbone", nobody
+    )
+    assert joiner.popen.wait(timeout=60) == 2
+    err = joiner.popen.stderr.read().strip().splitlines()
+    assert len(err) == 1 and "no backbone answered" in err[0] and nobody in err[0], err
+    result = status([nobody])
+    assert result.returncode == 2
+    assert "no backbone answered" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_second_daemon_with_the_same_key_is_refused(procs, tmp_path):
+    _, addr = start_backbone(procs, tmp_path, "bb")
+    start_peer(procs, tmp_path, "same", [addr])
+    twin = procs(
+        "cli.peer_cli", "join", "--identity", str(tmp_path / "same.key"), "--backbone", addr
+    )
+    assert twin.popen.wait(timeout=60) == 2
+    err = twin.popen.stderr.read()
+    assert "already used by a running daemon" in err and "Traceback" not in err

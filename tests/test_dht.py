@@ -1,0 +1,109 @@
+"""The DHT over real libp2p on loopback: 16 server nodes in one process, a hand-moved clock."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from peer.config import DhtConfig
+from peer.dht.records import Entry, make_entry
+from tests.helpers import FakeClock, swarm
+
+CONFIG = dataclasses.replace(
+    DhtConfig(), replicas=5, bucket_size=20, alpha=3, purge_interval=3600.0
+)
+N = 16
+
+
+async def test_store_get_subkeys_and_latest_wins_across_nodes():
+    clock = FakeClock()
+    async with swarm(N, CONFIG, clock=clock) as s:
+        now = clock.now
+        assert await s.dhts[3].store("k", "a", b"one", expiration=now + 60) >= CONFIG.replicas - 1
+        await s.dhts[5].store("k", "b", b"two", expiration=now + 60)
+        got = await s.dhts[12].get("k")
+        assert {sub: e.value for sub, e in got.items()} == {"a": b"one", "b": b"two"}
+        # An older write loses against the newer one, whoever writes it and wherever it is read.
+        await s.dhts[7].store("k", "a", b"stale", expiration=now + 30)
+        assert (await s.dhts[9].get("k"))["a"].value == b"one"
+        await s.dhts[7].store("k", "a", b"newer", expiration=now + 90)
+        for reader in (0, 4, 15):
+            assert (await s.dhts[reader].get("k"))["a"].value == b"newer"
+        assert await s.dhts[1].get("missing") == {}
+
+
+async def test_expired_entries_are_never_returned():
+    clock = FakeClock()
+    async with swarm(N, CONFIG, clock=clock) as s:
+        await s.dhts[2].store("k", "a", b"short", expiration=clock.now + 10)
+        await s.dhts[2].store("k", "b", b"long", expiration=clock.now + 100)
+        clock.now += 11
+        got = await s.dhts[8].get("k")
+        assert set(got) == {"b"}
+        purged = sum(d.records.purge(now=clock.now) for d in s.dhts)
+        assert purged == 0  # get already dropped the expired copies on every replica it asked
+
+
+async def test_update_is_visible_to_every_reader_and_withdraw_hides_it():
+    clock = FakeClock()
+    async with swarm(N, CONFIG, clock=clock) as s:
+        writer = s.dhts[6]
+        own = writer.node.peer_id.to_base58()
+        for version in range(5):
+            clock.now += 1
+            await writer.store("presence", own, f"v{version}".encode(), expiration=clock.now + 30)
+            for reader in s.dhts[::5]:
+                assert (await reader.get("presence"))[own].value == f"v{version}".encode()
+        await writer.withdraw("presence", own, expiration=clock.now + 31)
+        assert own not in await s.dhts[11].get("presence")
+
+
+async def test_forged_owner_entries_are_rejected_by_every_node():
+    clock = FakeClock()
+    async with swarm(N, CONFIG, clock=clock) as s:
+        victim, mallory = s.dhts[4], s.dhts[9]
+        subkey = victim.node.peer_id.to_base58()
+        await victim.store("presence", subkey, b"genuine", expiration=clock.now + 30)
+        forged = make_entry(
+            "presence",
+            subkey,
+            b"forged",
+            clock.now + 60,
+            signer=mallory.node.identity.key_pair.private_key,
+        )
+        assert await mallory.store_entries("presence", {subkey: forged}) == 0
+        unsigned = Entry(b"forged", clock.now + 60)
+        assert await mallory.store_entries("presence", {subkey: unsigned}) == 0
+        assert (await s.dhts[0].get("presence"))[subkey].value == b"genuine"
+        # A malicious replica that serves a forged entry anyway is not believed by readers.
+        for dht in s.dhts:
+            dht.records._records.setdefault("presence", {})[subkey] = forged
+        reader = s.dhts[14]
+        reader.records._records.clear()
+        assert subkey not in await reader.get("presence")
+
+
+async def test_values_survive_a_quarter_of_nodes_dying():
+    clock = FakeClock()
+    async with swarm(N, CONFIG, clock=clock) as s:
+        keys = [f"key-{i}" for i in range(12)]
+        for i, key in enumerate(keys):
+            assert await s.dhts[i % N].store(key, "x", key.encode(), expiration=clock.now + 600) > 0
+        for index in (1, 5, 10, 13):
+            s.kill(index)
+        survivors = [d for i, d in enumerate(s.dhts) if i not in (1, 5, 10, 13)]
+        for i, key in enumerate(keys):
+            got = await survivors[i % len(survivors)].get(key)
+            assert got["x"].value == key.encode(), key
+
+
+async def test_clock_skew_of_a_few_seconds_does_not_break_records():
+    clock = FakeClock()
+    offsets = [(-4.0 if i % 2 else 4.0) for i in range(N)]
+    async with swarm(N, CONFIG, clock=clock, offsets=offsets) as s:
+        ahead, behind = s.dhts[0], s.dhts[1]  # 8 s apart
+        for writer, reader in ((ahead, behind), (behind, ahead)):
+            own = writer.node.peer_id.to_base58()
+            for version in range(3):
+                clock.now += 1
+                await writer.store("presence", own, b"%d" % version, expiration=writer.clock() + 30)
+                assert (await reader.get("presence"))[own].value == b"%d" % version
