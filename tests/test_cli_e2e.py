@@ -6,6 +6,7 @@ import json
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -83,7 +84,15 @@ def procs():
         proc.popen.wait(timeout=10)
 
 
-def start_backbone(start, tmp: Path, name: str, *bootstrap: str) -> tuple[Proc, str]:
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_backbone(
+    start, tmp: Path, name: str, *bootstrap: str, port: int | None = None
+) -> tuple[Proc, str]:
     args = [
         "cli.backbone_cli",
         "start",
@@ -92,6 +101,8 @@ def start_backbone(start, tmp: Path, name: str, *bootstrap: str) -> tuple[Proc, 
         "--listen",
         LOOPBACK,
     ]
+    if port is not None:
+        args += ["--port", str(port)]
     for addr in bootstrap:
         args += ["--bootstrap", addr]
     proc = start(*args)
@@ -133,7 +144,9 @@ def wait_for(predicate, *, timeout: float, what: str) -> None:
 
 
 def test_collaboration_lifecycle(procs, tmp_path):
-    bb1, addr1 = start_backbone(procs, tmp_path, "bb1")
+    port = free_port()
+    bb1, addr1 = start_backbone(procs, tmp_path, "bb1", port=port)
+    assert f"/tcp/{port}/p2p/" in addr1
     _bb2, addr2 = start_backbone(procs, tmp_path, "bb2", addr1)
     backbones = [addr1, addr2]
     peers = [start_peer(procs, tmp_path, f"p{i}", backbones) for i in range(3)]

@@ -11,6 +11,9 @@ py-libp2p 0.8.1 defaults that we override, and why (see docs/ARCHITECTURE.md):
   contact in a DHT lookup cost that much; we dial once and let our own callers retry.
 - the negative dial cache blocks a peer for 60 s after one failed dial, which would defeat our
   retries against a restarting backbone; we shorten it.
+- its TCP listener sets SO_REUSEPORT (for hole punching), so a second daemon asking for a port
+  that is taken binds anyway and the kernel splits incoming connections between the two; we
+  check fixed ports with a plain bind first.
 - the resource manager refuses connections when the process uses > 80 % of RAM, which a
   training process may well do; memory limits are off (our own caps bound what peers send).
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import socket
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
@@ -150,6 +154,7 @@ async def open_node(
 ) -> AsyncIterator[Node]:
     listen_addrs = [parse_multiaddr(text, what="listen address") for text in listen]
     announce_addrs = [parse_multiaddr(text, what="announce address") for text in announce]
+    _check_ports_free(listen_addrs)
     host = create_host(identity)
     started = False
     try:
@@ -176,6 +181,24 @@ async def open_node(
         raise ConfigError(
             f"cannot listen on {', '.join(listen)}: {error.strerror or error}; pick another --port"
         ) from None
+
+
+def _check_ports_free(listen_addrs: Sequence[Multiaddr]) -> None:
+    for maddr in listen_addrs:
+        try:
+            ip, port = maddr.value_for_protocol("ip4"), int(maddr.value_for_protocol("tcp"))
+        except Exception:  # not an ip4/tcp address: nothing of ours to check
+            continue
+        if port == 0:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is fine
+            try:
+                probe.bind((ip, port))
+            except OSError as error:
+                raise ConfigError(
+                    f"cannot listen on {maddr}: {error.strerror or error}; pick another --port"
+                ) from None
 
 
 async def _close_connections(host: IHost) -> None:

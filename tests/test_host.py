@@ -1,0 +1,89 @@
+"""The libp2p host as we configure it: Noise only, no happy-eyeballs wait, dialable addresses."""
+
+from __future__ import annotations
+
+import libp2p.network.swarm
+import pytest
+import trio
+from libp2p import new_host
+from libp2p.peer.peerinfo import PeerInfo
+from libp2p.security.insecure.transport import PLAINTEXT_PROTOCOL_ID, InsecureTransport
+from multiaddr import Multiaddr
+
+from peer.errors import ConfigError
+from peer.net.host import dialable_addrs, open_node, split_peer_addr
+from tests.helpers import LOOPBACK, new_identity, nodes
+
+
+async def test_plaintext_only_dialer_is_rejected():
+    async with nodes(1) as (server,):
+        identity = new_identity()
+        plaintext = new_host(
+            key_pair=identity.key_pair,
+            sec_opt={PLAINTEXT_PROTOCOL_ID: InsecureTransport(identity.key_pair)},
+            muxer_preference="YAMUX",
+        )
+        async with plaintext.run(listen_addrs=[Multiaddr(LOOPBACK)]):
+            with trio.fail_after(20), pytest.raises(Exception, match="unable to connect"):
+                await plaintext.connect(PeerInfo(server.peer_id, server.announce))
+            assert server.host.get_network().connections.get(identity.peer_id) is None
+
+
+async def test_noise_dialer_connects_and_the_session_is_authenticated():
+    async with nodes(2) as (a, b):
+        await a.connect(b.peer_id, b.announce, timeout=5)
+        conn = a.host.get_network().connections[b.peer_id]
+        conn = conn[0] if isinstance(conn, list) else conn
+        assert conn.muxed_conn.peer_id == b.peer_id
+
+
+async def test_connect_does_not_wait_out_happy_eyeballs(monkeypatch):
+    # py-libp2p waits this long after each dial unless the first success ends the wait. Made
+    # huge here, a connect that returns at all proves the wait is skipped.
+    monkeypatch.setattr(libp2p.network.swarm, "_HAPPY_EYEBALLS_DELAY", 3600.0)
+    async with nodes(2) as (a, b):
+        with trio.fail_after(30):
+            await a.connect(b.peer_id, b.announce, timeout=30)
+
+
+def test_wildcard_listen_expands_to_interface_addresses():
+    expanded = [str(a) for a in dialable_addrs([Multiaddr("/ip4/0.0.0.0/tcp/4001")])]
+    assert expanded, "at least loopback exists"
+    assert all(a.endswith("/tcp/4001") and "0.0.0.0" not in a for a in expanded)
+    assert "/ip4/127.0.0.1/tcp/4001" in expanded
+    assert expanded[-1] == "/ip4/127.0.0.1/tcp/4001"  # loopback is listed last
+    kept = dialable_addrs([Multiaddr("/ip4/10.1.2.3/tcp/5")])
+    assert [str(a) for a in kept] == ["/ip4/10.1.2.3/tcp/5"]
+
+
+async def test_announce_addresses_replace_the_listen_ones():
+    announce = "/ip4/203.0.113.7/tcp/31337"
+    async with open_node(
+        new_identity(), listen=[LOOPBACK], announce=[announce], max_message_bytes=1024
+    ) as node:
+        assert node.public_addrs() == [f"{announce}/p2p/{node.peer_id}"]
+
+
+def test_peer_address_parsing_errors_are_one_line_config_errors():
+    with pytest.raises(ConfigError, match="no /p2p/"):
+        split_peer_addr("/ip4/127.0.0.1/tcp/4001", what="backbone address")
+    with pytest.raises(ConfigError, match="not a valid multiaddr"):
+        split_peer_addr("127.0.0.1:4001", what="backbone address")
+    peer_id = new_identity().peer_id
+    got_id, addr = split_peer_addr(
+        f"/ip4/127.0.0.1/tcp/4001/p2p/{peer_id}", what="backbone address"
+    )
+    assert got_id == peer_id and str(addr) == "/ip4/127.0.0.1/tcp/4001"
+
+
+async def test_port_in_use_is_a_config_error():
+    async with nodes(1) as (first,):
+        port = str(first.announce[0]).split("/tcp/")[1]
+        with pytest.raises(ConfigError, match="pick another --port"):
+            async with open_node(
+                new_identity(),
+                listen=[f"/ip4/127.0.0.1/tcp/{port}"],
+                announce=[],
+                max_message_bytes=1024,
+            ):
+                pass
