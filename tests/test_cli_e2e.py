@@ -207,3 +207,29 @@ def test_second_daemon_with_the_same_key_is_refused(procs, tmp_path):
     assert twin.popen.wait(timeout=60) == 2
     err = twin.popen.stderr.read()
     assert "already used by a running daemon" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "expected"),
+    [
+        (["--log-level", "loud"], {}, "log.level = 'loud' (from flag)"),
+        (
+            [],
+            {"PEERTRAIN_DHT_REPLICAS": "abc"},
+            "dht.replicas = 'abc' (from env PEERTRAIN_DHT_REPLICAS)",
+        ),
+        (["--backbone", "/ip4/127.0.0.1/tcp/1"], {}, "has no /p2p/<peer id> part"),
+    ],
+)
+def test_config_errors_are_one_line_with_exit_2(args, env, expected, tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "cli.peer_cli", "join", "--identity", str(tmp_path / "k"), *args],
+        cwd=ROOT,
+        env={**ENV, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0], result.stderr

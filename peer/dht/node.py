@@ -146,10 +146,13 @@ class DHT:
         return await self.store(key, subkey, None, expiration=expiration)
 
     async def store_entries(self, key: str, entries: dict[str, Entry]) -> int:
-        lookup = await self.find_nodes(key_id(key))
-        targets = lookup.closest_answered()[: self.config.replicas]
+        target = key_id(key)
+        targets = (await self.find_nodes(target)).closest_answered()[: self.config.replicas]
         accepted = 0
-        if self.server and self._we_belong_among(key_id(key), targets):
+        if self.server and self._we_belong_among(target, targets):
+            # We are one of the `replicas` closest: keep a copy and drop the farthest remote, so
+            # the record lives on exactly the nodes a reader's lookup will ask.
+            targets = targets[: self.config.replicas - 1]
             try:
                 accepted += any(
                     self.records.store(key, s, e, now=self.clock()) for s, e in entries.items()
