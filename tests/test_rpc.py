@@ -14,7 +14,16 @@ from libp2p.peer.id import ID
 from peer.errors import DeadlineExceeded, RpcError
 from peer.net.framing import encode_frame, encode_varint
 from peer.net.host import Node
-from peer.net.rpc import Err, FramedStream, Ok, Reply, Request, RpcServer, protocol_id
+from peer.net.rpc import (
+    READ_CHUNK,
+    Err,
+    FramedStream,
+    Ok,
+    Reply,
+    Request,
+    RpcServer,
+    protocol_id,
+)
 from tests.helpers import nodes
 
 LIMIT = 64 * 1024
@@ -36,9 +45,11 @@ class Slow(msgspec.Struct):
 class Service:
     """A test service that records what its handlers saw."""
 
-    def __init__(self, node: Node) -> None:
+    def __init__(self, node: Node, *, max_message_bytes: int = LIMIT, **limits: int) -> None:
         self.cancelled = trio.Event()
-        server = RpcServer(node.host, "test", max_message_bytes=LIMIT)
+        self.server = server = RpcServer(
+            node.host, "test", max_message_bytes=max_message_bytes, **limits
+        )
         server.add_unary("echo", Echo, self.echo)
         server.add_unary("slow", Slow, self.slow)
         server.add_unary("forbid", Slow, self.forbid)
@@ -201,3 +212,56 @@ def test_envelope_round_trips(method, blob, number):
         msgspec.msgpack.encode(Ok(msgspec.Raw(msgspec.msgpack.encode(body)))), type=Reply
     )
     assert isinstance(reply, Ok)
+
+
+async def wait_until(predicate, *, timeout: float = 5) -> None:
+    with trio.fail_after(timeout):
+        while not predicate():
+            await trio.sleep(0.01)
+
+
+async def test_frames_being_received_stay_within_the_byte_budget():
+    big = 4 * READ_CHUNK  # larger than one read, so a frame is reserved before it is complete
+    async with nodes(2, max_message_bytes=big) as (client, server):
+        budget = 2 * big + 4096  # room for two huge frames and small calls
+        service = Service(server, max_message_bytes=big, max_buffered_bytes=budget)
+        await connected(client, server)
+        hogs = []
+        for _ in range(2):  # each announces a maximum-size frame and sends only its start
+            stream = await client.host.new_stream(server.peer_id, [protocol_id("test")])
+            await stream.write(encode_varint(big) + b"x" * 1000)
+            hogs.append(stream)
+        await wait_until(lambda: service.server.statistics().buffered_bytes == 2 * big)
+        # A third huge frame does not fit: refused with a typed error, nothing buffered for it.
+        huge = Echo("x" * (big - 100))
+        with pytest.raises(RpcError) as info:
+            await client.rpc.call(server.peer_id, "test", "echo", huge, Echo, timeout=5)
+        assert info.value.code == "unavailable"
+        assert service.server.statistics().buffered_bytes == 2 * big
+        await good_call(client, server)  # small calls still fit
+        for stream in hogs:
+            await stream.reset()
+        await wait_until(lambda: service.server.statistics().buffered_bytes == 0)
+        reply = await client.rpc.call(server.peer_id, "test", "echo", huge, Echo, timeout=5)
+        assert reply.text == huge.text
+
+
+async def test_one_peer_cannot_hold_more_than_its_share_of_streams():
+    async with nodes(3, max_message_bytes=LIMIT) as (greedy, server, other):
+        service = Service(server, max_streams_per_peer=3)
+        await connected(greedy, server)
+        await connected(other, server)
+        held = []
+        for _ in range(3):
+            stream = await greedy.host.new_stream(server.peer_id, [protocol_id("test")])
+            await stream.write(encode_varint(5))  # start a frame, keep the stream busy
+            held.append(stream)
+        await wait_until(lambda: service.server.statistics().open_streams == 3)
+        with pytest.raises(RpcError) as info:
+            await greedy.rpc.call(server.peer_id, "test", "echo", Echo("hi"), Echo, timeout=5)
+        assert info.value.code == "unavailable"
+        await good_call(other, server)  # everyone else is still served
+        before = service.server.statistics().open_streams
+        await held[0].reset()
+        await wait_until(lambda: service.server.statistics().open_streams < before)
+        await good_call(greedy, server)

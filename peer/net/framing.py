@@ -47,6 +47,11 @@ class FrameDecoder:
         self._broken = False
 
     @property
+    def announced_length(self) -> int | None:
+        """Payload length of the frame being received, once its length prefix is complete."""
+        return self._expected
+
+    @property
     def has_partial_frame(self) -> bool:
         """True when some bytes of an unfinished frame are buffered (EOF now = truncation)."""
         return bool(self._buffer) or self._expected is not None

@@ -48,6 +48,12 @@ log = logging.getLogger("peertrain.rpc")
 
 T = TypeVar("T")
 READ_CHUNK = 64 * 1024
+# Server limits: frames of this many maximum-size messages may be in flight at once per
+# service, and one peer may keep this many streams of a service open (its pooled idle ones too).
+BUFFERED_FRAMES = 16
+# Errors after which the server resets the stream: it must not go back to the pool.
+STREAM_ENDING_CODES = frozenset({"too_large", "unavailable"})
+MAX_STREAMS_PER_PEER = 32
 # Errors py-libp2p and trio raise when a stream or connection goes away under us.
 TRANSPORT_ERRORS = (BaseLibp2pError, trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 
@@ -88,21 +94,59 @@ def _raw(value: Any) -> msgspec.Raw:
     return msgspec.Raw(_encoder.encode(value))
 
 
-class FramedStream:
-    """A libp2p stream that reads and writes whole frames."""
+class ByteBudget:
+    """Bytes that the frames a server is receiving may hold at once, over all its streams.
 
-    def __init__(self, stream: INetStream, max_size: int) -> None:
+    A frame reserves its announced length before its payload is buffered and returns it when
+    complete, so many peers each sending the start of a huge frame cannot add up past `limit`.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def try_take(self, size: int) -> bool:
+        if self.used + size > self.limit:
+            return False
+        self.used += size
+        return True
+
+    def give_back(self, size: int) -> None:
+        self.used -= size
+
+
+class OverBudget(Exception):
+    """A frame would push the server's buffered bytes past its budget."""
+
+
+class FramedStream:
+    """A libp2p stream that reads and writes whole frames.
+
+    With a `budget`, each frame's announced length is reserved from it before the payload is
+    buffered; the owner must call `release()` when done with the stream.
+    """
+
+    def __init__(
+        self, stream: INetStream, max_size: int, *, budget: ByteBudget | None = None
+    ) -> None:
         self.stream = stream
         self.decoder = FrameDecoder(max_size)
+        self.budget = budget
+        self.reserved = 0
         self.last_used = time.monotonic()
         self.hung_up = False  # set when the caller reset the stream mid-call
 
     async def read_frame(self) -> bytes | None:
-        """The next frame, or None on a clean end of stream between frames."""
+        """The next frame, or None on a clean end of stream between frames.
+
+        Raises OverBudget when the announced length does not fit the budget.
+        """
         while True:
             frame = self.decoder.next_frame()
             if frame is not None:
+                self.release()
                 return frame
+            self._reserve(self.decoder.announced_length)
             try:
                 data = await self.stream.read(READ_CHUNK)
             except EOFError:
@@ -112,6 +156,21 @@ class FramedStream:
                     raise ProtocolError("stream ended in the middle of a frame (truncated)")
                 return None
             self.decoder.feed(data)
+
+    def _reserve(self, size: int | None) -> None:
+        if self.budget is None or size is None or self.reserved:
+            return
+        if not self.budget.try_take(size):
+            raise OverBudget(
+                f"a frame of {size} bytes does not fit: {self.budget.used} of "
+                f"{self.budget.limit} bytes are being received already"
+            )
+        self.reserved = size
+
+    def release(self) -> None:
+        if self.budget is not None and self.reserved:
+            self.budget.give_back(self.reserved)
+        self.reserved = 0
 
     async def write_frame(self, payload: bytes) -> None:
         await self.stream.write(encode_frame(payload))
@@ -137,17 +196,41 @@ class _Method:
     streaming: bool
 
 
+@dataclass(frozen=True)
+class RpcServerStatistics:
+    open_streams: int
+    buffered_bytes: int
+    """Bytes reserved by frames being received right now."""
+    buffered_bytes_limit: int
+
+
 class RpcServer:
-    """Serves the methods of one service on `/peertrain/<service>/1`."""
+    """Serves the methods of one service on `/peertrain/<service>/1`.
+
+    Memory stays bounded whatever peers send: frames being received hold at most
+    `max_buffered_bytes` (default `BUFFERED_FRAMES * max_message_bytes`) plus one read chunk
+    per open stream, and one peer may hold at most `max_streams_per_peer` streams open.
+    Beyond either limit the stream is answered `Err{unavailable}` and reset.
+    """
 
     def __init__(
-        self, host: IHost, service: str, *, max_message_bytes: int, idle_timeout: float = 60.0
+        self,
+        host: IHost,
+        service: str,
+        *,
+        max_message_bytes: int,
+        max_buffered_bytes: int | None = None,
+        max_streams_per_peer: int = MAX_STREAMS_PER_PEER,
+        idle_timeout: float = 60.0,
     ) -> None:
         self.host = host
         self.service = service
         self.max_message_bytes = max_message_bytes
+        self.budget = ByteBudget(max_buffered_bytes or BUFFERED_FRAMES * max_message_bytes)
+        self.max_streams_per_peer = max_streams_per_peer
         self.idle_timeout = idle_timeout
         self._methods: dict[str, _Method] = {}
+        self._streams: dict[ID, int] = {}  # open streams per calling peer
         host.set_stream_handler(protocol_id(service), self._serve_stream)
 
     def add_unary(
@@ -161,8 +244,30 @@ class RpcServer:
         self._methods[name] = _Method(request_type, handler, streaming=True)
 
     async def _serve_stream(self, stream: INetStream) -> None:
-        framed = FramedStream(stream, self.max_message_bytes)
+        framed = FramedStream(stream, self.max_message_bytes, budget=self.budget)
         caller = stream.muxed_conn.peer_id
+        if self._streams.get(caller, 0) >= self.max_streams_per_peer:
+            message = f"more than {self.max_streams_per_peer} open {self.service} streams from you"
+            await self._refuse(framed, "unavailable", message)
+            return
+        self._streams[caller] = self._streams.get(caller, 0) + 1
+        try:
+            await self._serve_frames(caller, framed)
+        finally:
+            framed.release()
+            self._streams[caller] -= 1
+            if not self._streams[caller]:
+                del self._streams[caller]
+
+    def statistics(self) -> RpcServerStatistics:
+        return RpcServerStatistics(
+            open_streams=sum(self._streams.values()),
+            buffered_bytes=self.budget.used,
+            buffered_bytes_limit=self.budget.limit,
+        )
+
+    async def _serve_frames(self, caller: ID, framed: FramedStream) -> None:
+        stream = framed.stream
         try:
             while True:
                 with trio.move_on_after(self.idle_timeout):
@@ -175,8 +280,9 @@ class RpcServer:
             with trio.move_on_after(1.0):
                 await stream.close()
         except MessageTooLarge as error:
-            await self._send_error(framed, "too_large", str(error))
-            await framed.reset()
+            await self._refuse(framed, "too_large", str(error))
+        except OverBudget as error:
+            await self._refuse(framed, "unavailable", f"server busy: {error}")
         except ProtocolError as error:
             log.debug("closing stream from %s: %s", caller, error)
             await framed.reset()
@@ -241,6 +347,21 @@ class RpcServer:
         else:
             result = await method.handler(caller, body)  # type: ignore[misc]
             await framed.write_frame(_encoder.encode(Ok(_raw(result))))
+
+    @classmethod
+    async def _refuse(cls, framed: FramedStream, code: str, message: str) -> None:
+        """Answer `Err` and end a stream whose further input we will not parse.
+
+        A reset right after the reply would drop the reply too (the caller may still be
+        writing), so: reply, half-close, discard input until the caller hangs up or 1 s passes.
+        """
+        framed.release()
+        await cls._send_error(framed, code, message)
+        with trio.move_on_after(1.0), suppress(EOFError, *TRANSPORT_ERRORS):
+            await framed.stream.close()
+            while await framed.stream.read(READ_CHUNK):
+                pass
+        await framed.reset()
 
     @staticmethod
     async def _send_error(framed: FramedStream, code: str, message: str) -> None:
@@ -336,7 +457,10 @@ class RpcClient:
                 )
             reply = self._decode_reply(frame, peer_id)
             if isinstance(reply, Err):
-                await self._checkin(peer_id, service, framed)
+                if reply.code in STREAM_ENDING_CODES:
+                    await framed.reset()
+                else:
+                    await self._checkin(peer_id, service, framed)
                 raise RpcError(reply.code, reply.message)
             if not isinstance(reply, Ok):
                 await framed.reset()
