@@ -32,11 +32,12 @@ def status_table(report: StatusReport) -> Table:
         else:
             table.add_column(column, no_wrap=True)
     for row in report.peers:
+        # The /p2p/<id> suffix repeats the id column; `--json` keeps full addresses.
+        addrs = [addr.split("/p2p/")[0] for addr in row.addrs]
         table.add_row(
             short_id(row.peer_id),
             row.role,
-            "\n".join(row.addrs[:2])
-            + (f"\n(+{len(row.addrs) - 2} more)" if len(row.addrs) > 2 else ""),
+            "\n".join(addrs[:2]) + (f"\n(+{len(addrs) - 2} more)" if len(addrs) > 2 else ""),
             row.version,
             duration(row.uptime_s),
             f"{duration(row.last_seen_s)} ago",
