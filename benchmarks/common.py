@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import statistics
 import time
 from collections.abc import Sequence
@@ -28,8 +29,7 @@ def quiet_logs() -> None:
 def percentile(samples: Sequence[float], q: float) -> float:
     """The q-th percentile (0..100) of `samples`, nearest-rank."""
     ordered = sorted(samples)
-    index = min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))
-    return ordered[index]
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
 def summary_ms(samples: Sequence[float]) -> str:
@@ -40,48 +40,40 @@ def summary_ms(samples: Sequence[float]) -> str:
     )
 
 
-async def _echo_server(stream: trio.SocketStream) -> None:
+async def tcp_echo(stream: trio.SocketStream) -> None:
+    """A raw TCP echo handler for `trio.serve_tcp`."""
     async with stream:
         async for data in stream:
             await stream.send_all(data)
 
 
-async def _start_echo_server(nursery: trio.Nursery) -> int:
-    listeners = await nursery.start(
-        functools.partial(trio.serve_tcp, _echo_server, 0, host="127.0.0.1")
-    )
-    return listeners[0].socket.getsockname()[1]
-
-
-async def raw_tcp_round_trips(count: int) -> list[float]:
-    """Round trips of a 100-byte ping on one open loopback TCP connection (trio, one process)."""
+async def tcp_round_trips(port: int, count: int, *, reconnect: bool) -> list[float]:
+    """Round trips of a 100-byte ping to an echo server; `reconnect`: a new connection each."""
     samples = []
-    async with trio.open_nursery() as nursery:
-        port = await _start_echo_server(nursery)
-        async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
-            for _ in range(count):
-                start = time.perf_counter()
-                await stream.send_all(b"x" * PING_BYTES)
-                received = 0
-                while received < PING_BYTES:
-                    received += len(await stream.receive_some(PING_BYTES))
-                samples.append(time.perf_counter() - start)
-        nursery.cancel_scope.cancel()
+    stream = None if reconnect else await trio.open_tcp_stream("127.0.0.1", port)
+    for _ in range(count):
+        start = time.perf_counter()
+        s = stream or await trio.open_tcp_stream("127.0.0.1", port)
+        await s.send_all(b"x" * PING_BYTES)
+        received = 0
+        while received < PING_BYTES:
+            received += len(await s.receive_some(PING_BYTES))
+        if reconnect:
+            await s.aclose()
+        samples.append(time.perf_counter() - start)
+    if stream is not None:
+        await stream.aclose()
     return samples
 
 
-async def raw_tcp_connect_round_trips(count: int) -> list[float]:
-    """A new loopback TCP connection plus one 100-byte ping, each time."""
-    samples = []
+async def raw_tcp_round_trips(count: int) -> list[float]:
+    """Round trips on one open loopback TCP connection to an echo server in this process."""
     async with trio.open_nursery() as nursery:
-        port = await _start_echo_server(nursery)
-        for _ in range(count):
-            start = time.perf_counter()
-            async with await trio.open_tcp_stream("127.0.0.1", port) as stream:
-                await stream.send_all(b"x" * PING_BYTES)
-                received = 0
-                while received < PING_BYTES:
-                    received += len(await stream.receive_some(PING_BYTES))
-            samples.append(time.perf_counter() - start)
+        listeners = await nursery.start(
+            functools.partial(trio.serve_tcp, tcp_echo, 0, host="127.0.0.1")
+        )
+        samples = await tcp_round_trips(
+            listeners[0].socket.getsockname()[1], count, reconnect=False
+        )
         nursery.cancel_scope.cancel()
     return samples

@@ -25,7 +25,14 @@ import trio
 from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 
-from benchmarks.common import PING_BYTES, percentile, quiet_logs, summary_ms
+from benchmarks.common import (
+    PING_BYTES,
+    percentile,
+    quiet_logs,
+    summary_ms,
+    tcp_echo,
+    tcp_round_trips,
+)
 from peer.net.host import Node, open_node, split_peer_addr
 from peer.net.rpc import RpcServer
 from tests.helpers import new_identity
@@ -62,12 +69,6 @@ async def _read_or_eof(stream: INetStream) -> bytes:
         return b""
 
 
-async def _tcp_echo(stream: trio.SocketStream) -> None:
-    async with stream:
-        async for data in stream:
-            await stream.send_all(data)
-
-
 async def _tcp_sink(stream: trio.SocketStream) -> None:
     async with stream:
         received = 0
@@ -89,7 +90,7 @@ async def _serve(pipe: Connection) -> None:
         )
         node.host.set_stream_handler(SINK_PROTOCOL, _libp2p_sink)
         ports = []
-        for handler in (_tcp_echo, _tcp_sink):
+        for handler in (tcp_echo, _tcp_sink):
             listeners = await nursery.start(
                 functools.partial(trio.serve_tcp, handler, 0, host="127.0.0.1")
             )
@@ -124,24 +125,6 @@ async def rpc_connect_round_trips(node: Node, server: ID, addr, count: int) -> l
         await node.connect(server, [addr], timeout=5)
         await node.rpc.call(server, "bench", "echo", Ping(b"x" * PING_BYTES), Ping, timeout=5)
         samples.append(time.perf_counter() - start)
-    return samples
-
-
-async def tcp_round_trips(port: int, count: int, *, reconnect: bool) -> list[float]:
-    samples = []
-    stream = None if reconnect else await trio.open_tcp_stream("127.0.0.1", port)
-    for _ in range(count):
-        start = time.perf_counter()
-        s = stream or await trio.open_tcp_stream("127.0.0.1", port)
-        await s.send_all(b"x" * PING_BYTES)
-        received = 0
-        while received < PING_BYTES:
-            received += len(await s.receive_some(PING_BYTES))
-        if reconnect:
-            await s.aclose()
-        samples.append(time.perf_counter() - start)
-    if stream is not None:
-        await stream.aclose()
     return samples
 
 
