@@ -51,9 +51,9 @@ READ_CHUNK = 64 * 1024
 # Server limits: frames of this many maximum-size messages may be in flight at once per
 # service, and one peer may keep this many streams of a service open (its pooled idle ones too).
 BUFFERED_FRAMES = 16
+MAX_STREAMS_PER_PEER = 32
 # Errors after which the server resets the stream: it must not go back to the pool.
 STREAM_ENDING_CODES = frozenset({"too_large", "unavailable"})
-MAX_STREAMS_PER_PEER = 32
 # Errors py-libp2p and trio raise when a stream or connection goes away under us.
 TRANSPORT_ERRORS = (BaseLibp2pError, trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 
@@ -355,7 +355,6 @@ class RpcServer:
         A reset right after the reply would drop the reply too (the caller may still be
         writing), so: reply, half-close, discard input until the caller hangs up or 1 s passes.
         """
-        framed.release()
         await cls._send_error(framed, code, message)
         with trio.move_on_after(1.0), suppress(EOFError, *TRANSPORT_ERRORS):
             await framed.stream.close()
