@@ -59,3 +59,7 @@ class RpcError(RemoteError):
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
+
+
+class RoleAssignmentError(PeertrainError):
+    """The collaboration's capabilities admit no role assignment (no compute, no aggregator)."""

@@ -1,0 +1,21 @@
+"""Role assignment (DeDLOC): who computes gradients and who reduces which share of them.
+
+A pure function of the group's capability records, so every peer computes the same answer
+without a coordinator. `model` holds the cost model, `shares` the exact all-reduce LP for fixed
+roles, `search` the choice of computing peers, `lp` the HiGHS reference used by tests.
+"""
+
+from peer.roles.model import PeerCapacity, Prediction, predict
+from peer.roles.search import EXACT_LIMIT, Assignment, PeerRole, assign_roles
+from peer.roles.shares import optimal_shares
+
+__all__ = [
+    "EXACT_LIMIT",
+    "Assignment",
+    "PeerCapacity",
+    "PeerRole",
+    "Prediction",
+    "assign_roles",
+    "optimal_shares",
+    "predict",
+]
