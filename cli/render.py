@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from rich import box
+from rich.console import Group
 from rich.table import Table
+from rich.text import Text
 
-from peer.status import StatusReport
+from peer.status import PeerRow, StatusReport
 
 
 def short_id(peer_id: str) -> str:
-    return f"{peer_id[:8]}…{peer_id[-6:]}" if len(peer_id) > 16 else peer_id
+    # Every Ed25519 peer id starts with "12D3KooW": the end is what tells them apart.
+    return f"…{peer_id[-8:]}" if len(peer_id) > 12 else peer_id
 
 
 def duration(seconds: float) -> str:
@@ -20,21 +24,43 @@ def duration(seconds: float) -> str:
     return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
-def status_table(report: StatusReport) -> Table:
+def rate(bytes_per_s: float | None) -> str:
+    """Link speed in bytes/s, with a decimal prefix: 12.5 MB/s."""
+    if bytes_per_s is None:
+        return "-"
+    for unit, scale in (("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
+        if bytes_per_s >= scale:
+            return f"{bytes_per_s / scale:.3g} {unit}"
+    return f"{bytes_per_s:.0f} B/s"
+
+
+def speed(samples_per_s: float | None) -> str:
+    if samples_per_s is None:
+        return "-"
+    if samples_per_s >= 1e3:
+        return f"{samples_per_s / 1e3:.3g}k"
+    return f"{samples_per_s:.3g}"
+
+
+def status_table(report: StatusReport) -> Group:
+    """Two tables that fit 80 columns: who is online, then what each measured and does."""
     c = report.collaboration
-    table = Table(
+    online = Table(
+        **TABLE_STYLE,
         title=f"collaboration {c.name!r}: {c.peers_online} peers, {c.backbones_online} backbones online",
         title_justify="left",
     )
     for column in ("peer id", "role", "address", "version", "uptime", "last seen"):
-        if column == "address":
-            table.add_column(column, overflow="fold")
-        else:
-            table.add_column(column, no_wrap=True)
+        online.add_column(column, overflow="fold" if column == "address" else "ellipsis")
+    measured = Table(
+        **TABLE_STYLE, title="measured capabilities and assigned roles", title_justify="left"
+    )
+    for column in ("peer id", "samples/s", "up", "down", "rtt", "reachable", "work", "share"):
+        measured.add_column(column, no_wrap=True)
     for row in report.peers:
         # The /p2p/<id> suffix repeats the id column; `--json` keeps full addresses.
         addrs = [addr.split("/p2p/")[0] for addr in row.addrs]
-        table.add_row(
+        online.add_row(
             short_id(row.peer_id),
             row.role,
             "\n".join(addrs[:2]) + (f"\n(+{len(addrs) - 2} more)" if len(addrs) > 2 else ""),
@@ -42,4 +68,45 @@ def status_table(report: StatusReport) -> Table:
             duration(row.uptime_s),
             f"{duration(row.last_seen_s)} ago",
         )
-    return table
+        measured.add_row(
+            short_id(row.peer_id),
+            speed(row.samples_per_s),
+            rate(row.upload_bps),
+            rate(row.download_bps),
+            f"{row.rtt_s * 1e3:.1f} ms" if row.rtt_s is not None else "-",
+            _reachable(row),
+            WORK_LABELS.get(row.work, "-") if row.work else "-",
+            f"{row.share:.1%}" if row.share is not None else "-",
+        )
+    a = c.assignment
+    if a is None:
+        footer = Text(f"roles: {c.assignment_note}", style="yellow")
+    else:
+        footer = Text(
+            f"task {a.task!r}, P = {a.gradient_bytes / 1e6:.3g} MB, B = {a.target_batch}: "
+            f"predicted {a.samples_per_s:.4g} samples/s; a step takes {a.step_time_s:.3g} s "
+            f"(compute {a.compute_time_s:.3g} s + all-reduce {a.comm_time_s:.3g} s). "
+            "work: compute gradients, aggregate a share of the all-reduce, or both; "
+            "a peer not reachable inbound never aggregates"
+        )
+    return Group(online, measured, footer)
+
+
+# Compact enough for both tables to fit 80 columns.
+TABLE_STYLE: dict = {
+    "box": box.SIMPLE_HEAD,
+    "padding": (0, 1),
+    "pad_edge": False,
+    "show_edge": False,
+    "collapse_padding": True,
+}
+WORK_LABELS = {
+    "compute+aggregate": "both",
+    "compute": "compute",
+    "aggregate": "aggregate",
+    "idle": "idle",
+}
+
+
+def _reachable(row: PeerRow) -> str:
+    return {None: "-", True: "yes", False: "no"}[row.reachable]

@@ -26,9 +26,12 @@ __all__ = [
     "IdentityConfig",
     "LoadedConfig",
     "LogConfig",
+    "MeasureConfig",
     "NetConfig",
     "PeerConfig",
     "PresenceConfig",
+    "ProbeConfig",
+    "TaskConfig",
     "config_to_dict",
     "load_config",
 ]
@@ -115,6 +118,44 @@ class CollaborationConfig(_Section):
 
 
 @dataclass(frozen=True, kw_only=True)
+class TaskConfig(_Section):
+    name: str = "tiny"
+    """Built-in task name, or package.module:factory."""
+    micro_batch: int = 32
+    """Samples per forward/backward pass on this peer."""
+    target_batch: int = 4096
+    """Samples the collaboration accumulates per optimizer step."""
+    device: str = "auto"
+    """auto (CUDA if present, else CPU), cpu, cuda or cuda:N."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeasureConfig(_Section):
+    compute_seconds: float = 1.0
+    """Length of the timed compute run at start, after warm-up."""
+    probe_seconds: float = 2.0
+    """Target length of each bandwidth probe."""
+    interval: float = 600.0
+    """Seconds between re-measurements of bandwidth and reachability."""
+    max_backbones: int = 3
+    """Backbones to probe; the best figures count (a probe measures the slower end)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProbeConfig(_Section):
+    max_bytes: int = 33554432
+    """Largest probe a backbone grants (32 MiB)."""
+    max_seconds: float = 5.0
+    """A probe's transfer stops after this long."""
+    budget_bytes: int = 100663296
+    """Bytes one caller may probe per budget window (96 MiB)."""
+    budget_window: float = 60.0
+    """Seconds for an empty budget to refill."""
+    max_concurrent: int = 4
+    """Probes served at once, over all callers."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class LogConfig(_Section):
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
         "level": ("debug", "info", "warning", "error"),
@@ -133,6 +174,9 @@ class PeerConfig:
     dht: DhtConfig = field(default_factory=DhtConfig)
     presence: PresenceConfig = field(default_factory=PresenceConfig)
     collaboration: CollaborationConfig = field(default_factory=CollaborationConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    measure: MeasureConfig = field(default_factory=MeasureConfig)
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
 
@@ -169,6 +213,18 @@ _EXPECTED: dict[Any, str] = {
 _CROSS_RULES: list[tuple[str, str, Callable[[Any, Any], bool], str]] = [
     ("presence.refresh", "presence.ttl", lambda a, b: a < b, "expected less than presence.ttl"),
     ("dht.replicas", "dht.bucket_size", lambda a, b: a <= b, "expected at most dht.bucket_size"),
+    (
+        "task.micro_batch",
+        "task.target_batch",
+        lambda a, b: a <= b,
+        "expected at most task.target_batch",
+    ),
+    (
+        "probe.max_bytes",
+        "probe.budget_bytes",
+        lambda a, b: a <= b,
+        "expected at most probe.budget_bytes",
+    ),
 ]
 
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 from libp2p.peer.id import ID
@@ -22,9 +24,17 @@ from peer import __version__
 from peer.config import PeerConfig
 from peer.dht.node import DHT
 from peer.errors import Unreachable
+from peer.measure.probe import ProbeServer
+from peer.measure.reachability import DialBackServer, open_dialer
+from peer.measure.service import Measurements
 from peer.net.host import Node, open_node, split_peer_addr
-from peer.net.identity import hold_identity, load_or_create_identity
+from peer.net.identity import ephemeral_identity, hold_identity, load_or_create_identity
 from peer.presence import PresenceRecord, Role, keep_present
+
+if TYPE_CHECKING:  # torch takes a second or two to import; backbones never need it
+    import torch
+
+    from peer.training.task import Task
 
 log = logging.getLogger("peertrain.daemon")
 
@@ -70,6 +80,7 @@ async def run_daemon(
     seeds = parse_backbones(config.collaboration.backbones)
     if role == "peer" and not seeds:
         raise Unreachable("no backbone given; pass --backbone MADDR (printed by `backbone start`)")
+    workload = load_workload(config) if role == "peer" else None  # config errors come first
     identity = load_or_create_identity(Path(config.identity.path).expanduser())
     with hold_identity(identity):
         async with open_node(
@@ -80,28 +91,42 @@ async def run_daemon(
         ) as node:
             dht = DHT(node, config.dht, server=True, rpc_timeout=config.net.rpc_timeout)
             started_at = time.time()
-
-            def presence() -> PresenceRecord:
-                return PresenceRecord(
-                    node.peer_id.to_base58(),
-                    role,
-                    node.public_addrs(),
-                    __version__,
-                    started_at,
-                    time.time(),
-                )
-
-            async with trio.open_nursery() as nursery:
+            async with (
+                open_backbone_services(node, config, role) as probe_server,
+                trio.open_nursery() as nursery,
+            ):
                 await nursery.start(dht.run)
-                seeds = [(peer_id, addr) for peer_id, addr in seeds if peer_id != node.peer_id]
+                seeds = [(p, addr) for p, addr in seeds if p != node.peer_id]
+                reached: list[ID] = []
                 if seeds:
                     dht.seeds = seeds
                     if role == "peer":
-                        await join(dht, seeds)
-                    elif not await dht.bootstrap(seeds):
+                        reached = await join(dht, seeds)
+                    elif not (reached := await dht.bootstrap(seeds)):
                         log.warning(
-                            "no other backbone answered; starting alone, will retry in the background"
+                            "no other backbone answered; starting alone, will retry in the "
+                            "background"
                         )
+                measurements = Measurements(
+                    node,
+                    config,
+                    backbones=reached,
+                    workload=workload,
+                    probe_server=probe_server,
+                )
+                await nursery.start(measurements.run)
+
+                def presence() -> PresenceRecord:
+                    return PresenceRecord(
+                        node.peer_id.to_base58(),
+                        role,
+                        node.public_addrs(),
+                        __version__,
+                        started_at,
+                        time.time(),
+                        measurements.capabilities(),
+                    )
+
                 await nursery.start(
                     lambda task_status: keep_present(
                         dht,
@@ -109,6 +134,7 @@ async def run_daemon(
                         collaboration=config.collaboration.name,
                         ttl=config.presence.ttl,
                         refresh=config.presence.refresh,
+                        wait_changed=measurements.wait_changed,
                         task_status=task_status,
                     )
                 )
@@ -116,3 +142,25 @@ async def run_daemon(
                 task_status.started(node)
                 await stop.wait()
                 nursery.cancel_scope.cancel()
+
+
+def load_workload(config: PeerConfig) -> tuple[Task, torch.device]:
+    """The task and device a peer computes on (imports torch; raises ConfigError)."""
+    from peer.measure.compute import pick_device
+    from peer.training.task import load_task
+
+    return load_task(config.task.name), pick_device(config.task.device)
+
+
+@asynccontextmanager
+async def open_backbone_services(
+    node: Node, config: PeerConfig, role: Role
+) -> AsyncIterator[ProbeServer | None]:
+    """On a backbone: the probe and dial-back services (and the second host dial-backs use)."""
+    if role != "backbone":
+        yield None
+        return
+    probe_server = ProbeServer(node.host, config.probe)
+    async with open_dialer(ephemeral_identity()) as dialer:
+        DialBackServer(node.host, dialer)
+        yield probe_server

@@ -9,7 +9,7 @@ A node that stops cleanly withdraws it with a tombstone.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Literal
 
 import msgspec
@@ -17,6 +17,7 @@ import trio
 
 from peer.dht.node import DHT
 from peer.errors import RemoteError
+from peer.measure.capabilities import Capabilities
 
 log = logging.getLogger("peertrain.presence")
 
@@ -32,6 +33,8 @@ class PresenceRecord(msgspec.Struct, frozen=True):
     version: Annotated[str, msgspec.Meta(max_length=64)]
     started_at: float
     updated_at: float
+    capabilities: Capabilities | None = None
+    """Measured figures; None until the first measurement finishes."""
 
 
 def presence_key(collaboration: str) -> str:
@@ -45,9 +48,11 @@ async def keep_present(
     collaboration: str,
     ttl: float,
     refresh: float,
+    wait_changed: Callable[[], Awaitable[None]] = trio.sleep_forever,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Publish our presence now and every `refresh` seconds; withdraw it when cancelled."""
+    """Publish our presence now, every `refresh` seconds, and as soon as `wait_changed()`
+    returns (new measurements); withdraw it when cancelled."""
     key = presence_key(collaboration)
     subkey = dht.node.peer_id.to_base58()
     started = False
@@ -71,7 +76,8 @@ async def keep_present(
             if not started:
                 started = True
                 task_status.started()
-            await trio.sleep(refresh)
+            with trio.move_on_after(refresh):
+                await wait_changed()
     finally:
         # The tombstone must outlive the record it replaces, hence last_expiration + 1.
         with trio.CancelScope(shield=True), trio.move_on_after(1.0):

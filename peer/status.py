@@ -8,18 +8,18 @@ table or JSON.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
-
-from libp2p.crypto.ed25519 import create_new_key_pair
-from libp2p.peer.id import ID
 
 from peer.config import PeerConfig
 from peer.daemon import join, parse_backbones
 from peer.dht.node import DHT
-from peer.errors import Unreachable
+from peer.errors import RoleAssignmentError, Unreachable
+from peer.measure.capabilities import to_capacity
 from peer.net.host import open_node
-from peer.net.identity import Identity
-from peer.presence import decode_presence, presence_key
+from peer.net.identity import ephemeral_identity
+from peer.presence import PresenceRecord, decode_presence, presence_key
+from peer.roles import assign_roles
 
 STATUS_JOIN_BACKOFF = (0.5, 1.0)
 
@@ -28,12 +28,42 @@ STATUS_JOIN_BACKOFF = (0.5, 1.0)
 class PeerRow:
     peer_id: str
     role: str
+    """Node kind: peer or backbone."""
     addrs: list[str]
     version: str
     started_at: float
     uptime_s: float
     last_seen_s: float  # seconds since the peer last refreshed its presence
     expires_in_s: float
+    # Measured figures (None until the peer's first measurement).
+    samples_per_s: float | None
+    upload_bps: float | None
+    download_bps: float | None
+    rtt_s: float | None
+    reachable: bool | None
+    device: str | None
+    free_memory_bytes: int | None
+    measured_at: float | None
+    # What the role solver assigns it (None without an assignment).
+    work: str | None
+    """compute, aggregate, compute+aggregate or idle."""
+    share: float | None
+
+
+@dataclass(frozen=True)
+class GroupAssignment:
+    """The role solver's answer for the whole collaboration, as `peer status` shows it."""
+
+    task: str
+    gradient_bytes: int
+    target_batch: int
+    samples_per_s: float
+    step_time_s: float
+    compute_time_s: float
+    comm_time_s: float
+    exact: bool
+    work: dict[str, tuple[str, float]]
+    """peer id -> (work, share)."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +73,9 @@ class CollaborationSummary:
     backbones_online: int
     backbones_reached: list[str]
     queried_at: float
+    assignment: GroupAssignment | None
+    assignment_note: str | None
+    """Why there is no assignment (nothing measured yet, no aggregator, ...)."""
 
 
 @dataclass(frozen=True)
@@ -51,15 +84,64 @@ class StatusReport:
     peers: list[PeerRow]
 
     def to_json(self) -> dict:
-        return {
-            "collaboration": asdict(self.collaboration),
-            "peers": [asdict(row) for row in self.peers],
-        }
+        collaboration = asdict(self.collaboration)
+        if collaboration["assignment"] is not None:
+            del collaboration["assignment"]["work"]  # per peer in `peers` already
+        return {"collaboration": collaboration, "peers": [asdict(row) for row in self.peers]}
 
 
-def ephemeral_identity() -> Identity:
-    key_pair = create_new_key_pair()
-    return Identity(key_pair=key_pair, peer_id=ID.from_pubkey(key_pair.public_key), path=None)
+def assign_group(records: list[PresenceRecord]) -> tuple[GroupAssignment | None, str | None]:
+    """Run the role solver over the measured records (pure).
+
+    The task is the one most compute-capable peers train (its P and B feed the solver); peers
+    training another task stay out. Returns (assignment, None) or (None, why not).
+    """
+    measured = [r for r in records if r.capabilities is not None]
+    tasks = Counter(
+        (c.task, c.gradient_bytes, c.target_batch)
+        for r in measured
+        if (c := r.capabilities) is not None and c.samples_per_s > 0 and c.gradient_bytes > 0
+    )
+    if not tasks:
+        return None, "no peer has measured its compute yet"
+    (task, gradient_bytes, target_batch), _ = max(tasks.items(), key=lambda kv: (kv[1], kv[0]))
+    capacities = [
+        capacity
+        for r in measured
+        if r.capabilities is not None
+        and r.capabilities.task in (task, "")
+        and (capacity := to_capacity(r.peer_id, r.capabilities)) is not None
+    ]
+    try:
+        result = assign_roles(
+            capacities, gradient_bytes=gradient_bytes, target_batch=target_batch, delayed=False
+        )
+    except RoleAssignmentError as error:
+        return None, str(error)
+    work = {
+        role.peer_id: (_work_name(role.computes, role.share > 0), role.share)
+        for role in result.roles
+    }
+    return GroupAssignment(
+        task=task,
+        gradient_bytes=gradient_bytes,
+        target_batch=target_batch,
+        samples_per_s=result.samples_per_s,
+        step_time_s=result.step_time,
+        compute_time_s=result.compute_time,
+        comm_time_s=result.comm_time,
+        exact=result.exact,
+        work=work,
+    ), None
+
+
+def _work_name(computes: bool, aggregates: bool) -> str:
+    return {
+        (True, True): "compute+aggregate",
+        (True, False): "compute",
+        (False, True): "aggregate",
+        (False, False): "idle",
+    }[computes, aggregates]
 
 
 async def collect_status(config: PeerConfig) -> StatusReport:
@@ -74,17 +156,9 @@ async def collect_status(config: PeerConfig) -> StatusReport:
         entries = await dht.get(presence_key(config.collaboration.name))
     now = time.time()
     records = decode_presence(entries)
+    assignment, note = assign_group(records)
     rows = [
-        PeerRow(
-            peer_id=r.peer_id,
-            role=r.role,
-            addrs=r.addrs,
-            version=r.version,
-            started_at=r.started_at,
-            uptime_s=max(0.0, now - r.started_at),
-            last_seen_s=max(0.0, now - r.updated_at),
-            expires_in_s=entries[r.peer_id].expiration - now,
-        )
+        _row(r, now=now, expires_at=entries[r.peer_id].expiration, assignment=assignment)
         for r in records
     ]
     summary = CollaborationSummary(
@@ -93,5 +167,34 @@ async def collect_status(config: PeerConfig) -> StatusReport:
         backbones_online=sum(row.role == "backbone" for row in rows),
         backbones_reached=[str(peer_id) for peer_id in reached],
         queried_at=now,
+        assignment=assignment,
+        assignment_note=note,
     )
     return StatusReport(summary, rows)
+
+
+def _row(
+    r: PresenceRecord, *, now: float, expires_at: float, assignment: GroupAssignment | None
+) -> PeerRow:
+    c = r.capabilities
+    work, share = assignment.work.get(r.peer_id, (None, None)) if assignment else (None, None)
+    return PeerRow(
+        peer_id=r.peer_id,
+        role=r.role,
+        addrs=r.addrs,
+        version=r.version,
+        started_at=r.started_at,
+        uptime_s=max(0.0, now - r.started_at),
+        last_seen_s=max(0.0, now - r.updated_at),
+        expires_in_s=expires_at - now,
+        samples_per_s=c.samples_per_s if c else None,
+        upload_bps=c.upload_bps if c else None,
+        download_bps=c.download_bps if c else None,
+        rtt_s=c.rtt_s if c else None,
+        reachable=c.reachable if c else None,
+        device=c.device if c else None,
+        free_memory_bytes=c.free_memory_bytes if c else None,
+        measured_at=c.measured_at if c else None,
+        work=work,
+        share=share,
+    )

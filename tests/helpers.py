@@ -7,21 +7,17 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 
 import trio
-from libp2p.crypto.ed25519 import create_new_key_pair
-from libp2p.peer.id import ID
 
 from peer.config import DhtConfig
 from peer.dht.node import DHT
 from peer.dht.routing import node_id
 from peer.net.host import Node, open_node
-from peer.net.identity import Identity
+from peer.net.identity import ephemeral_identity
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
 
-def new_identity() -> Identity:
-    key_pair = create_new_key_pair()
-    return Identity(key_pair=key_pair, peer_id=ID.from_pubkey(key_pair.public_key), path=None)
+new_identity = ephemeral_identity
 
 
 @asynccontextmanager

@@ -126,12 +126,36 @@ def status(backbones: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(args, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=60)
 
 
-def listed_peers(backbones: list[str]) -> set[str]:
+def status_report(backbones: list[str]) -> dict:
     result = status(backbones)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert set(report) == {"collaboration", "peers"}
-    return {p["peer_id"] for p in report["peers"] if p["role"] == "peer"}
+    return report
+
+
+def listed_peers(backbones: list[str]) -> set[str]:
+    return {p["peer_id"] for p in status_report(backbones)["peers"] if p["role"] == "peer"}
+
+
+def measured_and_assigned(backbones: list[str], ids: set[str]) -> bool:
+    """Every peer in `ids` shows measured compute, both directions, RTT, reachability and work."""
+    report = status_report(backbones)
+    rows = {p["peer_id"]: p for p in report["peers"]}
+    return (
+        report["collaboration"]["assignment"] is not None
+        and all(
+            rows[i]["samples_per_s"]
+            and rows[i]["upload_bps"]
+            and rows[i]["download_bps"]
+            and rows[i]["rtt_s"]
+            and rows[i]["reachable"] is True
+            and rows[i]["work"]
+            for i in ids
+            if i in rows
+        )
+        and ids <= set(rows)
+    )
 
 
 def wait_for(predicate, *, timeout: float, what: str) -> None:
@@ -155,6 +179,11 @@ def test_collaboration_lifecycle(procs, tmp_path, dead_backbone):
 
     # All three are listed within 10 s of joining.
     wait_for(lambda: listed_peers(backbones) >= ids, timeout=10, what="3 peers listed")
+    # Each measures itself against the backbones (reachable on loopback) and gets a role.
+    wait_for(lambda: measured_and_assigned(backbones, ids), timeout=60, what="peers measured")
+    assert sum(
+        p["share"] for p in status_report(backbones)["peers"] if p["share"] is not None
+    ) == pytest.approx(1.0)
 
     # kill -9: no goodbye, so the peer disappears once its presence record expires (ttl 4 s).
     victim, victim_id = peers[0]

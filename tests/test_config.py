@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from peer.config import (
+    FIELDS,
     DhtConfig,
     PeerConfig,
     PresenceConfig,
@@ -44,7 +45,7 @@ def test_defaults_without_any_layer() -> None:
     assert loaded.config.dht.replicas == 8
     assert set(loaded.sources.values()) == {"default"}
     assert "net.listen" in loaded.sources and "log.format" in loaded.sources
-    assert len(loaded.sources) == 22
+    assert set(loaded.sources) == {f"{s}.{k}" for s, keys in FIELDS.items() for k in keys}
 
 
 def test_default_toml_sets_every_key_to_its_default() -> None:

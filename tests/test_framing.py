@@ -50,6 +50,18 @@ def test_empty_frame_round_trips():
     assert decoder.next_frame() is None
 
 
+def test_raw_bytes_after_a_frame_are_handed_back_once():
+    decoder = FrameDecoder(max_size=10)
+    decoder.feed(encode_frame(b"hdr") + b"raw bytes")
+    assert decoder.next_frame() == b"hdr"
+    assert decoder.take_leftover() == b"raw bytes"
+    assert decoder.take_leftover() == b""
+    decoder.feed(encode_varint(5) + b"ab")
+    assert decoder.next_frame() is None
+    with pytest.raises(ProtocolError, match="partly received"):
+        decoder.take_leftover()
+
+
 @given(
     frames=st.lists(st.binary(max_size=300), max_size=20),
     cuts=st.lists(st.integers(min_value=0, max_value=10_000), max_size=30),

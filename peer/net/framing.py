@@ -56,6 +56,13 @@ class FrameDecoder:
         """True when some bytes of an unfinished frame are buffered (EOF now = truncation)."""
         return bool(self._buffer) or self._expected is not None
 
+    def take_leftover(self) -> bytes:
+        """Bytes received after the last whole frame, for a protocol that switches to raw bytes."""
+        if self._expected is not None:
+            raise ProtocolError("a frame is only partly received; no raw bytes follow it yet")
+        rest, self._buffer = bytes(self._buffer), bytearray()
+        return rest
+
     def feed(self, data: bytes) -> None:
         if self._broken:
             raise ProtocolError("frame decoder used after a protocol error")

@@ -22,7 +22,14 @@ from libp2p.peer.id import ID
 
 from peer.errors import IdentityError
 
-__all__ = ["KEY_BYTES", "Identity", "IdentityLock", "hold_identity", "load_or_create_identity"]
+__all__ = [
+    "KEY_BYTES",
+    "Identity",
+    "IdentityLock",
+    "ephemeral_identity",
+    "hold_identity",
+    "load_or_create_identity",
+]
 
 KEY_BYTES = 32
 
@@ -35,6 +42,12 @@ class Identity:
     """Derived from the public key; what other peers know us by."""
     path: Path | None
     """Key file it was loaded from; None for a throw-away identity (e.g. `peer status`)."""
+
+
+def ephemeral_identity() -> Identity:
+    """A throw-away identity with no key file (`peer status`, a backbone's dial-back host)."""
+    key_pair = create_new_key_pair()
+    return Identity(key_pair=key_pair, peer_id=ID.from_pubkey(key_pair.public_key), path=None)
 
 
 def load_or_create_identity(path: Path) -> Identity:

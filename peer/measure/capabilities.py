@@ -1,0 +1,52 @@
+"""What a node advertises about itself in its presence record: measured, never typed in.
+
+The role solver reads these from every peer's record (`to_capacity`), and `peer status` shows
+them. Every field is validated on decode (types, ranges); a record with impossible figures
+(infinite rates) is ignored for role assignment rather than trusted.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from peer.roles import PeerCapacity
+
+NonNegative = Annotated[float, msgspec.Meta(ge=0)]
+Count = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class Capabilities(msgspec.Struct, frozen=True):
+    samples_per_s: NonNegative
+    """Training throughput of the task on this node (0: it does not compute)."""
+    upload_bps: NonNegative
+    download_bps: NonNegative
+    rtt_s: NonNegative
+    """Round trip to the nearest backbone probed."""
+    reachable: bool
+    """Others can dial it (a backbone dialed it back): it may aggregate."""
+    device: Annotated[str, msgspec.Meta(max_length=64)]
+    free_memory_bytes: Count
+    measured_at: float
+    """Wall-clock time of the latest measurement."""
+    task: Annotated[str, msgspec.Meta(max_length=256)]
+    """The task it trains ("" for a backbone)."""
+    gradient_bytes: Count
+    """Bytes of one gradient of that task (P in the role solver)."""
+    target_batch: Count
+    """Samples per collaborative step it is configured for (B in the role solver)."""
+
+
+def to_capacity(peer_id: str, capabilities: Capabilities) -> PeerCapacity | None:
+    """The solver's view of a peer, or None when its figures are not usable."""
+    try:
+        return PeerCapacity(
+            peer_id=peer_id,
+            samples_per_s=capabilities.samples_per_s,
+            upload_bps=capabilities.upload_bps,
+            download_bps=capabilities.download_bps,
+            reachable=capabilities.reachable,
+        )
+    except ValueError:
+        return None

@@ -1,0 +1,120 @@
+"""Compute throughput: samples/s of the task's forward + backward on this machine.
+
+At start, `measure_compute` runs a few warm-up steps (allocator, kernel selection, lazy init)
+and then times steps for at least `min_seconds`. Once training runs, `ThroughputMeter` keeps an
+exponential moving average of the real rate, which the training loop feeds. Both are blocking
+torch code: the daemon runs them in a worker thread, never on the trio loop.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+import torch
+
+from peer.errors import ConfigError
+from peer.training.task import Task
+
+
+@dataclass(frozen=True)
+class ComputeMeasurement:
+    samples_per_s: float
+    device: str
+    free_memory_bytes: int
+    """Free memory of that device (host RAM for the CPU)."""
+    gradient_bytes: int
+    """Bytes of one full gradient of the task's model."""
+
+
+def pick_device(setting: str) -> torch.device:
+    """`auto` (CUDA when there is one, else CPU), `cpu`, `cuda` or `cuda:N`."""
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(setting)
+    except RuntimeError:
+        raise ConfigError(
+            f"task.device = {setting!r}: expected auto, cpu, cuda or cuda:N"
+        ) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            f"task.device = {setting!r}: this machine has no CUDA device; use auto or cpu"
+        )
+    return device
+
+
+def free_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    return int(psutil.virtual_memory().available)
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Move the tensors of a (nested) batch to `device`."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(item, device) for item in batch)
+    if isinstance(batch, dict):
+        return {key: to_device(value, device) for key, value in batch.items()}
+    return batch
+
+
+def measure_compute(
+    task: Task,
+    *,
+    micro_batch: int,
+    device: torch.device,
+    min_seconds: float = 1.0,
+    warmup_steps: int = 2,
+    min_steps: int = 3,
+) -> ComputeMeasurement:
+    """Samples/s of sampling + forward + backward at `micro_batch` (blocking; use a thread)."""
+    model = task.build_model().to(device)
+    generator = torch.Generator().manual_seed(0)
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        task.loss(model, to_device(task.sample_batch(micro_batch, generator), device)).backward()
+
+    def synchronize() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # kernels run asynchronously: wait before timing
+
+    for _ in range(warmup_steps):
+        step()
+    synchronize()
+    steps, start = 0, time.perf_counter()
+    while True:
+        step()
+        steps += 1
+        if steps >= min_steps:
+            synchronize()
+            elapsed = time.perf_counter() - start
+            if elapsed >= min_seconds:
+                break
+    gradient_bytes = sum(
+        p.numel() * p.element_size() for p in model.parameters() if p.requires_grad
+    )
+    return ComputeMeasurement(
+        steps * micro_batch / elapsed, str(device), free_memory(device), gradient_bytes
+    )
+
+
+class ThroughputMeter:
+    """Exponential moving average of samples/s, weighted by time: after `half_life` seconds of
+    new measurements, the old estimate counts half."""
+
+    def __init__(self, initial: float, *, half_life: float = 60.0) -> None:
+        self.samples_per_s = initial
+        self.half_life = half_life
+
+    def update(self, samples: int, seconds: float) -> float:
+        if seconds > 0:
+            keep = math.pow(0.5, seconds / self.half_life)
+            self.samples_per_s = keep * self.samples_per_s + (1 - keep) * samples / seconds
+        return self.samples_per_s

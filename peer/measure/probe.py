@@ -1,0 +1,359 @@
+"""Link probes against a backbone: upload and download bytes/s and round-trip time.
+
+Protocol `/peertrain/probe/1`, one probe per stream, control messages as frames
+(`peer.net.framing`), bulk data as raw bytes:
+
+    ping:      Ping ->  Pong          (repeated on one stream; the client keeps the fastest)
+    download:  Probe{download, n} ->  Accepted{n', seconds} | Refused, then n' raw bytes, EOF;
+               Measured{bytes, seconds} ->
+    upload:    Probe{upload, n}   ->  Accepted{n', seconds} | Refused;  n' raw bytes, EOF
+                                  ->  Measured{bytes, seconds}
+
+The receiving side measures and tells the other: the client for downloads, the backbone for
+uploads. So a backbone learns its own capacity from the probes it serves (`capacity()`: the
+best rates of the last hour), without trusting a number anyone typed in; a caller's download
+report is capped by how fast the backbone saw its bytes leave. A rate is
+taken over the last three quarters of the bytes (`measured_window`), so TCP slow start and the
+first round trip do not count. A backbone grants at most `max_bytes` per probe and stops after
+`max_seconds`; each caller has a byte budget that refills over `budget_window` seconds
+(`ByteBudgets`), and at most `max_concurrent` probes run at once, so nobody can use a backbone
+to flood links. A refusal says when to retry.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+import msgspec
+import trio
+from libp2p.abc import IHost, INetStream
+from libp2p.peer.id import ID
+
+from peer.config import ProbeConfig
+from peer.errors import DeadlineExceeded, ProtocolError, RemoteError, Unreachable
+from peer.net.host import Node
+from peer.net.rpc import READ_CHUNK, TRANSPORT_ERRORS, FramedStream
+
+log = logging.getLogger("peertrain.probe")
+
+PROTOCOL = "/peertrain/probe/1"
+MAX_CONTROL_BYTES = 1024
+CONTROL_TIMEOUT = 10.0
+CAPACITY_WINDOW = 3600.0
+_ZEROS = bytes(READ_CHUNK)
+
+
+class Ping(msgspec.Struct, tag=True):
+    pass
+
+
+class Pong(msgspec.Struct, tag=True):
+    pass
+
+
+class Probe(msgspec.Struct, tag=True):
+    direction: Literal["upload", "download"]
+    bytes: Annotated[int, msgspec.Meta(ge=1, le=1 << 40)]
+
+
+class Accepted(msgspec.Struct, tag=True):
+    bytes: int
+    seconds: float
+
+
+class Refused(msgspec.Struct, tag=True):
+    reason: Annotated[str, msgspec.Meta(max_length=200)]
+    retry_after: float
+
+
+class Measured(msgspec.Struct, tag=True):
+    bytes: int
+    seconds: float
+
+
+_requests = msgspec.msgpack.Decoder(Ping | Probe)
+_replies = msgspec.msgpack.Decoder(Pong | Accepted | Refused | Measured)
+_encode = msgspec.msgpack.Encoder().encode
+
+
+@dataclass(frozen=True)
+class LinkMeasurement:
+    upload_bps: float
+    download_bps: float
+    rtt_s: float
+
+
+# ---------------------------------------------------------------------------- pure parts
+
+
+def measured_window(samples: list[tuple[float, int]]) -> tuple[int, float]:
+    """(bytes, seconds) of a transfer from (time, bytes so far) samples, leaving out the first
+    quarter of the bytes, which carries TCP slow start and the request's round trip.
+
+    With too few samples to leave it out, the whole transfer counts; (0, 0.0) if nothing moved.
+    """
+    if len(samples) < 2:
+        return 0, 0.0
+    total = samples[-1][1]
+    start = next(s for s in samples if s[1] >= total / 4)
+    if start is samples[-1]:
+        start = samples[0]
+    return total - start[1], samples[-1][0] - start[0]
+
+
+def rate(window: tuple[int, float]) -> float:
+    count, seconds = window
+    return count / seconds if seconds > 0 else 0.0
+
+
+class ByteBudgets:
+    """A token bucket of bytes per caller: `capacity` bytes, refilled over `window` seconds."""
+
+    def __init__(self, *, capacity: int, window: float, max_callers: int = 10_000) -> None:
+        self.capacity = capacity
+        self.rate = capacity / window
+        self.max_callers = max_callers
+        self._buckets: dict[object, tuple[float, float]] = {}  # caller -> (tokens, at)
+
+    def try_spend(self, caller: object, amount: int, *, now: float) -> float:
+        """Spend `amount` and return 0, or return the seconds until it could be spent."""
+        tokens, at = self._buckets.get(caller, (float(self.capacity), now))
+        tokens = min(float(self.capacity), tokens + (now - at) * self.rate)
+        amount = min(amount, self.capacity)  # a request above capacity waits for a full bucket
+        if tokens < amount:
+            self._buckets[caller] = (tokens, now)
+            return (amount - tokens) / self.rate
+        if caller not in self._buckets and len(self._buckets) >= self.max_callers:
+            self._forget_full(now)
+        self._buckets[caller] = (tokens - amount, now)
+        return 0.0
+
+    def _forget_full(self, now: float) -> None:
+        """Drop callers whose buckets have refilled: they are indistinguishable from new ones."""
+        for caller, (tokens, at) in list(self._buckets.items()):
+            if tokens + (now - at) * self.rate >= self.capacity:
+                del self._buckets[caller]
+
+
+# ---------------------------------------------------------------------------- backbone side
+
+
+class ProbeServer:
+    """Serves link probes on a backbone."""
+
+    def __init__(
+        self, host: IHost, limits: ProbeConfig, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.limits = limits
+        self.clock = clock
+        self.budgets = ByteBudgets(capacity=limits.budget_bytes, window=limits.budget_window)
+        self.running = 0
+        self._rates: deque[tuple[float, str, float]] = deque(maxlen=256)  # (at, direction, bps)
+        host.set_stream_handler(PROTOCOL, self._serve)
+
+    def capacity(self, *, now: float, window: float = CAPACITY_WINDOW) -> tuple[float, float]:
+        """(upload, download) bytes/s this backbone has shown in the probes of `window`
+        seconds: the best rate it sent at and the best it received at (0 when none)."""
+        best = {"download": 0.0, "upload": 0.0}
+        for at, direction, bps in self._rates:
+            if now - at <= window:
+                best[direction] = max(best[direction], bps)
+        # A caller's download is the backbone's upload, and the other way round.
+        return best["download"], best["upload"]
+
+    async def _serve(self, stream: INetStream) -> None:
+        caller = stream.muxed_conn.peer_id
+        framed = FramedStream(stream, MAX_CONTROL_BYTES)
+        try:
+            while True:
+                with trio.move_on_after(CONTROL_TIMEOUT):
+                    frame = await framed.read_frame()
+                if frame is None:
+                    break
+                request = _requests.decode(frame)
+                if isinstance(request, Ping):
+                    await framed.write_frame(_encode(Pong()))
+                    continue
+                await self._probe(caller, framed, request)
+                break
+        except (ProtocolError, msgspec.DecodeError, *TRANSPORT_ERRORS) as error:
+            log.debug("probe from %s ended: %r", caller, error)
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+                try:
+                    await stream.close()
+                except TRANSPORT_ERRORS:
+                    await framed.reset()
+
+    async def _probe(self, caller: ID, framed: FramedStream, request: Probe) -> None:
+        if self.running >= self.limits.max_concurrent:
+            await framed.write_frame(_encode(Refused("busy: too many probes at once", 1.0)))
+            return
+        granted = min(request.bytes, self.limits.max_bytes)
+        wait = self.budgets.try_spend(caller, granted, now=self.clock())
+        if wait > 0:
+            reason = "rate limited: this caller's probe budget is spent"
+            await framed.write_frame(_encode(Refused(reason, wait)))
+            return
+        self.running += 1
+        try:
+            await framed.write_frame(_encode(Accepted(granted, self.limits.max_seconds)))
+            deadline = time.perf_counter() + self.limits.max_seconds
+            if request.direction == "download":
+                await self._serve_download(framed, granted, deadline)
+                return
+            samples: list[tuple[float, int]] = []
+            # The caller stops sending at the same deadline; the margin covers one round trip.
+            with trio.move_on_after(self.limits.max_seconds + CONTROL_TIMEOUT):
+                await receive_counted(framed, granted, samples, deadline=deadline + 1.0)
+            window = measured_window(samples)
+            await framed.write_frame(_encode(Measured(*window)))
+            self._rates.append((self.clock(), "upload", rate(window)))
+        finally:
+            self.running -= 1
+
+    async def _serve_download(self, framed: FramedStream, count: int, deadline: float) -> None:
+        start = time.perf_counter()
+        sent = await send_zeros(framed.stream, count, deadline=deadline)
+        # Writes return once yamux buffered the bytes, so this overestimates: a cap only.
+        send_rate = sent / max(time.perf_counter() - start, 1e-9)
+        await framed.stream.close()
+        with trio.move_on_after(CONTROL_TIMEOUT):
+            frame = await framed.read_frame()
+            report = _replies.decode(frame) if frame is not None else None
+            if isinstance(report, Measured):
+                reported = rate((report.bytes, report.seconds))
+                self._rates.append((self.clock(), "download", min(reported, send_rate)))
+
+
+async def send_zeros(stream: INetStream, count: int, *, deadline: float) -> int:
+    """Write `count` zero bytes, stopping early at `deadline` (checked between chunks, so
+    no write is ever cancelled half-way). Returns the bytes written."""
+    sent = 0
+    while sent < count and time.perf_counter() < deadline:
+        chunk = min(len(_ZEROS), count - sent)
+        await stream.write(_ZEROS[:chunk])
+        sent += chunk
+    return sent
+
+
+async def receive_counted(
+    framed: FramedStream, limit: int, samples: list[tuple[float, int]], *, deadline: float
+) -> None:
+    """Read raw bytes until EOF, `limit` or `deadline`, appending (time, bytes so far) to
+    `samples` after every read (the list stays usable if the caller cancels us)."""
+    received = len(framed.decoder.take_leftover())
+    samples.append((time.perf_counter(), received))
+    while received < limit and time.perf_counter() < deadline:
+        try:
+            data = await framed.stream.read(READ_CHUNK)
+        except EOFError:
+            return
+        if not data:
+            return
+        received += len(data)
+        samples.append((time.perf_counter(), received))
+
+
+# ---------------------------------------------------------------------------- peer side
+
+
+async def measure_link(
+    node: Node,
+    backbone: ID,
+    *,
+    target_seconds: float = 2.0,
+    max_bytes: int = 32 << 20,
+    pings: int = 5,
+) -> LinkMeasurement:
+    """Measure RTT, download and upload against `backbone`.
+
+    Each direction first moves 256 KiB to estimate the rate, then enough bytes for about
+    `target_seconds` (at most `max_bytes`). Raises RemoteError subclasses on refusal or failure.
+    """
+    rtt = await _ping(node, backbone, pings)
+    rates = {}
+    for direction in ("download", "upload"):
+        estimate = await _probe(node, backbone, direction, 256 << 10)
+        size = int(min(max_bytes, max(256 << 10, estimate * target_seconds)))
+        rates[direction] = await _probe(node, backbone, direction, size)
+    return LinkMeasurement(rates["upload"], rates["download"], rtt)
+
+
+async def _open(node: Node, backbone: ID) -> FramedStream:
+    try:
+        stream = await node.host.new_stream(backbone, [PROTOCOL])
+    except TRANSPORT_ERRORS as error:
+        raise Unreachable(f"cannot open {PROTOCOL} to {backbone}: {error}") from error
+    return FramedStream(stream, MAX_CONTROL_BYTES)
+
+
+async def _reply(framed: FramedStream, backbone: ID) -> Pong | Accepted | Refused | Measured:
+    with trio.move_on_after(CONTROL_TIMEOUT):
+        frame = await framed.read_frame()
+        if frame is None:
+            raise ProtocolError(f"{backbone} closed the probe stream without a reply")
+        try:
+            return _replies.decode(frame)
+        except msgspec.DecodeError as error:
+            raise ProtocolError(f"{backbone} sent a malformed probe reply: {error}") from None
+    raise DeadlineExceeded(f"{backbone} did not answer a probe within {CONTROL_TIMEOUT:.3g}s")
+
+
+async def _ping(node: Node, backbone: ID, count: int) -> float:
+    framed = await _open(node, backbone)
+    best = math.inf
+    try:
+        for _ in range(count):
+            start = time.perf_counter()
+            await framed.write_frame(_encode(Ping()))
+            if not isinstance(await _reply(framed, backbone), Pong):
+                raise ProtocolError(f"{backbone} answered a ping with something else")
+            best = min(best, time.perf_counter() - start)
+        await framed.stream.close()
+    except TRANSPORT_ERRORS as error:
+        raise Unreachable(f"ping to {backbone} failed: {error!r}") from error
+    finally:
+        await framed.reset()
+    return best
+
+
+async def _probe(node: Node, backbone: ID, direction: str, size: int) -> float:
+    framed = await _open(node, backbone)
+    try:
+        await framed.write_frame(_encode(Probe(direction, size)))  # type: ignore[arg-type]
+        reply = await _reply(framed, backbone)
+        if isinstance(reply, Refused):
+            raise RemoteError(
+                f"{backbone} refused the {direction} probe ({reply.reason}); "
+                f"retry in {reply.retry_after:.0f}s"
+            )
+        if not isinstance(reply, Accepted):
+            raise ProtocolError(f"{backbone} answered a probe with {type(reply).__name__}")
+        deadline = time.perf_counter() + reply.seconds
+        if direction == "download":
+            samples: list[tuple[float, int]] = []
+            with trio.move_on_after(reply.seconds + CONTROL_TIMEOUT):
+                await receive_counted(framed, reply.bytes, samples, deadline=deadline + 1.0)
+            window = measured_window(samples)
+            await framed.write_frame(_encode(Measured(*window)))  # the backbone learns too
+            await framed.stream.close()
+            with trio.move_on_after(1.0):  # its close says it read the report: then reset
+                await framed.read_frame()
+            return rate(window)
+        await send_zeros(framed.stream, reply.bytes, deadline=deadline)
+        await framed.stream.close()
+        measured = await _reply(framed, backbone)
+        if not isinstance(measured, Measured):
+            raise ProtocolError(f"{backbone} answered an upload with {type(measured).__name__}")
+        return rate((measured.bytes, measured.seconds))
+    except TRANSPORT_ERRORS as error:
+        raise Unreachable(f"{direction} probe to {backbone} failed: {error!r}") from error
+    finally:
+        await framed.reset()

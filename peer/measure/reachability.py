@@ -1,0 +1,170 @@
+"""Reachability: a backbone dials a peer back on its announced addresses (AutoNAT-like).
+
+Protocol `/peertrain/dialback/1`, one check per stream:
+
+    DialBack{addrs} -> DialBackResult{reachable: [addr], unreachable: {addr: why}}
+
+The backbone dials from a second host with its own throw-away identity, because its main host
+already has a connection to the caller and would reuse it. The Noise handshake proves that
+whoever answers at the address holds the caller's key. As in libp2p's AutoNAT, only addresses
+whose IP is the one the caller's connection comes from are dialed, so nobody can make a
+backbone dial third parties; a peer behind NAT announces private addresses, none match, and it
+is (correctly) found client-only. Checks run one at a time per caller and at most
+`MAX_CONCURRENT` at once, each dial bounded by `DIAL_TIMEOUT`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager, suppress
+from typing import Annotated
+
+import msgspec
+import trio
+from libp2p.abc import IHost, INetStream
+from libp2p.peer.id import ID
+from libp2p.peer.peerinfo import PeerInfo
+from multiaddr import Multiaddr
+
+from peer.errors import DeadlineExceeded, ProtocolError, RemoteError, Unreachable
+from peer.net.host import Node, create_host, parse_multiaddr
+from peer.net.identity import Identity
+from peer.net.rpc import TRANSPORT_ERRORS, FramedStream
+
+log = logging.getLogger("peertrain.reachability")
+
+PROTOCOL = "/peertrain/dialback/1"
+MAX_ADDRS = 8
+MAX_CONTROL_BYTES = 8192
+DIAL_TIMEOUT = 5.0
+MAX_CONCURRENT = 8
+
+Addr = Annotated[str, msgspec.Meta(max_length=256)]
+
+
+class DialBack(msgspec.Struct):
+    addrs: Annotated[list[Addr], msgspec.Meta(max_length=MAX_ADDRS)]
+
+
+class DialBackResult(msgspec.Struct):
+    reachable: list[str]
+    unreachable: dict[str, str]
+
+
+_encode = msgspec.msgpack.Encoder().encode
+
+
+def same_ip(addr: Multiaddr, observed_ip: str) -> bool:
+    try:
+        return ipaddress.ip_address(addr.value_for_protocol("ip4")) == ipaddress.ip_address(
+            observed_ip
+        )
+    except Exception:  # not an ip4 address, or not parseable: never dialed
+        return False
+
+
+class DialBackServer:
+    """Answers dial-back checks on a backbone, dialing from `dialer` (a second host)."""
+
+    def __init__(self, host: IHost, dialer: IHost) -> None:
+        self.dialer = dialer
+        self._limit = trio.CapacityLimiter(MAX_CONCURRENT)
+        self._checking: set[ID] = set()
+        host.set_stream_handler(PROTOCOL, self._serve)
+
+    async def _serve(self, stream: INetStream) -> None:
+        caller = stream.muxed_conn.peer_id
+        framed = FramedStream(stream, MAX_CONTROL_BYTES)
+        try:
+            with trio.move_on_after(DIAL_TIMEOUT):
+                frame = await framed.read_frame()
+            if frame is None:
+                return
+            request = msgspec.msgpack.decode(frame, type=DialBack)
+            remote = stream.get_remote_address()
+            result = await self.check(
+                caller, request.addrs, observed_ip=remote[0] if remote else ""
+            )
+            await framed.write_frame(_encode(result))
+            with trio.move_on_after(1.0):
+                await stream.close()
+        except (ProtocolError, msgspec.DecodeError, *TRANSPORT_ERRORS) as error:
+            log.debug("dial-back request from %s failed: %r", caller, error)
+            await framed.reset()
+
+    async def check(self, caller: ID, addrs: Sequence[str], *, observed_ip: str) -> DialBackResult:
+        if caller in self._checking:
+            return DialBackResult([], dict.fromkeys(addrs, "a check for this peer is running"))
+        self._checking.add(caller)
+        try:
+            async with self._limit:
+                return await self._dial_each(caller, addrs, observed_ip)
+        finally:
+            self._checking.discard(caller)
+
+    async def _dial_each(
+        self, caller: ID, addrs: Sequence[str], observed_ip: str
+    ) -> DialBackResult:
+        reachable: list[str] = []
+        unreachable: dict[str, str] = {}
+        for text in addrs:
+            try:
+                addr = parse_multiaddr(text, what="address")
+            except Exception:
+                unreachable[text] = "not a multiaddr"
+                continue
+            if not same_ip(addr, observed_ip):
+                unreachable[text] = f"not the address your connection comes from ({observed_ip})"
+                continue
+            try:
+                with trio.fail_after(DIAL_TIMEOUT):
+                    await self.dialer.connect(PeerInfo(caller, [addr]))
+                reachable.append(text)
+            except trio.TooSlowError:
+                unreachable[text] = f"no answer within {DIAL_TIMEOUT:.3g}s"
+            except TRANSPORT_ERRORS as error:
+                unreachable[text] = f"dial failed: {error}"[:200]
+            finally:
+                await self._hang_up(caller)
+        return DialBackResult(reachable, unreachable)
+
+    async def _hang_up(self, caller: ID) -> None:
+        # Forget the address too, so the next check dials exactly what it is given.
+        with trio.CancelScope(shield=True), trio.move_on_after(1.0), suppress(TRANSPORT_ERRORS):
+            await self.dialer.get_network().close_peer(caller)  # type: ignore[attr-defined]
+        self.dialer.get_peerstore().clear_addrs(caller)
+
+
+@asynccontextmanager
+async def open_dialer(identity: Identity) -> AsyncIterator[IHost]:
+    """A host that only dials out (no listen address), for dial-back checks."""
+    host = create_host(identity)
+    async with host.run(listen_addrs=[]):
+        await host.get_network().auto_connector.stop()  # type: ignore[attr-defined]
+        yield host
+
+
+async def check_reachable(node: Node, backbone: ID) -> DialBackResult:
+    """Ask `backbone` to dial us back on our announced addresses."""
+    try:
+        stream = await node.host.new_stream(backbone, [PROTOCOL])
+    except TRANSPORT_ERRORS as error:
+        raise Unreachable(f"cannot open {PROTOCOL} to {backbone}: {error}") from error
+    framed = FramedStream(stream, MAX_CONTROL_BYTES)
+    try:
+        await framed.write_frame(_encode(DialBack([str(a) for a in node.announce[:MAX_ADDRS]])))
+        timeout = DIAL_TIMEOUT * (MAX_ADDRS + 1)
+        with trio.move_on_after(timeout):
+            frame = await framed.read_frame()
+            if frame is None:
+                raise ProtocolError(f"{backbone} closed the dial-back stream without a reply")
+            return msgspec.msgpack.decode(frame, type=DialBackResult)
+        raise DeadlineExceeded(f"{backbone} did not report a dial-back within {timeout:.3g}s")
+    except msgspec.DecodeError as error:
+        raise ProtocolError(f"{backbone} sent a malformed dial-back reply: {error}") from None
+    except TRANSPORT_ERRORS as error:
+        raise RemoteError(f"dial-back check with {backbone} failed: {error!r}") from error
+    finally:
+        await framed.reset()

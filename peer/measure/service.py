@@ -1,0 +1,161 @@
+"""The node's measurements, kept current: what its presence record advertises.
+
+A peer measures its compute once at start (in a worker thread: torch must not block the trio
+loop), then its links and reachability against up to `measure.max_backbones` backbones, again
+every `measure.interval` seconds (sooner after a failure). Figures from several backbones are
+combined by taking the best, because a probe measures the slower end of the path.
+
+A backbone does not compute. Its bandwidth comes from the probes it serves (`ProbeServer.
+capacity`) and from probing other backbones; it is reachable by definition (peers joined by
+dialing it).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import trio
+from libp2p.peer.id import ID
+
+from peer.config import PeerConfig
+from peer.errors import RemoteError
+from peer.measure.capabilities import Capabilities
+from peer.measure.probe import LinkMeasurement, ProbeServer, measure_link
+from peer.measure.reachability import check_reachable
+from peer.net.host import Node
+
+if TYPE_CHECKING:  # torch takes a second or two to import, and backbones never need it
+    import torch
+
+    from peer.measure.compute import ComputeMeasurement
+    from peer.training.task import Task
+
+log = logging.getLogger("peertrain.measure")
+
+RETRY_AFTER_FAILURE = 30.0
+
+
+def best_link(links: Sequence[LinkMeasurement]) -> LinkMeasurement | None:
+    if not links:
+        return None
+    return LinkMeasurement(
+        upload_bps=max(m.upload_bps for m in links),
+        download_bps=max(m.download_bps for m in links),
+        rtt_s=min(m.rtt_s for m in links),
+    )
+
+
+class Measurements:
+    """The latest measurements of one node; `run()` keeps them current."""
+
+    def __init__(
+        self,
+        node: Node,
+        config: PeerConfig,
+        *,
+        backbones: Sequence[ID],
+        workload: tuple[Task, torch.device] | None = None,
+        probe_server: ProbeServer | None = None,
+    ) -> None:
+        """A peer passes its task and device (`workload`); a backbone its `probe_server`."""
+        self.node = node
+        self.config = config
+        self.backbones = [b for b in backbones if b != node.peer_id]
+        self.workload = workload
+        self.probe_server = probe_server
+        self.compute: ComputeMeasurement | None = None
+        self.link: LinkMeasurement | None = None
+        self.reachable = probe_server is not None
+        self.measured_at = 0.0
+        self._changed = trio.Event()
+
+    async def wait_changed(self) -> None:
+        await self._changed.wait()
+
+    def _announce_change(self) -> None:
+        self.measured_at = time.time()
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def capabilities(self) -> Capabilities | None:
+        link = self.link
+        if self.probe_server is not None:
+            served_up, served_down = self.probe_server.capacity(now=time.monotonic())
+            link = best_link([m for m in (link, LinkMeasurement(served_up, served_down, 0.0)) if m])
+        if self.compute is None and link is None:
+            return None
+        compute = self.compute
+        task = self.config.task
+        return Capabilities(
+            samples_per_s=compute.samples_per_s if compute else 0.0,
+            upload_bps=link.upload_bps if link else 0.0,
+            download_bps=link.download_bps if link else 0.0,
+            rtt_s=link.rtt_s if link else 0.0,
+            reachable=self.reachable,
+            device=compute.device if compute else "",
+            free_memory_bytes=compute.free_memory_bytes if compute else 0,
+            measured_at=self.measured_at,
+            task=task.name if compute else "",
+            gradient_bytes=compute.gradient_bytes if compute else 0,
+            target_batch=task.target_batch if compute else 0,
+        )
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        if self.workload is not None:
+            await self._measure_compute(*self.workload)
+        while True:
+            ok = await self._measure_links()
+            await trio.sleep(self.config.measure.interval if ok else RETRY_AFTER_FAILURE)
+
+    async def _measure_compute(self, task: Task, device: torch.device) -> None:
+        from peer.measure.compute import measure_compute  # torch: only peers import it
+
+        # abandon_on_cancel: a stopping daemon must not wait for the benchmark to finish.
+        self.compute = await trio.to_thread.run_sync(
+            lambda: measure_compute(
+                task,
+                micro_batch=self.config.task.micro_batch,
+                device=device,
+                min_seconds=self.config.measure.compute_seconds,
+            ),
+            abandon_on_cancel=True,
+        )
+        log.info(
+            "compute: %.1f samples/s of task %r on %s",
+            self.compute.samples_per_s,
+            task.name,
+            self.compute.device,
+        )
+        self._announce_change()
+
+    async def _measure_links(self) -> bool:
+        """Probe the backbones (and, on a peer, ask for a dial-back); True if any answered."""
+        links, reachable = [], False
+        for backbone in self.backbones[: self.config.measure.max_backbones]:
+            try:
+                links.append(
+                    await measure_link(
+                        self.node, backbone, target_seconds=self.config.measure.probe_seconds
+                    )
+                )
+                if self.probe_server is None and not reachable:
+                    reachable = bool((await check_reachable(self.node, backbone)).reachable)
+            except RemoteError as error:
+                log.warning("could not measure the link to backbone %s: %s", backbone, error)
+        if links:
+            self.link = best_link(links)
+            if self.probe_server is None:
+                self.reachable = reachable
+            log.info(
+                "link: up %.2f MB/s, down %.2f MB/s, rtt %.1f ms, %s",
+                self.link.upload_bps / 1e6,
+                self.link.download_bps / 1e6,
+                self.link.rtt_s * 1e3,
+                "reachable" if self.reachable else "client-only (not reachable inbound)",
+            )
+            self._announce_change()
+        return bool(links) or not self.backbones

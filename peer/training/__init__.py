@@ -1,0 +1,1 @@
+"""Training: tasks (model + data + loss); the collaborative optimizers come with the training issue."""

@@ -1,0 +1,78 @@
+"""Compute measurement, the throughput average, tasks and devices (CPU; CUDA when present)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from peer.errors import ConfigError
+from peer.measure.compute import ThroughputMeter, measure_compute, pick_device, to_device
+from peer.training.task import TinyTask, load_task
+
+
+def test_measure_compute_times_real_steps_and_sizes_the_gradient():
+    task = TinyTask()
+    result = measure_compute(task, micro_batch=16, device=torch.device("cpu"), min_seconds=0.2)
+    assert result.samples_per_s > 0 and result.device == "cpu"
+    params = sum(p.numel() for p in task.build_model().parameters())
+    assert result.gradient_bytes == 4 * params  # fp32
+    assert result.free_memory_bytes > 0
+
+
+def test_a_slower_step_measures_slower():
+    class Slowed(TinyTask):
+        def loss(self, model, batch):  # 4x the work of the tiny task per sample
+            return sum(super(Slowed, self).loss(model, batch) for _ in range(4))
+
+    cpu = torch.device("cpu")
+    fast = measure_compute(TinyTask(), micro_batch=64, device=cpu, min_seconds=0.3)
+    slow = measure_compute(Slowed(), micro_batch=64, device=cpu, min_seconds=0.3)
+    assert slow.samples_per_s < fast.samples_per_s
+
+
+def test_throughput_meter_weights_by_time():
+    meter = ThroughputMeter(100.0, half_life=10.0)
+    assert meter.update(2000, 10.0) == pytest.approx(0.5 * 100 + 0.5 * 200)
+    assert meter.update(0, 0.0) == pytest.approx(150.0)  # nothing measured: unchanged
+    meter.update(300 * 1000, 1000.0)
+    assert meter.samples_per_s == pytest.approx(300.0)  # long runs forget the start
+
+
+def test_devices():
+    assert pick_device("cpu") == torch.device("cpu")
+    assert pick_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ConfigError, match=r"task\.device = 'tpu'"):
+        pick_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="no CUDA device"):
+            pick_device("cuda")
+    batch = {"x": (torch.zeros(2), [torch.ones(1)]), "n": 3}
+    moved = to_device(batch, torch.device("cpu"))
+    assert moved["n"] == 3 and isinstance(moved["x"], tuple) and isinstance(moved["x"][1], list)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+def test_measure_compute_on_cuda():
+    result = measure_compute(
+        TinyTask(), micro_batch=64, device=pick_device("cuda"), min_seconds=0.2
+    )
+    assert result.device.startswith("cuda") and result.samples_per_s > 0
+
+
+def make_tiny() -> TinyTask:
+    return TinyTask()
+
+
+def make_nothing() -> object:
+    return object()
+
+
+def test_tasks_load_by_name_or_factory_path_and_bad_names_are_config_errors():
+    assert load_task("tiny").name == "tiny"
+    assert isinstance(load_task("tests.test_compute:make_tiny"), TinyTask)
+    with pytest.raises(ConfigError, match=r"expected one of tiny or package\.module:factory"):
+        load_task("huge")
+    with pytest.raises(ConfigError, match="cannot load it"):
+        load_task("tests.test_compute:missing")
+    with pytest.raises(ConfigError, match="returned object, which lacks"):
+        load_task("tests.test_compute:make_nothing")

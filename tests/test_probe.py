@@ -1,0 +1,170 @@
+"""Link probes: the pure rate and budget rules, then the protocol over real libp2p on loopback."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgspec
+import pytest
+import trio
+
+from peer.config import ProbeConfig
+from peer.errors import ProtocolError, RemoteError
+from peer.measure.probe import (
+    PROTOCOL,
+    Accepted,
+    ByteBudgets,
+    Measured,
+    Probe,
+    ProbeServer,
+    Refused,
+    _replies,
+    measure_link,
+    measured_window,
+    rate,
+    receive_counted,
+)
+from peer.net.rpc import TRANSPORT_ERRORS, FramedStream
+from tests.helpers import nodes
+
+# ---------------------------------------------------------------------------- pure
+
+
+def test_the_first_quarter_of_the_bytes_is_left_out():
+    # 100 bytes: 25 in the first 5 s (slow start), then 75 in 1 s.
+    samples = [(0.0, 0), (5.0, 25), (5.5, 60), (6.0, 100)]
+    assert measured_window(samples) == (75, 1.0)
+    assert rate(measured_window(samples)) == 75.0
+
+
+def test_short_transfers_count_whole_and_empty_ones_give_zero():
+    assert measured_window([(0.0, 0), (2.0, 100)]) == (100, 2.0)
+    assert measured_window([(1.0, 0)]) == (0, 0.0)
+    assert rate((0, 0.0)) == 0.0
+
+
+def test_byte_budget_refills_over_its_window_per_caller():
+    budgets = ByteBudgets(capacity=100, window=10.0)  # refills 10 bytes/s
+    assert budgets.try_spend("a", 80, now=0.0) == 0.0
+    assert budgets.try_spend("a", 40, now=0.0) == pytest.approx(2.0)  # 20 left, needs 20 more
+    assert budgets.try_spend("b", 100, now=0.0) == 0.0  # other callers are not affected
+    assert budgets.try_spend("a", 40, now=2.0) == 0.0
+    assert budgets.try_spend("a", 1000, now=100.0) == 0.0  # capped at capacity, never starved
+
+
+def test_byte_budget_forgets_refilled_callers_when_full():
+    budgets = ByteBudgets(capacity=100, window=10.0, max_callers=2)
+    budgets.try_spend("a", 100, now=0.0)
+    budgets.try_spend("b", 100, now=0.0)
+    budgets.try_spend("c", 10, now=20.0)  # a and b have refilled: dropped
+    assert set(budgets._buckets) == {"c"}
+
+
+# ---------------------------------------------------------------------------- protocol
+
+SMALL = ProbeConfig(max_bytes=4 << 20, budget_bytes=16 << 20)
+
+
+async def probe_once(client, server_id, direction: str, size: int):
+    """A raw probe: the Accepted/Refused reply and, for a download, the bytes received."""
+    stream = await client.host.new_stream(server_id, [PROTOCOL])
+    framed = FramedStream(stream, 1024)
+    await framed.write_frame(msgspec.msgpack.encode(Probe(direction, size)))
+    reply = _replies.decode(await framed.read_frame())
+    received = 0
+    if isinstance(reply, Accepted) and direction == "download":
+        samples: list = []
+        await receive_counted(framed, reply.bytes, samples, deadline=float("inf"))
+        received = samples[-1][1]
+        await framed.write_frame(msgspec.msgpack.encode(Measured(received, 1.0)))
+        await stream.close()
+    await framed.reset()
+    return reply, received
+
+
+async def test_measure_link_reports_both_directions_and_rtt():
+    async with nodes(2) as (backbone, peer):
+        server = ProbeServer(backbone.host, SMALL)
+        await peer.connect(backbone.peer_id, backbone.announce, timeout=5)
+        link = await measure_link(peer, backbone.peer_id, target_seconds=0.2, max_bytes=4 << 20)
+        assert link.upload_bps > 1e6 and link.download_bps > 1e6  # loopback: far above 1 MB/s
+        assert 0 < link.rtt_s < 1.0
+        # The backbone learned its own capacity from serving the probes.
+        up, down = server.capacity(now=server.clock())
+        assert up > 1e6 and down > 1e6
+
+
+async def test_a_probe_is_granted_at_most_max_bytes():
+    async with nodes(2) as (backbone, peer):
+        ProbeServer(backbone.host, SMALL)
+        await peer.connect(backbone.peer_id, backbone.announce, timeout=5)
+        reply, received = await probe_once(peer, backbone.peer_id, "download", 1 << 30)
+        assert isinstance(reply, Accepted) and reply.bytes == SMALL.max_bytes
+        assert received == SMALL.max_bytes
+
+
+async def test_a_probe_stops_after_max_seconds():
+    async with nodes(2) as (backbone, peer):
+        # A 1 GiB grant that would take seconds on loopback, cut off after 50 ms.
+        limits = ProbeConfig(max_bytes=1 << 30, budget_bytes=1 << 30, max_seconds=0.05)
+        ProbeServer(backbone.host, limits)
+        await peer.connect(backbone.peer_id, backbone.announce, timeout=5)
+        with trio.fail_after(30):
+            reply, received = await probe_once(peer, backbone.peer_id, "download", 1 << 30)
+        assert isinstance(reply, Accepted) and reply.bytes == 1 << 30
+        assert 0 < received < 1 << 30
+
+
+async def test_each_caller_is_rate_limited_and_told_when_to_retry():
+    async with nodes(3) as (backbone, greedy, other):
+        ProbeServer(backbone.host, SMALL)
+        for peer in (greedy, other):
+            await peer.connect(backbone.peer_id, backbone.announce, timeout=5)
+        for _ in range(4):  # 4 x 4 MiB spends the 16 MiB budget
+            reply, _ = await probe_once(greedy, backbone.peer_id, "download", 4 << 20)
+            assert isinstance(reply, Accepted)
+        reply, _ = await probe_once(greedy, backbone.peer_id, "download", 4 << 20)
+        assert isinstance(reply, Refused) and "rate limited" in reply.reason
+        assert reply.retry_after > 1.0
+        with pytest.raises(RemoteError, match=r"rate limited.*retry in"):
+            await measure_link(greedy, backbone.peer_id, target_seconds=0.1)
+        reply, _ = await probe_once(other, backbone.peer_id, "download", 4 << 20)
+        assert isinstance(reply, Accepted)  # the others still get theirs
+
+
+async def test_concurrent_probes_are_capped():
+    async with nodes(2) as (backbone, peer):
+        server = ProbeServer(backbone.host, dataclasses.replace(SMALL, max_concurrent=1))
+        await peer.connect(backbone.peer_id, backbone.announce, timeout=5)
+        server.running = 1  # one probe in flight
+        reply, _ = await probe_once(peer, backbone.peer_id, "upload", 1024)
+        assert isinstance(reply, Refused) and "busy" in reply.reason
+        server.running = 0
+        reply, _ = await probe_once(peer, backbone.peer_id, "download", 1024)
+        assert isinstance(reply, Accepted)
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [
+        msgspec.msgpack.encode({"type": "Probe", "direction": "sideways", "bytes": 10}),
+        msgspec.msgpack.encode({"type": "Probe", "direction": "upload", "bytes": -5}),
+        b"\xc1garbage",
+    ],
+    ids=["bad direction", "negative size", "garbage"],
+)
+async def test_malformed_requests_end_the_stream_and_the_server_goes_on(wire):
+    async with nodes(2) as (backbone, peer):
+        ProbeServer(backbone.host, SMALL)
+        await peer.connect(backbone.peer_id, backbone.announce, timeout=5)
+        stream = await peer.host.new_stream(backbone.peer_id, [PROTOCOL])
+        framed = FramedStream(stream, 1024)
+        await framed.write_frame(wire)
+        with trio.fail_after(5):
+            try:
+                frame = await framed.read_frame()
+            except (ProtocolError, *TRANSPORT_ERRORS):  # a reset ends the stream just the same
+                frame = None
+        assert frame is None  # no reply to a request that does not parse
+        reply, _ = await probe_once(peer, backbone.peer_id, "download", 1024)
+        assert isinstance(reply, Accepted)

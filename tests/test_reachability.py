@@ -1,0 +1,54 @@
+"""Dial-back checks over real libp2p on loopback."""
+
+from __future__ import annotations
+
+import socket
+
+from multiaddr import Multiaddr
+
+from peer.measure.reachability import DialBackServer, check_reachable, open_dialer, same_ip
+from peer.net.host import open_node
+from tests.helpers import new_identity, nodes
+
+
+def unused_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_only_the_callers_own_ip_is_dialed():
+    assert same_ip(Multiaddr("/ip4/127.0.0.1/tcp/5"), "127.0.0.1")
+    assert not same_ip(Multiaddr("/ip4/10.0.0.1/tcp/5"), "127.0.0.1")
+    assert not same_ip(Multiaddr("/ip6/::1/tcp/5"), "127.0.0.1")
+
+
+async def test_a_listening_peer_is_reachable_and_one_announcing_a_dead_address_is_not():
+    async with nodes(2) as (backbone, peer), open_dialer(new_identity()) as dialer:
+        DialBackServer(backbone.host, dialer)
+        await peer.connect(backbone.peer_id, backbone.announce, timeout=5)
+        result = await check_reachable(peer, backbone.peer_id)
+        assert result.reachable == [str(a) for a in peer.announce] and not result.unreachable
+
+        dead = f"/ip4/127.0.0.1/tcp/{unused_port()}"
+        elsewhere = "/ip4/198.51.100.7/tcp/4001"  # not where its connection comes from
+        async with open_node(
+            new_identity(), listen=[], announce=[dead, elsewhere], max_message_bytes=1 << 20
+        ) as hidden:
+            await hidden.connect(backbone.peer_id, backbone.announce, timeout=5)
+            result = await check_reachable(hidden, backbone.peer_id)
+        assert result.reachable == []
+        assert "dial failed" in result.unreachable[dead]
+        assert "not the address your connection comes from" in result.unreachable[elsewhere]
+        # The first peer's answer did not change: checks do not leak into each other.
+        assert (await check_reachable(peer, backbone.peer_id)).reachable
+
+
+async def test_someone_answering_with_another_key_does_not_count():
+    """The dial-back must reach the caller itself, not whoever listens at the address."""
+    async with nodes(3) as (backbone, liar, bystander), open_dialer(new_identity()) as dialer:
+        server = DialBackServer(backbone.host, dialer)
+        result = await server.check(
+            liar.peer_id, [str(bystander.announce[0])], observed_ip="127.0.0.1"
+        )
+        assert result.reachable == [] and "dial failed" in next(iter(result.unreachable.values()))

@@ -1,0 +1,63 @@
+"""What `peer status` derives from presence records: the role assignment, pure."""
+
+from __future__ import annotations
+
+import pytest
+
+from peer.measure.capabilities import Capabilities
+from peer.presence import PresenceRecord
+from peer.status import assign_group
+
+
+def record(i: int, role: str, caps: Capabilities | None) -> PresenceRecord:
+    return PresenceRecord(f"peer-{i}", role, [], "0.1.0", 0.0, 0.0, caps)  # type: ignore[arg-type]
+
+
+def caps(speed: float, bw: float, *, reachable=True, task="tiny", p=1_000_000, b=1024):
+    return Capabilities(
+        samples_per_s=speed,
+        upload_bps=bw,
+        download_bps=bw,
+        rtt_s=0.01,
+        reachable=reachable,
+        device="cpu",
+        free_memory_bytes=1,
+        measured_at=0.0,
+        task=task if speed > 0 else "",
+        gradient_bytes=p if speed > 0 else 0,
+        target_batch=b if speed > 0 else 0,
+    )
+
+
+def test_assignment_covers_peers_and_backbones_of_the_main_task():
+    records = [
+        record(0, "backbone", caps(0, 1e8)),
+        record(1, "peer", caps(100, 1e7)),
+        record(2, "peer", caps(100, 1e7, reachable=False)),
+        record(5, "peer", caps(100, 1e7)),
+        record(3, "peer", caps(100, 1e7, task="other")),  # outvoted: stays out
+        record(4, "peer", None),  # not measured yet
+    ]
+    assignment, note = assign_group(records)
+    assert note is None and assignment is not None
+    assert (assignment.task, assignment.gradient_bytes, assignment.target_batch) == (
+        "tiny",
+        1_000_000,
+        1024,
+    )
+    assert set(assignment.work) == {"peer-0", "peer-1", "peer-2", "peer-5"}
+    # Three compute (a step: 3.4 s instead of 10.2 s alone); the fast backbone takes it all.
+    assert assignment.work["peer-0"] == ("aggregate", pytest.approx(1.0))
+    assert assignment.work["peer-2"] == ("compute", 0.0)  # client-only: never a share
+    assert sum(share for _, share in assignment.work.values()) == pytest.approx(1.0)
+    assert assignment.samples_per_s > 0
+
+
+def test_no_assignment_says_why():
+    assert assign_group([record(1, "peer", None)]) == (None, "no peer has measured its compute yet")
+    nobody_reachable = [
+        record(1, "peer", caps(10, 1e6, reachable=False)),
+        record(2, "peer", caps(10, 1e6, reachable=False)),
+    ]
+    assignment, note = assign_group(nobody_reachable)
+    assert assignment is None and "publicly reachable peer or backbone" in note
