@@ -31,9 +31,9 @@ class Proc:
 
     def __init__(self, args: list[str]) -> None:
         self.popen = subprocess.Popen(
-            [sys.executable, "-m", *args],
+            self.command(args),
             cwd=ROOT,
-            env=ENV,
+            env=self.environment(),
             text=True,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -41,6 +41,12 @@ class Proc:
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []
         threading.Thread(target=self._pump, daemon=True).start()
+
+    def command(self, args: list[str]) -> list[str]:
+        return [sys.executable, "-m", *args]
+
+    def environment(self) -> dict[str, str]:
+        return ENV
 
     def _pump(self) -> None:
         for line in self.popen.stdout:  # type: ignore[union-attr]
