@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from peer.errors import ConfigError
-from peer.measure.compute import ThroughputMeter, measure_compute, pick_device, to_device
+from peer.measure.compute import measure_compute, pick_device, to_device
 from peer.training.task import TinyTask, load_task
 
 
@@ -28,14 +28,6 @@ def test_a_slower_step_measures_slower():
     fast = measure_compute(TinyTask(), micro_batch=64, device=cpu, min_seconds=0.3)
     slow = measure_compute(Slowed(), micro_batch=64, device=cpu, min_seconds=0.3)
     assert slow.samples_per_s < fast.samples_per_s
-
-
-def test_throughput_meter_weights_by_time():
-    meter = ThroughputMeter(100.0, half_life=10.0)
-    assert meter.update(2000, 10.0) == pytest.approx(0.5 * 100 + 0.5 * 200)
-    assert meter.update(0, 0.0) == pytest.approx(150.0)  # nothing measured: unchanged
-    meter.update(300 * 1000, 1000.0)
-    assert meter.samples_per_s == pytest.approx(300.0)  # long runs forget the start
 
 
 def test_devices():

@@ -1,14 +1,13 @@
 """Compute throughput: samples/s of the task's forward + backward on this machine.
 
 At start, `measure_compute` runs a few warm-up steps (allocator, kernel selection, lazy init)
-and then times steps for at least `min_seconds`. Once training runs, `ThroughputMeter` keeps an
-exponential moving average of the real rate, which the training loop feeds. Both are blocking
-torch code: the daemon runs them in a worker thread, never on the trio loop.
+and then times steps for at least `min_seconds`. Once training runs, the real rate refines it
+(`Measurements.observe_training`). This is blocking torch code: the daemon runs it in a worker
+thread, never on the trio loop.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -103,18 +102,3 @@ def measure_compute(
     return ComputeMeasurement(
         steps * micro_batch / elapsed, str(device), free_memory(device), gradient_bytes
     )
-
-
-class ThroughputMeter:
-    """Exponential moving average of samples/s, weighted by time: after `half_life` seconds of
-    new measurements, the old estimate counts half."""
-
-    def __init__(self, initial: float, *, half_life: float = 60.0) -> None:
-        self.samples_per_s = initial
-        self.half_life = half_life
-
-    def update(self, samples: int, seconds: float) -> float:
-        if seconds > 0:
-            keep = math.pow(0.5, seconds / self.half_life)
-            self.samples_per_s = keep * self.samples_per_s + (1 - keep) * samples / seconds
-        return self.samples_per_s

@@ -3,7 +3,9 @@
 A peer measures its compute once at start (in a worker thread: torch must not block the trio
 loop), then its links and reachability against up to `measure.max_backbones` backbones, again
 every `measure.interval` seconds (sooner after a failure). Figures from several backbones are
-combined by taking the best, because a probe measures the slower end of the path.
+combined by taking the best, because a probe measures the slower end of the path. Between
+measurements, real work refines the figures: training throughput (`observe_training`) and the
+transfer rates of averaging rounds (`observe_transfer`), as time-weighted moving averages.
 
 A backbone does not compute. Its bandwidth comes from the probes it serves (`ProbeServer.
 capacity`) and from probing other backbones; it is reachable by definition (peers joined by
@@ -23,6 +25,7 @@ from libp2p.peer.id import ID
 from peer.config import PeerConfig
 from peer.errors import RemoteError
 from peer.measure.capabilities import Capabilities
+from peer.measure.ema import RateEMA
 from peer.measure.probe import LinkMeasurement, ProbeServer, measure_link
 from peer.measure.reachability import check_reachable
 from peer.net.host import Node
@@ -36,6 +39,9 @@ if TYPE_CHECKING:  # torch takes a second or two to import, and backbones never 
 log = logging.getLogger("peertrain.measure")
 
 RETRY_AFTER_FAILURE = 30.0
+# Seconds of real work after which a start-up figure counts half.
+SPEED_HALF_LIFE = 60.0
+LINK_HALF_LIFE = 300.0
 
 
 def best_link(links: Sequence[LinkMeasurement]) -> LinkMeasurement | None:
@@ -68,6 +74,10 @@ class Measurements:
         self.probe_server = probe_server
         self.compute: ComputeMeasurement | None = None
         self.link: LinkMeasurement | None = None
+        # Refined by real work between measurements (fed by training and averaging).
+        self.speed: RateEMA | None = None
+        self.upload: RateEMA | None = None
+        self.download: RateEMA | None = None
         self.reachable = probe_server is not None
         self.measured_at = 0.0
         self._changed = trio.Event()
@@ -80,8 +90,25 @@ class Measurements:
         self._changed.set()
         self._changed = trio.Event()
 
+    def observe_training(self, samples: int, seconds: float) -> None:
+        """Real training throughput: refines the compute figure (no republish of its own)."""
+        if self.speed is not None:
+            self.speed.observe(samples, seconds)
+
+    def observe_transfer(self, *, sent: int, received: int, seconds: float) -> None:
+        """Bytes moved in an averaging round that kept the link busy for `seconds`.
+
+        A direction that moved nothing says nothing about its speed and is left alone.
+        """
+        if self.upload is not None and self.download is not None:
+            for ema, count in ((self.upload, sent), (self.download, received)):
+                if count > 0:
+                    ema.observe(count, seconds)
+
     def capabilities(self) -> Capabilities | None:
         link = self.link
+        if link is not None and self.upload is not None and self.download is not None:
+            link = LinkMeasurement(self.upload.value, self.download.value, link.rtt_s)
         if self.probe_server is not None:
             served_up, served_down = self.probe_server.capacity(now=time.monotonic())
             link = best_link([m for m in (link, LinkMeasurement(served_up, served_down, 0.0)) if m])
@@ -90,7 +117,7 @@ class Measurements:
         compute = self.compute
         task = self.config.task
         return Capabilities(
-            samples_per_s=compute.samples_per_s if compute else 0.0,
+            samples_per_s=self.speed.value if self.speed else 0.0,
             upload_bps=link.upload_bps if link else 0.0,
             download_bps=link.download_bps if link else 0.0,
             rtt_s=link.rtt_s if link else 0.0,
@@ -124,6 +151,7 @@ class Measurements:
             ),
             abandon_on_cancel=True,
         )
+        self.speed = RateEMA(self.compute.samples_per_s, half_life=SPEED_HALF_LIFE)
         log.info(
             "compute: %.1f samples/s of task %r on %s",
             self.compute.samples_per_s,
@@ -148,6 +176,9 @@ class Measurements:
                 log.warning("could not measure the link to backbone %s: %s", backbone, error)
         if links:
             self.link = best_link(links)
+            # A probe is a direct measurement: it restarts the averages real transfers refine.
+            self.upload = RateEMA(self.link.upload_bps, half_life=LINK_HALF_LIFE)
+            self.download = RateEMA(self.link.download_bps, half_life=LINK_HALF_LIFE)
             if self.probe_server is None:
                 self.reachable = reachable
             log.info(

@@ -1,0 +1,74 @@
+"""What a node advertises from its measurements, and how real work refines them (pure parts)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from peer.config import PeerConfig
+from peer.measure.compute import ComputeMeasurement
+from peer.measure.ema import RateEMA
+from peer.measure.probe import LinkMeasurement
+from peer.measure.service import Measurements, best_link
+
+
+def test_rate_ema_weights_by_time_not_by_count():
+    ema = RateEMA(100.0, half_life=10.0)
+    assert ema.observe(2000, 10.0) == pytest.approx(0.5 * 100 + 0.5 * 200)
+    assert ema.observe(0, 0.0) == pytest.approx(150.0)  # nothing observed: unchanged
+    split = RateEMA(100.0, half_life=10.0)
+    for _ in range(10):
+        split.observe(200, 1.0)
+    assert split.value == pytest.approx(150.0)  # ten 1 s observations = one 10 s observation
+    ema.observe(300 * 1000, 1000.0)
+    assert ema.value == pytest.approx(300.0)  # long runs forget the start
+
+
+def test_best_link_takes_the_fastest_directions_and_the_shortest_rtt():
+    links = [LinkMeasurement(1e6, 5e6, 0.040), LinkMeasurement(2e6, 3e6, 0.080)]
+    assert best_link(links) == LinkMeasurement(2e6, 5e6, 0.040)
+    assert best_link([]) is None
+
+
+def measured_peer() -> Measurements:
+    node = SimpleNamespace(peer_id="me")
+    m = Measurements(node, PeerConfig(), backbones=[])  # type: ignore[arg-type]
+    m.compute = ComputeMeasurement(100.0, "cpu", 1 << 30, 4000)
+    m.speed = RateEMA(100.0, half_life=60.0)
+    m.link = LinkMeasurement(1e6, 4e6, 0.02)
+    m.upload, m.download = RateEMA(1e6, half_life=300.0), RateEMA(4e6, half_life=300.0)
+    return m
+
+
+def test_nothing_is_advertised_before_the_first_measurement():
+    node = SimpleNamespace(peer_id="me")
+    assert Measurements(node, PeerConfig(), backbones=[]).capabilities() is None  # type: ignore[arg-type]
+
+
+def test_capabilities_carry_the_measurements_and_the_task():
+    caps = measured_peer().capabilities()
+    assert caps is not None
+    assert (caps.samples_per_s, caps.upload_bps, caps.download_bps, caps.rtt_s) == (
+        100.0,
+        1e6,
+        4e6,
+        0.02,
+    )
+    assert (caps.device, caps.task, caps.gradient_bytes, caps.target_batch) == (
+        "cpu",
+        "tiny",
+        4000,
+        PeerConfig().task.target_batch,
+    )
+    assert caps.reachable is False  # until a backbone dials it back
+
+
+def test_real_training_and_transfers_refine_the_figures():
+    m = measured_peer()
+    m.observe_training(samples=200 * 60, seconds=60.0)  # twice as fast as measured, for a half-life
+    m.observe_transfer(sent=2 * 300 * 1_000_000, received=0, seconds=300.0)
+    caps = m.capabilities()
+    assert caps.samples_per_s == pytest.approx(150.0)
+    assert caps.upload_bps == pytest.approx(1.5e6)
+    assert caps.download_bps == 4e6  # nothing received: no evidence about the download
