@@ -38,6 +38,10 @@ def join(
     announce: common.AnnounceOpt = None,
     port: common.PortOpt = None,
     collaboration: common.CollabOpt = None,
+    task: Annotated[
+        str | None,
+        typer.Option("--task", help="Task to train: tiny, or package.module:factory."),
+    ] = None,
     log_level: common.LogLevelOpt = None,
     log_format: common.LogFormatOpt = None,
 ) -> None:
@@ -50,6 +54,7 @@ def join(
             "net.listen": listen or None,
             "net.announce": announce or None,
             "collaboration.name": collaboration,
+            "task.name": task,
             "log.level": log_level,
             "log.format": log_format,
         },

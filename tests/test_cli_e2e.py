@@ -18,6 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+NOBODY = "12D3KooWRq4tRRfDE1ZbAnpYPiwCxsQhV2U8uFDtM3qjUfASSFMV"  # a peer id no one runs
 # configs/debug.toml: presence ttl 4 s, refresh 1 s, loopback only.
 ENV = {
     **os.environ,
@@ -223,7 +224,7 @@ def test_collaboration_lifecycle(procs, tmp_path, dead_backbone):
 
 
 def test_unreachable_backbone_is_a_one_line_error_with_exit_2(procs, tmp_path):
-    nobody = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWRq4tRRfDE1ZbAnpYPiwCxsQhV2U8uFDtM3qjUfASSFMV"
+    nobody = f"/ip4/127.0.0.1/tcp/9/p2p/{NOBODY}"
     joiner = procs(
         "cli.peer_cli", "join", "--identity", str(tmp_path / "p.key"), "--backbone", nobody
     )
@@ -256,6 +257,11 @@ def test_second_daemon_with_the_same_key_is_refused(procs, tmp_path):
             "dht.replicas = 'abc' (from env PEERTRAIN_DHT_REPLICAS)",
         ),
         (["--backbone", "/ip4/127.0.0.1/tcp/1"], {}, "has no /p2p/<peer id> part"),
+        (
+            ["--task", "huge", "--backbone", f"/ip4/127.0.0.1/tcp/9/p2p/{NOBODY}"],
+            {},
+            "task.name = 'huge': expected one of tiny or package.module:factory",
+        ),
     ],
 )
 def test_config_errors_are_one_line_with_exit_2(args, env, expected, tmp_path):
