@@ -10,11 +10,13 @@ import trio
 
 from peer.config import ProbeConfig
 from peer.errors import ProtocolError, RemoteError
+from peer.measure import probe as probe_module
 from peer.measure.probe import (
     PROTOCOL,
     Accepted,
     ByteBudgets,
     Measured,
+    Ping,
     Probe,
     ProbeServer,
     Refused,
@@ -168,3 +170,29 @@ async def test_malformed_requests_end_the_stream_and_the_server_goes_on(wire):
         assert frame is None  # no reply to a request that does not parse
         reply, _ = await probe_once(peer, backbone.peer_id, "download", 1024)
         assert isinstance(reply, Accepted)
+
+
+async def test_a_silent_caller_is_hung_up_on(monkeypatch):
+    monkeypatch.setattr(probe_module, "CONTROL_TIMEOUT", 0.2)
+    async with nodes(2) as (backbone, peer):
+        ProbeServer(backbone.host, SMALL)
+        await peer.connect(backbone.peer_id, backbone.announce, timeout=5)
+        stream = await peer.host.new_stream(backbone.peer_id, [PROTOCOL])
+        with trio.fail_after(5):
+            assert await FramedStream(stream, 1024).read_frame() is None  # closed on us
+        reply, _ = await probe_once(peer, backbone.peer_id, "download", 1024)
+        assert isinstance(reply, Accepted)
+
+
+async def test_pings_per_stream_are_capped():
+    async with nodes(2) as (backbone, peer):
+        ProbeServer(backbone.host, SMALL)
+        await peer.connect(backbone.peer_id, backbone.announce, timeout=5)
+        framed = FramedStream(await peer.host.new_stream(backbone.peer_id, [PROTOCOL]), 1024)
+        pongs = 0
+        with trio.fail_after(10):
+            for _ in range(probe_module.MAX_PINGS + 5):
+                await framed.write_frame(msgspec.msgpack.encode(Ping()))
+            while await framed.read_frame() is not None:
+                pongs += 1
+        assert pongs == probe_module.MAX_PINGS

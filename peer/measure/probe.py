@@ -3,7 +3,7 @@
 Protocol `/peertrain/probe/1`, one probe per stream, control messages as frames
 (`peer.net.framing`), bulk data as raw bytes:
 
-    ping:      Ping ->  Pong          (repeated on one stream; the client keeps the fastest)
+    ping:      Ping ->  Pong          (up to 32 on one stream; the client keeps the fastest)
     download:  Probe{download, n} ->  Accepted{n', seconds} | Refused, then n' raw bytes, EOF;
                Measured{bytes, seconds} ->
     upload:    Probe{upload, n}   ->  Accepted{n', seconds} | Refused;  n' raw bytes, EOF
@@ -45,6 +45,7 @@ log = logging.getLogger("peertrain.probe")
 PROTOCOL = "/peertrain/probe/1"
 MAX_CONTROL_BYTES = 1024
 CONTROL_TIMEOUT = 10.0
+MAX_PINGS = 32  # per stream; then the stream ends
 CAPACITY_WINDOW = 3600.0
 _ZEROS = bytes(READ_CHUNK)
 
@@ -171,7 +172,8 @@ class ProbeServer:
         caller = stream.muxed_conn.peer_id
         framed = FramedStream(stream, MAX_CONTROL_BYTES)
         try:
-            while True:
+            for _ in range(MAX_PINGS):
+                frame = None  # stays None if the caller says nothing in time
                 with trio.move_on_after(CONTROL_TIMEOUT):
                     frame = await framed.read_frame()
                 if frame is None:

@@ -78,9 +78,11 @@ class DialBackServer:
         caller = stream.muxed_conn.peer_id
         framed = FramedStream(stream, MAX_CONTROL_BYTES)
         try:
+            frame = None  # stays None if the caller says nothing in time
             with trio.move_on_after(DIAL_TIMEOUT):
                 frame = await framed.read_frame()
             if frame is None:
+                await framed.reset()
                 return
             request = msgspec.msgpack.decode(frame, type=DialBack)
             remote = stream.get_remote_address()
