@@ -15,7 +15,7 @@ from peer.config import PeerConfig
 from peer.daemon import join, parse_backbones
 from peer.dht.node import DHT
 from peer.errors import RoleAssignmentError, Unreachable
-from peer.measure.capabilities import to_capacity
+from peer.measure.capabilities import Capabilities, to_capacity
 from peer.net.host import open_node
 from peer.net.identity import ephemeral_identity
 from peer.presence import PresenceRecord, decode_presence, presence_key
@@ -96,21 +96,21 @@ def assign_group(records: list[PresenceRecord]) -> tuple[GroupAssignment | None,
     The task is the one most compute-capable peers train (its P and B feed the solver); peers
     training another task stay out. Returns (assignment, None) or (None, why not).
     """
-    measured = [r for r in records if r.capabilities is not None]
+    measured = [(r.peer_id, r.capabilities) for r in records if r.capabilities is not None]
     tasks = Counter(
-        (c.task, c.gradient_bytes, c.target_batch)
-        for r in measured
-        if (c := r.capabilities) is not None and c.samples_per_s > 0 and c.gradient_bytes > 0
+        _task_of(c)
+        for _, c in measured
+        if c.samples_per_s > 0 and c.gradient_bytes > 0 and c.target_batch > 0
     )
     if not tasks:
         return None, "no peer has measured its compute yet"
-    (task, gradient_bytes, target_batch), _ = max(tasks.items(), key=lambda kv: (kv[1], kv[0]))
+    main_task, _ = max(tasks.items(), key=lambda kv: (kv[1], kv[0]))
+    task, gradient_bytes, target_batch = main_task
     capacities = [
         capacity
-        for r in measured
-        if r.capabilities is not None
-        and r.capabilities.task in (task, "")
-        and (capacity := to_capacity(r.peer_id, r.capabilities)) is not None
+        for peer_id, c in measured
+        if (_task_of(c) == main_task or not c.task)  # the task's peers, and backbones
+        and (capacity := to_capacity(peer_id, c)) is not None
     ]
     try:
         result = assign_roles(
@@ -133,6 +133,11 @@ def assign_group(records: list[PresenceRecord]) -> tuple[GroupAssignment | None,
         exact=result.exact,
         work=work,
     ), None
+
+
+def _task_of(c: Capabilities) -> tuple[str, int, int]:
+    """Peers train together only with the same task, gradient size and target batch."""
+    return (c.task, c.gradient_bytes, c.target_batch)
 
 
 def _work_name(computes: bool, aggregates: bool) -> str:

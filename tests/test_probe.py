@@ -196,3 +196,27 @@ async def test_pings_per_stream_are_capped():
             while await framed.read_frame() is not None:
                 pongs += 1
         assert pongs == probe_module.MAX_PINGS
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        {"type": "Accepted", "bytes": 1024, "seconds": float("nan")},
+        {"type": "Accepted", "bytes": 1024, "seconds": float("inf")},
+        {"type": "Accepted", "bytes": 1 << 40, "seconds": 1.0},  # more than was asked for
+        {"type": "Refused", "reason": "no", "retry_after": -1.0},
+    ],
+    ids=["nan seconds", "endless", "oversized grant", "negative retry"],
+)
+async def test_a_hostile_backbones_replies_are_protocol_errors(reply):
+    async def hostile(stream):
+        framed = FramedStream(stream, 1024)
+        await framed.read_frame()
+        await framed.write_frame(msgspec.msgpack.encode(reply))
+        await trio.sleep(30)
+
+    async with nodes(2) as (backbone, peer):
+        backbone.host.set_stream_handler(PROTOCOL, hostile)
+        await peer.connect(backbone.peer_id, backbone.announce, timeout=5)
+        with trio.fail_after(20), pytest.raises(ProtocolError):
+            await probe_module._probe(peer, backbone.peer_id, "download", 1024)

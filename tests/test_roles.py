@@ -317,6 +317,15 @@ def test_bad_measurements_are_refused_at_the_boundary():
         )
 
 
+def test_many_peers_with_compute_but_no_bandwidth_yet_train_alone():
+    # Start-up: compute is measured before the links are; above EXACT_LIMIT candidates.
+    group = [peer(i, 10.0 + i, 0.0) for i in range(20)] + [peer(99, 0.0, 1e8)]
+    a = assign_roles(group, gradient_bytes=1e6, target_batch=100, delayed=False)
+    assert not a.exact
+    assert [r.peer_id for r in a.roles if r.computes] == ["peer-0019"]  # the fastest
+    assert a.comm_time == 0.0
+
+
 def test_a_thousand_peers_get_a_certified_assignment():
     rng = random.Random(11)
     group = random_group(rng, 1000)

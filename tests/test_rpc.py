@@ -42,10 +42,14 @@ class Slow(msgspec.Struct):
     pass
 
 
+class Nap(msgspec.Struct):
+    seconds: float
+
+
 class Service:
     """A test service that records what its handlers saw."""
 
-    def __init__(self, node: Node, *, max_message_bytes: int = LIMIT, **limits: int) -> None:
+    def __init__(self, node: Node, *, max_message_bytes: int = LIMIT, **limits: float) -> None:
         self.cancelled = trio.Event()
         self.server = server = RpcServer(
             node.host, "test", max_message_bytes=max_message_bytes, **limits
@@ -55,6 +59,7 @@ class Service:
         server.add_unary("forbid", Slow, self.forbid)
         server.add_unary("crash", Slow, self.crash)
         server.add_streaming("count", Count, self.count)
+        server.add_unary("nap", Nap, self.nap)
 
     async def echo(self, caller: ID, request: Echo) -> Echo:
         return Echo(request.text * request.times, request.times)
@@ -64,6 +69,10 @@ class Service:
             await trio.sleep_forever()
         finally:
             self.cancelled.set()
+
+    async def nap(self, caller: ID, request: Nap) -> Nap:
+        await trio.sleep(request.seconds)
+        return request
 
     async def forbid(self, caller: ID, request: Slow) -> Slow:
         raise RpcError("forbidden", "not for you")
@@ -265,3 +274,11 @@ async def test_one_peer_cannot_hold_more_than_its_share_of_streams():
         await held[0].reset()
         await wait_until(lambda: service.server.statistics().open_streams < before)
         await good_call(greedy, server)
+
+
+async def test_a_handler_may_run_longer_than_the_idle_timeout():
+    async with nodes(2, max_message_bytes=LIMIT) as (client, server):
+        Service(server, idle_timeout=0.2)
+        await connected(client, server)
+        reply = await client.rpc.call(server.peer_id, "test", "nap", Nap(0.5), Nap, timeout=5)
+        assert reply.seconds == 0.5

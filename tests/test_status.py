@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from peer.measure.capabilities import Capabilities
@@ -36,6 +37,8 @@ def test_assignment_covers_peers_and_backbones_of_the_main_task():
         record(2, "peer", caps(100, 1e7, reachable=False)),
         record(5, "peer", caps(100, 1e7)),
         record(3, "peer", caps(100, 1e7, task="other")),  # outvoted: stays out
+        record(6, "peer", caps(100, 1e7, p=2_000_000)),  # same name, another model: stays out
+        record(7, "peer", caps(100, 1e7, b=0)),  # no target batch: cannot be the main task
         record(4, "peer", None),  # not measured yet
     ]
     assignment, note = assign_group(records)
@@ -61,3 +64,13 @@ def test_no_assignment_says_why():
     ]
     assignment, note = assign_group(nobody_reachable)
     assert assignment is None and "publicly reachable peer or backbone" in note
+
+
+def test_impossible_figures_never_reach_the_solver():
+    huge = msgspec.msgpack.encode(caps(1.0, 1e6))
+    fields = msgspec.msgpack.decode(huge)
+    for key, value in (("samples_per_s", 1e308), ("upload_bps", -1.0), ("rtt_s", float("inf"))):
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.msgpack.decode(
+                msgspec.msgpack.encode({**fields, key: value}), type=Capabilities
+            )

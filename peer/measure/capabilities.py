@@ -1,8 +1,8 @@
 """What a node advertises about itself in its presence record: measured, never typed in.
 
 The role solver reads these from every peer's record (`to_capacity`), and `peer status` shows
-them. Every field is validated on decode (types, ranges); a record with impossible figures
-(infinite rates) is ignored for role assignment rather than trusted.
+them. Every field is validated on decode (types and ranges, with upper bounds far above any real
+machine), so a peer's record with impossible figures is dropped, not fed to the solver.
 """
 
 from __future__ import annotations
@@ -13,17 +13,20 @@ import msgspec
 
 from peer.roles import PeerCapacity
 
-NonNegative = Annotated[float, msgspec.Meta(ge=0)]
-Count = Annotated[int, msgspec.Meta(ge=0)]
+# Upper bounds far above any real machine keep sums of many peers' figures finite.
+Speed = Annotated[float, msgspec.Meta(ge=0, le=1e12)]
+Rate = Annotated[float, msgspec.Meta(ge=0, le=1e13)]
+Seconds = Annotated[float, msgspec.Meta(ge=0, le=3600)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 50)]
 
 
 class Capabilities(msgspec.Struct, frozen=True):
-    samples_per_s: NonNegative
+    samples_per_s: Speed
     """Training throughput of the task on this node (0: it does not compute)."""
-    upload_bps: NonNegative
-    download_bps: NonNegative
-    rtt_s: NonNegative
-    """Round trip to the nearest backbone probed."""
+    upload_bps: Rate
+    download_bps: Rate
+    rtt_s: Seconds
+    """Round trip to the nearest backbone probed (0: not measured)."""
     reachable: bool
     """Others can dial it (a backbone dialed it back): it may aggregate."""
     device: Annotated[str, msgspec.Meta(max_length=64)]

@@ -46,6 +46,7 @@ PROTOCOL = "/peertrain/probe/1"
 MAX_CONTROL_BYTES = 1024
 CONTROL_TIMEOUT = 10.0
 MAX_PINGS = 32  # per stream; then the stream ends
+MAX_PROBE_SECONDS = 60.0  # the longest transfer a client agrees to
 CAPACITY_WINDOW = 3600.0
 _ZEROS = bytes(READ_CHUNK)
 
@@ -63,19 +64,25 @@ class Probe(msgspec.Struct, tag=True):
     bytes: Annotated[int, msgspec.Meta(ge=1, le=1 << 40)]
 
 
+# A reply that breaks these bounds fails to decode: a hostile backbone cannot make a client
+# wait forever or advertise a negative rate.
+Seconds = Annotated[float, msgspec.Meta(ge=0, le=MAX_PROBE_SECONDS)]
+ByteCount = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
+
+
 class Accepted(msgspec.Struct, tag=True):
-    bytes: int
-    seconds: float
+    bytes: ByteCount
+    seconds: Annotated[float, msgspec.Meta(gt=0, le=MAX_PROBE_SECONDS)]
 
 
 class Refused(msgspec.Struct, tag=True):
     reason: Annotated[str, msgspec.Meta(max_length=200)]
-    retry_after: float
+    retry_after: Annotated[float, msgspec.Meta(ge=0, le=86400)]
 
 
 class Measured(msgspec.Struct, tag=True):
-    bytes: int
-    seconds: float
+    bytes: ByteCount
+    seconds: Seconds
 
 
 _requests = msgspec.msgpack.Decoder(Ping | Probe)
@@ -222,10 +229,15 @@ class ProbeServer:
 
     async def _serve_download(self, framed: FramedStream, count: int, deadline: float) -> None:
         start = time.perf_counter()
-        sent = await send_zeros(framed.stream, count, deadline=deadline)
+        sent = 0
+        # The deadline is checked between writes; this bounds a write a slow reader stalls.
+        with trio.move_on_after(self.limits.max_seconds + CONTROL_TIMEOUT) as scope:
+            sent = await send_zeros(framed.stream, count, deadline=deadline)
+            await framed.stream.close()
+        if scope.cancelled_caught:
+            return
         # Writes return once yamux buffered the bytes, so this overestimates: a cap only.
         send_rate = sent / max(time.perf_counter() - start, 1e-9)
-        await framed.stream.close()
         with trio.move_on_after(CONTROL_TIMEOUT):
             frame = await framed.read_frame()
             report = _replies.decode(frame) if frame is not None else None
@@ -338,6 +350,8 @@ async def _probe(node: Node, backbone: ID, direction: str, size: int) -> float:
             )
         if not isinstance(reply, Accepted):
             raise ProtocolError(f"{backbone} answered a probe with {type(reply).__name__}")
+        if reply.bytes > size:
+            raise ProtocolError(f"{backbone} granted {reply.bytes} bytes; {size} were asked for")
         deadline = time.perf_counter() + reply.seconds
         if direction == "download":
             samples: list[tuple[float, int]] = []
@@ -349,9 +363,12 @@ async def _probe(node: Node, backbone: ID, direction: str, size: int) -> float:
             with trio.move_on_after(1.0):  # its close says it read the report: then reset
                 await framed.read_frame()
             return rate(window)
-        await send_zeros(framed.stream, reply.bytes, deadline=deadline)
-        await framed.stream.close()
-        measured = await _reply(framed, backbone)
+        with trio.move_on_after(reply.seconds + CONTROL_TIMEOUT) as scope:
+            await send_zeros(framed.stream, reply.bytes, deadline=deadline)
+            await framed.stream.close()
+            measured = await _reply(framed, backbone)
+        if scope.cancelled_caught:
+            raise DeadlineExceeded(f"upload probe to {backbone} overran its time limit")
         if not isinstance(measured, Measured):
             raise ProtocolError(f"{backbone} answered an upload with {type(measured).__name__}")
         return rate((measured.bytes, measured.seconds))

@@ -270,13 +270,14 @@ class RpcServer:
         stream = framed.stream
         try:
             while True:
+                frame = None  # stays None when the stream idles (or trickles) too long
                 with trio.move_on_after(self.idle_timeout):
                     frame = await framed.read_frame()
-                    if frame is None:
-                        break
-                    await self._answer(caller, framed, frame)
-                    continue
-                break  # idle for too long: free the stream
+                if frame is None:
+                    break
+                # No server deadline on the handler: the caller's own deadline resets the
+                # stream, which cancels it (see _cancel_on_reset).
+                await self._answer(caller, framed, frame)
             with trio.move_on_after(1.0):
                 await stream.close()
         except MessageTooLarge as error:

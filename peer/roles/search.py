@@ -180,6 +180,8 @@ class _Problem:
         for threshold in sorted({self.bw[i] for i in candidates if self.bw[i] > 0}, reverse=True):
             rankings.append(by_speed[self.bw_array[by_speed] >= threshold])
         for order in rankings:
+            if not len(order):
+                continue  # nobody with bandwidth yet: only the lone fastest peer counts
             values = self._prefix_values(
                 self.speed_array[order], self.bw_array[order], self.agg_array[order]
             )
@@ -191,7 +193,8 @@ class _Problem:
     def _by_bandwidth(self, candidates: list[int]) -> np.ndarray:
         """Candidates that can send anything, best-connected first."""
         return np.array(
-            sorted((i for i in candidates if self.bw[i] > 0), key=lambda i: (-self.bw[i], i))
+            sorted((i for i in candidates if self.bw[i] > 0), key=lambda i: (-self.bw[i], i)),
+            dtype=np.intp,
         )
 
     def _prefix_values(self, speed: np.ndarray, bw: np.ndarray, agg: np.ndarray) -> np.ndarray:
