@@ -27,9 +27,9 @@ from peer.errors import Unreachable
 from peer.measure.probe import ProbeServer
 from peer.measure.reachability import DialBackServer, open_dialer
 from peer.measure.service import Measurements
-from peer.net.host import Node, open_node, split_peer_addr
+from peer.net.host import Node, open_node, parse_addrs, split_peer_addr
 from peer.net.identity import ephemeral_identity, hold_identity, load_or_create_identity
-from peer.presence import PresenceRecord, Role, keep_present
+from peer.presence import PresenceRecord, Role, decode_presence, keep_present, presence_key
 
 if TYPE_CHECKING:  # torch takes a second or two to import; backbones never need it
     import torch
@@ -107,10 +107,22 @@ async def run_daemon(
                             "no other backbone answered; starting alone, will retry in the "
                             "background"
                         )
+
+                async def find_backbones() -> list[ID]:
+                    """The seeds that answered, then every other backbone in presence."""
+                    entries = await dht.get(presence_key(config.collaboration.name))
+                    others = []
+                    for record in decode_presence(entries):
+                        if record.role == "backbone":
+                            peer_id = ID.from_base58(record.peer_id)
+                            node.remember_addrs(peer_id, parse_addrs(record.addrs))
+                            others.append(peer_id)
+                    return list(dict.fromkeys([*reached, *others]))
+
                 measurements = Measurements(
                     node,
                     config,
-                    backbones=reached,
+                    find_backbones=find_backbones,
                     workload=workload,
                     probe_server=probe_server,
                 )

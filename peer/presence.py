@@ -16,6 +16,7 @@ import msgspec
 import trio
 
 from peer.dht.node import DHT
+from peer.dht.records import owner_key
 from peer.errors import RemoteError
 from peer.measure.capabilities import Capabilities
 
@@ -89,9 +90,13 @@ async def keep_present(
 
 
 def decode_presence(entries: dict[str, object]) -> list[PresenceRecord]:
-    """Records from a presence get; entries whose record names another peer are dropped."""
+    """Records from a presence get. Only owner-signed entries count (the subkey is a peer id,
+    so the DHT checked its signature), and only if the record names that same peer."""
     records = []
     for subkey, entry in entries.items():
+        if owner_key(subkey) is None:
+            log.debug("ignoring a presence entry under open subkey %r", subkey[:64])
+            continue
         try:
             record = msgspec.msgpack.decode(entry.value, type=PresenceRecord)  # type: ignore[attr-defined]
         except msgspec.DecodeError:

@@ -10,7 +10,8 @@ from peer.config import PeerConfig
 from peer.measure.compute import ComputeMeasurement
 from peer.measure.ema import RateEMA
 from peer.measure.probe import LinkMeasurement
-from peer.measure.service import Measurements, best_link
+from peer.measure.reachability import BUSY, DialBackResult
+from peer.measure.service import Measurements, best_link, reachability_verdict
 
 
 def test_rate_ema_weights_by_time_not_by_count():
@@ -31,9 +32,13 @@ def test_best_link_takes_the_fastest_directions_and_the_shortest_rtt():
     assert best_link([]) is None
 
 
+async def no_backbones() -> list:
+    return []
+
+
 def measured_peer() -> Measurements:
     node = SimpleNamespace(peer_id="me")
-    m = Measurements(node, PeerConfig(), backbones=[])  # type: ignore[arg-type]
+    m = Measurements(node, PeerConfig(), find_backbones=no_backbones)  # type: ignore[arg-type]
     m.compute = ComputeMeasurement(100.0, "cpu", 1 << 30, 4000)
     m.speed = RateEMA(100.0, half_life=60.0)
     m.link = LinkMeasurement(1e6, 4e6, 0.02)
@@ -43,7 +48,8 @@ def measured_peer() -> Measurements:
 
 def test_nothing_is_advertised_before_the_first_measurement():
     node = SimpleNamespace(peer_id="me")
-    assert Measurements(node, PeerConfig(), backbones=[]).capabilities() is None  # type: ignore[arg-type]
+    m = Measurements(node, PeerConfig(), find_backbones=no_backbones)  # type: ignore[arg-type]
+    assert m.capabilities() is None
 
 
 def test_capabilities_carry_the_measurements_and_the_task():
@@ -72,3 +78,10 @@ def test_real_training_and_transfers_refine_the_figures():
     assert caps.samples_per_s == pytest.approx(150.0)
     assert caps.upload_bps == pytest.approx(1.5e6)
     assert caps.download_bps == 4e6  # nothing received: no evidence about the download
+
+
+def test_only_a_definite_dial_back_answer_changes_reachability():
+    assert reachability_verdict(DialBackResult(["/ip4/1.2.3.4/tcp/1"], {"a": "dial failed"}))
+    assert reachability_verdict(DialBackResult([], {"a": "dial failed: refused"})) is False
+    assert reachability_verdict(DialBackResult([], {"a": f"{BUSY}: too many"})) is None
+    assert reachability_verdict(DialBackResult([], {})) is False  # announced nothing dialable

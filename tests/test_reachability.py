@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import socket
 
+import trio
 from multiaddr import Multiaddr
 
-from peer.measure.reachability import DialBackServer, check_reachable, open_dialer, same_ip
+from peer.measure.reachability import (
+    BUSY,
+    MAX_CONCURRENT,
+    DialBackServer,
+    check_reachable,
+    open_dialer,
+    same_ip,
+)
 from peer.net.host import open_node
 from tests.helpers import new_identity, nodes
 
@@ -52,3 +60,14 @@ async def test_someone_answering_with_another_key_does_not_count():
             liar.peer_id, [str(bystander.announce[0])], observed_ip="127.0.0.1"
         )
         assert result.reachable == [] and "dial failed" in next(iter(result.unreachable.values()))
+
+
+async def test_checks_beyond_the_limit_are_answered_busy_at_once():
+    async with nodes(2) as (backbone, peer), open_dialer(new_identity()) as dialer:
+        server = DialBackServer(backbone.host, dialer)
+        for _ in range(MAX_CONCURRENT):
+            server._limit.acquire_on_behalf_of_nowait(object())
+        addr = str(peer.announce[0])
+        with trio.fail_after(1):
+            result = await server.check(peer.peer_id, [addr], observed_ip="127.0.0.1")
+        assert result.reachable == [] and result.unreachable[addr].startswith(BUSY)

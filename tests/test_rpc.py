@@ -282,3 +282,26 @@ async def test_a_handler_may_run_longer_than_the_idle_timeout():
         await connected(client, server)
         reply = await client.rpc.call(server.peer_id, "test", "nap", Nap(0.5), Nap, timeout=5)
         assert reply.seconds == 0.5
+
+
+async def test_one_peer_cannot_take_the_whole_byte_budget():
+    big = 4 * READ_CHUNK
+    async with nodes(3, max_message_bytes=big) as (greedy, server, other):
+        service = Service(
+            server,
+            max_message_bytes=big,
+            max_buffered_bytes=10 * big,
+            max_buffered_per_peer=2 * big + 4096,
+        )
+        for peer in (greedy, other):
+            await connected(peer, server)
+        for _ in range(2):
+            stream = await greedy.host.new_stream(server.peer_id, [protocol_id("test")])
+            await stream.write(encode_varint(big) + b"x" * 1000)
+        await wait_until(lambda: service.server.statistics().buffered_bytes == 2 * big)
+        huge = Echo("x" * (big - 100))
+        with pytest.raises(RpcError, match="your share") as info:
+            await greedy.rpc.call(server.peer_id, "test", "echo", huge, Echo, timeout=5)
+        assert info.value.code == "unavailable"
+        reply = await other.rpc.call(server.peer_id, "test", "echo", huge, Echo, timeout=5)
+        assert reply.text == huge.text  # the server had room: only the greedy peer was capped

@@ -23,7 +23,7 @@ from peer.dht import protocol as p
 from peer.dht.records import Entry, Limits, RecordStore, live, make_entry, merge, validate_entry
 from peer.dht.routing import Contact, Lookup, RoutingTable, key_id, node_id
 from peer.errors import ProtocolError, RemoteError
-from peer.net.host import Node
+from peer.net.host import Node, parse_addrs
 from peer.net.rpc import RpcServer
 
 log = logging.getLogger("peertrain.dht")
@@ -295,7 +295,7 @@ class DHT:
         """Add a contact that answered us or called us, and let the host dial it."""
         known = self.table.get(contact.peer_id)
         if known is None or known.addrs != contact.addrs:
-            addrs = _parse_addrs(contact.addrs)
+            addrs = parse_addrs(contact.addrs)
             if not addrs:
                 return
             self.node.remember_addrs(contact.peer_id, addrs)
@@ -304,7 +304,7 @@ class DHT:
     def _learn_later(self, contact: Contact) -> None:
         """A contact someone else told us about: dialable, but not in the table until it answers."""
         if contact.peer_id not in self.table:
-            addrs = _parse_addrs(contact.addrs)
+            addrs = parse_addrs(contact.addrs)
             if addrs:
                 self.node.remember_addrs(contact.peer_id, addrs)
 
@@ -317,13 +317,3 @@ class DHT:
         if len(contacts) < self.config.replicas:
             return True
         return self.table.own ^ target < max(c.id ^ target for c in contacts)
-
-
-def _parse_addrs(addrs: Sequence[str]) -> list[Multiaddr]:
-    out = []
-    for text in addrs:
-        try:
-            out.append(Multiaddr(text))
-        except Exception:  # the multiaddr package raises several unrelated types
-            continue
-    return out

@@ -9,8 +9,10 @@ already has a connection to the caller and would reuse it. The Noise handshake p
 whoever answers at the address holds the caller's key. As in libp2p's AutoNAT, only addresses
 whose IP is the one the caller's connection comes from are dialed, so nobody can make a
 backbone dial third parties; a peer behind NAT announces private addresses, none match, and it
-is (correctly) found client-only. Checks run one at a time per caller and at most
-`MAX_CONCURRENT` at once, each dial bounded by `DIAL_TIMEOUT`.
+is (correctly) found client-only. Only IPv4 addresses are checked today, so a peer reachable
+over IPv6 alone counts as client-only. Checks run one at a time per caller and at most
+`MAX_CONCURRENT` at once (beyond that the answer is "busy" at once, so the caller keeps its
+previous verdict), each dial bounded by `DIAL_TIMEOUT`.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ import msgspec
 import trio
 from libp2p.abc import IHost, INetStream
 from libp2p.peer.id import ID
-from libp2p.peer.peerinfo import PeerInfo
 from multiaddr import Multiaddr
 
 from peer.errors import DeadlineExceeded, ProtocolError, RemoteError, Unreachable
@@ -40,6 +41,7 @@ MAX_ADDRS = 8
 MAX_CONTROL_BYTES = 8192
 DIAL_TIMEOUT = 5.0
 MAX_CONCURRENT = 8
+BUSY = "not checked, busy"
 
 Addr = Annotated[str, msgspec.Meta(max_length=256)]
 
@@ -98,13 +100,17 @@ class DialBackServer:
 
     async def check(self, caller: ID, addrs: Sequence[str], *, observed_ip: str) -> DialBackResult:
         if caller in self._checking:
-            return DialBackResult([], dict.fromkeys(addrs, "a check for this peer is running"))
+            return DialBackResult([], dict.fromkeys(addrs, BUSY + ": a check for you is running"))
+        try:
+            self._limit.acquire_nowait()
+        except trio.WouldBlock:
+            return DialBackResult([], dict.fromkeys(addrs, BUSY + ": too many checks at once"))
         self._checking.add(caller)
         try:
-            async with self._limit:
-                return await self._dial_each(caller, addrs, observed_ip)
+            return await self._dial_each(caller, addrs, observed_ip)
         finally:
             self._checking.discard(caller)
+            self._limit.release()
 
     async def _dial_each(
         self, caller: ID, addrs: Sequence[str], observed_ip: str
@@ -122,7 +128,8 @@ class DialBackServer:
                 continue
             try:
                 with trio.fail_after(DIAL_TIMEOUT):
-                    await self.dialer.connect(PeerInfo(caller, [addr]))
+                    # Exactly this address (no peerstore lookup), and Noise checks the key.
+                    await self.dialer.get_network().dial_addr(addr, caller)  # type: ignore[attr-defined]
                 reachable.append(text)
             except trio.TooSlowError:
                 unreachable[text] = f"no answer within {DIAL_TIMEOUT:.3g}s"
@@ -133,7 +140,8 @@ class DialBackServer:
         return DialBackResult(reachable, unreachable)
 
     async def _hang_up(self, caller: ID) -> None:
-        # Forget the address too, so the next check dials exactly what it is given.
+        # Forget the addresses identify may have taught the dialer. (Not clear_peerdata: in
+        # py-libp2p 0.8.1 the connection's background tasks then fail on the missing peer.)
         with trio.CancelScope(shield=True), trio.move_on_after(1.0), suppress(TRANSPORT_ERRORS):
             await self.dialer.get_network().close_peer(caller)  # type: ignore[attr-defined]
         self.dialer.get_peerstore().clear_addrs(caller)

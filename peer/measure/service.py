@@ -8,15 +8,15 @@ measurements, real work refines the figures: training throughput (`observe_train
 transfer rates of averaging rounds (`observe_transfer`), as time-weighted moving averages.
 
 A backbone does not compute. Its bandwidth comes from the probes it serves (`ProbeServer.
-capacity`) and from probing other backbones; it is reachable by definition (peers joined by
-dialing it).
+capacity`) and from probing other backbones (those that start later too: the list is asked for
+before every round); it is reachable by definition (peers joined by dialing it).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
 
 import trio
@@ -27,7 +27,7 @@ from peer.errors import RemoteError
 from peer.measure.capabilities import Capabilities
 from peer.measure.ema import RateEMA
 from peer.measure.probe import LinkMeasurement, ProbeServer, measure_link
-from peer.measure.reachability import check_reachable
+from peer.measure.reachability import BUSY, DialBackResult, check_reachable
 from peer.net.host import Node
 
 if TYPE_CHECKING:  # torch takes a second or two to import, and backbones never need it
@@ -62,14 +62,16 @@ class Measurements:
         node: Node,
         config: PeerConfig,
         *,
-        backbones: Sequence[ID],
+        find_backbones: Callable[[], Awaitable[list[ID]]],
         workload: tuple[Task, torch.device] | None = None,
         probe_server: ProbeServer | None = None,
     ) -> None:
-        """A peer passes its task and device (`workload`); a backbone its `probe_server`."""
+        """`find_backbones()` names the backbones to probe, best first (asked before every
+        round, so backbones that start later count). A peer passes its task and device
+        (`workload`); a backbone its `probe_server`."""
         self.node = node
         self.config = config
-        self.backbones = [b for b in backbones if b != node.peer_id]
+        self.find_backbones = find_backbones
         self.workload = workload
         self.probe_server = probe_server
         self.compute: ComputeMeasurement | None = None
@@ -109,9 +111,14 @@ class Measurements:
         link = self.link
         if link is not None and self.upload is not None and self.download is not None:
             link = LinkMeasurement(self.upload.value, self.download.value, link.rtt_s)
-        if self.probe_server is not None:
-            served_up, served_down = self.probe_server.capacity(now=time.monotonic())
-            link = best_link([m for m in (link, LinkMeasurement(served_up, served_down, 0.0)) if m])
+        if self.probe_server is not None:  # what the probes it served showed, RTT unknown (0)
+            up, down = self.probe_server.capacity(now=time.monotonic())
+            rtt = link.rtt_s if link else 0.0
+            link = LinkMeasurement(
+                max(up, link.upload_bps if link else 0.0),
+                max(down, link.download_bps if link else 0.0),
+                rtt,
+            )
         if self.compute is None and link is None:
             return None
         compute = self.compute
@@ -161,26 +168,35 @@ class Measurements:
         self._announce_change()
 
     async def _measure_links(self) -> bool:
-        """Probe the backbones (and, on a peer, ask for a dial-back); True if any answered."""
-        links, reachable = [], False
-        for backbone in self.backbones[: self.config.measure.max_backbones]:
+        """Probe the backbones (and, on a peer, ask for a dial-back); True if done.
+
+        Reachability changes only on a definite answer: a failed or busy check keeps the
+        previous verdict, so roles do not flap.
+        """
+        try:
+            backbones = [b for b in await self.find_backbones() if b != self.node.peer_id]
+        except RemoteError as error:
+            log.warning("could not look up the backbones: %s", error)
+            return False
+        links, verdict = [], None
+        for backbone in backbones[: self.config.measure.max_backbones]:
             try:
                 links.append(
                     await measure_link(
                         self.node, backbone, target_seconds=self.config.measure.probe_seconds
                     )
                 )
-                if self.probe_server is None and not reachable:
-                    reachable = bool((await check_reachable(self.node, backbone)).reachable)
+                if self.probe_server is None and verdict is not True:
+                    verdict = reachability_verdict(await check_reachable(self.node, backbone))
             except RemoteError as error:
                 log.warning("could not measure the link to backbone %s: %s", backbone, error)
+        if verdict is not None:
+            self.reachable = verdict
         if links:
             self.link = best_link(links)
             # A probe is a direct measurement: it restarts the averages real transfers refine.
             self.upload = RateEMA(self.link.upload_bps, half_life=LINK_HALF_LIFE)
             self.download = RateEMA(self.link.download_bps, half_life=LINK_HALF_LIFE)
-            if self.probe_server is None:
-                self.reachable = reachable
             log.info(
                 "link: up %.2f MB/s, down %.2f MB/s, rtt %.1f ms, %s",
                 self.link.upload_bps / 1e6,
@@ -189,4 +205,13 @@ class Measurements:
                 "reachable" if self.reachable else "client-only (not reachable inbound)",
             )
             self._announce_change()
-        return bool(links) or not self.backbones
+        return bool(links) or not backbones
+
+
+def reachability_verdict(result: DialBackResult) -> bool | None:
+    """True if any address was dialed; None when the backbone was too busy to check."""
+    if result.reachable:
+        return True
+    if result.unreachable and all(why.startswith(BUSY) for why in result.unreachable.values()):
+        return None
+    return False

@@ -59,6 +59,18 @@ def parse_multiaddr(text: str, *, what: str) -> Multiaddr:
         ) from None
 
 
+def parse_addrs(texts: Sequence[str]) -> list[Multiaddr]:
+    """The transport parts of the addresses that parse (a peer's /p2p/<id> suffix dropped);
+    for addresses other peers sent, where a bad one is skipped, not fatal."""
+    out = []
+    for text in texts:
+        try:
+            out.append(Multiaddr(text.split("/p2p/")[0]))
+        except Exception:  # the multiaddr package raises several unrelated types
+            continue
+    return out
+
+
 def split_peer_addr(text: str, *, what: str) -> tuple[ID, Multiaddr]:
     """`/ip4/1.2.3.4/tcp/5/p2p/12D3...` -> (peer id, transport address)."""
     maddr = parse_multiaddr(text, what=what)

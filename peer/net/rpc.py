@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -51,7 +51,9 @@ READ_CHUNK = 64 * 1024
 # Server limits: frames of this many maximum-size messages may be in flight at once per
 # service, and one peer may keep this many streams of a service open (its pooled idle ones too).
 BUFFERED_FRAMES = 16
+PEER_BUFFERED_FRAMES = 4  # one peer's share of those
 MAX_STREAMS_PER_PEER = 32
+MAX_LINGERING_REFUSALS = 4
 # Errors after which the server resets the stream: it must not go back to the pool.
 STREAM_ENDING_CODES = frozenset({"too_large", "unavailable"})
 # Errors py-libp2p and trio raise when a stream or connection goes away under us.
@@ -95,14 +97,15 @@ def _raw(value: Any) -> msgspec.Raw:
 
 
 class ByteBudget:
-    """Bytes that the frames a server is receiving may hold at once, over all its streams.
+    """Bytes that the frames a server is receiving may hold at once.
 
     A frame reserves its announced length before its payload is buffered and returns it when
     complete, so many peers each sending the start of a huge frame cannot add up past `limit`.
     """
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, name: str = "the server") -> None:
         self.limit = limit
+        self.name = name
         self.used = 0
 
     def try_take(self, size: int) -> bool:
@@ -122,16 +125,16 @@ class OverBudget(Exception):
 class FramedStream:
     """A libp2p stream that reads and writes whole frames.
 
-    With a `budget`, each frame's announced length is reserved from it before the payload is
-    buffered; the owner must call `release()` when done with the stream.
+    With `budgets`, each frame's announced length is reserved from all of them before the
+    payload is buffered; the owner must call `release()` when done with the stream.
     """
 
     def __init__(
-        self, stream: INetStream, max_size: int, *, budget: ByteBudget | None = None
+        self, stream: INetStream, max_size: int, *, budgets: Sequence[ByteBudget] = ()
     ) -> None:
         self.stream = stream
         self.decoder = FrameDecoder(max_size)
-        self.budget = budget
+        self.budgets = budgets
         self.reserved = 0
         self.last_used = time.monotonic()
         self.hung_up = False  # set when the caller reset the stream mid-call
@@ -158,18 +161,21 @@ class FramedStream:
             self.decoder.feed(data)
 
     def _reserve(self, size: int | None) -> None:
-        if self.budget is None or size is None or self.reserved:
+        if size is None or self.reserved:
             return
-        if not self.budget.try_take(size):
-            raise OverBudget(
-                f"a frame of {size} bytes does not fit: {self.budget.used} of "
-                f"{self.budget.limit} bytes are being received already"
-            )
+        for taken, budget in enumerate(self.budgets):
+            if not budget.try_take(size):
+                for earlier in self.budgets[:taken]:
+                    earlier.give_back(size)
+                raise OverBudget(
+                    f"a frame of {size} bytes does not fit: {budget.used} of {budget.limit} "
+                    f"bytes of {budget.name} are being received already"
+                )
         self.reserved = size
 
     def release(self) -> None:
-        if self.budget is not None and self.reserved:
-            self.budget.give_back(self.reserved)
+        for budget in self.budgets:
+            budget.give_back(self.reserved)
         self.reserved = 0
 
     async def write_frame(self, payload: bytes) -> None:
@@ -209,8 +215,10 @@ class RpcServer:
 
     Memory stays bounded whatever peers send: frames being received hold at most
     `max_buffered_bytes` (default `BUFFERED_FRAMES * max_message_bytes`) plus one read chunk
-    per open stream, and one peer may hold at most `max_streams_per_peer` streams open.
-    Beyond either limit the stream is answered `Err{unavailable}` and reset.
+    per open stream; one peer's frames at most `max_buffered_per_peer` of that (default
+    `PEER_BUFFERED_FRAMES` messages), so no single peer can starve the rest; and one peer may
+    hold at most `max_streams_per_peer` streams open. Beyond any limit the stream is answered
+    `Err{unavailable}` and reset.
     """
 
     def __init__(
@@ -220,6 +228,7 @@ class RpcServer:
         *,
         max_message_bytes: int,
         max_buffered_bytes: int | None = None,
+        max_buffered_per_peer: int | None = None,
         max_streams_per_peer: int = MAX_STREAMS_PER_PEER,
         idle_timeout: float = 60.0,
     ) -> None:
@@ -227,10 +236,13 @@ class RpcServer:
         self.service = service
         self.max_message_bytes = max_message_bytes
         self.budget = ByteBudget(max_buffered_bytes or BUFFERED_FRAMES * max_message_bytes)
+        self.peer_budget_bytes = max_buffered_per_peer or PEER_BUFFERED_FRAMES * max_message_bytes
         self.max_streams_per_peer = max_streams_per_peer
         self.idle_timeout = idle_timeout
         self._methods: dict[str, _Method] = {}
         self._streams: dict[ID, int] = {}  # open streams per calling peer
+        self._peer_budgets: dict[ID, ByteBudget] = {}  # while it has streams open
+        self._refusing: dict[ID, int] = {}  # refusals still lingering, per peer
         host.set_stream_handler(protocol_id(service), self._serve_stream)
 
     def add_unary(
@@ -244,20 +256,24 @@ class RpcServer:
         self._methods[name] = _Method(request_type, handler, streaming=True)
 
     async def _serve_stream(self, stream: INetStream) -> None:
-        framed = FramedStream(stream, self.max_message_bytes, budget=self.budget)
         caller = stream.muxed_conn.peer_id
         if self._streams.get(caller, 0) >= self.max_streams_per_peer:
             message = f"more than {self.max_streams_per_peer} open {self.service} streams from you"
-            await self._refuse(framed, "unavailable", message)
+            await self._refuse(caller, FramedStream(stream, 1), "unavailable", message)
             return
-        self._streams[caller] = self._streams.get(caller, 0) + 1
+        if caller not in self._streams:
+            self._streams[caller] = 0
+            self._peer_budgets[caller] = ByteBudget(self.peer_budget_bytes, "your share")
+        self._streams[caller] += 1
+        budgets = (self._peer_budgets[caller], self.budget)
+        framed = FramedStream(stream, self.max_message_bytes, budgets=budgets)
         try:
             await self._serve_frames(caller, framed)
         finally:
             framed.release()
             self._streams[caller] -= 1
             if not self._streams[caller]:
-                del self._streams[caller]
+                del self._streams[caller], self._peer_budgets[caller]
 
     def statistics(self) -> RpcServerStatistics:
         return RpcServerStatistics(
@@ -281,9 +297,9 @@ class RpcServer:
             with trio.move_on_after(1.0):
                 await stream.close()
         except MessageTooLarge as error:
-            await self._refuse(framed, "too_large", str(error))
+            await self._refuse(caller, framed, "too_large", str(error))
         except OverBudget as error:
-            await self._refuse(framed, "unavailable", f"server busy: {error}")
+            await self._refuse(caller, framed, "unavailable", f"server busy: {error}")
         except ProtocolError as error:
             log.debug("closing stream from %s: %s", caller, error)
             await framed.reset()
@@ -349,19 +365,28 @@ class RpcServer:
             result = await method.handler(caller, body)  # type: ignore[misc]
             await framed.write_frame(_encoder.encode(Ok(_raw(result))))
 
-    @classmethod
-    async def _refuse(cls, framed: FramedStream, code: str, message: str) -> None:
+    async def _refuse(self, caller: ID, framed: FramedStream, code: str, message: str) -> None:
         """Answer `Err` and end a stream whose further input we will not parse.
 
         A reset right after the reply would drop the reply too (the caller may still be
         writing), so: reply, half-close, discard input until the caller hangs up or 1 s passes.
+        A peer with several refusals lingering already just gets resets.
         """
-        await cls._send_error(framed, code, message)
-        with trio.move_on_after(1.0), suppress(EOFError, *TRANSPORT_ERRORS):
-            await framed.stream.close()
-            while await framed.stream.read(READ_CHUNK):
-                pass
-        await framed.reset()
+        if self._refusing.get(caller, 0) >= MAX_LINGERING_REFUSALS:
+            await framed.reset()
+            return
+        self._refusing[caller] = self._refusing.get(caller, 0) + 1
+        try:
+            await self._send_error(framed, code, message)
+            with trio.move_on_after(1.0), suppress(EOFError, *TRANSPORT_ERRORS):
+                await framed.stream.close()
+                while await framed.stream.read(READ_CHUNK):
+                    pass
+            await framed.reset()
+        finally:
+            self._refusing[caller] -= 1
+            if not self._refusing[caller]:
+                del self._refusing[caller]
 
     @staticmethod
     async def _send_error(framed: FramedStream, code: str, message: str) -> None:
