@@ -108,21 +108,12 @@ async def run_daemon(
                             "background"
                         )
 
-                async def find_backbones() -> list[ID]:
-                    """The seeds that answered, then every other backbone in presence."""
-                    entries = await dht.get(presence_key(config.collaboration.name))
-                    others = []
-                    for record in decode_presence(entries):
-                        if record.role == "backbone":
-                            peer_id = ID.from_base58(record.peer_id)
-                            node.remember_addrs(peer_id, parse_addrs(record.addrs))
-                            others.append(peer_id)
-                    return list(dict.fromkeys([*reached, *others]))
-
                 measurements = Measurements(
                     node,
                     config,
-                    find_backbones=find_backbones,
+                    find_backbones=lambda: find_backbones(
+                        dht, config.collaboration.name, first=reached
+                    ),
                     workload=workload,
                     probe_server=probe_server,
                 )
@@ -154,6 +145,17 @@ async def run_daemon(
                 task_status.started(node)
                 await stop.wait()
                 nursery.cancel_scope.cancel()
+
+
+async def find_backbones(dht: DHT, collaboration: str, *, first: Sequence[ID]) -> list[ID]:
+    """`first` (the seeds that answered), then every other backbone in presence, dialable."""
+    others = []
+    for record in decode_presence(await dht.get(presence_key(collaboration))):
+        if record.role == "backbone":
+            peer_id = ID.from_base58(record.peer_id)  # a checked peer id: decode_presence
+            dht.node.remember_addrs(peer_id, parse_addrs(record.addrs))
+            others.append(peer_id)
+    return list(dict.fromkeys([*first, *others]))
 
 
 def load_workload(config: PeerConfig) -> tuple[Task, torch.device]:
