@@ -1,0 +1,474 @@
+"""One butterfly all-reduce round among an agreed group, over the data plane.
+
+Every member holds the same `RoundSpec` (from matchmaking): the members sorted by peer id,
+each with its data address, whether it computes (sends a contribution and wants the average),
+its share (the part it reduces) and its weight, and its signed round key. Member k reduces
+part k of the flat vector. For every computing member i and reducer j != i there is one TCP
+connection, opened by i: i streams its chunks of part j; j adds them as they arrive, and as
+soon as every sender still in the round has delivered a chunk, sends its average back to all
+of them on their connections (reduce-scatter and all-gather overlap, chunk by chunk).
+
+So a client-only member (share 0) only dials out, an aggregator-only member (a backbone:
+weight 0, does not compute) only accepts, and the reducer's own contribution never touches
+the network. Wire bytes per computing member, uncompressed: sends and receives
+(1 - g_k) M + g_k M (K - 1), the model of the role solver.
+
+Faults: a sender that sends nothing for `stall_timeout`, sends a bad chunk, or disconnects is
+dropped by its reducer (its delivered chunks stay averaged in, each chunk is normalised by
+its own weight); a reducer that fails leaves its missing chunks at each member's local values;
+nothing outlives `deadline`. A reducer sends every member the same bytes, and applies the
+decoded bytes to itself, so all members that got a chunk hold the identical value for it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from dataclasses import dataclass, field
+
+import msgspec
+import numpy as np
+import trio
+
+from peer.averaging.compression import CODECS, BadPart
+from peer.averaging.crypto import KeyAnnouncement, RoundKey
+from peer.averaging.partition import part_ranges
+from peer.averaging.reduce import ChunkResult, PartReducer, ResultAssembler
+from peer.averaging.wire import (
+    DONE,
+    MAX_HELLO_BYTES,
+    Hello,
+    SealedChannel,
+    receive_frame,
+    send_frame,
+)
+from peer.errors import ProtocolError
+
+log = logging.getLogger("peertrain.allreduce")
+
+# Errors of a data-plane connection that end it (and drop its peer from the round).
+CONNECTION_ERRORS = (ProtocolError, OSError, trio.BrokenResourceError, trio.ClosedResourceError)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Member:
+    peer_id: str
+    host: str
+    port: int
+    computes: bool
+    share: float
+    weight: float
+    key: KeyAnnouncement
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoundSpec:
+    round_id: bytes
+    members: tuple[Member, ...]
+    """Sorted by peer id."""
+    size: int
+    """Elements of the flat float32 vector."""
+    codec: str
+    chunk_elements: int
+
+    def parts(self) -> list[tuple[int, int]]:
+        return part_ranges(self.size, [m.share for m in self.members])
+
+
+@dataclass
+class RoundReport:
+    chunks: list[ChunkResult]
+    """This member's vector, chunk by chunk: how many contributions each value averages."""
+    dropped_senders: dict[str, str] = field(default_factory=dict)
+    """As a reducer: senders it stopped waiting for, and why."""
+    failed_reducers: dict[str, str] = field(default_factory=dict)
+    """As a sender: reducers whose part it did not fully get back, and why."""
+
+    @property
+    def complete(self) -> bool:
+        return not self.dropped_senders and not self.failed_reducers
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """An accepted connection passed to its round; the round sets `released` when done with
+    it (trio closes a served stream when its handler returns, so the handler waits)."""
+
+    sender: str
+    stream: trio.SocketStream
+    hello: bytes
+    released: trio.Event = field(default_factory=trio.Event)
+
+
+class DataServer:
+    """Accepts data-plane connections and hands each to the round it belongs to."""
+
+    def __init__(self, *, hello_timeout: float = 5.0) -> None:
+        self.hello_timeout = hello_timeout
+        self._rounds: dict[bytes, tuple[trio.MemorySendChannel, trio.MemoryReceiveChannel]] = {}
+
+    async def serve(
+        self, host: str, port: int, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Listen on (host, port); reports the bound port to `nursery.start`."""
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(
+                functools.partial(trio.serve_tcp, host=host), self._handle, port
+            )
+            task_status.started(listeners[0].socket.getsockname()[1])
+
+    def open_inbox(self, round_id: bytes) -> trio.MemoryReceiveChannel[Handoff]:
+        send, receive = trio.open_memory_channel[Handoff](math.inf)
+        self._rounds[round_id] = (send, receive)
+        return receive
+
+    def close_inbox(self, round_id: bytes) -> None:
+        """The round is over: release what it never took."""
+        channels = self._rounds.pop(round_id, None)
+        if channels is None:
+            return
+        send, receive = channels
+        send.close()
+        while True:
+            try:
+                receive.receive_nowait().released.set()
+            except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
+                return
+
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        try:
+            with trio.fail_after(self.hello_timeout):
+                frame = await receive_frame(stream, max_bytes=MAX_HELLO_BYTES)
+            hello = msgspec.msgpack.decode(bytes(frame or b""), type=Hello)
+        except (trio.TooSlowError, msgspec.DecodeError, *CONNECTION_ERRORS):
+            await stream.aclose()
+            return
+        channels = self._rounds.get(hello.round_id)
+        if channels is None:
+            await stream.aclose()  # not a round we take part in (or it is over)
+            return
+        handoff = Handoff(hello.sender, stream, bytes(frame))
+        channels[0].send_nowait(handoff)
+        await handoff.released.wait()
+
+
+async def allreduce(
+    spec: RoundSpec,
+    round_key: RoundKey,
+    vector: np.ndarray,
+    server: DataServer,
+    *,
+    deadline: float,
+    stall_timeout: float,
+) -> RoundReport:
+    """Average `vector` (float32, flat, updated in place) with the group; see the module doc.
+
+    `deadline` is a `trio.current_time()` value; `stall_timeout` bounds each wait for a peer.
+    """
+    me = round_key.peer_id
+    index = next(i for i, m in enumerate(spec.members) if m.peer_id == me)
+    inbox = server.open_inbox(spec.round_id)
+    try:
+        return await _Round(spec, index, round_key, vector, stall_timeout).run(inbox, deadline)
+    finally:
+        server.close_inbox(spec.round_id)
+
+
+class _Round:
+    def __init__(
+        self,
+        spec: RoundSpec,
+        index: int,
+        round_key: RoundKey,
+        vector: np.ndarray,
+        stall_timeout: float,
+    ) -> None:
+        if vector.dtype != np.float32 or vector.shape != (spec.size,):
+            raise ValueError(
+                f"vector is {vector.dtype}{vector.shape}, expected float32({spec.size},)"
+            )
+        self.spec = spec
+        self.me = spec.members[index]
+        self.index = index
+        self.round_key = round_key
+        self.vector = vector
+        self.stall_timeout = stall_timeout
+        self.codec = CODECS[spec.codec]
+        self.parts = spec.parts()
+        self.report = RoundReport(chunks=[])
+        self.assembler = (
+            ResultAssembler(vector, self.parts, chunk_elements=spec.chunk_elements)
+            if self.me.computes
+            else None
+        )
+        self.keys: dict[str, tuple[bytes, bytes]] = {}
+        self.part: _PartService | None = None
+
+    def _derive_keys(self) -> dict[str, str]:
+        """Pair keys with every other member; returns the members whose signed round key
+        does not check out (nobody can talk to them this round)."""
+        unusable = {}
+        for other in self.spec.members:
+            if other.peer_id != self.me.peer_id:
+                try:
+                    self.keys[other.peer_id] = self.round_key.pair_keys(other.key)
+                except BadPart as error:
+                    unusable[other.peer_id] = str(error)
+        return unusable
+
+    async def run(self, inbox: trio.MemoryReceiveChannel, deadline: float) -> RoundReport:
+        lo, hi = self.parts[self.index]
+        unusable = self._derive_keys()
+        with trio.move_on_at(deadline):
+            async with trio.open_nursery() as nursery:
+                if hi > lo:
+                    self.part = _PartService(self)
+                    for peer_id, reason in unusable.items():
+                        if peer_id in self.part.remote:
+                            self.part.drop(peer_id, reason)
+                    nursery.start_soon(self.part.run, inbox)
+                if self.me.computes:
+                    for j, member in enumerate(self.spec.members):
+                        start, end = self.parts[j]
+                        if j == self.index or end == start:
+                            continue
+                        if member.peer_id in unusable:
+                            self.report.failed_reducers[member.peer_id] = unusable[member.peer_id]
+                        else:
+                            nursery.start_soon(self._send_to, j, member)
+        for j, member in enumerate(self.spec.members):
+            if self._owes_me(j):
+                self.report.failed_reducers.setdefault(member.peer_id, "the deadline passed")
+        if self.part is not None:
+            for sender in self.part.reducer.waiting_for():
+                self.report.dropped_senders.setdefault(sender, "the deadline passed")
+        if self.assembler is not None:
+            self.report.chunks = self.assembler.report()
+        return self.report
+
+    def _owes_me(self, j: int) -> bool:
+        """Reducer j has not (yet) returned all of its part to us."""
+        start, end = self.parts[j]
+        return (
+            self.assembler is not None
+            and j != self.index
+            and end > start
+            and not self.assembler.part_complete(j)
+        )
+
+    # ------------------------------------------------------------------ as a sender
+
+    async def _send_to(self, j: int, reducer: Member) -> None:
+        """Stream our chunks of part j to its reducer and take the averages back."""
+        assert self.assembler is not None
+        try:
+            send_key, receive_key = self.keys[reducer.peer_id]
+            with trio.fail_after(self.stall_timeout):
+                stream = await trio.open_tcp_stream(reducer.host, reducer.port)
+            async with stream:
+                hello = msgspec.msgpack.encode(Hello(self.spec.round_id, self.me.peer_id))
+                await send_frame(stream, hello)
+                channel = SealedChannel(stream, send_key=send_key, receive_key=receive_key)
+                await channel.send(DONE, 0, hello)  # proves the hello came from us
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._send_chunks, channel, j)
+                    await self._receive_averages(channel, j)
+        except* (trio.TooSlowError, *CONNECTION_ERRORS) as group:
+            error = _first(group)
+            self.report.failed_reducers[reducer.peer_id] = _reason(error)
+            log.debug("reducer %s failed: %r", reducer.peer_id, error)
+
+    async def _send_chunks(self, channel: SealedChannel, j: int) -> None:
+        start, end = self.parts[j]
+        for index, (lo, hi) in enumerate(_chunks(start, end, self.spec.chunk_elements)):
+            await channel.send(index, 0, self.codec.encode(self.vector[lo:hi]))
+        await channel.send(DONE, 0, b"")
+
+    async def _receive_averages(self, channel: SealedChannel, j: int) -> None:
+        assert self.assembler is not None
+        max_payload = self.codec.wire_bytes(self.spec.chunk_elements)
+        while not self.assembler.part_complete(j):
+            with trio.fail_after(self.stall_timeout):
+                frame = await channel.receive(max_payload=max_payload)
+            if frame is None:
+                raise BadPart("the reducer closed the connection before its part was complete")
+            index, senders, payload = frame
+            if index == DONE:
+                raise BadPart("the reducer ended its part early")
+            count = _chunk_length(self.parts[j], index, self.spec.chunk_elements)
+            self.assembler.put(j, index, self.codec.decode(payload, count), senders)
+        # Read the end marker too: hanging up before it would reset the reducer's last send.
+        with trio.move_on_after(self.stall_timeout):
+            await channel.receive(max_payload=0)
+
+
+class _PartService:
+    """Member k's side as the reducer of part k: takes every sender's connection, adds the
+    chunks as they arrive and sends each average out as soon as its chunk is complete."""
+
+    def __init__(self, round_: _Round) -> None:
+        self.round = round_
+        spec, me = round_.spec, round_.me
+        lo, hi = round_.parts[round_.index]
+        self.lo = lo
+        self.members = {m.peer_id: m for m in spec.members}
+        senders = {m.peer_id: m.weight for m in spec.members if m.computes}
+        self.reducer = PartReducer(lo, hi, chunk_elements=spec.chunk_elements, weights=senders)
+        self.remote = set(senders) - {me.peer_id}
+        self.connected: set[str] = set()
+        self.outboxes: dict[str, trio.MemorySendChannel] = {}
+        self.finished = trio.Event()  # every connected sender's connection has ended
+        self.active = 0
+
+    async def run(self, inbox: trio.MemoryReceiveChannel) -> None:
+        round_, reducer = self.round, self.reducer
+        if round_.me.computes:  # our own contribution, straight from memory
+            for index, (a, b) in enumerate(reducer.chunks):
+                reducer.add(round_.me.peer_id, index, round_.vector[self.lo + a : self.lo + b])
+        started = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._accept, inbox, nursery)
+            self.publish()
+            while not reducer.done:  # a watchdog for senders that never connect
+                await trio.sleep(round_.stall_timeout / 4)
+                if trio.current_time() - started >= round_.stall_timeout:
+                    for peer_id in set(reducer.waiting_for()) - self.connected:
+                        self.drop(peer_id, f"did not connect within {round_.stall_timeout:.3g}s")
+                self.publish()
+            if self.active:
+                with trio.move_on_after(round_.stall_timeout):
+                    await self.finished.wait()  # the last averages leave
+            nursery.cancel_scope.cancel()
+
+    async def _accept(
+        self, inbox: trio.MemoryReceiveChannel[Handoff], nursery: trio.Nursery
+    ) -> None:
+        async for handoff in inbox:
+            sender = handoff.sender
+            if (
+                sender not in self.remote
+                or sender in self.connected
+                or sender in self.reducer.dropped
+            ):
+                handoff.released.set()
+                continue
+            self.active += 1
+            nursery.start_soon(self._serve, handoff)
+
+    def drop(self, sender: str, reason: str) -> None:
+        self.reducer.drop(sender, reason)
+        self.round.report.dropped_senders.setdefault(sender, reason)
+        self._close_outbox(sender)
+
+    def _close_outbox(self, sender: str) -> None:
+        outbox = self.outboxes.pop(sender, None)
+        if outbox is not None:
+            outbox.close()
+
+    def publish(self) -> None:
+        """Average every chunk that just became complete and queue it for every sender."""
+        round_ = self.round
+        for index in self.reducer.take_complete():
+            average, count = self.reducer.average(index)
+            if average is None:
+                continue  # nobody delivered it: every member keeps its local values
+            payload = round_.codec.encode(average)
+            if round_.assembler is not None:  # the decoded bytes: what everyone else gets
+                decoded = round_.codec.decode(payload, len(average))
+                round_.assembler.put(round_.index, index, decoded, count)
+            for outbox in self.outboxes.values():
+                outbox.send_nowait((index, count, payload))
+        if self.reducer.done:
+            for sender in list(self.outboxes):
+                self._close_outbox(sender)
+
+    async def _serve(self, handoff: Handoff) -> None:
+        sender, stream = handoff.sender, handoff.stream
+        try:
+            async with stream:
+                channel = await self._authenticate(handoff)
+                if channel is None or sender in self.connected or sender in self.reducer.dropped:
+                    return  # a stranger's bytes never count against the member it names
+                self.connected.add(sender)
+                outbox, outgoing = trio.open_memory_channel(math.inf)
+                self.outboxes[sender] = outbox
+                try:
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(_forward, channel, outgoing)
+                        await self._take_chunks(channel, sender)
+                except* (trio.TooSlowError, *CONNECTION_ERRORS) as group:
+                    error = _first(group)
+                    if sender in self.reducer.waiting_for():
+                        self.drop(sender, _reason(error))
+                        self.publish()
+                    log.debug("sender %s: %r", sender, error)
+        finally:
+            handoff.released.set()
+            self._close_outbox(sender)
+            self.active -= 1
+            if not self.active:
+                self.finished.set()
+
+    async def _authenticate(self, handoff: Handoff) -> SealedChannel | None:
+        """The connection's channel if its first sealed frame proves the hello; else None."""
+        send_key, receive_key = self.round.keys[handoff.sender]
+        channel = SealedChannel(handoff.stream, send_key=send_key, receive_key=receive_key)
+        try:
+            with trio.fail_after(self.round.stall_timeout):
+                first = await channel.receive(max_payload=MAX_HELLO_BYTES)
+        except (trio.TooSlowError, *CONNECTION_ERRORS) as error:
+            log.debug("unauthenticated connection claiming %s: %r", handoff.sender, error)
+            return None
+        return channel if first is not None and first[2] == handoff.hello else None
+
+    async def _take_chunks(self, channel: SealedChannel, sender: str) -> None:
+        round_, reducer = self.round, self.reducer
+        max_payload = round_.codec.wire_bytes(round_.spec.chunk_elements)
+        while True:
+            with trio.fail_after(round_.stall_timeout):
+                frame = await channel.receive(max_payload=max_payload)
+            if frame is None:
+                raise BadPart("the sender disconnected before its last chunk")
+            index, _, payload = frame
+            if index == DONE:
+                if sender in reducer.waiting_for():
+                    raise BadPart("the sender ended before sending every chunk")
+                return
+            if not 0 <= index < len(reducer.chunks):
+                raise BadPart(f"chunk {index} is out of range")
+            reducer.add(sender, index, round_.codec.decode(payload, reducer.chunk_size(index)))
+            self.publish()
+
+
+async def _forward(channel: SealedChannel, outgoing: trio.MemoryReceiveChannel) -> None:
+    """Send the averages queued for one sender, then the end marker."""
+    async for index, count, payload in outgoing:
+        await channel.send(index, count, payload)
+    await channel.send(DONE, 0, b"")
+
+
+def _chunks(start: int, end: int, chunk_elements: int) -> list[tuple[int, int]]:
+    return [(s, min(s + chunk_elements, end)) for s in range(start, end, chunk_elements)]
+
+
+def _chunk_length(part: tuple[int, int], index: int, chunk_elements: int) -> int:
+    start, end = part
+    lo = start + index * chunk_elements
+    if not start <= lo < end:
+        raise BadPart(f"chunk {index} is out of range")
+    return min(lo + chunk_elements, end) - lo
+
+
+def _first(group: BaseExceptionGroup) -> BaseException:
+    """The first leaf of a (nested) exception group: the error that ended a connection."""
+    error: BaseException = group
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error
+
+
+def _reason(error: BaseException) -> str:
+    if isinstance(error, trio.TooSlowError):
+        return "stalled"
+    return str(error) or type(error).__name__

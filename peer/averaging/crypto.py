@@ -1,0 +1,112 @@
+"""Authenticated, encrypted data-plane frames between the members of one round, pure.
+
+The data plane is plain TCP (libp2p's Noise + yamux stream tops out near 0.3 GB/s); its keys
+come from the libp2p identities, so unauthenticated bytes never reach a reduction:
+
+1. For every round, each member makes an ephemeral X25519 key pair and signs
+   (domain, round id, public key) with its Ed25519 peer key: a `KeyAnnouncement` that anyone
+   can check against the member's peer id. Announcements travel with the group's membership.
+2. Two members derive their pair's keys with X25519 + HKDF-SHA256, one key per direction
+   (the info string names round, sender and receiver), so nobody else in the group, the
+   group's leader included, can read or forge their traffic.
+3. Frames are AES-256-GCM with a counter nonce per direction (never reused: a key lives for
+   one direction of one round). A frame that fails to open, or arrives out of order, is
+   `BadPart`: its sender is dropped. AES-GCM runs at ~13 GB/s here (AES-NI), far above the wire.
+"""
+
+from __future__ import annotations
+
+import msgspec
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+from libp2p.crypto.keys import PrivateKey
+
+from peer.averaging.compression import BadPart
+from peer.dht.records import owner_key
+
+DOMAIN = b"peertrain/allreduce-key/1"
+TAG_BYTES = 16
+
+
+class KeyAnnouncement(msgspec.Struct, frozen=True):
+    peer_id: str
+    public_key: bytes
+    signature: bytes
+
+
+def _signed_payload(round_id: bytes, public_key: bytes) -> bytes:
+    return DOMAIN + len(round_id).to_bytes(2, "big") + round_id + public_key
+
+
+class RoundKey:
+    """This member's ephemeral key for one round."""
+
+    def __init__(self, round_id: bytes, peer_id: str, identity_key: PrivateKey) -> None:
+        self.round_id = round_id
+        self.peer_id = peer_id
+        self._private = X25519PrivateKey.generate()
+        public = self._private.public_key().public_bytes_raw()
+        signature = identity_key.sign(_signed_payload(round_id, public))
+        self.announcement = KeyAnnouncement(peer_id, public, signature)
+
+    def pair_keys(self, other: KeyAnnouncement) -> tuple[bytes, bytes]:
+        """(key for what we send to `other`, key for what `other` sends us).
+
+        Raises BadPart if the announcement is not signed by the peer it names.
+        """
+        their_public = verify_announcement(self.round_id, other)
+        secret = self._private.exchange(their_public)
+        return (
+            _derive(secret, self.round_id, self.peer_id, other.peer_id),
+            _derive(secret, self.round_id, other.peer_id, self.peer_id),
+        )
+
+
+def verify_announcement(round_id: bytes, announcement: KeyAnnouncement) -> X25519PublicKey:
+    owner = owner_key(announcement.peer_id)
+    payload = _signed_payload(round_id, announcement.public_key)
+    if owner is None or len(announcement.public_key) != 32:
+        raise BadPart(f"key announcement of {announcement.peer_id[:20]!r} is malformed")
+    if not owner.verify(payload, announcement.signature):
+        raise BadPart(f"key announcement of {announcement.peer_id} is not signed by it")
+    return X25519PublicKey.from_public_bytes(announcement.public_key)
+
+
+def _derive(secret: bytes, round_id: bytes, sender: str, receiver: str) -> bytes:
+    info = b"|".join((DOMAIN, round_id, sender.encode(), receiver.encode()))
+    return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(secret)
+
+
+class Sealer:
+    """Seals the frames of one direction: nonce = frame counter."""
+
+    def __init__(self, key: bytes) -> None:
+        self._aead = AESGCM(key)
+        self._counter = 0
+
+    def seal(self, plaintext: bytes | memoryview, associated: bytes = b"") -> bytes:
+        nonce = self._counter.to_bytes(12, "big")
+        self._counter += 1
+        return self._aead.encrypt(nonce, plaintext, associated)
+
+
+class Opener:
+    """Opens the frames of one direction, in order."""
+
+    def __init__(self, key: bytes) -> None:
+        self._aead = AESGCM(key)
+        self._counter = 0
+
+    def open(self, sealed: bytes | memoryview, associated: bytes = b"") -> bytes:
+        nonce = self._counter.to_bytes(12, "big")
+        try:
+            plaintext = self._aead.decrypt(nonce, sealed, associated)
+        except InvalidTag:
+            raise BadPart(
+                "a data frame failed authentication (forged, altered or reordered)"
+            ) from None
+        self._counter += 1
+        return plaintext

@@ -1,0 +1,148 @@
+"""The arithmetic of one butterfly round, pure: reducing a part, and assembling the result.
+
+A reducer owns one part of the flat vector. `PartReducer` adds each sender's chunks, weighted,
+into one float32 sum as they arrive (nothing is buffered per sender), and counts per chunk the
+weight and the senders that made it. A sender that fails is dropped: the chunks it already
+delivered keep its contribution, the rest are averaged without it (each chunk is normalised by
+its own total weight). A chunk that fails validation is never added, and its sender is dropped.
+
+A member's `ResultAssembler` writes the averaged chunks it receives into its own vector;
+chunks that never arrive keep the member's local values, and the report says which chunks were
+averaged over how many senders.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from peer.averaging.compression import BadPart
+from peer.averaging.partition import chunk_ranges
+
+
+@dataclass(frozen=True)
+class ChunkResult:
+    start: int
+    """Offset in the flat vector."""
+    end: int
+    senders: int
+    """Contributions averaged into this chunk; 0 if it kept local values."""
+
+
+class PartReducer:
+    """Weighted average of the elements [start, end), built chunk by chunk."""
+
+    def __init__(
+        self, start: int, end: int, *, chunk_elements: int, weights: Mapping[str, float]
+    ) -> None:
+        for sender, weight in weights.items():
+            if not (np.isfinite(weight) and weight >= 0):
+                raise ValueError(f"weight of {sender} is {weight!r}; expected a number >= 0")
+        self.start, self.end = start, end
+        self.chunks = chunk_ranges(0, end - start, chunk_elements)
+        self.weights = dict(weights)
+        self.sum = np.zeros(end - start, dtype=np.float32)
+        self.chunk_weight = np.zeros(len(self.chunks), dtype=np.float64)
+        self.chunk_senders = np.zeros(len(self.chunks), dtype=np.int64)
+        self.pending = {sender: set(range(len(self.chunks))) for sender in weights}
+        self.dropped: dict[str, str] = {}
+        self.taken: set[int] = set()  # chunks already averaged (or given up)
+
+    def chunk_size(self, index: int) -> int:
+        lo, hi = self.chunks[index]
+        return hi - lo
+
+    def add(self, sender: str, index: int, values: np.ndarray) -> None:
+        """Add `sender`'s chunk `index`; raises BadPart (drop the sender) if it is not valid."""
+        if sender in self.dropped:
+            raise BadPart(f"{sender} was dropped from this part ({self.dropped[sender]})")
+        pending = self.pending.get(sender)
+        if pending is None:
+            raise BadPart(f"{sender} is not a sender of part [{self.start}, {self.end})")
+        if index not in pending:
+            raise BadPart(f"chunk {index} from {sender} is out of range or came twice")
+        lo, hi = self.chunks[index]
+        if values.dtype != np.float32 or values.shape != (hi - lo,):
+            raise BadPart(
+                f"chunk {index} from {sender}: {values.dtype}{values.shape}, "
+                f"expected float32({hi - lo},)"
+            )
+        if not np.isfinite(values).all():
+            raise BadPart(f"chunk {index} from {sender} holds NaN or Inf")
+        weight = self.weights[sender]
+        if weight == 1.0:
+            self.sum[lo:hi] += values
+        elif weight > 0:
+            self.sum[lo:hi] += values * np.float32(weight)
+        self.chunk_weight[index] += weight
+        self.chunk_senders[index] += 1
+        pending.discard(index)
+
+    def drop(self, sender: str, reason: str) -> None:
+        """Stop waiting for `sender`: what it delivered stays, the rest goes on without it."""
+        if sender in self.pending and sender not in self.dropped:
+            self.dropped[sender] = reason
+
+    @property
+    def done(self) -> bool:
+        """Every sender still in the round delivered every chunk."""
+        return all(
+            not pending for sender, pending in self.pending.items() if sender not in self.dropped
+        )
+
+    def waiting_for(self) -> list[str]:
+        return sorted(s for s, p in self.pending.items() if p and s not in self.dropped)
+
+    def take_complete(self) -> list[int]:
+        """Chunks that no sender still in the round owes, each returned once."""
+        owed = set().union(*(p for s, p in self.pending.items() if s not in self.dropped))
+        ready = [i for i in range(len(self.chunks)) if i not in owed and i not in self.taken]
+        self.taken.update(ready)
+        return ready
+
+    def average(self, index: int) -> tuple[np.ndarray | None, int]:
+        """(average, senders) of a complete chunk, dividing the sum in place; (None, 0) if no
+        sender delivered it."""
+        total = self.chunk_weight[index]
+        if total <= 0:
+            return None, 0
+        lo, hi = self.chunks[index]
+        self.sum[lo:hi] /= np.float32(total)
+        return self.sum[lo:hi], int(self.chunk_senders[index])
+
+
+class ResultAssembler:
+    """Writes averaged chunks into `vector` (the member's own values) as they arrive."""
+
+    def __init__(self, vector: np.ndarray, parts: list[tuple[int, int]], *, chunk_elements: int):
+        self.vector = vector
+        self.parts = parts
+        self.chunks = [chunk_ranges(lo, hi, chunk_elements) for lo, hi in parts]
+        self.received: dict[tuple[int, int], int] = {}  # (part, chunk) -> senders
+
+    def put(self, part: int, index: int, values: np.ndarray, senders: int) -> None:
+        """Place chunk `index` of `part`; raises BadPart if it does not fit or is not finite."""
+        if not (0 <= part < len(self.chunks) and 0 <= index < len(self.chunks[part])):
+            raise BadPart(f"no chunk {index} in part {part}")
+        if (part, index) in self.received:
+            raise BadPart(f"chunk {index} of part {part} came twice")
+        lo, hi = self.chunks[part][index]
+        if values.dtype != np.float32 or values.shape != (hi - lo,):
+            raise BadPart(f"chunk {index} of part {part}: {values.dtype}{values.shape}")
+        if not np.isfinite(values).all() or senders < 1:
+            raise BadPart(f"chunk {index} of part {part} is not a finite average")
+        self.vector[lo:hi] = values
+        self.received[(part, index)] = senders
+
+    def part_complete(self, part: int) -> bool:
+        return all((part, i) in self.received for i in range(len(self.chunks[part])))
+
+    def report(self) -> list[ChunkResult]:
+        """Every chunk of the vector: how many senders its value averages (0: kept local)."""
+        return [
+            ChunkResult(lo, hi, self.received.get((part, index), 0))
+            for part, chunks in enumerate(self.chunks)
+            for index, (lo, hi) in enumerate(chunks)
+        ]
