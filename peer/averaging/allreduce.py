@@ -14,7 +14,8 @@ the network. Wire bytes per computing member, uncompressed: sends and receives
 (1 - g_k) M + g_k M (K - 1), the model of the role solver.
 
 Faults: a sender that sends nothing for `stall_timeout`, sends a bad chunk, or disconnects is
-dropped by its reducer (its delivered chunks stay averaged in, each chunk is normalised by
+dropped by its reducer (a sender waits 2.5 stall timeouts for an average, since the reducer may
+be waiting one out for another sender) (its delivered chunks stay averaged in, each chunk is normalised by
 its own weight); a reducer that fails leaves its missing chunks at each member's local values;
 nothing outlives `deadline`. A reducer sends every member the same bytes, and applies the
 decoded bytes to itself, so all members that got a chunk hold the identical value for it.
@@ -289,7 +290,9 @@ class _Round:
         assert self.assembler is not None
         max_payload = self.codec.wire_bytes(self.spec.chunk_elements)
         while not self.assembler.part_complete(j):
-            with trio.fail_after(self.stall_timeout):
+            # An average waits for the part's slowest sender, whom the reducer gives up on
+            # after its own stall timeout (checked every quarter of it): allow for that too.
+            with trio.fail_after(2.5 * self.stall_timeout):
                 frame = await channel.receive(max_payload=max_payload)
             if frame is None:
                 raise BadPart("the reducer closed the connection before its part was complete")

@@ -1,0 +1,337 @@
+"""Butterfly all-reduce over the real data plane (TCP on loopback, AES-GCM frames), in process.
+
+Honest members run `allreduce`; misbehaving ones are small test doubles speaking the wire
+protocol through the public `wire` helpers (a sender that stalls, dies, sends NaN, the wrong
+size or forged frames; a reducer that says nothing or dies half-way).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+import pytest
+import trio
+
+from peer.averaging.allreduce import DataServer, Member, RoundReport, RoundSpec, allreduce
+from peer.averaging.compression import CODECS
+from peer.averaging.crypto import RoundKey
+from peer.averaging.partition import chunk_ranges
+from peer.averaging.wire import DONE, Hello, SealedChannel, send_frame
+from peer.net.identity import Identity
+from tests.helpers import new_identity
+
+ROUND = b"test-round"
+SIZE = 10_007  # not a multiple of anything: uneven parts and a short last chunk
+CHUNK = 1024
+TOLERANCE = {"none": 1e-5, "fp16": 1e-2, "int8": 8e-2}
+STALL = 1.0  # the honest members' stall timeout
+HOLD = 4.0  # how long a misbehaving double keeps its connections: past every honest timeout
+
+
+@dataclass
+class Player:
+    """One member: its identity, round key, data server, role and vector."""
+
+    identity: Identity
+    key: RoundKey
+    server: DataServer
+    port: int
+    computes: bool
+    share: float
+    weight: float
+    vector: np.ndarray
+
+    @property
+    def peer_id(self) -> str:
+        return self.identity.peer_id.to_base58()
+
+    def member(self) -> Member:
+        return Member(
+            peer_id=self.peer_id,
+            host="127.0.0.1",
+            port=self.port,
+            computes=self.computes,
+            share=self.share,
+            weight=self.weight,
+            key=self.key.announcement,
+        )
+
+
+ROLES = {  # computes, share
+    "normal": (True, 1.0),
+    "client": (True, 0.0),  # client-only: cannot be dialed, reduces nothing
+    "aggregator": (False, 1.0),  # a backbone: reduces, contributes nothing
+}
+
+Behaviour = Callable[[Player, RoundSpec], Awaitable[RoundReport | None]]
+
+
+async def honest(player: Player, spec: RoundSpec) -> RoundReport:
+    return await allreduce(
+        spec, player.key, player.vector, player.server, deadline=trio.current_time() + 30,
+        stall_timeout=STALL,
+    )  # fmt: skip
+
+
+async def run_group(
+    roles: list[str],
+    *,
+    codec: str = "none",
+    behaviours: dict[int, Behaviour] | None = None,
+    seed: int = 0,
+) -> tuple[list[Player], list[np.ndarray], list[RoundReport | None]]:
+    """Run one round; returns players (sorted as in the spec), original vectors, reports."""
+    rng = np.random.default_rng(seed)
+    identities = sorted((new_identity() for _ in roles), key=lambda i: i.peer_id.to_base58())
+    behaviours = behaviours or {}
+    async with trio.open_nursery() as nursery:
+        players = []
+        for identity, role in zip(identities, roles, strict=True):
+            computes, share = ROLES[role]
+            server = DataServer(hello_timeout=1.0)
+            port = await nursery.start(server.serve, "127.0.0.1", 0)
+            key = RoundKey(ROUND, identity.peer_id.to_base58(), identity.key_pair.private_key)
+            vector = rng.standard_normal(SIZE).astype(np.float32) * 3
+            weight = float(rng.integers(1, 5)) if computes else 0.0
+            players.append(Player(identity, key, server, port, computes, share, weight, vector))
+        originals = [p.vector.copy() for p in players]
+        spec = RoundSpec(
+            round_id=ROUND,
+            members=tuple(p.member() for p in players),
+            size=SIZE,
+            codec=codec,
+            chunk_elements=CHUNK,
+        )
+        reports: list[RoundReport | None] = [None] * len(players)
+
+        async def play(i: int) -> None:
+            reports[i] = await behaviours.get(i, honest)(players[i], spec)
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as members:
+                for i in range(len(players)):
+                    members.start_soon(play, i)
+        nursery.cancel_scope.cancel()
+    return players, originals, reports
+
+
+def weighted_average(players: list[Player], originals: list[np.ndarray], among) -> np.ndarray:
+    chosen = [
+        (p.weight, o.astype(np.float64))
+        for p, o in zip(players, originals, strict=True)
+        if among(p)
+    ]
+    return sum(w * o for w, o in chosen) / sum(w for w, _ in chosen)
+
+
+def mixes(n: int) -> list[list[str]]:
+    """All normal; one client-only; one aggregator-only; one of each (where n allows)."""
+    out = [["normal"] * n, ["client"] + ["normal"] * (n - 1), ["aggregator"] + ["normal"] * (n - 1)]
+    if n >= 3:
+        out.append(["client", "aggregator"] + ["normal"] * (n - 2))
+    if n >= 4:
+        out.append(["client", "client", "aggregator", "aggregator"] + ["normal"] * (n - 4))
+    return out
+
+
+CASES = [(n, roles) for n in (2, 3, 4, 5, 8) for roles in mixes(n)]
+
+
+@pytest.mark.parametrize(
+    ("n", "roles"),
+    CASES,
+    ids=[f"{n}-{'+'.join(sorted(set(r)))}-{i}" for i, (n, r) in enumerate(CASES)],
+)
+async def test_exact_weighted_average_for_every_mix_of_roles(n, roles):
+    players, originals, reports = await run_group(roles, seed=n)
+    expected = weighted_average(players, originals, lambda p: p.computes)
+    computing = [i for i, p in enumerate(players) if p.computes]
+    for i in computing:
+        np.testing.assert_allclose(players[i].vector, expected, atol=TOLERANCE["none"])
+        assert reports[i].complete
+        assert {c.senders for c in reports[i].chunks} == {len(computing)}
+    for i in computing[1:]:
+        assert np.array_equal(players[i].vector, players[computing[0]].vector)
+    for i, p in enumerate(players):
+        if not p.computes:  # an aggregator keeps its own (zero-weight, unused) vector
+            assert np.array_equal(p.vector, originals[i]) and reports[i].chunks == []
+
+
+@pytest.mark.parametrize("codec", ["fp16", "int8"])
+async def test_compressed_rounds_stay_within_the_codec_error_and_agree(codec):
+    roles = ["normal", "client", "aggregator", "normal"]
+    players, originals, _ = await run_group(roles, codec=codec)
+    expected = weighted_average(players, originals, lambda p: p.computes)
+    computing = [p for p in players if p.computes]
+    for p in computing:
+        np.testing.assert_allclose(p.vector, expected, atol=TOLERANCE[codec])
+        assert np.array_equal(p.vector, computing[0].vector)  # every member got the same bytes
+
+
+# ---------------------------------------------------------------------------- misbehaving senders
+
+
+def faulty_sender(mode: str) -> Behaviour:
+    """A client-only member that sends its part contributions with a fault."""
+
+    async def behave(player: Player, spec: RoundSpec) -> None:
+        parts = spec.parts()
+        async with trio.open_nursery() as nursery:
+            for j, reducer in enumerate(spec.members):
+                if parts[j][1] > parts[j][0]:
+                    nursery.start_soon(send_faultily, player, spec, reducer, parts[j], mode)
+
+    return behave
+
+
+async def send_faultily(player: Player, spec: RoundSpec, reducer: Member, part, mode: str) -> None:
+    send_key, receive_key = player.key.pair_keys(reducer.key)
+    if mode == "forged":  # knows the round and a member's name, not the member's key
+        send_key = bytes(32)
+    codec = CODECS[spec.codec]
+    with trio.move_on_after(HOLD), contextlib.suppress(trio.BrokenResourceError, OSError):
+        stream = await trio.open_tcp_stream(reducer.host, reducer.port)
+        async with stream:
+            hello = msgspec.msgpack.encode(Hello(spec.round_id, player.peer_id))
+            await send_frame(stream, hello)
+            channel = SealedChannel(stream, send_key=send_key, receive_key=receive_key)
+            await channel.send(DONE, 0, hello)
+            chunks = chunk_ranges(*part, spec.chunk_elements)
+            for index, (lo, hi) in enumerate(chunks):
+                values = player.vector[lo:hi].copy()
+                if mode == "nan" and index == 0:
+                    values[3] = np.nan
+                if mode == "wrong size" and index == 0:
+                    values = values[:-1]
+                if mode in ("stall", "die") and index >= len(chunks) // 2:
+                    if mode == "stall":
+                        await trio.sleep(HOLD)
+                    return  # closes the connection mid-part
+                await channel.send(index, 0, codec.encode(values))
+            await channel.send(DONE, 0, b"")
+            await trio.sleep(HOLD)  # keep the connection open; the reducer decides
+
+
+@pytest.mark.parametrize("mode", ["nan", "wrong size", "forged", "stall", "die"])
+async def test_a_misbehaving_sender_is_dropped_and_the_rest_agree(mode):
+    roles = ["normal", "normal", "normal", "client"]
+    players, originals, reports = await run_group(
+        roles, behaviours={3: faulty_sender(mode)}, seed=7
+    )
+    bad = players[3].peer_id
+    honest_ids = range(3)
+    for i in honest_ids:
+        assert reports[i].dropped_senders.get(bad), (mode, reports[i].dropped_senders)
+    for i in honest_ids[1:]:
+        assert np.array_equal(players[i].vector, players[0].vector)
+    without = weighted_average(players, originals, lambda p: p.computes and p.peer_id != bad)
+    with_bad = weighted_average(players, originals, lambda p: p.computes)
+    counts = {}
+    for chunk in reports[0].chunks:
+        counts[chunk.start] = chunk.senders
+        values = players[0].vector[chunk.start : chunk.end]
+        if mode in ("nan", "wrong size", "forged"):  # never averaged in
+            assert chunk.senders == 3
+            np.testing.assert_allclose(values, without[chunk.start : chunk.end], atol=1e-5)
+        elif chunk.senders == 4:  # delivered before it stalled or died
+            np.testing.assert_allclose(values, with_bad[chunk.start : chunk.end], atol=1e-5)
+        else:
+            assert chunk.senders == 3
+            np.testing.assert_allclose(values, without[chunk.start : chunk.end], atol=1e-5)
+    if mode in ("stall", "die"):
+        assert set(counts.values()) == {3, 4}  # half of every part with it, half without
+
+
+# ---------------------------------------------------------------------------- misbehaving reducers
+
+
+def faulty_reducer(mode: str) -> Behaviour:
+    """An aggregator-only member that takes contributions and then fails its part."""
+
+    async def behave(player: Player, spec: RoundSpec) -> None:
+        inbox = player.server.open_inbox(spec.round_id)
+        part = spec.parts()[[m.peer_id for m in spec.members].index(player.peer_id)]
+        chunks = chunk_ranges(*part, spec.chunk_elements)
+        codec = CODECS[spec.codec]
+        senders = [m for m in spec.members if m.computes]
+        with trio.move_on_after(HOLD):
+            async with trio.open_nursery() as nursery:
+                for _ in senders:
+                    handoff = await inbox.receive()
+                    nursery.start_soon(serve, handoff, player, spec, chunks, codec, mode)
+        player.server.close_inbox(spec.round_id)
+
+    return behave
+
+
+async def serve(handoff, player, spec, chunks, codec, mode) -> None:
+    member = next(m for m in spec.members if m.peer_id == handoff.sender)
+    send_key, receive_key = player.key.pair_keys(member.key)
+    channel = SealedChannel(handoff.stream, send_key=send_key, receive_key=receive_key)
+    try:
+        await channel.receive(max_payload=512)  # the greeting
+        for _ in itertools.count():
+            frame = await channel.receive(max_payload=codec.wire_bytes(spec.chunk_elements))
+            if frame is None or frame[0] == DONE:
+                break
+        if mode == "dies half-way":  # sends back its own values for half the part, then dies
+            for index, (lo, hi) in enumerate(chunks[: len(chunks) // 2]):
+                await channel.send(index, 1, codec.encode(player.vector[lo:hi]))
+            return
+        await trio.sleep(HOLD)  # "silent": takes everything, answers nothing
+    finally:
+        await handoff.stream.aclose()
+        handoff.released.set()
+
+
+@pytest.mark.parametrize("mode", ["silent", "dies half-way"])
+async def test_a_failing_reducer_leaves_local_values_and_the_rest_agree(mode):
+    roles = ["normal", "normal", "aggregator", "normal"]
+    players, originals, reports = await run_group(roles, behaviours={2: faulty_reducer(mode)})
+    bad = players[2].peer_id
+    bad_part = reports[0].chunks  # find the reducer's part from the spec's cut
+    honest_ids = [0, 1, 3]
+    expected = weighted_average(players, originals, lambda p: p.computes)
+    for i in honest_ids:
+        assert bad in reports[i].failed_reducers
+        assert not reports[i].dropped_senders
+        for chunk in reports[i].chunks:
+            values = players[i].vector[chunk.start : chunk.end]
+            if chunk.senders == 0:  # the failed part: this member's own values
+                assert np.array_equal(values, originals[i][chunk.start : chunk.end])
+            elif chunk.senders == 1:  # what the dying reducer sent back: its values, as is
+                assert np.array_equal(values, originals[2][chunk.start : chunk.end])
+            else:
+                assert chunk.senders == 3
+                np.testing.assert_allclose(values, expected[chunk.start : chunk.end], atol=1e-5)
+    kept_local = {c.start for c in bad_part if c.senders == 0}
+    assert kept_local  # the failed part was reported
+    completed = [c for c in reports[0].chunks if c.senders > 0]
+    for i in honest_ids[1:]:  # identical wherever a value was averaged
+        for c in completed:
+            assert np.array_equal(
+                players[i].vector[c.start : c.end], players[0].vector[c.start : c.end]
+            )
+
+
+async def test_a_round_never_outlives_its_deadline():
+    async def impatient(player: Player, spec: RoundSpec) -> RoundReport:
+        return await allreduce(
+            spec, player.key, player.vector, player.server,
+            deadline=trio.current_time() + 0.5, stall_timeout=30.0,
+        )  # fmt: skip
+
+    roles = ["normal", "normal", "aggregator"]
+    # The silent reducer holds its connections for HOLD s; the members' stall timeout is 30 s,
+    # so only the 0.5 s deadline can end their round before this bound.
+    with trio.fail_after(HOLD + 10):
+        players, _, reports = await run_group(
+            roles, behaviours={0: impatient, 1: impatient, 2: faulty_reducer("silent")}
+        )
+    for i in (0, 1):
+        assert reports[i].failed_reducers.get(players[2].peer_id) == "the deadline passed"
