@@ -120,6 +120,11 @@ async def run_group(
     return players, originals, reports
 
 
+def spec_of(players: list[Player]) -> RoundSpec:
+    members = tuple(p.member() for p in players)
+    return RoundSpec(round_id=ROUND, members=members, size=SIZE, codec="none", chunk_elements=CHUNK)
+
+
 def weighted_average(players: list[Player], originals: list[np.ndarray], among) -> np.ndarray:
     chosen = [
         (p.weight, o.astype(np.float64))
@@ -157,6 +162,14 @@ async def test_exact_weighted_average_for_every_mix_of_roles(n, roles):
         assert {c.senders for c in reports[i].chunks} == {len(computing)}
     for i in computing[1:]:
         assert np.array_equal(players[i].vector, players[computing[0]].vector)
+    # Wire bytes follow the role solver's model: P (c + g (K - 2c)) each way, plus framing.
+    parts = [hi - lo for lo, hi in RoundSpec.parts(spec_of(players))]
+    k = len(computing)
+    for i, p in enumerate(players):
+        c = 1 if p.computes else 0
+        model = 4 * (c * (SIZE - parts[i]) + parts[i] * (k - c))
+        assert model <= reports[i].bytes_sent <= model * 1.02 + 2000
+        assert model <= reports[i].bytes_received <= model * 1.02 + 2000
     for i, p in enumerate(players):
         if not p.computes:  # an aggregator keeps its own (zero-weight, unused) vector
             assert np.array_equal(p.vector, originals[i]) and reports[i].chunks == []

@@ -85,6 +85,9 @@ class RoundReport:
     """As a reducer: senders it stopped waiting for, and why."""
     failed_reducers: dict[str, str] = field(default_factory=dict)
     """As a sender: reducers whose part it did not fully get back, and why."""
+    bytes_sent: int = 0
+    """Data-plane bytes this member put on the wire (frames, headers and tags included)."""
+    bytes_received: int = 0
 
     @property
     def complete(self) -> bool:
@@ -205,6 +208,14 @@ class _Round:
         )
         self.keys: dict[str, tuple[bytes, bytes]] = {}
         self.part: _PartService | None = None
+        self.channels: list[SealedChannel] = []
+
+    def _channel(
+        self, stream: trio.SocketStream, send_key: bytes, receive_key: bytes
+    ) -> SealedChannel:
+        channel = SealedChannel(stream, send_key=send_key, receive_key=receive_key)
+        self.channels.append(channel)  # for the byte counts of the report
+        return channel
 
     def _derive_keys(self) -> dict[str, str]:
         """Pair keys with every other member; returns the members whose signed round key
@@ -246,6 +257,8 @@ class _Round:
                 self.report.dropped_senders.setdefault(sender, "the deadline passed")
         if self.assembler is not None:
             self.report.chunks = self.assembler.report()
+        self.report.bytes_sent += sum(c.bytes_sent for c in self.channels)
+        self.report.bytes_received += sum(c.bytes_received for c in self.channels)
         return self.report
 
     def _owes_me(self, j: int) -> bool:
@@ -270,7 +283,8 @@ class _Round:
             async with stream:
                 hello = msgspec.msgpack.encode(Hello(self.spec.round_id, self.me.peer_id))
                 await send_frame(stream, hello)
-                channel = SealedChannel(stream, send_key=send_key, receive_key=receive_key)
+                self.report.bytes_sent += 4 + len(hello)
+                channel = self._channel(stream, send_key, receive_key)
                 await channel.send(DONE, 0, hello)  # proves the hello came from us
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._send_chunks, channel, j)
@@ -321,6 +335,7 @@ class _PartService:
         self.remote = set(senders) - {me.peer_id}
         self.connected: set[str] = set()
         self.outboxes: dict[str, trio.MemorySendChannel] = {}
+        self.all_averaged = trio.Event()  # every chunk averaged (or given up)
         self.finished = trio.Event()  # every connected sender's connection has ended
         self.active = 0
 
@@ -334,7 +349,8 @@ class _PartService:
             nursery.start_soon(self._accept, inbox, nursery)
             self.publish()
             while not reducer.done:  # a watchdog for senders that never connect
-                await trio.sleep(round_.stall_timeout / 4)
+                with trio.move_on_after(round_.stall_timeout / 4):
+                    await self.all_averaged.wait()
                 if trio.current_time() - started >= round_.stall_timeout:
                     for peer_id in set(reducer.waiting_for()) - self.connected:
                         self.drop(peer_id, f"did not connect within {round_.stall_timeout:.3g}s")
@@ -385,6 +401,7 @@ class _PartService:
         if self.reducer.done:
             for sender in list(self.outboxes):
                 self._close_outbox(sender)
+            self.all_averaged.set()
 
     async def _serve(self, handoff: Handoff) -> None:
         sender, stream = handoff.sender, handoff.stream
@@ -416,7 +433,7 @@ class _PartService:
     async def _authenticate(self, handoff: Handoff) -> SealedChannel | None:
         """The connection's channel if its first sealed frame proves the hello; else None."""
         send_key, receive_key = self.round.keys[handoff.sender]
-        channel = SealedChannel(handoff.stream, send_key=send_key, receive_key=receive_key)
+        channel = self.round._channel(handoff.stream, send_key, receive_key)
         try:
             with trio.fail_after(self.round.stall_timeout):
                 first = await channel.receive(max_payload=MAX_HELLO_BYTES)

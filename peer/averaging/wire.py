@@ -70,16 +70,21 @@ class SealedChannel:
         self.stream = stream
         self.sealer = Sealer(send_key)
         self.opener = Opener(receive_key)
+        self.bytes_sent = 0
+        self.bytes_received = 0
 
     async def send(self, index: int, senders: int, payload: bytes | memoryview) -> None:
         meta = META.pack(index, senders)
-        await send_frame(self.stream, meta, self.sealer.seal(payload, meta))
+        sealed = self.sealer.seal(payload, meta)
+        await send_frame(self.stream, meta, sealed)
+        self.bytes_sent += LENGTH.size + len(meta) + len(sealed)
 
     async def receive(self, *, max_payload: int) -> tuple[int, int, bytes] | None:
         """(index, senders, payload) of the next frame; None at a clean end of the connection."""
         body = await receive_frame(self.stream, max_bytes=META.size + max_payload + TAG_BYTES)
         if body is None:
             return None
+        self.bytes_received += LENGTH.size + len(body)
         if len(body) < META.size + TAG_BYTES:
             raise BadPart(f"a data frame of {len(body)} bytes is too short")
         view = memoryview(body)
