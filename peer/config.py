@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 from peer.errors import ConfigError
 
 __all__ = [
+    "AveragingConfig",
     "CollaborationConfig",
     "DhtConfig",
     "IdentityConfig",
@@ -156,6 +157,28 @@ class ProbeConfig(_Section):
 
 
 @dataclass(frozen=True, kw_only=True)
+class AveragingConfig(_Section):
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"codec": ("none", "fp16", "int8")}
+    MINIMUM: ClassVar[dict[str, int]] = {"data_port": 0}
+    group_size: int = 4
+    """Moshpit group size m: N = m^k peers reach the exact average in k rounds."""
+    min_group_size: int = 2
+    """Smaller groups skip the round (the vector keeps its value)."""
+    codec: str = "none"
+    """Wire compression: none, fp16 or int8 (blockwise)."""
+    chunk_elements: int = 262144
+    """Elements per streamed chunk (1 MiB of float32)."""
+    timeout_floor: float = 5.0
+    """Seconds added to every predicted transfer time to make a deadline."""
+    timeout_multiplier: float = 3.0
+    """Deadlines allow this many times the predicted transfer time."""
+    join_timeout: float = 5.0
+    """Seconds a group's leader waits for its members to join."""
+    data_port: int = 0
+    """TCP port of the all-reduce data plane (0: any free port)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class LogConfig(_Section):
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
         "level": ("debug", "info", "warning", "error"),
@@ -177,6 +200,7 @@ class PeerConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     measure: MeasureConfig = field(default_factory=MeasureConfig)
     probe: ProbeConfig = field(default_factory=ProbeConfig)
+    averaging: AveragingConfig = field(default_factory=AveragingConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
 
@@ -224,6 +248,12 @@ _CROSS_RULES: list[tuple[str, str, Callable[[Any, Any], bool], str]] = [
         "probe.budget_bytes",
         lambda a, b: a <= b,
         "expected at most probe.budget_bytes",
+    ),
+    (
+        "averaging.min_group_size",
+        "averaging.group_size",
+        lambda a, b: 2 <= a <= b,
+        "expected at least 2 and at most averaging.group_size",
     ),
 ]
 
@@ -376,7 +406,8 @@ def _coerce(dotted: str, value: Any, origin: str) -> Any:
         ok = isinstance(value, bool)
     elif kind is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
-        problem = None if not ok or value > 0 else "expected an integer > 0"
+        minimum = getattr(SECTIONS[section], "MINIMUM", {}).get(key, 1)
+        problem = None if not ok or value >= minimum else f"expected an integer >= {minimum}"
     elif kind is float:
         ok = isinstance(value, int | float) and not isinstance(value, bool)
         if ok:

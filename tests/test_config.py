@@ -183,7 +183,7 @@ def test_unknown_flag_key() -> None:
     [
         ("[dht]\nalpha = true", "dht.alpha", "True", "expected an integer"),
         ("[dht]\nalpha = 2.5", "dht.alpha", "2.5", "expected an integer"),
-        ("[dht]\nalpha = 0", "dht.alpha", "0", "expected an integer > 0"),
+        ("[dht]\nalpha = 0", "dht.alpha", "0", "expected an integer >= 1"),
         ("[net]\nrpc_timeout = -1", "net.rpc_timeout", "-1.0", "expected a number > 0"),
         ("[net]\nrpc_timeout = true", "net.rpc_timeout", "True", "expected a number"),
         ("[net]\nrpc_timeout = nan", "net.rpc_timeout", "nan", "expected a number > 0"),

@@ -48,6 +48,7 @@ from peer.errors import ProtocolError
 
 log = logging.getLogger("peertrain.allreduce")
 
+MAX_EARLY_CONNECTIONS = 256  # connections waiting for their round to open, at most
 # Errors of a data-plane connection that end it (and drop its peer from the round).
 CONNECTION_ERRORS = (ProtocolError, OSError, trio.BrokenResourceError, trio.ClosedResourceError)
 
@@ -111,6 +112,9 @@ class DataServer:
     def __init__(self, *, hello_timeout: float = 5.0) -> None:
         self.hello_timeout = hello_timeout
         self._rounds: dict[bytes, tuple[trio.MemorySendChannel, trio.MemoryReceiveChannel]] = {}
+        # A fast member may connect before we have opened the round: it waits a little.
+        self._opening: dict[bytes, trio.Event] = {}
+        self._early = 0
 
     async def serve(
         self, host: str, port: int, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
@@ -125,6 +129,9 @@ class DataServer:
     def open_inbox(self, round_id: bytes) -> trio.MemoryReceiveChannel[Handoff]:
         send, receive = trio.open_memory_channel[Handoff](math.inf)
         self._rounds[round_id] = (send, receive)
+        opened = self._opening.pop(round_id, None)
+        if opened is not None:
+            opened.set()
         return receive
 
     def close_inbox(self, round_id: bytes) -> None:
@@ -149,6 +156,17 @@ class DataServer:
             await stream.aclose()
             return
         channels = self._rounds.get(hello.round_id)
+        if channels is None and self._early < MAX_EARLY_CONNECTIONS:
+            self._early += 1
+            opened = self._opening.setdefault(hello.round_id, trio.Event())
+            try:
+                with trio.move_on_after(self.hello_timeout):
+                    await opened.wait()
+            finally:
+                self._early -= 1
+                if not opened.is_set():  # a round that never opened leaves nothing behind
+                    self._opening.pop(hello.round_id, None)
+            channels = self._rounds.get(hello.round_id)
         if channels is None:
             await stream.aclose()  # not a round we take part in (or it is over)
             return
