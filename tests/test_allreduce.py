@@ -8,6 +8,7 @@ size or forged frames; a reducer that says nothing or dies half-way).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -84,7 +85,9 @@ async def run_group(
     codec: str = "none",
     behaviours: dict[int, Behaviour] | None = None,
     seed: int = 0,
+    forge: int | None = None,
 ) -> tuple[list[Player], list[np.ndarray], list[RoundReport | None]]:
+    """`forge`: that member's announced key is signed by a stranger's identity."""
     """Run one round; returns players (sorted as in the spec), original vectors, reports."""
     rng = np.random.default_rng(seed)
     identities = sorted((new_identity() for _ in roles), key=lambda i: i.peer_id.to_base58())
@@ -100,9 +103,14 @@ async def run_group(
             weight = float(rng.integers(1, 5)) if computes else 0.0
             players.append(Player(identity, key, server, port, computes, share, weight, vector))
         originals = [p.vector.copy() for p in players]
+        members = [p.member() for p in players]
+        if forge is not None:
+            stranger = new_identity()
+            forged = RoundKey(ROUND, players[forge].peer_id, stranger.key_pair.private_key)
+            members[forge] = dataclasses.replace(members[forge], key=forged.announcement)
         spec = RoundSpec(
             round_id=ROUND,
-            members=tuple(p.member() for p in players),
+            members=tuple(members),
             size=SIZE,
             codec=codec,
             chunk_elements=CHUNK,
@@ -348,3 +356,24 @@ async def test_a_round_never_outlives_its_deadline():
         )
     for i in (0, 1):
         assert reports[i].failed_reducers.get(players[2].peer_id) == "the deadline passed"
+
+
+async def test_a_member_whose_round_key_is_not_signed_by_it_takes_no_part():
+    """Its announcement carries another identity's signature: nobody derives keys with it."""
+
+    async def impostor(player: Player, spec: RoundSpec) -> None:
+        await trio.sleep(HOLD)  # it could not decrypt or forge anything anyway
+
+    players, _, reports = await run_group(
+        ["normal", "normal", "normal"], behaviours={2: impostor}, forge=2
+    )
+    bad = players[2].peer_id
+    for i in (0, 1):
+        assert "not signed by it" in reports[i].dropped_senders[bad]
+        assert "not signed by it" in reports[i].failed_reducers[bad]
+    averaged = [c for c in reports[0].chunks if c.senders]
+    assert averaged and {c.senders for c in averaged} == {2}  # the impostor never counted
+    for c in averaged:
+        assert np.array_equal(
+            players[0].vector[c.start : c.end], players[1].vector[c.start : c.end]
+        )

@@ -1,0 +1,83 @@
+"""What a group agrees on before a round (pure): specs from tickets, shares, timeouts."""
+
+from __future__ import annotations
+
+import pytest
+
+from peer.averaging.crypto import RoundKey
+from peer.averaging.group import Joined, Ticket, build_spec, round_id_of, round_timeouts
+from peer.measure.capabilities import Capabilities
+from tests.helpers import new_identity
+
+
+def caps(bw: float, *, reachable: bool = True, speed: float = 10.0) -> Capabilities:
+    return Capabilities(
+        samples_per_s=speed, upload_bps=bw, download_bps=bw, rtt_s=0.01, reachable=reachable,
+        device="cpu", free_memory_bytes=1, measured_at=0.0, task="tiny", gradient_bytes=4,
+        target_batch=32,
+    )  # fmt: skip
+
+
+def joined(capabilities=None, *, weight: float = 1.0) -> Joined:
+    identity = new_identity()
+    peer_id = identity.peer_id.to_base58()
+    ticket = Ticket(
+        peer_id=peer_id, rpc_addrs=[], data_host="127.0.0.1", data_port=4000,
+        computes=weight > 0, weight=weight, capabilities=capabilities,
+    )  # fmt: skip
+    return Joined(ticket, RoundKey(b"k", peer_id, identity.key_pair.private_key).announcement)
+
+
+def spec_of(members, size=1000, leader=None):
+    leader = leader or min(j.ticket.peer_id for j in members)
+    return build_spec(members, epoch=3, round_index=1, leader=leader,
+                      size=size, codec="none", chunk_elements=100)  # fmt: skip
+
+
+def test_spec_sorts_members_and_names_exactly_this_group():
+    members = [joined() for _ in range(3)]
+    spec = spec_of(members)
+    assert [m.peer_id for m in spec.members] == sorted(j.ticket.peer_id for j in members)
+    assert spec.round_id == spec_of(list(reversed(members))).round_id  # order does not matter
+    assert spec.round_id != spec_of(members[:2]).round_id
+    ids = [j.ticket.peer_id for j in members]
+    assert round_id_of(3, 1, ids[0], ids) != round_id_of(3, 2, ids[0], ids)
+
+
+def test_shares_come_from_the_solver_when_everyone_is_measured():
+    fast, slow, hidden = joined(caps(1e8)), joined(caps(1e6)), joined(caps(1e7, reachable=False))
+    shares = {m.peer_id: m.share for m in spec_of([fast, slow, hidden]).members}
+    assert shares[hidden.ticket.peer_id] == 0.0  # client-only: reduces nothing
+    assert shares[fast.ticket.peer_id] > shares[slow.ticket.peer_id]
+    assert sum(shares.values()) == pytest.approx(1.0)
+
+
+def test_without_measurements_shares_are_equal_among_the_reachable():
+    known_hidden = joined(caps(1e7, reachable=False))
+    members = [joined(), joined(), known_hidden]
+    shares = {m.peer_id: m.share for m in spec_of(members).members}
+    assert shares[known_hidden.ticket.peer_id] == 0.0
+    assert sorted(shares.values()) == [0.0, 1.0, 1.0]
+
+
+def test_a_member_without_a_contribution_has_weight_zero():
+    spec = spec_of([joined(weight=5.0), joined(weight=0.0)])
+    assert sorted((m.computes, m.weight) for m in spec.members) == [(False, 0.0), (True, 5.0)]
+
+
+def test_timeouts_follow_the_bytes_and_the_measured_bandwidth():
+    members = [joined(), joined(), joined()]
+    spec = spec_of(members, size=1_000_000)  # P = 4 MB, equal shares
+    ids = [m.peer_id for m in spec.members]
+    fast = dict.fromkeys(ids, 1e9)
+    slow = {**fast, ids[0]: 1e6}
+    duration_fast, _ = round_timeouts(spec, fast, wire_bytes_per_element=4, floor=1, multiplier=3)
+    duration_slow, stall_slow = round_timeouts(
+        spec, slow, wire_bytes_per_element=4, floor=1, multiplier=3
+    )
+    # (1 - 1/3) * 4 MB + 1/3 * 4 MB * 2 = 5.33 MB at 1 MB/s, times 3, plus the floor
+    assert duration_slow == pytest.approx(1 + 3 * 5.333333, rel=1e-3)
+    assert duration_fast < 1.1 and duration_slow > duration_fast
+    assert stall_slow == pytest.approx(1 + 3 * 100 * 4 / 1e6)  # one chunk at the slowest
+    # Nothing measured: only the floor.
+    assert round_timeouts(spec, {}, wire_bytes_per_element=4, floor=2, multiplier=3) == (2, 2)
