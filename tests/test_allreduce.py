@@ -201,6 +201,8 @@ def faulty_sender(mode: str) -> Behaviour:
     """A client-only member that sends its part contributions with a fault."""
 
     async def behave(player: Player, spec: RoundSpec) -> None:
+        if mode == "absent":  # dies before sending anything
+            return
         parts = spec.parts()
         async with trio.open_nursery() as nursery:
             for j, reducer in enumerate(spec.members):
@@ -238,7 +240,7 @@ async def send_faultily(player: Player, spec: RoundSpec, reducer: Member, part, 
             await trio.sleep(HOLD)  # keep the connection open; the reducer decides
 
 
-@pytest.mark.parametrize("mode", ["nan", "wrong size", "forged", "stall", "die"])
+@pytest.mark.parametrize("mode", ["absent", "nan", "wrong size", "forged", "stall", "die"])
 async def test_a_misbehaving_sender_is_dropped_and_the_rest_agree(mode):
     roles = ["normal", "normal", "normal", "client"]
     players, originals, reports = await run_group(
@@ -256,7 +258,7 @@ async def test_a_misbehaving_sender_is_dropped_and_the_rest_agree(mode):
     for chunk in reports[0].chunks:
         counts[chunk.start] = chunk.senders
         values = players[0].vector[chunk.start : chunk.end]
-        if mode in ("nan", "wrong size", "forged"):  # never averaged in
+        if mode in ("absent", "nan", "wrong size", "forged"):  # never averaged in
             assert chunk.senders == 3
             np.testing.assert_allclose(values, without[chunk.start : chunk.end], atol=1e-5)
         elif chunk.senders == 4:  # delivered before it stalled or died
