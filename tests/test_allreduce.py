@@ -22,7 +22,7 @@ from peer.averaging.allreduce import DataServer, Member, RoundReport, RoundSpec,
 from peer.averaging.compression import CODECS
 from peer.averaging.crypto import RoundKey
 from peer.averaging.partition import chunk_ranges
-from peer.averaging.wire import DONE, Hello, SealedChannel, send_frame
+from peer.averaging.wire import DONE, Hello, SealedChannel, receive_frame, send_frame
 from peer.net.identity import Identity
 from tests.helpers import new_identity
 
@@ -86,8 +86,11 @@ async def run_group(
     behaviours: dict[int, Behaviour] | None = None,
     seed: int = 0,
     forge: int | None = None,
+    size: int = SIZE,
+    tweak: Callable[[list[np.ndarray]], None] = lambda vectors: None,
 ) -> tuple[list[Player], list[np.ndarray], list[RoundReport | None]]:
-    """`forge`: that member's announced key is signed by a stranger's identity."""
+    """`forge`: that member's announced key is signed by a stranger's identity;
+    `tweak` may change the members' vectors before the round."""
     """Run one round; returns players (sorted as in the spec), original vectors, reports."""
     rng = np.random.default_rng(seed)
     identities = sorted((new_identity() for _ in roles), key=lambda i: i.peer_id.to_base58())
@@ -99,9 +102,10 @@ async def run_group(
             server = DataServer(hello_timeout=1.0)
             port = await nursery.start(server.serve, "127.0.0.1", 0)
             key = RoundKey(ROUND, identity.peer_id.to_base58(), identity.key_pair.private_key)
-            vector = rng.standard_normal(SIZE).astype(np.float32) * 3
+            vector = rng.standard_normal(size).astype(np.float32) * 3
             weight = float(rng.integers(1, 5)) if computes else 0.0
             players.append(Player(identity, key, server, port, computes, share, weight, vector))
+        tweak([p.vector for p in players])
         originals = [p.vector.copy() for p in players]
         members = [p.member() for p in players]
         if forge is not None:
@@ -111,7 +115,7 @@ async def run_group(
         spec = RoundSpec(
             round_id=ROUND,
             members=tuple(members),
-            size=SIZE,
+            size=size,
             codec=codec,
             chunk_elements=CHUNK,
         )
@@ -213,17 +217,17 @@ def faulty_sender(mode: str) -> Behaviour:
 
 
 async def send_faultily(player: Player, spec: RoundSpec, reducer: Member, part, mode: str) -> None:
-    send_key, receive_key = player.key.pair_keys(reducer.key)
-    if mode == "forged":  # knows the round and a member's name, not the member's key
-        send_key = bytes(32)
+    keys = player.key.connection_keys(reducer.key, we_dial=True)
+    send_key = bytes(32) if mode == "forged" else keys.contributions  # forged: no real key
     codec = CODECS[spec.codec]
     with trio.move_on_after(HOLD), contextlib.suppress(trio.BrokenResourceError, OSError):
         stream = await trio.open_tcp_stream(reducer.host, reducer.port)
         async with stream:
             hello = msgspec.msgpack.encode(Hello(spec.round_id, player.peer_id))
             await send_frame(stream, hello)
-            channel = SealedChannel(stream, send_key=send_key, receive_key=receive_key)
-            await channel.send(DONE, 0, hello)
+            challenge = await receive_frame(stream, max_bytes=64)
+            channel = SealedChannel(stream, send_key=send_key, receive_key=keys.averages)
+            await channel.send(DONE, 0, hello + bytes(challenge))
             chunks = chunk_ranges(*part, spec.chunk_elements)
             for index, (lo, hi) in enumerate(chunks):
                 values = player.vector[lo:hi].copy()
@@ -294,10 +298,11 @@ def faulty_reducer(mode: str) -> Behaviour:
 
 async def serve(handoff, player, spec, chunks, codec, mode) -> None:
     member = next(m for m in spec.members if m.peer_id == handoff.sender)
-    send_key, receive_key = player.key.pair_keys(member.key)
-    channel = SealedChannel(handoff.stream, send_key=send_key, receive_key=receive_key)
+    keys = player.key.connection_keys(member.key, we_dial=False)
+    channel = SealedChannel(handoff.stream, send_key=keys.averages, receive_key=keys.contributions)
     try:
-        await channel.receive(max_payload=512)  # the greeting
+        await send_frame(handoff.stream, bytes(16))  # the challenge
+        await channel.receive(max_payload=1024)  # the greeting
         for _ in itertools.count():
             frame = await channel.receive(max_payload=codec.wire_bytes(spec.chunk_elements))
             if frame is None or frame[0] == DONE:
@@ -378,4 +383,46 @@ async def test_a_member_whose_round_key_is_not_signed_by_it_takes_no_part():
     for c in averaged:
         assert np.array_equal(
             players[0].vector[c.start : c.end], players[1].vector[c.start : c.end]
+        )
+
+
+async def test_a_stray_connection_does_not_cut_a_reducer_short():
+    """An unauthenticated connection that ends before the real senders arrive must not make
+    the reducer think its last averages have left."""
+    size = 2_000_000
+
+    async def stray_then_honest(player: Player, spec: RoundSpec) -> RoundReport:
+        target = spec.members[0]
+        with contextlib.suppress(trio.BrokenResourceError, OSError):
+            async with await trio.open_tcp_stream(target.host, target.port) as stream:
+                claim = msgspec.msgpack.encode(Hello(spec.round_id, spec.members[1].peer_id))
+                await send_frame(stream, claim)
+                await send_frame(stream, b"not a sealed frame")
+        await trio.sleep(0.2)
+        return await honest(player, spec)
+
+    players, originals, reports = await run_group(
+        ["normal", "normal", "normal"], behaviours={2: stray_then_honest}, size=size
+    )
+    expected = weighted_average(players, originals, lambda p: True)
+    for i in range(3):
+        assert reports[i].complete, reports[i]
+        np.testing.assert_allclose(players[i].vector, expected, atol=1e-5)
+        assert np.array_equal(players[i].vector, players[0].vector)
+
+
+async def test_an_overflowing_sum_keeps_local_values_for_that_chunk_only():
+    def huge(vectors):
+        for v in vectors:
+            v[:CHUNK] = np.finfo(np.float32).max  # finite, but the weighted sum is not
+
+    players, originals, reports = await run_group(["normal", "normal"], tweak=huge)
+    for i in range(2):
+        overflowed = [c for c in reports[i].chunks if c.senders == 0]
+        assert [(c.start, c.end) for c in overflowed] == [(0, CHUNK)]
+        assert np.array_equal(players[i].vector[:CHUNK], originals[i][:CHUNK])
+        np.testing.assert_allclose(
+            players[i].vector[CHUNK:],
+            weighted_average(players, originals, lambda p: True)[CHUNK:],
+            atol=1e-5,
         )

@@ -162,3 +162,32 @@ def _ticket(averager: Averager):
         computes=True,
         weight=1.0,
     )
+
+
+async def test_joins_for_other_epochs_and_abandoned_joins_leave_no_trace():
+    from peer.averaging.crypto import RoundKey
+    from peer.averaging.group import Joined
+    from peer.averaging.matchmaking import SERVICE, Join, JoinReply, Redirect
+    from peer.errors import DeadlineExceeded
+
+    async with averaging_swarm(2, AveragingConfig(join_timeout=2.0)) as (_, (leader, joiner)):
+        namespace = f"test/avg/{MODEL}/9"
+        key = RoundKey(b"k", joiner.me, joiner.dht.node.identity.key_pair.private_key)
+        me = Joined(_ticket(joiner), key.announcement)
+
+        async def join(ns: str, timeout: float):
+            return await joiner.dht.node.rpc.call(
+                leader.dht.node.peer_id, SERVICE, "join", Join(ns, 0, me), JoinReply,
+                timeout=timeout,
+            )  # fmt: skip
+
+        # Not an epoch the leader gathers for: turned away, nothing is kept.
+        assert isinstance(await join("junk/namespace", 5), Redirect)
+        assert leader.matchmaker._gatherings == {}
+        # An epoch it gathers for, but the joiner hangs up before any decision: forgotten.
+        await leader.matchmaker.declare(namespace, _ticket(leader), expiration=time.time() + 60)
+        with pytest.raises(DeadlineExceeded):
+            await join(namespace, 0.3)
+        with trio.fail_after(5):
+            while leader.matchmaker._gatherings[(namespace, 0)].joined:
+                await trio.sleep(0.05)

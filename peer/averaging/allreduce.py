@@ -26,6 +26,8 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import secrets
+from contextlib import suppress
 from dataclasses import dataclass, field
 
 import msgspec
@@ -33,7 +35,7 @@ import numpy as np
 import trio
 
 from peer.averaging.compression import CODECS, BadPart
-from peer.averaging.crypto import KeyAnnouncement, RoundKey
+from peer.averaging.crypto import ConnectionKeys, KeyAnnouncement, RoundKey
 from peer.averaging.partition import part_ranges
 from peer.averaging.reduce import ChunkResult, PartReducer, ResultAssembler
 from peer.averaging.wire import (
@@ -49,6 +51,9 @@ from peer.errors import ProtocolError
 log = logging.getLogger("peertrain.allreduce")
 
 MAX_EARLY_CONNECTIONS = 256  # connections waiting for their round to open, at most
+MAX_EARLY_PER_ROUND = 32
+MAX_PENDING_PER_SENDER = 4  # connections claiming one sender, not yet authenticated
+CHALLENGE_BYTES = 16
 # Errors of a data-plane connection that end it (and drop its peer from the round).
 CONNECTION_ERRORS = (ProtocolError, OSError, trio.BrokenResourceError, trio.ClosedResourceError)
 
@@ -115,6 +120,7 @@ class DataServer:
         # A fast member may connect before we have opened the round: it waits a little.
         self._opening: dict[bytes, trio.Event] = {}
         self._early = 0
+        self._early_per_round: dict[bytes, int] = {}
 
     async def serve(
         self, host: str, port: int, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
@@ -156,16 +162,25 @@ class DataServer:
             await stream.aclose()
             return
         channels = self._rounds.get(hello.round_id)
-        if channels is None and self._early < MAX_EARLY_CONNECTIONS:
+        rid = hello.round_id
+        if (
+            channels is None
+            and self._early < MAX_EARLY_CONNECTIONS
+            and self._early_per_round.get(rid, 0) < MAX_EARLY_PER_ROUND
+        ):
             self._early += 1
-            opened = self._opening.setdefault(hello.round_id, trio.Event())
+            self._early_per_round[rid] = self._early_per_round.get(rid, 0) + 1
+            opened = self._opening.setdefault(rid, trio.Event())
             try:
                 with trio.move_on_after(self.hello_timeout):
                     await opened.wait()
             finally:
                 self._early -= 1
+                self._early_per_round[rid] -= 1
+                if not self._early_per_round[rid]:
+                    del self._early_per_round[rid]
                 if not opened.is_set():  # a round that never opened leaves nothing behind
-                    self._opening.pop(hello.round_id, None)
+                    self._opening.pop(rid, None)
             channels = self._rounds.get(hello.round_id)
         if channels is None:
             await stream.aclose()  # not a round we take part in (or it is over)
@@ -224,31 +239,29 @@ class _Round:
             if self.me.computes
             else None
         )
-        self.keys: dict[str, tuple[bytes, bytes]] = {}
+        self.keys: dict[tuple[str, bool], ConnectionKeys] = {}  # (other, we dial) -> keys
         self.part: _PartService | None = None
         self.channels: list[SealedChannel] = []
 
-    def _channel(
-        self, stream: trio.SocketStream, send_key: bytes, receive_key: bytes
-    ) -> SealedChannel:
-        channel = SealedChannel(stream, send_key=send_key, receive_key=receive_key)
-        self.channels.append(channel)  # for the byte counts of the report
-        return channel
-
     def _derive_keys(self) -> dict[str, str]:
-        """Pair keys with every other member; returns the members whose signed round key
-        does not check out (nobody can talk to them this round)."""
+        """Connection keys with every other member, both ways; returns the members whose
+        signed round key does not check out (nobody can talk to them this round)."""
         unusable = {}
         for other in self.spec.members:
             if other.peer_id != self.me.peer_id:
                 try:
-                    self.keys[other.peer_id] = self.round_key.pair_keys(other.key)
+                    for we_dial in (True, False):
+                        self.keys[(other.peer_id, we_dial)] = self.round_key.connection_keys(
+                            other.key, we_dial=we_dial
+                        )
                 except BadPart as error:
                     unusable[other.peer_id] = str(error)
         return unusable
 
     async def run(self, inbox: trio.MemoryReceiveChannel, deadline: float) -> RoundReport:
         lo, hi = self.parts[self.index]
+        if self.me.computes and not np.isfinite(self.vector).all():
+            raise ValueError("the local vector holds NaN or Inf: it cannot be averaged")
         unusable = self._derive_keys()
         with trio.move_on_at(deadline):
             async with trio.open_nursery() as nursery:
@@ -295,15 +308,23 @@ class _Round:
         """Stream our chunks of part j to its reducer and take the averages back."""
         assert self.assembler is not None
         try:
-            send_key, receive_key = self.keys[reducer.peer_id]
+            keys = self.keys[(reducer.peer_id, True)]
             with trio.fail_after(self.stall_timeout):
                 stream = await trio.open_tcp_stream(reducer.host, reducer.port)
             async with stream:
                 hello = msgspec.msgpack.encode(Hello(self.spec.round_id, self.me.peer_id))
                 await send_frame(stream, hello)
+                with trio.fail_after(self.stall_timeout):
+                    challenge = await receive_frame(stream, max_bytes=CHALLENGE_BYTES)
+                if challenge is None or len(challenge) != CHALLENGE_BYTES:
+                    raise BadPart("the reducer sent no challenge")
+                channel = SealedChannel(
+                    stream, send_key=keys.contributions, receive_key=keys.averages
+                )
+                self.channels.append(channel)
                 self.report.bytes_sent += 4 + len(hello)
-                channel = self._channel(stream, send_key, receive_key)
-                await channel.send(DONE, 0, hello)  # proves the hello came from us
+                self.report.bytes_received += 4 + CHALLENGE_BYTES
+                await channel.send(DONE, 0, hello + challenge)  # it is us, on this connection
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._send_chunks, channel, j)
                     await self._receive_averages(channel, j)
@@ -334,7 +355,8 @@ class _Round:
             count = _chunk_length(self.parts[j], index, self.spec.chunk_elements)
             self.assembler.put(j, index, self.codec.decode(payload, count), senders)
         # Read the end marker too: hanging up before it would reset the reducer's last send.
-        with trio.move_on_after(self.stall_timeout):
+        # The part is complete either way, so a failure here is no failure of the reducer.
+        with trio.move_on_after(self.stall_timeout), suppress(*CONNECTION_ERRORS):
             await channel.receive(max_payload=0)
 
 
@@ -354,8 +376,10 @@ class _PartService:
         self.connected: set[str] = set()
         self.outboxes: dict[str, trio.MemorySendChannel] = {}
         self.all_averaged = trio.Event()  # every chunk averaged (or given up)
-        self.finished = trio.Event()  # every connected sender's connection has ended
+        self.idle = trio.Event()  # no connection is being served (renewed when one starts)
+        self.idle.set()
         self.active = 0
+        self.authenticating: dict[str, int] = {}  # unauthenticated connections per claimed sender
 
     async def run(self, inbox: trio.MemoryReceiveChannel) -> None:
         round_, reducer = self.round, self.reducer
@@ -373,9 +397,9 @@ class _PartService:
                     for peer_id in set(reducer.waiting_for()) - self.connected:
                         self.drop(peer_id, f"did not connect within {round_.stall_timeout:.3g}s")
                 self.publish()
-            if self.active:
-                with trio.move_on_after(round_.stall_timeout):
-                    await self.finished.wait()  # the last averages leave
+            with trio.move_on_after(round_.stall_timeout):
+                while self.active:  # the last averages leave
+                    await self.idle.wait()
             nursery.cancel_scope.cancel()
 
     async def _accept(
@@ -387,9 +411,12 @@ class _PartService:
                 sender not in self.remote
                 or sender in self.connected
                 or sender in self.reducer.dropped
+                or self.authenticating.get(sender, 0) >= MAX_PENDING_PER_SENDER
             ):
                 handoff.released.set()
                 continue
+            if not self.active:
+                self.idle = trio.Event()
             self.active += 1
             nursery.start_soon(self._serve, handoff)
 
@@ -408,8 +435,8 @@ class _PartService:
         round_ = self.round
         for index in self.reducer.take_complete():
             average, count = self.reducer.average(index)
-            if average is None:
-                continue  # nobody delivered it: every member keeps its local values
+            if average is None or not np.isfinite(average).all():
+                continue  # nobody delivered it, or the sum overflowed: members keep local values
             payload = round_.codec.encode(average)
             if round_.assembler is not None:  # the decoded bytes: what everyone else gets
                 decoded = round_.codec.decode(payload, len(average))
@@ -446,19 +473,31 @@ class _PartService:
             self._close_outbox(sender)
             self.active -= 1
             if not self.active:
-                self.finished.set()
+                self.idle.set()
 
     async def _authenticate(self, handoff: Handoff) -> SealedChannel | None:
-        """The connection's channel if its first sealed frame proves the hello; else None."""
-        send_key, receive_key = self.round.keys[handoff.sender]
-        channel = self.round._channel(handoff.stream, send_key, receive_key)
+        """The connection's channel if its first sealed frame proves the hello and our fresh
+        challenge (so a recorded greeting cannot be replayed); else None."""
+        sender = handoff.sender
+        keys = self.round.keys[(sender, False)]
+        channel = SealedChannel(
+            handoff.stream, send_key=keys.averages, receive_key=keys.contributions
+        )
+        challenge = secrets.token_bytes(CHALLENGE_BYTES)
+        self.authenticating[sender] = self.authenticating.get(sender, 0) + 1
         try:
+            await send_frame(handoff.stream, challenge)
             with trio.fail_after(self.round.stall_timeout):
-                first = await channel.receive(max_payload=MAX_HELLO_BYTES)
+                first = await channel.receive(max_payload=MAX_HELLO_BYTES + CHALLENGE_BYTES)
         except (trio.TooSlowError, *CONNECTION_ERRORS) as error:
-            log.debug("unauthenticated connection claiming %s: %r", handoff.sender, error)
+            log.debug("unauthenticated connection claiming %s: %r", sender, error)
             return None
-        return channel if first is not None and first[2] == handoff.hello else None
+        finally:
+            self.authenticating[sender] -= 1
+        if first is None or first[2] != handoff.hello + challenge:
+            return None
+        self.round.channels.append(channel)  # counted in the report from here on
+        return channel
 
     async def _take_chunks(self, channel: SealedChannel, sender: str) -> None:
         round_, reducer = self.round, self.reducer

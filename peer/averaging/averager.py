@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import trio
 
-from peer.averaging.allreduce import DataServer, RoundReport, allreduce
+from peer.averaging.allreduce import DataServer, RoundReport, RoundSpec, allreduce
 from peer.averaging.compression import CODECS
 from peer.averaging.crypto import RoundKey
 from peer.averaging.group import Joined, Ticket, round_timeouts
@@ -151,6 +151,10 @@ class Averager:
         except TooFewPeers as error:
             result.skipped.append(f"round {index}: {error}")
             return None
+        problem = _spec_problem(spec, shape, self.me)
+        if problem:
+            result.skipped.append(f"round {index}: the leader's spec {problem}")
+            return None
         bandwidth = {
             t.peer_id: min(t.capabilities.upload_bps, t.capabilities.download_bps)
             for t in view
@@ -174,3 +178,13 @@ class Averager:
         result.rounds.append(report)
         result.groups.append([m.peer_id for m in spec.members])
         return report
+
+
+def _spec_problem(spec: RoundSpec, shape: RoundShape, me: str) -> str | None:
+    """What is wrong with a leader's spec for us, or None."""
+    ours = (shape.size, shape.codec, shape.chunk_elements)
+    if (spec.size, spec.codec, spec.chunk_elements) != ours:
+        return f"does not match our vector: {spec.size} values, {spec.codec}, {spec.chunk_elements}"
+    if me not in [m.peer_id for m in spec.members]:
+        return "leaves us out"
+    return None

@@ -4,8 +4,9 @@ Averages always accumulate in float32; compression applies only to bytes on the 
 the contributions sent to reducers and the averages sent back).
 
 - `none`: the float32 bytes as they are (4 bytes per element, zero-copy on the sending side).
-- `fp16`: IEEE half precision (2 bytes). Values beyond +-65504 are clipped first, so a large
-  but finite gradient never turns into inf (which a receiver would reject as bad input).
+- `fp16`: IEEE half precision (2 bytes). Finite values beyond +-65504 are clipped first, so a
+  large but finite gradient never turns into inf (which a receiver rejects as bad input); a
+  real inf or NaN stays what it is and is rejected.
 - `int8`: blocks of 1024 elements, each sent as a float32 scale (its largest magnitude / 127)
   and 1024 signed bytes (x / scale, rounded): 1.004 bytes per element; the error of an
   element is at most half its block's scale.
@@ -67,7 +68,8 @@ class Float16:
         return 2 * count
 
     def encode(self, values: np.ndarray) -> bytes | memoryview:
-        clipped = np.clip(values, -FP16_MAX, FP16_MAX)
+        # Clip large finite values; inf stays inf so the receiver rejects it like with `none`.
+        clipped = np.where(np.isinf(values), values, np.clip(values, -FP16_MAX, FP16_MAX))
         return memoryview(clipped.astype(np.float16)).cast("B")
 
     def decode(self, data: bytes | memoryview, count: int) -> np.ndarray:
@@ -92,7 +94,9 @@ class Blockwise8Bit:
         scales, quantized = [], []
         for block in blocks:
             scale = (np.maximum(block.max(axis=1), -block.min(axis=1)) / 127).astype(np.float32)
-            inverse = np.divide(1.0, scale, out=np.zeros_like(scale), where=scale > 0)
+            with np.errstate(over="ignore"):
+                inverse = np.divide(1.0, scale, out=np.zeros_like(scale), where=scale > 0)
+            inverse[np.isinf(inverse)] = 0.0  # a block of values below ~1e-37 quantises to 0
             scaled = block * inverse[:, None]
             np.rint(scaled, out=scaled)
             scales.append(scale)

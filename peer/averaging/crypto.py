@@ -6,15 +6,18 @@ come from the libp2p identities, so unauthenticated bytes never reach a reductio
 1. For every round, each member makes an ephemeral X25519 key pair and signs
    (domain, round id, public key) with its Ed25519 peer key: a `KeyAnnouncement` that anyone
    can check against the member's peer id. Announcements travel with the group's membership.
-2. Two members derive their pair's keys with X25519 + HKDF-SHA256, one key per direction
-   (the info string names round, sender and receiver), so nobody else in the group, the
-   group's leader included, can read or forge their traffic.
-3. Frames are AES-256-GCM with a counter nonce per direction (never reused: a key lives for
-   one direction of one round). A frame that fails to open, or arrives out of order, is
+2. Two members derive the keys of each connection between them with X25519 + HKDF-SHA256,
+   one key per direction of each connection (the info string names round, dialing sender,
+   reducer and direction), so nobody else in the group, the leader included, can read or
+   forge their traffic, and frames of one direction or connection never open in another.
+3. Frames are AES-256-GCM with a counter nonce per key (never reused: a key lives for one
+   direction of one connection of one round). A frame that fails to open, or arrives out of order, is
    `BadPart`: its sender is dropped. AES-GCM runs at ~13 GB/s here (AES-NI), far above the wire.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import msgspec
 from cryptography.exceptions import InvalidTag
@@ -52,17 +55,29 @@ class RoundKey:
         signature = identity_key.sign(_signed_payload(round_id, public))
         self.announcement = KeyAnnouncement(peer_id, public, signature)
 
-    def pair_keys(self, other: KeyAnnouncement) -> tuple[bytes, bytes]:
-        """(key for what we send to `other`, key for what `other` sends us).
-
-        Raises BadPart if the announcement is not signed by the peer it names.
-        """
-        their_public = verify_announcement(self.round_id, other)
-        secret = self._private.exchange(their_public)
-        return (
-            _derive(secret, self.round_id, self.peer_id, other.peer_id),
-            _derive(secret, self.round_id, other.peer_id, self.peer_id),
+    def connection_keys(self, other: KeyAnnouncement, *, we_dial: bool) -> ConnectionKeys:
+        """The keys of the data-plane connection between us and `other`; `we_dial` says who
+        opened it (the sender of contributions). Raises BadPart if `other`'s announcement is
+        not signed by the peer it names."""
+        secret = self._private.exchange(verify_announcement(self.round_id, other))
+        sender, reducer = (
+            (self.peer_id, other.peer_id) if we_dial else (other.peer_id, self.peer_id)
         )
+        return ConnectionKeys(
+            contributions=_derive(secret, self.round_id, sender, reducer, b"contributions"),
+            averages=_derive(secret, self.round_id, sender, reducer, b"averages"),
+        )
+
+
+@dataclass(frozen=True)
+class ConnectionKeys:
+    """One key per direction of one connection: two members that both compute and reduce
+    have two connections, so four keys, and no (key, nonce) pair is ever used twice."""
+
+    contributions: bytes
+    """Sender (the dialer) to reducer."""
+    averages: bytes
+    """Reducer to sender."""
 
 
 def verify_announcement(round_id: bytes, announcement: KeyAnnouncement) -> X25519PublicKey:
@@ -75,8 +90,8 @@ def verify_announcement(round_id: bytes, announcement: KeyAnnouncement) -> X2551
     return X25519PublicKey.from_public_bytes(announcement.public_key)
 
 
-def _derive(secret: bytes, round_id: bytes, sender: str, receiver: str) -> bytes:
-    info = b"|".join((DOMAIN, round_id, sender.encode(), receiver.encode()))
+def _derive(secret: bytes, round_id: bytes, sender: str, reducer: str, purpose: bytes) -> bytes:
+    info = b"|".join((DOMAIN, round_id, sender.encode(), reducer.encode(), purpose))
     return HKDF(algorithm=hashes.SHA256(), length=32, salt=None, info=info).derive(secret)
 
 

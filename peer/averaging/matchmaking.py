@@ -112,6 +112,7 @@ class Matchmaker:
         self.min_group_size = min_group_size
         self.join_timeout = join_timeout
         self._gatherings: dict[tuple[str, int], _Gathering] = {}
+        self._namespaces: set[str] = set()  # the gatherings we declared in: joins are for these
         server = RpcServer(dht.node.host, SERVICE, max_message_bytes=dht.node.rpc.max_message_bytes)
         server.add_unary("join", Join, self._on_join)
         server.add_unary("alive", Alive, self._on_alive)
@@ -121,6 +122,7 @@ class Matchmaker:
     async def declare(self, namespace: str, ticket: Ticket, *, expiration: float) -> None:
         if ticket.peer_id != self.me:
             raise ValueError("a peer declares its own ticket only")
+        self._namespaces.add(namespace)
         await self.dht.store(
             namespace, self.me, msgspec.msgpack.encode(ticket), expiration=expiration
         )
@@ -226,12 +228,9 @@ class Matchmaker:
     # ------------------------------------------------------------------ as a candidate leader
 
     def _gathering(self, namespace: str, round_index: int) -> _Gathering:
-        key = (namespace, round_index)
-        if key not in self._gatherings:
-            if len(self._gatherings) > 4 * 64:  # old epochs' leftovers
-                self._gatherings.clear()
-            self._gatherings[key] = _Gathering()
-        return self._gatherings[key]
+        # Only namespaces we declared in (at most a few at a time, `forget` drops them) and
+        # at most 65 rounds each: nobody can grow this, or evict a gathering in use.
+        return self._gatherings.setdefault((namespace, round_index), _Gathering())
 
     async def _on_alive(self, caller: ID, request: Alive) -> Alive:
         return request
@@ -240,6 +239,8 @@ class Matchmaker:
         who = caller.to_base58()
         if request.joined.ticket.peer_id != who or request.joined.key.peer_id != who:
             raise RpcError("forbidden", "a peer may only join as itself")
+        if request.namespace not in self._namespaces:
+            return Redirect("not gathering for that epoch")
         gathering = self._gathering(request.namespace, request.round_index)
         if gathering.decided.is_set():
             return gathering.outcome or Redirect("decided")
@@ -247,15 +248,17 @@ class Matchmaker:
             raise RpcError("unavailable", f"more than {MAX_JOINERS} peers joined this gathering")
         gathering.joined[who] = request.joined
         gathering.arrived.set()
-        with trio.move_on_after(2 * self.join_timeout):
-            await gathering.decided.wait()
-        if gathering.outcome is None:
-            gathering.joined.pop(who, None)
-            return Redirect("no decision in time")
-        return gathering.outcome
+        try:
+            with trio.move_on_after(2 * self.join_timeout):
+                await gathering.decided.wait()
+        finally:
+            if not gathering.decided.is_set():  # it gave up (or hung up): not in the group
+                gathering.joined.pop(who, None)
+        return gathering.outcome or Redirect("no decision in time")
 
     def forget(self, namespace: str) -> None:
         """Drop the gatherings of a finished averaging call."""
+        self._namespaces.discard(namespace)
         for key in [k for k in self._gatherings if k[0] == namespace]:
             del self._gatherings[key]
 

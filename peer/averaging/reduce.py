@@ -72,10 +72,11 @@ class PartReducer:
         if not np.isfinite(values).all():
             raise BadPart(f"chunk {index} from {sender} holds NaN or Inf")
         weight = self.weights[sender]
-        if weight == 1.0:
-            self.sum[lo:hi] += values
-        elif weight > 0:
-            self.sum[lo:hi] += values * np.float32(weight)
+        with np.errstate(over="ignore"):  # an overflowing chunk is caught when it is averaged
+            if weight == 1.0:
+                self.sum[lo:hi] += values
+            elif weight > 0:
+                self.sum[lo:hi] += values * np.float32(weight)
         self.chunk_weight[index] += weight
         self.chunk_senders[index] += 1
         pending.discard(index)
@@ -109,7 +110,8 @@ class PartReducer:
         if total <= 0:
             return None, 0
         lo, hi = self.chunks[index]
-        self.sum[lo:hi] /= np.float32(total)
+        with np.errstate(over="ignore", invalid="ignore"):
+            self.sum[lo:hi] /= np.float32(total)
         return self.sum[lo:hi], int(self.chunk_senders[index])
 
 

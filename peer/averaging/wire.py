@@ -4,9 +4,10 @@
 
 The associated data (chunk index, sender count) is authenticated but not encrypted, so the
 payload is sealed and opened without being copied into a bigger buffer first. A connection
-opens with one cleartext `Hello{round_id, sender}` frame that lets the receiver find the
-pair's keys; the first sealed frame authenticates that hello, so a forged or altered hello is
-caught before any data is read.
+opens with one cleartext `Hello{round_id, sender}` frame that lets the reducer find the
+connection's keys; the reducer answers with a fresh random challenge (cleartext), and the
+sender's first sealed frame must hold hello + challenge, so a forged, altered or replayed hello
+is caught before any data is read.
 """
 
 from __future__ import annotations
