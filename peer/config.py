@@ -120,7 +120,7 @@ class CollaborationConfig(_Section):
 
 @dataclass(frozen=True, kw_only=True)
 class TaskConfig(_Section):
-    name: str = "tiny"
+    name: str = "gpt"
     """Built-in task name, or package.module:factory."""
     micro_batch: int = 32
     """Samples per forward/backward pass on this peer."""

@@ -260,7 +260,7 @@ def test_second_daemon_with_the_same_key_is_refused(procs, tmp_path):
         (
             ["--task", "huge", "--backbone", f"/ip4/127.0.0.1/tcp/9/p2p/{NOBODY}"],
             {},
-            "task.name = 'huge': expected one of tiny or package.module:factory",
+            "task.name = 'huge': expected one of gpt, tiny or package.module:factory",
         ),
     ],
 )

@@ -62,7 +62,7 @@ def make_nothing() -> object:
 def test_tasks_load_by_name_or_factory_path_and_bad_names_are_config_errors():
     assert load_task("tiny").name == "tiny"
     assert isinstance(load_task("tests.test_compute:make_tiny"), TinyTask)
-    with pytest.raises(ConfigError, match=r"expected one of tiny or package\.module:factory"):
+    with pytest.raises(ConfigError, match=r"expected one of gpt, tiny or package\.module:factory"):
         load_task("huge")
     with pytest.raises(ConfigError, match="cannot load it"):
         load_task("tests.test_compute:missing")

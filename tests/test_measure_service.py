@@ -63,7 +63,7 @@ def test_capabilities_carry_the_measurements_and_the_task():
     )
     assert (caps.device, caps.task, caps.gradient_bytes, caps.target_batch) == (
         "cpu",
-        "tiny",
+        PeerConfig().task.name,
         4000,
         PeerConfig().task.target_batch,
     )

@@ -1,20 +1,25 @@
 """Tasks: what a collaboration trains. A task builds the model, samples micro-batches, and
 computes the loss; everything else (measurement, averaging, optimizers) only sees this.
 
-Built in: `tiny`, a small MLP on a fixed synthetic regression problem, fast enough for tests
-and for measuring a machine in a second. A user's own task is `package.module:factory`, where
+Built in: `gpt` (the default), a small byte-level GPT on Python's own standard library text;
+and `tiny`, a small MLP on a fixed synthetic regression problem, fast enough for tests and for
+measuring a machine in a second. A user's own task is `package.module:factory`, where
 `factory()` returns an object with the `Task` methods.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterable
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 from torch import nn
 
 from peer.errors import ConfigError
+from peer.training.corpus import Corpus, load_corpus
+from peer.training.gpt import GPT, GPTShape
 
 
 @runtime_checkable
@@ -31,6 +36,14 @@ class Task(Protocol):
 
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         """Scalar training loss of `model` on `batch`."""
+        ...
+
+    def make_optimizer(self, parameters: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        """The optimizer and its settings (every peer makes the same)."""
+        ...
+
+    def validation_batches(self, micro_batch: int, count: int) -> list[Any]:
+        """`count` held-out batches, the same on every call and every peer."""
         ...
 
 
@@ -58,8 +71,65 @@ class TinyTask:
         x, y = batch
         return nn.functional.mse_loss(model(x), y)
 
+    def make_optimizer(self, parameters: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(parameters, lr=1e-2, weight_decay=0.0)
 
-BUILT_IN = {"tiny": TinyTask}
+    def validation_batches(self, micro_batch: int, count: int) -> list[Any]:
+        generator = torch.Generator().manual_seed(99)
+        return [self.sample_batch(micro_batch, generator) for _ in range(count)]
+
+
+class ByteGPTTask:
+    """The default task: a small GPT predicting the next byte of Python's standard library
+    (`corpus.py`: read at run time, no download, 5 % held out for validation)."""
+
+    name = "gpt"
+
+    def __init__(self, shape: GPTShape | None = None) -> None:
+        self.shape = shape or GPTShape()
+        self._corpus: Corpus | None = None
+
+    @property
+    def corpus(self) -> Corpus:
+        if self._corpus is None:  # loaded on first use: 0.7 s, and not every process needs it
+            self._corpus = load_corpus()
+        return self._corpus
+
+    def build_model(self) -> nn.Module:
+        torch.manual_seed(0)
+        return GPT(self.shape)
+
+    def _windows(self, data: np.ndarray, starts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        span = self.shape.block + 1
+        rows = np.stack([data[s : s + span] for s in starts.tolist()]).astype(np.int64)
+        tokens = torch.from_numpy(rows)
+        return tokens[:, :-1], tokens[:, 1:]
+
+    def sample_batch(self, micro_batch: int, generator: torch.Generator) -> Any:
+        data = self.corpus.train
+        starts = torch.randint(
+            len(data) - self.shape.block - 1, (micro_batch,), generator=generator
+        )
+        return self._windows(data, starts)
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        x, y = batch
+        logits = model(x)
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+    def make_optimizer(self, parameters: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(parameters, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+
+    def validation_batches(self, micro_batch: int, count: int) -> list[Any]:
+        data = self.corpus.validation
+        generator = torch.Generator().manual_seed(7)
+        starts = torch.randint(
+            len(data) - self.shape.block - 1, (count, micro_batch), generator=generator
+        )
+        return [self._windows(data, row) for row in starts]
+
+
+BUILT_IN = {"gpt": ByteGPTTask, "tiny": TinyTask}
 
 
 def load_task(name: str) -> Task:
