@@ -36,7 +36,7 @@ import trio
 
 from peer.averaging.compression import CODECS, BadPart
 from peer.averaging.crypto import ConnectionKeys, KeyAnnouncement, RoundKey
-from peer.averaging.partition import part_ranges
+from peer.averaging.partition import chunk_ranges, part_ranges
 from peer.averaging.reduce import ChunkResult, PartReducer, ResultAssembler
 from peer.averaging.wire import (
     DONE,
@@ -335,7 +335,7 @@ class _Round:
 
     async def _send_chunks(self, channel: SealedChannel, j: int) -> None:
         start, end = self.parts[j]
-        for index, (lo, hi) in enumerate(_chunks(start, end, self.spec.chunk_elements)):
+        for index, (lo, hi) in enumerate(chunk_ranges(start, end, self.spec.chunk_elements)):
             await channel.send(index, 0, self.codec.encode(self.vector[lo:hi]))
         await channel.send(DONE, 0, b"")
 
@@ -352,8 +352,11 @@ class _Round:
             index, senders, payload = frame
             if index == DONE:
                 raise BadPart("the reducer ended its part early")
-            count = _chunk_length(self.parts[j], index, self.spec.chunk_elements)
-            self.assembler.put(j, index, self.codec.decode(payload, count), senders)
+            chunks = self.assembler.chunks[j]
+            if not 0 <= index < len(chunks):
+                raise BadPart(f"chunk {index} is out of range")
+            lo, hi = chunks[index]
+            self.assembler.put(j, index, self.codec.decode(payload, hi - lo), senders)
         # Read the end marker too: hanging up before it would reset the reducer's last send.
         # The part is complete either way, so a failure here is no failure of the reducer.
         with trio.move_on_after(self.stall_timeout), suppress(*CONNECTION_ERRORS):
@@ -523,18 +526,6 @@ async def _forward(channel: SealedChannel, outgoing: trio.MemoryReceiveChannel) 
     async for index, count, payload in outgoing:
         await channel.send(index, count, payload)
     await channel.send(DONE, 0, b"")
-
-
-def _chunks(start: int, end: int, chunk_elements: int) -> list[tuple[int, int]]:
-    return [(s, min(s + chunk_elements, end)) for s in range(start, end, chunk_elements)]
-
-
-def _chunk_length(part: tuple[int, int], index: int, chunk_elements: int) -> int:
-    start, end = part
-    lo = start + index * chunk_elements
-    if not start <= lo < end:
-        raise BadPart(f"chunk {index} is out of range")
-    return min(lo + chunk_elements, end) - lo
 
 
 def _first(group: BaseExceptionGroup) -> BaseException:
