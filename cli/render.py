@@ -75,7 +75,7 @@ def status_table(report: StatusReport) -> Group:
             rate(row.download_bps),
             f"{row.rtt_s * 1e3:.1f} ms" if row.rtt_s is not None else "-",
             _reachable(row),
-            WORK_LABELS.get(row.work, "-") if row.work else "-",
+            WORK_LABELS.get(row.work or "", "-"),
             f"{row.share:.1%}" if row.share is not None else "-",
         )
     a = c.assignment
