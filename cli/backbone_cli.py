@@ -38,6 +38,13 @@ def start(
     listen: common.ListenOpt = None,
     announce: common.AnnounceOpt = None,
     collaboration: common.CollabOpt = None,
+    keep_state: Annotated[
+        bool,
+        typer.Option(
+            "--keep-state",
+            help="Keep the newest training state on disk and serve it to joining peers.",
+        ),
+    ] = False,
     log_level: common.LogLevelOpt = None,
     log_format: common.LogFormatOpt = None,
 ) -> None:
@@ -48,6 +55,7 @@ def start(
         "net.listen": listen or None,
         "net.announce": announce or None,
         "collaboration.name": collaboration,
+        "state.keep": True if keep_state else None,
         "log.level": log_level,
         "log.format": log_format,
     }

@@ -1,7 +1,9 @@
 """`peer demo`: a whole local collaboration on loopback, as separate processes.
 
-One backbone and N peers are started with the real CLI, a live status table follows them, and
-after `duration` seconds every process gets SIGINT; the summary reports how each one stopped.
+One backbone and N peers are started with the real CLI and `configs/demo.toml`; they train the
+default task while a live view follows the collaboration. Once a peer reports a validation loss
+at or below the config's target (or after `timeout` seconds), every process gets SIGINT; the
+summary reports the training and how each process stopped. Exit 0 only when the target was met.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import trio
@@ -21,17 +23,18 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from cli.render import status_table
+from cli.render import duration, status_table
 from peer.config import load_config
 from peer.errors import RemoteError
-from peer.status import StatusReport, collect_status
+from peer.status import collect_status
+from peer.training.progress import CollaborationView
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
-# Short presence so the view follows joins and leaves within seconds.
+DEMO_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo.toml"
 DEMO_ENV = {
-    "PEERTRAIN_PRESENCE_TTL": "6",
-    "PEERTRAIN_PRESENCE_REFRESH": "2",
-    "PEERTRAIN_LOG_LEVEL": "warning",
+    "PEERTRAIN_CONFIG": str(DEMO_CONFIG),
+    # Several peers share this machine's cores: one torch thread each.
+    "OMP_NUM_THREADS": "1",
 }
 STOP_GRACE = 5.0
 
@@ -43,8 +46,8 @@ class Child:
     stopped_in: float | None = None
 
 
-async def start(name: str, args: list[str], nursery: trio.Nursery) -> Child:
-    env = {**os.environ, **DEMO_ENV}
+async def start(name: str, args: list[str], extra_env: dict[str, str] | None = None) -> Child:
+    env = {**os.environ, **DEMO_ENV, **(extra_env or {})}
     process = await trio.lowlevel.open_process(
         [sys.executable, "-m", *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env
     )
@@ -84,78 +87,128 @@ async def stop(children: list[Child]) -> None:
             nursery.start_soon(wait, child)
 
 
-def summary(children: list[Child], seen: set[str], peers: int) -> Table:
-    table = Table(title="demo summary", title_justify="left")
+@dataclass
+class Outcome:
+    target: float
+    reached: tuple[int, float] | None = None
+    """(step, validation loss) that met the target."""
+    seconds: float = 0.0
+    global_step: int = 0
+    validation: tuple[int, float] | None = None
+    peers_seen: set[str] = field(default_factory=set)
+
+
+def summary(children: list[Child], outcome: Outcome, peers: int) -> Group:
+    training = Table(title="training", title_justify="left", show_header=False)
+    training.add_column("what", style="bold")
+    training.add_column("value")
+    training.add_row("task", "gpt (byte-level, Python's standard library)")
+    training.add_row("global step", str(outcome.global_step))
+    last = outcome.validation
+    training.add_row(
+        "validation loss",
+        f"{last[1]:.4f} at step {last[0]} (target {outcome.target})" if last else "-",
+    )
+    training.add_row(
+        "target reached",
+        f"yes, at step {outcome.reached[0]} after {duration(outcome.seconds)}"
+        if outcome.reached
+        else f"no (stopped after {duration(outcome.seconds)})",
+    )
+    training.add_row("peers seen training", f"{len(outcome.peers_seen)} of {peers}")
+    processes = Table(title="processes", title_justify="left")
     for column in ("process", "exit code", "stopped in"):
-        table.add_column(column)
+        processes.add_column(column)
     for child in children:
         stopped = (
             f"{child.stopped_in:.2f}s"
             if child.stopped_in is not None
             else f"killed after {STOP_GRACE:.0f}s"
         )
-        table.add_row(child.name, str(child.process.returncode), stopped)
-    table.caption = f"peers seen online: {len(seen)} of {peers}"
-    return table
+        processes.add_row(child.name, str(child.process.returncode), stopped)
+    return Group(training, processes)
 
 
-async def run_demo(peers: int, duration: float) -> None:
+async def run_demo(peers: int, timeout: float) -> None:
     console = Console()
     workdir = Path(tempfile.mkdtemp(prefix="peertrain-demo-"))
     children: list[Child] = []
-    seen: set[str] = set()
+    loaded = load_config(file=DEMO_CONFIG)
+    outcome = Outcome(target=loaded.config.training.target_validation_loss)
+    started = time.monotonic()
     try:
-        async with trio.open_nursery() as nursery:
-            backbone = await start(
-                "backbone",
-                [
-                    "cli.backbone_cli",
-                    "start",
-                    "--identity",
-                    str(workdir / "backbone.key"),
-                    "--listen",
-                    LOOPBACK,
-                ],
-                nursery,
-            )
-            children.append(backbone)
-            address = await read_backbone_addr(backbone, timeout=30)
-            console.print(f"backbone up at {address}")
-            for index in range(peers):
-                args = [
-                    "cli.peer_cli",
-                    "join",
-                    "--backbone",
-                    address,
-                    "--listen",
-                    LOOPBACK,
-                    "--identity",
-                    str(workdir / f"peer{index}.key"),
-                ]
-                children.append(await start(f"peer {index}", args, nursery))
-            config = load_config(
-                overrides={"collaboration.backbones": [address], "log.level": "warning"}
-            ).config
-            deadline = time.monotonic() + duration
-            report: StatusReport | None = None
-            with Live(console=console, refresh_per_second=4) as live:
-                while time.monotonic() < deadline:
-                    try:
-                        report = await collect_status(config)
-                        seen.update(row.peer_id for row in report.peers if row.role == "peer")
-                    except RemoteError as error:
-                        live.update(Text(f"status: {error}"))
-                    if report is not None:
-                        left = Text(
-                            f"stopping in {deadline - time.monotonic():.0f}s (Ctrl+C to stop now)"
-                        )
-                        live.update(Group(status_table(report), left))
+        backbone = await start(
+            "backbone",
+            [
+                "cli.backbone_cli",
+                "start",
+                "--identity",
+                str(workdir / "backbone.key"),
+                "--listen",
+                LOOPBACK,
+            ],
+        )
+        children.append(backbone)
+        address = await read_backbone_addr(backbone, timeout=30)
+        console.print(f"backbone up at {address}")
+        for index in range(peers):
+            args = [
+                "cli.peer_cli",
+                "join",
+                "--backbone",
+                address,
+                "--listen",
+                LOOPBACK,
+                "--identity",
+                str(workdir / f"peer{index}.key"),
+            ]
+            env = {"PEERTRAIN_TRAINING_CHECKPOINT_DIR": str(workdir / f"checkpoints{index}")}
+            children.append(await start(f"peer {index}", args, env))
+        config = load_config(
+            file=DEMO_CONFIG, overrides={"collaboration.backbones": [address]}
+        ).config
+        started = time.monotonic()
+        deadline = started + timeout
+        with Live(console=console, refresh_per_second=2) as live:
+            while time.monotonic() < deadline and outcome.reached is None:
+                try:
+                    report = await collect_status(config)
+                except RemoteError as error:
+                    live.update(Text(f"status: {error}"))
                     await trio.sleep(1.0)
-            nursery.cancel_scope.cancel()
+                    continue
+                view = report.training
+                outcome.global_step = max(outcome.global_step, view.global_step)
+                outcome.peers_seen.update(r.peer_id for r in view.records if r.role == "trainer")
+                outcome.validation = view.validation_loss() or outcome.validation
+                outcome.seconds = time.monotonic() - started
+                if outcome.validation and outcome.validation[1] <= outcome.target:
+                    outcome.reached = outcome.validation
+                live.update(
+                    Group(
+                        status_table(report),
+                        Text(progress_line(view, config.task.target_batch, outcome)),
+                    )
+                )
+                await trio.sleep(1.0)
     finally:
         with trio.CancelScope(shield=True):
             await stop(children)
         console.print()
-        console.print(summary(children, seen, peers))
-    if len(seen) < peers:
+        console.print(summary(children, outcome, peers))
+    if outcome.reached is None or any(c.process.returncode != 0 for c in children):
         raise SystemExit(1)
+
+
+def progress_line(view: CollaborationView, target_batch: int, outcome: Outcome) -> str:
+    step = view.global_step
+    validation = (
+        f"{outcome.validation[1]:.3f} at step {outcome.validation[0]}"
+        if outcome.validation
+        else "-"
+    )
+    return (
+        f"step {step} | batch {view.samples(step)}/{target_batch} | "
+        f"{view.throughput(step):.0f} samples/s | validation loss {validation} "
+        f"(target {outcome.target}) | {duration(outcome.seconds)} (Ctrl+C to stop)"
+    )

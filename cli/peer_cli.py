@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated
+import sys
+from typing import TYPE_CHECKING, Annotated
 
 import trio
 import typer
 from rich.console import Console
+from rich.live import Live
 
 from cli import common
-from cli.render import status_table
+from cli.render import status_table, training_line, training_table
 from peer.daemon import run_daemon
 from peer.net.host import Node
 from peer.status import collect_status
+
+if TYPE_CHECKING:
+    from peer.training.trainer import Trainer
 
 app = typer.Typer(
     help="Donate compute to a peertrain collaboration.", no_args_is_help=True, add_completion=False
@@ -68,9 +73,35 @@ def join(
         for addr in node.public_addrs():
             common.echo(f"  {addr}")
 
-    common.run_until_signal(
-        lambda stop: run_daemon(loaded.config, stop, role="peer", on_ready=on_ready)
-    )
+    trainers: list[Trainer] = []
+
+    async def main(stop: trio.Event) -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(show_progress, trainers, loaded.config.task.target_batch)
+            await run_daemon(
+                loaded.config, stop, role="peer", on_ready=on_ready, on_trainer=trainers.append
+            )
+            nursery.cancel_scope.cancel()
+
+    common.run_until_signal(main)
+
+
+async def show_progress(trainers: list[Trainer], target_batch: int) -> None:
+    """Live training progress: a table refreshed in place on a terminal, else a line per step."""
+    while not trainers:
+        await trio.sleep(0.2)
+    status = trainers[0].status
+    if sys.stdout.isatty():
+        with Live(console=Console(), refresh_per_second=2) as live:
+            while True:
+                live.update(training_table(status, target_batch=target_batch))
+                await trio.sleep(0.5)
+    last = None
+    while True:
+        if (status.step, status.validation) != last:
+            last = (status.step, status.validation)
+            common.echo(training_line(status, target_batch=target_batch))
+        await trio.sleep(0.5)
 
 
 @app.command()
@@ -104,14 +135,15 @@ def status(
 @app.command()
 def demo(
     peers: Annotated[int, typer.Option(help="Number of peers to start.", min=1, max=16)] = 3,
-    duration: Annotated[
-        float, typer.Option(help="Seconds to run before stopping everything.", min=1)
-    ] = 20.0,
+    timeout: Annotated[
+        float, typer.Option(help="Seconds to train at most before giving up.", min=1)
+    ] = 900.0,
 ) -> None:
-    """Run a local collaboration on loopback: a backbone and N peers, with a live status view."""
+    """Train the default task with a local collaboration (a backbone and N peer processes on
+    loopback) until the validation-loss target in configs/demo.toml; exit 0 when reached."""
     from cli.demo import run_demo
 
-    trio.run(run_demo, peers, duration)
+    trio.run(run_demo, peers, timeout)
 
 
 if __name__ == "__main__":

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rich import box
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
 from peer.status import PeerRow, StatusReport
+
+if TYPE_CHECKING:  # the trainer imports torch; `peer status` never needs it
+    from peer.training.trainer import TrainerStatus
 
 
 def short_id(peer_id: str) -> str:
@@ -110,3 +115,48 @@ WORK_LABELS = {
 
 def _reachable(row: PeerRow) -> str:
     return {None: "-", True: "yes", False: "no"}[row.reachable]
+
+
+def training_line(status: TrainerStatus, *, target_batch: int) -> str:
+    """One line of a peer's training progress (for logs and non-terminal output)."""
+    view = status.view
+    step = status.step
+    loss = f"{status.loss:.4f}" if status.loss is not None else "-"
+    eta = view.eta(step, target_batch)
+    eta_text = duration(eta) if eta != float("inf") else "-"
+    validation = (
+        f" | val {status.validation[1]:.4f} @ {status.validation[0]}" if status.validation else ""
+    )
+    return (
+        f"step {step} | {status.phase} | loss {loss}{validation} | "
+        f"{speed(view.throughput(step))} collab, {speed(status.samples_per_second)} here | "
+        f"{len(view.trainers(step))} peers | batch {view.samples(step)}/{target_batch} "
+        f"| next step in {eta_text}"
+    )
+
+
+def training_table(status: TrainerStatus, *, target_batch: int) -> Table:
+    """A peer's live training view: the collaboration, then this peer."""
+    view = status.view
+    step = status.step
+    table = Table(box=box.SIMPLE, show_header=False, title="training", title_justify="left")
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    eta = view.eta(step, target_batch)
+    table.add_row("step", f"{step} (global {view.global_step})  {status.phase}")
+    table.add_row("loss", f"{status.loss:.4f}" if status.loss is not None else "-")
+    if status.validation:
+        table.add_row("validation", f"{status.validation[1]:.4f} at step {status.validation[0]}")
+    table.add_row(
+        "samples/s",
+        f"{speed(view.throughput(step))} collaboration, {speed(status.samples_per_second)} here",
+    )
+    table.add_row("peers", f"{len(view.trainers(step))} training at this step")
+    table.add_row(
+        "next step",
+        f"{view.samples(step)}/{target_batch} samples, "
+        f"ETA {duration(eta) if eta != float('inf') else '-'}",
+    )
+    if status.last_step_seconds is not None:
+        table.add_row("averaging", f"{status.last_step_seconds:.2f}s last step")
+    return table

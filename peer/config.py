@@ -32,7 +32,9 @@ __all__ = [
     "PeerConfig",
     "PresenceConfig",
     "ProbeConfig",
+    "StateConfig",
     "TaskConfig",
+    "TrainingConfig",
     "config_to_dict",
     "load_config",
 ]
@@ -179,6 +181,55 @@ class AveragingConfig(_Section):
 
 
 @dataclass(frozen=True, kw_only=True)
+class TrainingConfig(_Section):
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"mode": ("dedloc", "diloco")}
+    MINIMUM: ClassVar[dict[str, int]] = {"max_steps": 0, "validation_interval": 0, "seed": 0}
+    ZERO_OK: ClassVar[frozenset[str]] = frozenset({"target_validation_loss"})
+    mode: str = "dedloc"
+    """dedloc (synchronous large batches of task.target_batch samples) or diloco (local steps)."""
+    delayed_updates: bool = False
+    """dedloc: average step t's gradients while computing step t+1 (one step stale)."""
+    inner_steps: int = 50
+    """diloco: local AdamW steps H before each outer step."""
+    outer_lr: float = 0.7
+    """diloco: outer Nesterov SGD learning rate."""
+    outer_momentum: float = 0.9
+    """diloco: outer Nesterov SGD momentum."""
+    gather_window: float = 2.0
+    """Seconds between a step being called and its averaging (peers keep computing meanwhile)."""
+    progress_interval: float = 1.0
+    """Seconds between progress publications and reads of the collaboration's progress."""
+    validation_interval: int = 10
+    """Steps between validation-loss evaluations (0: never)."""
+    validation_batches: int = 4
+    """Held-out micro-batches per evaluation."""
+    target_validation_loss: float = 0.0
+    """Stop once a validation loss at or below this is reached (0: train on)."""
+    max_steps: int = 0
+    """Stop after this global step (0: no limit)."""
+    checkpoint_dir: str = "~/.peertrain/checkpoints"
+    """Where periodic checkpoints go (a folder per collaboration and task)."""
+    checkpoint_interval: float = 300.0
+    """Seconds between local checkpoints (one more is written on a clean stop)."""
+    seed: int = 0
+    """Extra seed for this peer's data sampling (0: derived from the peer id)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StateConfig(_Section):
+    parallel_donors: int = 3
+    """Peers a late joiner downloads state from at once."""
+    max_uploads: int = 4
+    """Downloads this peer serves at once (more are refused; the joiner asks others)."""
+    chunk_bytes: int = 4194304
+    """Bytes per verified chunk of a state download (4 MiB)."""
+    download_timeout: float = 120.0
+    """Seconds a whole state download may take before it is retried."""
+    keep: bool = False
+    """Backbones: keep the newest state (in training.checkpoint_dir) and serve it to joiners."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class LogConfig(_Section):
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
         "level": ("debug", "info", "warning", "error"),
@@ -201,6 +252,8 @@ class PeerConfig:
     measure: MeasureConfig = field(default_factory=MeasureConfig)
     probe: ProbeConfig = field(default_factory=ProbeConfig)
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    state: StateConfig = field(default_factory=StateConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
 
@@ -412,7 +465,10 @@ def _coerce(dotted: str, value: Any, origin: str) -> Any:
         ok = isinstance(value, int | float) and not isinstance(value, bool)
         if ok:
             value = float(value)
-            problem = None if math.isfinite(value) and value > 0 else "expected a number > 0"
+            zero_ok = key in getattr(SECTIONS[section], "ZERO_OK", frozenset())
+            low, expected = (0.0, ">= 0") if zero_ok else (None, "> 0")
+            in_range = value >= 0 if low is not None else value > 0
+            problem = None if math.isfinite(value) and in_range else f"expected a number {expected}"
     elif kind == list[str]:
         ok = isinstance(value, list | tuple) and all(isinstance(v, str) for v in value)
         if ok:

@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # torch takes a second or two to import; backbones never need
     import torch
 
     from peer.training.task import Task
+    from peer.training.trainer import Trainer
 
 log = logging.getLogger("peertrain.daemon")
 
@@ -69,9 +70,11 @@ async def run_daemon(
     *,
     role: Role,
     on_ready: Callable[[Node], None] = lambda node: None,
+    on_trainer: Callable[[Trainer], None] = lambda trainer: None,
     task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run a node until `stop` is set. `on_ready` sees it once it has joined and published presence.
+    A peer trains (`on_trainer` sees its trainer) and stops by itself when training is done.
 
     Stopping is two-phase: the node's own tasks end first (presence is withdrawn) while the
     host still runs, then the host closes. Cancelling from outside also stops it, but then
@@ -118,6 +121,10 @@ async def run_daemon(
                     probe_server=probe_server,
                 )
                 await nursery.start(measurements.run)
+                if role == "backbone" and config.state.keep:
+                    from peer.training.keeper import run_keeper
+
+                    await nursery.start(run_keeper, node, dht, config)
 
                 def presence() -> PresenceRecord:
                     return PresenceRecord(
@@ -143,8 +150,38 @@ async def run_daemon(
                 )
                 on_ready(node)
                 task_status.started(node)
-                await stop.wait()
+                async with trio.open_nursery() as running:
+                    if workload is not None:
+                        running.start_soon(
+                            train_then_stop,
+                            node,
+                            dht,
+                            config,
+                            workload,
+                            measurements,
+                            on_trainer,
+                            stop,
+                        )
+                    await stop.wait()
+                    running.cancel_scope.cancel()
                 nursery.cancel_scope.cancel()
+
+
+async def train_then_stop(
+    node: Node,
+    dht: DHT,
+    config: PeerConfig,
+    workload: tuple[Task, torch.device],
+    measurements: Measurements,
+    on_trainer: Callable[[Trainer], None],
+    stop: trio.Event,
+) -> None:
+    from peer.training.service import run_training
+
+    task, device = workload
+    await run_training(node, dht, config, task, device, measurements, on_trainer=on_trainer)
+    log.info("training finished")
+    stop.set()
 
 
 async def find_backbones(dht: DHT, collaboration: str, *, first: Sequence[ID]) -> list[ID]:

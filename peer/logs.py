@@ -65,6 +65,12 @@ def setup_logging(*, level: str, fmt: str) -> None:
     # Records below the logger's level are never created: let DEBUG through only when we show it.
     libp2p.setLevel(logging.DEBUG if threshold <= logging.DEBUG else logging.WARNING)
 
+    # Parts of libp2p log through the root logger (`logging.debug(...)`), which runs
+    # basicConfig when the root has no handler: every one of our records would then print twice.
+    root = logging.getLogger()
+    if not root.handlers:
+        root.addHandler(logging.NullHandler())
+
     # multiaddr logs every parse at DEBUG; that drowns our own debug output.
     logging.getLogger("multiaddr").setLevel(logging.WARNING)
 

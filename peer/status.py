@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+
+import msgspec
 
 from peer.config import PeerConfig
 from peer.daemon import join, parse_backbones
@@ -20,6 +22,7 @@ from peer.net.host import open_node
 from peer.net.identity import ephemeral_identity
 from peer.presence import PresenceRecord, decode_presence, presence_key
 from peer.roles import assign_roles
+from peer.training.progress import CollaborationView, ProgressRecord, decode_progress, progress_key
 
 STATUS_JOIN_BACKOFF = (0.5, 1.0)
 
@@ -82,12 +85,22 @@ class CollaborationSummary:
 class StatusReport:
     collaboration: CollaborationSummary
     peers: list[PeerRow]
+    progress: list[ProgressRecord] = field(default_factory=list)
+    """Every trainer's (and state keeper's) signed progress record."""
+
+    @property
+    def training(self) -> CollaborationView:
+        return CollaborationView(self.progress)
 
     def to_json(self) -> dict:
         collaboration = asdict(self.collaboration)
         if collaboration["assignment"] is not None:
             del collaboration["assignment"]["work"]  # per peer in `peers` already
-        return {"collaboration": collaboration, "peers": [asdict(row) for row in self.peers]}
+        return {
+            "collaboration": collaboration,
+            "peers": [asdict(row) for row in self.peers],
+            "progress": [msgspec.structs.asdict(record) for record in self.progress],
+        }
 
 
 def assign_group(records: list[PresenceRecord]) -> tuple[GroupAssignment | None, str | None]:
@@ -159,6 +172,7 @@ async def collect_status(config: PeerConfig) -> StatusReport:
         dht = DHT(node, config.dht, server=False, rpc_timeout=config.net.rpc_timeout)
         reached = await join(dht, seeds, backoff=STATUS_JOIN_BACKOFF)
         entries = await dht.get(presence_key(config.collaboration.name))
+        progress = decode_progress(await dht.get(progress_key(config.collaboration.name)))
     now = time.time()
     records = decode_presence(entries)
     assignment, note = assign_group(records)
@@ -175,7 +189,7 @@ async def collect_status(config: PeerConfig) -> StatusReport:
         assignment=assignment,
         assignment_note=note,
     )
-    return StatusReport(summary, rows)
+    return StatusReport(summary, rows, progress)
 
 
 def _row(

@@ -137,7 +137,7 @@ def status_report(backbones: list[str]) -> dict:
     result = status(backbones)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
-    assert set(report) == {"collaboration", "peers"}
+    assert set(report) == {"collaboration", "peers", "progress"}
     return report
 
 

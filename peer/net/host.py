@@ -224,3 +224,18 @@ async def _close_connections(host: IHost) -> None:
 async def _close_peer(network: object, peer_id: ID) -> None:
     with suppress(TRANSPORT_ERRORS):
         await network.close_peer(peer_id)  # type: ignore[attr-defined]
+
+
+def data_plane_hosts(node: Node, listen: Sequence[str]) -> tuple[str, str]:
+    """(address to bind, address others dial) for the data plane's TCP ports: the IPv4 of the
+    first listen address, and of the first announced one."""
+
+    def ip4(text: str, fallback: str) -> str:
+        try:
+            return Multiaddr(text).value_for_protocol("ip4") or fallback
+        except Exception:  # an /ip6 or /dns address: no IPv4 here
+            return fallback
+
+    bind = ip4(listen[0], "0.0.0.0") if listen else "0.0.0.0"
+    advertised = ip4(str(node.announce[0]), bind) if node.announce else bind
+    return bind, advertised

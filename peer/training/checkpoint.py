@@ -1,0 +1,200 @@
+"""Atomic local checkpoints: a SIGKILL or power cut at any moment of a save loses at most that save.
+
+Layout of a checkpoint directory (one per collaboration and task):
+
+    step-140.safetensors   the `state.to_bytes` blob of step 140
+    step-140.json          its commit record: {"format": 1, "file": "step-140.safetensors",
+                           "step": 140, "serial": 9, "bytes": ..., "sha256": ...}
+    step-120.safetensors   an older checkpoint (the `keep` newest are kept)
+    step-120.json
+    .lock                  flock()ed by the process that is saving
+    .tmp-*                 a file being written (or left by a writer that was killed)
+
+Theory of operation. A checkpoint exists once its record exists: each checkpoint has its own
+record, so there is no single file whose loss loses them all. The newest checkpoint is the intact
+one with the highest `serial` (the order of saves, not of steps: a peer that adopts a collaboration's
+state may save a lower step than an old checkpoint, and that save is still its newest).
+`save_checkpoint`, holding the lock:
+
+ 1. deletes temp files, and the record of this step if one exists (it would vouch for the old
+    payload while the new one replaces it);
+ 2. writes the payload to a temp file, fsyncs it, renames it to step-N.safetensors, fsyncs the
+    directory;
+ 3. writes the record the same way (this rename is the commit);
+ 4. deletes the records beyond the `keep` newest, then their payloads, then payloads that no
+    record names (left by a kill between 2 and 3).
+
+rename(2) replaces a name atomically, so a reader sees the old file or the new one, never half a
+file; the fsync before it makes the contents durable before the name points at them, and the
+directory fsync makes the rename itself durable. Killed before 3's rename, no record names the new
+payload and the old records and payloads are untouched; killed during 4, a record is always gone
+before its payload, so no record names a missing file. Hence after a kill `load_latest` finds the
+newest committed checkpoint without falling back. It still checks each payload's size and sha256
+(bit rot, hand edits, a disk that lied about fsync) and falls back to older checkpoints, with a
+warning, if the newest is damaged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from peer.errors import ConfigError, ProtocolError
+from peer.files import fsync_directory, remove_temps, write_atomically
+from peer.training.state import TrainingState, from_bytes, to_bytes
+
+log = logging.getLogger("peertrain.checkpoint")
+
+FORMAT = 1
+LOCK = ".lock"
+_RECORD = re.compile(r"step-(0|[1-9][0-9]*)\.json")
+_PAYLOAD = re.compile(r"step-(0|[1-9][0-9]*)\.safetensors")
+
+
+class _Damaged(Exception):
+    """A payload that does not match its record."""
+
+
+def save_checkpoint(directory: Path, state: TrainingState, *, keep: int = 2) -> Path:
+    """Write `state` as the newest checkpoint in `directory` (created if missing), keep the `keep`
+    newest, and return the payload's path. ConfigError if the directory cannot be written."""
+    assert keep >= 1, keep
+    data = to_bytes(state)  # before taking the lock: the slow part
+    name = f"step-{state.step}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with _locked(directory, blocking=True):
+            remove_temps(directory)
+            records = _records(directory)
+            if (directory / f"{name}.json").exists():
+                (directory / f"{name}.json").unlink()
+                fsync_directory(directory)
+            record = {
+                "format": FORMAT,
+                "file": f"{name}.safetensors",
+                "step": state.step,
+                "serial": max((r["serial"] for r in records.values()), default=0) + 1,
+                "bytes": len(data),
+                "sha256": hashlib.sha256(data).hexdigest(),
+            }
+            write_atomically(directory, f"{name}.safetensors", data)
+            write_atomically(directory, f"{name}.json", json.dumps(record).encode())
+            records[f"{name}.json"] = record
+            _prune(directory, records, keep)
+    except OSError as error:
+        raise ConfigError(
+            f"cannot write checkpoints to {str(directory)!r} ({error.strerror or error}): make it "
+            "writable, free some space, or set training.checkpoint_dir to another folder"
+        ) from error
+    return directory / f"{name}.safetensors"
+
+
+def load_latest(directory: Path) -> TrainingState | None:
+    """The newest intact checkpoint in `directory`, or None if there is none.
+
+    Damaged checkpoints are skipped with a warning; this raises only ConfigError, when the
+    directory exists but cannot be listed."""
+    if not directory.exists():
+        return None
+    try:
+        with _locked(directory, blocking=False) as locked:
+            if locked:  # no save in progress: its temp files are litter
+                remove_temps(directory)
+    except OSError:
+        pass  # a read-only directory: leave the litter for the next save
+    try:
+        records = _records(directory, warn=True)
+    except OSError as error:
+        raise ConfigError(
+            f"cannot read checkpoints in {str(directory)!r} ({error.strerror or error}): make it "
+            "readable or set training.checkpoint_dir to another folder"
+        ) from error
+    for record_name, record in sorted(records.items(), key=lambda item: -item[1]["serial"]):
+        try:
+            return _load(directory, record)
+        except (OSError, _Damaged, ProtocolError) as error:
+            log.warning("checkpoint %s is damaged (%s); trying an older one", record_name, error)
+    if records:
+        log.warning("no intact checkpoint in %s; starting without one", directory)
+    return None
+
+
+def _load(directory: Path, record: dict[str, Any]) -> TrainingState:
+    data = (directory / record["file"]).read_bytes()
+    if len(data) != record["bytes"]:
+        raise _Damaged(f"{len(data)} bytes, the record says {record['bytes']}")
+    if hashlib.sha256(data).hexdigest() != record["sha256"]:
+        raise _Damaged("sha256 differs from the record")
+    state = from_bytes(data)
+    if state.step != record["step"]:
+        raise _Damaged(f"holds step {state.step}, the record says {record['step']}")
+    return state
+
+
+def _records(directory: Path, *, warn: bool = False) -> dict[str, dict[str, Any]]:
+    """{file name: record} of the well-formed records in `directory`."""
+    records = {}
+    for path in directory.iterdir():
+        match = _RECORD.fullmatch(path.name)
+        if not match:
+            continue
+        try:
+            record = json.loads(path.read_bytes())
+            step = int(match.group(1))
+            expected = {"format", "file", "step", "serial", "bytes", "sha256"}
+            if not isinstance(record, dict) or set(record) != expected:
+                raise ValueError(f"expected an object with keys {sorted(expected)}")
+            if (
+                record["format"] != FORMAT
+                or record["step"] != step
+                or record["file"] != f"step-{step}.safetensors"
+                or type(record["serial"]) is not int
+                or type(record["bytes"]) is not int
+                or not isinstance(record["sha256"], str)
+            ):
+                raise ValueError(f"unexpected values {record!r}")
+        except (OSError, ValueError) as error:  # JSONDecodeError is a ValueError
+            if warn:
+                log.warning("checkpoint record %s is damaged (%s); ignoring it", path.name, error)
+            continue
+        records[path.name] = record
+    return records
+
+
+def _prune(directory: Path, records: dict[str, dict[str, Any]], keep: int) -> None:
+    newest = sorted(records, key=lambda name: -records[name]["serial"])
+    kept = {records[name]["file"] for name in newest[:keep]}
+    for name in newest[keep:]:
+        # The record goes first: a record must never name a missing payload.
+        (directory / name).unlink(missing_ok=True)
+    fsync_directory(directory)  # or a power cut could keep a record and lose its payload
+    for path in directory.iterdir():
+        is_record = _RECORD.fullmatch(path.name) and path.name not in records  # damaged
+        if is_record or (_PAYLOAD.fullmatch(path.name) and path.name not in kept):
+            path.unlink(missing_ok=True)
+    fsync_directory(directory)
+
+
+@contextlib.contextmanager
+def _locked(directory: Path, *, blocking: bool) -> Iterator[bool]:
+    """Hold the directory's flock (True), or yield False if not `blocking` and it is taken.
+
+    The kernel drops the lock when its holder dies, so a killed writer never leaves it held."""
+    descriptor = os.open(directory / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(descriptor)

@@ -1,0 +1,151 @@
+"""Training progress: each peer's signed record in the DHT, and what the collaboration's
+records say when read together (pure).
+
+Key `<collaboration>/progress`, subkey = the peer id, so only its owner can write an entry.
+A record says where the peer is (the step of its state and a digest of its parameters), what it
+has accumulated toward the next step, how fast, and, once it decides the collaboration has
+enough samples, which step it *calls* and when that step's averaging starts (`gather_until`).
+
+Every peer reads the same records and applies the same rules:
+- the global step is the highest step any live record reports (`global_step`);
+- a step is called when the samples accumulated at it, projected over the gathering window,
+  reach the target batch; the earliest `gather_until` among the calls for a step wins, so two
+  peers that call at nearly the same moment still average together;
+- the parameters of a step are those of the most common digest at it (ties: smallest digest),
+  and a peer holding another digest downloads the state instead of training on.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+import msgspec
+
+from peer.dht.records import owner_key
+
+ProgressRole = Literal["trainer", "keeper"]
+_Step = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
+_Count = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
+
+
+class ProgressRecord(msgspec.Struct, frozen=True):
+    peer_id: Annotated[str, msgspec.Meta(max_length=128)]
+    role: ProgressRole
+    addrs: Annotated[
+        list[Annotated[str, msgspec.Meta(max_length=256)]], msgspec.Meta(max_length=16)
+    ]
+    step: _Step
+    """Optimizer steps in this peer's state."""
+    digest: Annotated[str, msgspec.Meta(max_length=64)]
+    """Digest of the parameters at `step` (state.parameters_digest)."""
+    samples: _Count
+    """Samples accumulated toward step + 1."""
+    samples_per_second: float
+    updated_at: float
+    loss: float | None = None
+    """Recent training loss (moving average)."""
+    validation_loss: float | None = None
+    validation_step: _Step = 0
+    call_step: int = -1
+    """The step this peer has called (-1: none)."""
+    gather_until: float = 0.0
+    """Wall-clock time the called step's averaging starts."""
+
+    def problem(self) -> str | None:
+        """Why the record is unusable (non-finite numbers), or None."""
+        numbers = [self.samples_per_second, self.updated_at, self.gather_until]
+        numbers += [x for x in (self.loss, self.validation_loss) if x is not None]
+        if not all(math.isfinite(x) for x in numbers) or self.samples_per_second < 0:
+            return "non-finite or negative figures"
+        return None
+
+
+def progress_key(collaboration: str) -> str:
+    return f"{collaboration}/progress"
+
+
+def encode_progress(record: ProgressRecord) -> bytes:
+    return msgspec.msgpack.encode(record)
+
+
+def decode_progress(entries: dict[str, object]) -> list[ProgressRecord]:
+    """Records from a progress get: only owner-signed entries naming their own subkey."""
+    records = []
+    for subkey, entry in entries.items():
+        if owner_key(subkey) is None:
+            continue
+        try:
+            record = msgspec.msgpack.decode(entry.value, type=ProgressRecord)  # type: ignore[attr-defined]
+        except msgspec.DecodeError:
+            continue
+        if record.peer_id == subkey and record.problem() is None:
+            records.append(record)
+    return sorted(records, key=lambda r: r.peer_id)
+
+
+@dataclass(frozen=True)
+class CollaborationView:
+    """The collaboration as one read of the progress records shows it."""
+
+    records: list[ProgressRecord]
+
+    @property
+    def global_step(self) -> int:
+        return max((r.step for r in self.records), default=0)
+
+    def trainers(self, step: int) -> list[ProgressRecord]:
+        return [r for r in self.records if r.role == "trainer" and r.step == step]
+
+    def samples(self, step: int) -> int:
+        """Samples accumulated toward step + 1 by the peers at `step`."""
+        return sum(r.samples for r in self.trainers(step))
+
+    def throughput(self, step: int) -> float:
+        return sum(r.samples_per_second for r in self.trainers(step))
+
+    def eta(self, step: int, target_batch: int) -> float:
+        """Seconds until the peers at `step` accumulate `target_batch` (inf when idle)."""
+        missing = max(0, target_batch - self.samples(step))
+        rate = self.throughput(step)
+        return 0.0 if missing == 0 else (missing / rate if rate > 0 else math.inf)
+
+    def call(self, step: int) -> float | None:
+        """When step's averaging starts, if anyone has called it: the earliest call wins."""
+        times = [r.gather_until for r in self.records if r.call_step == step]
+        return min(times) if times else None
+
+    def consensus(self, step: int) -> str | None:
+        """The digest of the parameters at `step` that most peers hold (ties: the smallest)."""
+        counts = Counter(r.digest for r in self.records if r.step == step)
+        if not counts:
+            return None
+        return min(counts, key=lambda digest: (-counts[digest], digest))
+
+    def donors(self, step: int) -> list[ProgressRecord]:
+        """Peers that hold the consensus state at `step`, keepers last."""
+        digest = self.consensus(step)
+        holders = [r for r in self.records if r.step == step and r.digest == digest]
+        return sorted(holders, key=lambda r: (r.role == "keeper", r.peer_id))
+
+    def with_record(self, record: ProgressRecord) -> CollaborationView:
+        """This view with `record` replacing its owner's (our own newest figures)."""
+        others = [r for r in self.records if r.peer_id != record.peer_id]
+        return CollaborationView(sorted([*others, record], key=lambda r: r.peer_id))
+
+    def validation_loss(self) -> tuple[int, float] | None:
+        """The newest validation loss any peer reported, with its step."""
+        reported = [
+            (r.validation_step, r.validation_loss)
+            for r in self.records
+            if r.validation_loss is not None
+        ]
+        return max(reported, key=lambda item: (item[0], -item[1])) if reported else None
+
+
+def should_call(view: CollaborationView, step: int, *, target_batch: int, window: float) -> bool:
+    """DeDLOC: call `step` once its samples, projected over the gathering window, reach the
+    target batch (the window is spent computing, so the batch comes out close to the target)."""
+    return view.samples(step) + view.throughput(step) * window >= target_batch

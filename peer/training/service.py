@@ -1,0 +1,84 @@
+"""Training inside the daemon: the data plane, the averager, the state donor and the trainer,
+composed and owned by one nursery.
+
+    DataServer (all-reduce TCP) -> Averager -> Trainer <- state download from donors
+                                               Trainer -> StateDonor (serves our state)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import trio
+from libp2p.peer.id import ID
+
+from peer.averaging.allreduce import DataServer
+from peer.averaging.averager import Averager
+from peer.config import PeerConfig
+from peer.dht.node import DHT
+from peer.measure.service import Measurements
+from peer.net.host import Node, data_plane_hosts
+from peer.training.progress import ProgressRecord
+from peer.training.statesync import Snapshot, StateDonor, download_state
+from peer.training.task import Task
+from peer.training.trainer import Trainer
+
+
+async def run_training(
+    node: Node,
+    dht: DHT,
+    config: PeerConfig,
+    task: Task,
+    device: torch.device,
+    measurements: Measurements,
+    *,
+    on_trainer: Callable[[Trainer], None] = lambda trainer: None,
+    task_status: trio.TaskStatus[Trainer] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Train until the trainer finishes (max_steps or the validation target) or is cancelled."""
+    bind, advertised = data_plane_hosts(node, config.net.listen)
+    async with trio.open_nursery() as nursery:
+        data_server = DataServer()
+        data_port = await nursery.start(data_server.serve, bind, config.averaging.data_port)
+        averager = Averager(
+            dht,
+            config.averaging,
+            collaboration=config.collaboration.name,
+            data_server=data_server,
+            data_host=advertised,
+            data_port=data_port,
+        )
+
+        async def download(donors: list[ProgressRecord], step: int) -> Snapshot:
+            return await download_state(
+                node,
+                [ID.from_base58(r.peer_id) for r in donors],
+                min_step=step,
+                parallel=config.state.parallel_donors,
+                deadline=trio.current_time() + config.state.download_timeout,
+            )
+
+        trainer = Trainer(
+            dht=dht,
+            averager=averager,
+            config=config,
+            task=task,
+            device=device,
+            download=download,
+            capabilities=measurements.capabilities,
+            observe_training=measurements.observe_training,
+        )
+        donor = StateDonor(
+            node,
+            trainer.snapshot,
+            max_downloads=config.state.max_uploads,
+            chunk_bytes=config.state.chunk_bytes,
+            advertised_host=advertised,
+        )
+        await nursery.start(donor.serve, bind, 0)
+        on_trainer(trainer)
+        await nursery.start(trainer.run)
+        task_status.started(trainer)
+        await trainer.finished.wait()
+        nursery.cancel_scope.cancel()

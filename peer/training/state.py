@@ -1,0 +1,419 @@
+"""The training state of a peer as named CPU tensors plus JSON: what checkpoints hold and donors send.
+
+Nothing here is ever unpickled (no `torch.load`, no `pickle`): a state travels as a safetensors
+blob, whose parser only reads a JSON header and raw little-endian arrays, so a malicious donor can
+at worst send wrong numbers, which `restore` checks against the local model before using them.
+
+Layout of a `TrainingState`:
+
+    tensors   "model.<name>"          model.state_dict() entries; a tensor tied to an earlier
+                                      name (GPT's head = token embedding) is stored once
+              "<opt>.<index>.<key>"   tensor entries of optimizers[opt].state_dict()["state"]
+    metadata  {"model_aliases": {tied name: stored name},
+               "optimizers": {opt: {"param_groups": [...], "scalars": {index: {key: value}}}},
+               "scheduler": dict | None, "extra": dict | None}
+
+The bytes (`to_bytes`) are `safetensors.torch.save(tensors)` with one header entry,
+"peertrain" = JSON {"format": 1, "step": ..., "metadata": ...}. The tensors are laid out in a
+fixed order (safetensors sorts by dtype then name) and the JSON has sorted keys, so equal states
+give equal bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from itertools import chain
+from typing import Any
+
+import safetensors.torch
+import torch
+from torch import nn
+
+from peer.errors import ProtocolError
+
+FORMAT = 1
+HEADER_KEY = "peertrain"
+_METADATA_KEYS = frozenset({"model_aliases", "optimizers", "scheduler", "extra"})
+_OPTIMIZER_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_-]*")
+
+
+class StateMismatch(ProtocolError):
+    """A state does not fit the local model and optimizers, or its bytes are malformed.
+
+    A `ProtocolError`: the donor that sent it is treated as faulty."""
+
+
+@dataclass(eq=False)  # eq on tensors is elementwise, not a bool
+class TrainingState:
+    step: int
+    tensors: dict[str, torch.Tensor]
+    """CPU, contiguous; named as in the module docstring."""
+    metadata: dict[str, Any]
+    """JSON-able: optimizer param_groups and scalar state, scheduler state, extra."""
+
+    @property
+    def scheduler_state(self) -> dict[str, Any] | None:
+        return self.metadata.get("scheduler")
+
+    @property
+    def extra(self) -> dict[str, Any] | None:
+        return self.metadata.get("extra")
+
+
+# ---------------------------------------------------------------------------------- capture
+
+
+def capture(
+    step: int,
+    model: nn.Module,
+    optimizers: Mapping[str, torch.optim.Optimizer],
+    *,
+    scheduler_state: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> TrainingState:
+    """A copy of the model's and optimizers' state at `step` (later training does not change it).
+
+    Copies every tensor to the CPU: a GPU-CPU sync point, and as much host memory as the state."""
+    assert isinstance(step, int) and step >= 0, step
+    stored, aliases = _untie(model.state_dict())
+    tensors = {f"model.{name}": _copy(tensor) for name, tensor in stored.items()}
+    optimizer_meta = {}
+    for opt_name, optimizer in optimizers.items():
+        if opt_name == "model" or not _OPTIMIZER_NAME.fullmatch(opt_name):
+            raise ValueError(f"optimizer name {opt_name!r}: expected an identifier, not 'model'")
+        saved = optimizer.state_dict()
+        scalars: dict[str, dict[str, Any]] = {}
+        for index, entries in saved["state"].items():
+            for key, value in entries.items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"{opt_name}.{index}.{key}"] = _copy(value)
+                else:  # e.g. SGD's momentum_buffer = None, an int step in old torch versions
+                    scalars.setdefault(str(index), {})[key] = _jsonable(
+                        value, f"{opt_name}.{index}"
+                    )
+        optimizer_meta[opt_name] = {
+            "param_groups": _jsonable(saved["param_groups"], f"{opt_name}.param_groups"),
+            "scalars": scalars,
+        }
+    metadata = {
+        "model_aliases": aliases,
+        "optimizers": optimizer_meta,
+        "scheduler": _jsonable(scheduler_state, "scheduler_state"),
+        "extra": _jsonable(extra, "extra"),
+    }
+    return TrainingState(step, tensors, metadata)
+
+
+def _copy(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to(device="cpu", memory_format=torch.contiguous_format, copy=True)
+
+
+def _untie(
+    state_dict: Mapping[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Entries to store, and {later name: earlier name} for tensors that are the same memory.
+
+    safetensors refuses shared memory, and storing a tied matrix twice would let a donor send two
+    different values for one parameter."""
+    stored: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple[Any, ...], str] = {}
+    for name, tensor in state_dict.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"state_dict entry {name!r} is a {type(tensor).__name__}, not a tensor")
+        key = (
+            tensor.device,
+            tensor.dtype,
+            tensor.untyped_storage().data_ptr(),
+            tensor.storage_offset(),
+            tuple(tensor.shape),
+            tensor.stride(),
+        )
+        if tensor.numel() and key in seen:  # empty tensors may all report data_ptr 0
+            aliases[name] = seen[key]
+        else:
+            seen[key] = name
+            stored[name] = tensor
+    return stored, aliases
+
+
+def _jsonable(value: Any, where: str) -> Any:
+    """`value` as plain JSON types (tuples become lists); TypeError for anything else (our bug)."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, list | tuple):
+        return [_jsonable(item, where) for item in value]
+    if isinstance(value, dict):
+        if not all(isinstance(key, str) for key in value):
+            raise TypeError(f"{where}: dict keys must be strings, got {list(value)!r}")
+        return {key: _jsonable(item, f"{where}.{key}") for key, item in value.items()}
+    raise TypeError(f"{where}: cannot store a {type(value).__name__} as JSON: {value!r}")
+
+
+# ---------------------------------------------------------------------------------- bytes
+
+
+def to_bytes(state: TrainingState) -> bytes:
+    """The safetensors blob of `state`; the same state always gives the same bytes."""
+    header = json.dumps(
+        {"format": FORMAT, "step": state.step, "metadata": state.metadata},
+        sort_keys=True,
+        separators=(",", ":"),
+    )
+    tensors = {name: state.tensors[name].contiguous() for name in sorted(state.tensors)}
+    return safetensors.torch.save(tensors, metadata={HEADER_KEY: header})
+
+
+def from_bytes(data: bytes) -> TrainingState:
+    """Parse a blob from `to_bytes`; StateMismatch (a ProtocolError) if it is anything else."""
+    try:
+        tensors = safetensors.torch.load(bytes(data))
+    # The Rust parser raises SafetensorError, but the Python wrapper may add KeyError/ValueError
+    # (an unknown dtype name); to a caller they all mean "the peer sent garbage".
+    except Exception as error:
+        raise StateMismatch(f"not a safetensors state: {_first_line(error)}") from error
+    payload = _header_payload(data)
+    if set(payload) != {"format", "step", "metadata"}:
+        raise StateMismatch(
+            f"state header has keys {sorted(payload)}, expected format, step, metadata"
+        )
+    if payload["format"] != FORMAT:
+        raise StateMismatch(f"state format {payload['format']!r}, expected {FORMAT}")
+    step = payload["step"]
+    if type(step) is not int or step < 0:
+        raise StateMismatch(f"state step {step!r}, expected an integer >= 0")
+    state = TrainingState(step, tensors, payload["metadata"])
+    check_structure(state)
+    return state
+
+
+def _header_payload(data: bytes) -> dict[str, Any]:
+    # safetensors.torch.load has validated the framing: 8-byte little-endian length, JSON header.
+    size = int.from_bytes(data[:8], "little")
+    try:
+        header = json.loads(bytes(data[8 : 8 + size]))
+        text = header.get("__metadata__", {}).get(HEADER_KEY)
+        if not isinstance(text, str):
+            raise StateMismatch(f"safetensors header lacks the {HEADER_KEY!r} metadata entry")
+        payload = json.loads(text)
+    except (ValueError, AttributeError, RecursionError) as error:
+        raise StateMismatch(f"state header is not valid JSON: {_first_line(error)}") from error
+    if not isinstance(payload, dict):
+        raise StateMismatch(f"state header is a {type(payload).__name__}, expected an object")
+    return payload
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
+
+
+def check_structure(state: TrainingState) -> None:
+    """StateMismatch unless `state` is laid out as the module docstring says (any model)."""
+    metadata = state.metadata
+    if not isinstance(metadata, dict) or set(metadata) != _METADATA_KEYS:
+        keys = sorted(metadata) if isinstance(metadata, dict) else type(metadata).__name__
+        raise StateMismatch(f"state metadata has keys {keys}, expected {sorted(_METADATA_KEYS)}")
+    aliases = metadata["model_aliases"]
+    if not isinstance(aliases, dict) or not all(isinstance(v, str) for v in aliases.values()):
+        raise StateMismatch(f"model_aliases = {aliases!r}, expected {{name: name}}")
+    optimizers = metadata["optimizers"]
+    if not isinstance(optimizers, dict):
+        raise StateMismatch(f"optimizers is a {type(optimizers).__name__}, expected an object")
+    for opt_name, entry in optimizers.items():
+        if opt_name == "model" or not _OPTIMIZER_NAME.fullmatch(opt_name):
+            raise StateMismatch(f"optimizer name {opt_name!r} is not an identifier")
+        if not isinstance(entry, dict) or set(entry) != {"param_groups", "scalars"}:
+            raise StateMismatch(f"optimizer {opt_name!r}: expected param_groups and scalars")
+        groups, scalars = entry["param_groups"], entry["scalars"]
+        if not isinstance(groups, list) or not all(
+            isinstance(g, dict)
+            and isinstance(g.get("params"), list)
+            and all(type(i) is int for i in g["params"])
+            for g in groups
+        ):
+            raise StateMismatch(f"optimizer {opt_name!r}: param_groups must list integer params")
+        if not isinstance(scalars, dict) or not all(
+            _is_index(i) and isinstance(s, dict) for i, s in scalars.items()
+        ):
+            raise StateMismatch(f"optimizer {opt_name!r}: scalars must map indices to objects")
+    for scheduler_or_extra in ("scheduler", "extra"):
+        if not isinstance(metadata[scheduler_or_extra], dict | None):
+            raise StateMismatch(f"{scheduler_or_extra} must be an object or null")
+    for name, tensor in state.tensors.items():
+        prefix, _, rest = name.partition(".")
+        if prefix == "model" and rest:
+            continue
+        index, _, key = rest.partition(".")
+        if prefix not in optimizers or not _is_index(index) or not key:
+            raise StateMismatch(f"unexpected tensor {name!r} in state")
+        assert isinstance(tensor, torch.Tensor), name
+
+
+def _is_index(text: str) -> bool:
+    # Canonical decimal only: "01" and "1" must not name the same parameter.
+    return text.isascii() and text.isdigit() and str(int(text)) == text
+
+
+# ---------------------------------------------------------------------------------- restore
+
+
+def restore(
+    state: TrainingState, model: nn.Module, optimizers: Mapping[str, torch.optim.Optimizer]
+) -> None:
+    """Load `state` into `model` and `optimizers`, or raise StateMismatch and change nothing.
+
+    Everything is checked before anything is written, so a bad donor cannot leave a half-loaded
+    model behind. Optimizer tensors are cloned: the state stays valid for serving to others."""
+    check_structure(state)
+    model_state = _model_state(state, model)
+    if set(state.metadata["optimizers"]) != set(optimizers):
+        raise StateMismatch(
+            f"state has optimizers {sorted(state.metadata['optimizers'])}, expected {sorted(optimizers)}"
+        )
+    optimizer_states = {
+        name: _optimizer_state(state, name, opt) for name, opt in optimizers.items()
+    }
+    # Checked; from here on nothing raises on account of the state.
+    model.load_state_dict(model_state, strict=True)  # copies into the existing parameters
+    for name, optimizer in optimizers.items():
+        optimizer.load_state_dict(optimizer_states[name])
+
+
+def _model_state(state: TrainingState, model: nn.Module) -> dict[str, torch.Tensor]:
+    stored, aliases = _untie(model.state_dict())
+    if state.metadata["model_aliases"] != aliases:
+        raise StateMismatch(
+            f"state ties model tensors {state.metadata['model_aliases']!r}, the model ties {aliases!r}"
+        )
+    given = {
+        n.removeprefix("model."): t for n, t in state.tensors.items() if n.startswith("model.")
+    }
+    if missing := [name for name in stored if name not in given]:
+        raise StateMismatch(f"state lacks model tensor {missing[0]!r}")
+    if unexpected := sorted(set(given) - set(stored)):
+        raise StateMismatch(f"state has unexpected model tensor {unexpected[0]!r}")
+    for name, tensor in stored.items():
+        _expect_like(f"model tensor {name!r}", given[name], tensor)
+    full = {name: given[name] for name in stored}
+    full.update((alias, given[target]) for alias, target in aliases.items())
+    return full
+
+
+def _optimizer_state(
+    state: TrainingState, opt_name: str, optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """The state_dict to load into `optimizer`, checked against its parameters and groups."""
+    entry = state.metadata["optimizers"][opt_name]
+    saved_groups, current_groups = entry["param_groups"], optimizer.state_dict()["param_groups"]
+    where = f"optimizer {opt_name!r}"
+    if len(saved_groups) != len(current_groups):
+        raise StateMismatch(
+            f"{where} has {len(saved_groups)} param groups in the state, expected {len(current_groups)}"
+        )
+    groups = []
+    for number, (saved, current) in enumerate(zip(saved_groups, current_groups, strict=True)):
+        if len(saved["params"]) != len(current["params"]):
+            raise StateMismatch(
+                f"{where} group {number} has {len(saved['params'])} params, expected {len(current['params'])}"
+            )
+        if set(saved) != set(current):
+            raise StateMismatch(
+                f"{where} group {number} has settings {sorted(saved)}, expected {sorted(current)}"
+            )
+        group = {
+            key: _like(value, saved[key], f"{where} group {number} {key}")
+            for key, value in current.items()
+            if key != "params"
+        }
+        groups.append({**group, "params": saved["params"]})
+    saved_ids = list(chain.from_iterable(group["params"] for group in groups))
+    parameters = list(chain.from_iterable(group["params"] for group in optimizer.param_groups))
+    if len(set(saved_ids)) != len(saved_ids):
+        raise StateMismatch(f"{where} lists a parameter index twice: {saved_ids!r}")
+    by_id = dict(zip(saved_ids, parameters, strict=True))
+
+    result: dict[int, dict[str, Any]] = {}
+
+    def slot(index: str) -> tuple[dict[str, Any], torch.Tensor]:
+        if int(index) not in by_id:
+            raise StateMismatch(f"{where} has state for parameter {index}, which it does not list")
+        return result.setdefault(int(index), {}), by_id[int(index)]
+
+    prefix = f"{opt_name}."
+    for name in sorted(n for n in state.tensors if n.startswith(prefix)):
+        index, _, key = name.removeprefix(prefix).partition(".")
+        values, parameter = slot(index)
+        value = state.tensors[name]
+        current = optimizer.state.get(parameter, {}).get(key)
+        if isinstance(current, torch.Tensor):
+            _expect_like(f"{where} state {name!r}", value, current)
+        elif value.dim() != 0 and value.shape != parameter.shape:  # moments, or a scalar step
+            raise StateMismatch(
+                f"{where} state {name!r} has shape {tuple(value.shape)}, expected {tuple(parameter.shape)} or ()"
+            )
+        # load_state_dict keeps same-dtype tensors as they are: clone, or training would write
+        # into this state (which we may still be serving to other peers).
+        values[key] = value.clone()
+    for index, entries in entry["scalars"].items():
+        values, _ = slot(index)
+        for key, value in entries.items():
+            if key in values:
+                raise StateMismatch(f"{where} state {index}.{key} is both a tensor and a scalar")
+            if not (value is None or isinstance(value, bool | int | float)):
+                raise StateMismatch(f"{where} state {index}.{key} = {value!r}, expected a number")
+            values[key] = value
+    return {"state": result, "param_groups": groups}
+
+
+def _expect_like(what: str, given: torch.Tensor, local: torch.Tensor) -> None:
+    if given.shape != local.shape or given.dtype != local.dtype:
+        raise StateMismatch(
+            f"{what} is {tuple(given.shape)} {given.dtype} in the state, expected {tuple(local.shape)} {local.dtype}"
+        )
+
+
+def _like(template: Any, value: Any, where: str) -> Any:
+    """Decoded JSON `value` with the type of the local setting `template`, or StateMismatch."""
+    if isinstance(template, list | tuple):
+        if not isinstance(value, list) or len(value) != len(template):
+            raise StateMismatch(f"{where} = {value!r}, expected {len(template)} values")
+        # JSON has no tuples: AdamW's betas come back as a tuple, as the optimizer made them.
+        return type(template)(
+            _like(t, v, f"{where}[{i}]")
+            for i, (t, v) in enumerate(zip(template, value, strict=True))
+        )
+    if template is None:
+        ok = value is None or isinstance(value, bool | int | float | str)
+    elif isinstance(template, bool):
+        ok = isinstance(value, bool)
+    elif isinstance(template, int | float):
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+    elif isinstance(template, str):
+        ok = isinstance(value, str)
+    else:  # a tensor-valued lr, say: capture could not have stored it either
+        raise StateMismatch(f"{where}: cannot restore a setting of type {type(template).__name__}")
+    if not ok:
+        raise StateMismatch(f"{where} = {value!r}, expected a {type(template).__name__}")
+    return value
+
+
+# ---------------------------------------------------------------------------------- digest
+
+
+def parameters_digest(model: nn.Module) -> str:
+    """Short hex digest of the parameters (names, dtypes, shapes, bits) in name order: equal
+    digests mean bit-identical parameters. Reads every parameter: a GPU-CPU sync point."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name, parameter in sorted(
+        model.named_parameters(), key=lambda item: item[0]
+    ):  # tied parameters appear once
+        data = parameter.detach().to("cpu").contiguous()
+        label = f"{name}\0{data.dtype}\0{tuple(data.shape)}".encode()
+        digest.update(len(label).to_bytes(8, "little") + label)
+        digest.update(data.reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()

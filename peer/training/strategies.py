@@ -1,0 +1,163 @@
+"""The two collaborative optimizers as local numerics, with no network.
+
+Both turn local work into one flat float32 vector to average, and apply the average:
+
+    strategy.accumulate(batch)            one micro-batch of local work
+    vector, samples = strategy.take()     what this peer contributes to the next step
+    strategy.apply(average)               the identical step every peer takes
+    strategy.give_back(vector, samples)   the averaging failed: keep the work for the next try
+
+`LargeBatch` (DeDLOC): gradients of the sum of per-sample losses accumulate over micro-batches;
+the contribution is their mean, so the samples-weighted average of all peers' contributions is
+the gradient of the mean loss over the whole global batch, exactly what one big machine computes.
+
+`LocalSGD` (DiLoCo): every micro-batch is an inner AdamW step on the local copy; the contribution
+is the pseudo-gradient (parameters at the last outer step minus local parameters), and the outer
+Nesterov SGD step moves the shared parameters, which then replace the local copy.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from torch import nn
+
+from peer.training.task import Task
+
+
+def _flat(tensors: list[torch.Tensor]) -> np.ndarray:
+    return torch.cat([t.detach().reshape(-1).float().cpu() for t in tensors]).numpy()
+
+
+def _tensor(values: np.ndarray, *, like: torch.Tensor) -> torch.Tensor:
+    """A slice of an averaged vector as a tensor shaped, typed and placed like `like`."""
+    return torch.from_numpy(values.copy()).view_as(like).to(device=like.device, dtype=like.dtype)
+
+
+class Strategy(Protocol):
+    model: nn.Module
+    samples: int
+    """Samples of local work not yet taken."""
+
+    def optimizers(self) -> dict[str, torch.optim.Optimizer]: ...
+    def accumulate(self, batch: Any, size: int) -> float: ...
+    def take(self) -> tuple[np.ndarray, int]: ...
+    def give_back(self, vector: np.ndarray, samples: int) -> None: ...
+    def apply(self, average: np.ndarray) -> None: ...
+    def drop_local_work(self) -> None: ...
+
+
+class LargeBatch:
+    """DeDLOC: synchronous large-batch training; every peer applies the same averaged gradient."""
+
+    def __init__(self, task: Task, model: nn.Module) -> None:
+        self.task = task
+        self.model = model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = task.make_optimizer(self.params)
+        # Accumulators apart from p.grad, so a delayed step can use p.grad meanwhile.
+        self.sums = [torch.zeros_like(p) for p in self.params]
+        self.samples = 0
+
+    def optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        return {"optimizer": self.optimizer}
+
+    def accumulate(self, batch: Any, size: int) -> float:
+        """Add the gradient of this micro-batch's summed loss; return its mean loss."""
+        loss = self.task.loss(self.model, batch)
+        grads = torch.autograd.grad(loss * size, self.params)
+        with torch.no_grad():
+            for total, grad in zip(self.sums, grads, strict=True):
+                total.add_(grad)
+        self.samples += size
+        return float(loss.detach())
+
+    def take(self) -> tuple[np.ndarray, int]:
+        """The mean gradient of the local samples (zeros if none), and their count."""
+        samples, self.samples = self.samples, 0
+        vector = _flat(self.sums) / max(samples, 1)
+        for total in self.sums:
+            total.zero_()
+        return vector.astype(np.float32, copy=False), samples
+
+    def give_back(self, vector: np.ndarray, samples: int) -> None:
+        offset = 0
+        with torch.no_grad():
+            for total in self.sums:
+                n = total.numel()
+                total.add_(_tensor(vector[offset : offset + n], like=total) * samples)
+                offset += n
+        self.samples += samples
+
+    def apply(self, average: np.ndarray) -> None:
+        """One optimizer step with `average` as the gradient of every parameter."""
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad = _tensor(average[offset : offset + n], like=p)
+            offset += n
+        self.optimizer.step()
+        for p in self.params:
+            p.grad = None
+
+    def drop_local_work(self) -> None:
+        for total in self.sums:
+            total.zero_()
+        self.samples = 0
+
+
+class LocalSGD:
+    """DiLoCo: inner AdamW steps locally, outer Nesterov SGD on the averaged pseudo-gradient."""
+
+    def __init__(self, task: Task, model: nn.Module, *, outer_lr: float, momentum: float) -> None:
+        self.task = task
+        self.model = model
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.inner = task.make_optimizer(self.params)
+        # The shared parameters as of the last outer step; the outer optimizer moves these.
+        self.anchor = [p.detach().clone() for p in self.params]
+        self.outer = torch.optim.SGD(self.anchor, lr=outer_lr, momentum=momentum, nesterov=True)
+        self.samples = 0
+
+    def optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        return {"inner": self.inner, "outer": self.outer}
+
+    def accumulate(self, batch: Any, size: int) -> float:
+        """One inner step on this micro-batch; return its loss."""
+        loss = self.task.loss(self.model, batch)
+        self.inner.zero_grad(set_to_none=True)
+        loss.backward()
+        self.inner.step()
+        self.samples += size
+        return float(loss.detach())
+
+    def take(self) -> tuple[np.ndarray, int]:
+        """The pseudo-gradient (anchor - local) and the inner samples behind it. The local work
+        stays in place until `apply` (a failed averaging simply continues from it)."""
+        pseudo = [a - p.detach() for a, p in zip(self.anchor, self.params, strict=True)]
+        return _flat(pseudo).astype(np.float32, copy=False), self.samples
+
+    def give_back(self, vector: np.ndarray, samples: int) -> None:
+        pass  # take() left everything in place
+
+    def apply(self, average: np.ndarray) -> None:
+        offset = 0
+        for a in self.anchor:
+            n = a.numel()
+            a.grad = _tensor(average[offset : offset + n], like=a)
+            offset += n
+        self.outer.step()
+        with torch.no_grad():
+            for a, p in zip(self.anchor, self.params, strict=True):
+                a.grad = None
+                p.copy_(a)
+        self.samples = 0
+
+    def drop_local_work(self) -> None:
+        """Back to the shared parameters (after a state download replaced them)."""
+        with torch.no_grad():
+            for a, p in zip(self.anchor, self.params, strict=True):
+                a.copy_(p)
+        self.samples = 0

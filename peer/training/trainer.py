@@ -1,0 +1,550 @@
+"""The training loop of a peer: local work, progress, steps with the collaboration, catching up.
+
+    loop:
+        behind (a higher global step) or diverged (not the consensus digest)?  download the state
+        a step called and its gathering about to close?  take our contribution and average it
+        enough samples in the collaboration?  call the step (gather_until = now + window)
+        otherwise: one micro-batch of local work (in a worker thread)
+
+A step is applied only when this peer's averaging completed: then every peer that applies it
+applies the same average to the same state, so states stay bit-identical. When averaging fails
+the contribution is kept for the next try; peers that did step meanwhile are ahead, and the
+others download their state. The local step only ever grows.
+
+With `delayed_updates` (DeDLOC mode) the averaging of step t runs in the background while the
+micro-batches of step t + 1 are computed on the parameters of step t, and its result is applied
+between two micro-batches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import trio
+
+from peer.averaging.averager import Averager, AveragingResult, fingerprint
+from peer.config import PeerConfig
+from peer.dht.node import DHT
+from peer.errors import RemoteError
+from peer.files import state_folder
+from peer.measure.capabilities import Capabilities
+from peer.net.host import parse_addrs
+from peer.training import checkpoint as checkpoints
+from peer.training import state as states
+from peer.training.progress import (
+    CollaborationView,
+    ProgressRecord,
+    decode_progress,
+    encode_progress,
+    progress_key,
+    should_call,
+)
+from peer.training.strategies import LargeBatch, LocalSGD, Strategy
+from peer.training.task import Task
+
+if TYPE_CHECKING:
+    from peer.training.statesync import Snapshot
+
+log = logging.getLogger("peertrain.trainer")
+
+#: Fetches the state of `step` (or newer) from the given holders.
+Download = Callable[[list[ProgressRecord], int], Awaitable["Snapshot"]]
+#: One micro-batch: (batch, samples in it). The default draws from the task.
+BatchSource = Callable[[], tuple[Any, int]]
+
+
+@dataclass
+class TrainerStatus:
+    """What `peer join` shows live; updated by the trainer, read by the renderer."""
+
+    step: int = 0
+    phase: str = "starting"
+    loss: float | None = None
+    samples_per_second: float = 0.0
+    local_samples: int = 0
+    view: CollaborationView = field(default_factory=lambda: CollaborationView([]))
+    validation: tuple[int, float] | None = None
+    last_step_seconds: float | None = None
+    averaged_bytes: int = 0
+    steps_applied: int = 0
+    downloads: int = 0
+    compute_seconds: float = 0.0
+    samples_computed: int = 0
+    started_at: float = field(default_factory=time.monotonic)
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, tuple | list):
+        return type(batch)(to_device(item, device) for item in batch)
+    return batch
+
+
+def task_batches(task: Task, micro_batch: int, seed: int) -> Iterator[tuple[Any, int]]:
+    generator = torch.Generator().manual_seed(seed)
+    while True:
+        yield task.sample_batch(micro_batch, generator), micro_batch
+
+
+class Trainer:
+    def __init__(
+        self,
+        *,
+        dht: DHT,
+        averager: Averager,
+        config: PeerConfig,
+        task: Task,
+        device: torch.device,
+        download: Download,
+        batches: BatchSource | None = None,
+        capabilities: Callable[[], Capabilities | None] = lambda: None,
+        observe_training: Callable[[int, float], None] = lambda samples, seconds: None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.dht = dht
+        self.averager = averager
+        self.config = config
+        self.training = config.training
+        self.task = task
+        self.device = device
+        self.download = download
+        self.capabilities = capabilities
+        self.observe_training = observe_training
+        self.clock = clock
+        self.me = dht.node.peer_id.to_base58()
+        model = task.build_model().to(device)
+        self.strategy: Strategy = (
+            LocalSGD(
+                task,
+                model,
+                outer_lr=self.training.outer_lr,
+                momentum=self.training.outer_momentum,
+            )
+            if self.training.mode == "diloco"
+            else LargeBatch(task, model)
+        )
+        self.model = model
+        self.fingerprint = fingerprint(
+            [(name, tuple(t.shape), str(t.dtype)) for name, t in model.named_parameters()]
+        )
+        seed = self.training.seed or int.from_bytes(self.me.encode()[-8:], "big")
+        samples = task_batches(task, config.task.micro_batch, seed)
+        self.next_batch: BatchSource = batches or (lambda: next(samples))
+        self.status = TrainerStatus()
+        self.step = 0
+        self.digest = states.parameters_digest(model)
+        self._snapshot: Snapshot | None = None
+        self._captured: states.TrainingState | None = None
+        self._call: tuple[int, float] | None = None  # (step, gather_until) we called
+        self._failed_before = -math.inf  # calls gathering at or before this failed for us
+        self._pending: trio.Event | None = None  # delayed averaging in flight
+        self._pending_result: tuple[np.ndarray, int, AveragingResult, float] | None = None
+        self._validate_due = False
+        self._validation_batches: list[Any] | None = None
+        self._loss_ema: float | None = None
+        self._rate_ema: float = 0.0
+        self._batch_seconds = 0.0
+        self._view_changed = trio.Event()
+        self._publish_now = trio.Event()
+        self.finished = trio.Event()
+        self._last_checkpoint = time.monotonic()
+        self.checkpoint_dir: Path | None = state_folder(
+            self.training.checkpoint_dir, config.collaboration.name, task.name
+        )
+
+    # ------------------------------------------------------------------ state for donors
+
+    def snapshot(self) -> Snapshot | None:
+        """The state of our current step as bytes (built on first request after each step)."""
+        from peer.training.statesync import Snapshot
+
+        if self._snapshot is None and self._captured is not None:
+            self._snapshot = Snapshot(self._captured.step, states.to_bytes(self._captured))
+        return self._snapshot
+
+    def _capture(self) -> None:
+        """Remember the state at a step boundary (what donors serve and checkpoints hold)."""
+        self._captured = states.capture(self.step, self.model, self.strategy.optimizers())
+        self._snapshot = None
+        self.digest = states.parameters_digest(self.model)
+
+    def _restore(self, state: states.TrainingState) -> None:
+        states.restore(state, self.model, self.strategy.optimizers())
+        self.strategy.drop_local_work()
+        self.step = state.step
+        self._capture()
+
+    # ------------------------------------------------------------------ progress
+
+    def record(self) -> ProgressRecord:
+        validation = self.status.validation
+        call_step, gather_until = self._call or (-1, 0.0)
+        return ProgressRecord(
+            peer_id=self.me,
+            role="trainer",
+            addrs=self.dht.node.public_addrs(),
+            step=self.step,
+            digest=self.digest,
+            samples=self.strategy.samples,
+            samples_per_second=self._rate_ema,
+            updated_at=self.clock(),
+            loss=self._loss_ema,
+            validation_loss=validation[1] if validation else None,
+            validation_step=validation[0] if validation else 0,
+            call_step=call_step,
+            gather_until=gather_until,
+        )
+
+    def view(self) -> CollaborationView:
+        """The last read of the collaboration, with our own figures as they are now."""
+        return self.status.view.with_record(self.record())
+
+    async def _keep_progress(self) -> None:
+        """Publish our record and read everyone's, every progress_interval (or when asked)."""
+        key = progress_key(self.config.collaboration.name)
+        interval = self.training.progress_interval
+        ttl = max(3 * interval, self.config.presence.ttl)
+        try:
+            while True:
+                record = self.record()
+                try:
+                    with trio.move_on_after(max(interval, self.config.net.rpc_timeout)):
+                        await self.dht.store(
+                            key,
+                            self.me,
+                            encode_progress(record),
+                            expiration=record.updated_at + ttl,
+                        )
+                        entries = await self.dht.get(key)
+                        self.status.view = CollaborationView(decode_progress(entries))
+                        self._view_changed.set()
+                        self._view_changed = trio.Event()
+                except RemoteError as error:
+                    log.debug("progress exchange failed: %s", error)
+                with trio.move_on_after(interval):
+                    await self._publish_now.wait()
+                self._publish_now = trio.Event()
+        finally:
+            with (
+                trio.CancelScope(shield=True),
+                trio.move_on_after(1.0),
+                contextlib.suppress(RemoteError),
+            ):
+                await self.dht.withdraw(key, self.me, expiration=self.clock() + ttl + 1)
+
+    # ------------------------------------------------------------------ the loop
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        self._resume()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._keep_progress)
+                with trio.move_on_after(2 * self.training.progress_interval + 5):
+                    await self._view_changed.wait()  # the first read, to know if we are behind
+                task_status.started()
+                self.status.started_at = time.monotonic()
+                while not self._done():
+                    await self._iteration(nursery)
+                self._report()
+                self.finished.set()
+                nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._checkpoint(force=True)
+
+    def utilisation(self) -> float:
+        """Share of wall time since training began spent computing micro-batches."""
+        wall = time.monotonic() - self.status.started_at
+        return self.status.compute_seconds / wall if wall > 0 else 0.0
+
+    def _report(self) -> None:
+        figures = {
+            "step": self.step,
+            "steps_applied": self.status.steps_applied,
+            "samples": self.status.samples_computed,
+            "compute_s": round(self.status.compute_seconds, 3),
+            "wall_s": round(time.monotonic() - self.status.started_at, 3),
+            "utilisation": round(self.utilisation(), 4),
+            "averaged_bytes": self.status.averaged_bytes,
+            "downloads": self.status.downloads,
+        }
+        log.info(
+            "training finished at step %d: utilisation %.1f%%, %d bytes averaged",
+            self.step,
+            100 * figures["utilisation"],
+            self.status.averaged_bytes,
+            extra={"training": figures},
+        )
+
+    def _done(self) -> bool:
+        if self.training.max_steps and self.step >= self.training.max_steps:
+            return True
+        target = self.training.target_validation_loss
+        reached = self.view().validation_loss()
+        return bool(target) and reached is not None and reached[1] <= target
+
+    async def _iteration(self, nursery: trio.Nursery) -> None:
+        if self._pending_result is not None:
+            self._apply_pending()
+        if self._validate_due:
+            await self._validate()
+        await self._checkpoint()
+        view = self.view()
+        if self._pending is None and (donors := self._should_download(view)):
+            await self._catch_up(donors, view)
+            return
+        call = self._current_call(view)
+        if call is None and self._pending is None and self._ready(view):
+            self._call = (self.step, self.clock() + self.training.gather_window)
+            self._publish_now.set()
+            call = self._call[1]
+            log.info("calling step %d: averaging at +%.1fs", self.step + 1, call - self.clock())
+        if call is not None and self._pending is None:
+            now, margin = self.clock(), self._declare_margin()
+            if now > call - margin / 2:
+                # Too late for our ticket to be seen: this step goes on without us, and we
+                # catch up on the next (one that arrives mid-step waits for the next step).
+                log.info("missed the gathering of step %d; joining the next", self.step + 1)
+                self._failed_before = call
+            elif now + self._batch_seconds >= call - margin:
+                await self._average(call, nursery)
+                return
+            elif self._batch_is_full(view):
+                # Enough samples for this step: wait for the gathering rather than overshoot.
+                # (Declaring early would pin us to this call before a possibly earlier one
+                # that a simultaneous caller made becomes visible.)
+                await trio.sleep(min(call - margin - now, self.training.progress_interval))
+                return
+        await self._compute()
+
+    def _batch_is_full(self, view: CollaborationView) -> bool:
+        return (
+            self.training.mode == "dedloc"
+            and view.samples(self.step) >= self.config.task.target_batch
+        )
+
+    def _current_call(self, view: CollaborationView) -> float | None:
+        call = view.call(self.step)
+        return call if call is not None and call > self._failed_before else None
+
+    def _ready(self, view: CollaborationView) -> bool:
+        if self.training.mode == "diloco":
+            return self.strategy.samples >= self.training.inner_steps * self.config.task.micro_batch
+        return should_call(
+            view,
+            self.step,
+            target_batch=self.config.task.target_batch,
+            window=self.training.gather_window,
+        )
+
+    def _declare_margin(self) -> float:
+        """Our ticket must be in the DHT before the gathering closes: stop computing this early."""
+        return min(self.training.gather_window / 4, 1.0)
+
+    def _should_download(self, view: CollaborationView) -> list[ProgressRecord]:
+        """Holders of the state to fetch when we are behind or hold a minority digest."""
+        target = view.global_step
+        if target == self.step:
+            consensus = view.consensus(self.step)
+            if consensus is None or consensus == self.digest:
+                return []
+        elif target < self.step:
+            return []
+        return [r for r in view.donors(target) if r.peer_id != self.me]
+
+    async def _compute(self) -> None:
+        batch, size = self.next_batch()
+        started = time.perf_counter()
+        loss = await trio.to_thread.run_sync(
+            self.strategy.accumulate, to_device(batch, self.device), size
+        )
+        seconds = time.perf_counter() - started
+        self.status.compute_seconds += seconds
+        self.status.samples_computed += size
+        self.observe_training(size, seconds)
+        self._batch_seconds = (
+            seconds if not self._batch_seconds else 0.8 * self._batch_seconds + 0.2 * seconds
+        )
+        rate = size / seconds if seconds > 0 else 0.0
+        self._rate_ema = rate if not self._rate_ema else 0.8 * self._rate_ema + 0.2 * rate
+        if math.isfinite(loss):
+            self._loss_ema = loss if self._loss_ema is None else 0.9 * self._loss_ema + 0.1 * loss
+        self.status.loss = self._loss_ema
+        self.status.samples_per_second = self._rate_ema
+        self.status.local_samples = self.strategy.samples
+        self.status.phase = "training"
+
+    # ------------------------------------------------------------------ steps
+
+    async def _average(self, gather_until: float, nursery: trio.Nursery) -> None:
+        vector, samples = self.strategy.take()
+        step = self.step
+        if self.training.delayed_updates and self.training.mode == "dedloc":
+            done = self._pending = trio.Event()
+
+            async def in_background() -> None:
+                try:
+                    result = await self._run_averaging(vector, samples, step, gather_until)
+                    self._pending_result = (vector, samples, result, gather_until)
+                finally:
+                    done.set()
+
+            nursery.start_soon(in_background)
+            return
+        self.status.phase = "averaging"
+        result = await self._run_averaging(vector, samples, step, gather_until)
+        self._finish_step(vector, samples, result, gather_until)
+
+    async def _run_averaging(
+        self, vector: np.ndarray, samples: int, step: int, gather_until: float
+    ) -> AveragingResult:
+        started = time.monotonic()
+        log.debug(
+            "averaging toward step %d: %d samples, gathering until %.3f (in %.3fs)",
+            step + 1,
+            samples,
+            gather_until,
+            gather_until - self.clock(),
+        )
+        result = await self.averager.average(
+            vector,
+            weight=float(samples),
+            # Unique per call, shared by everyone who answers it: a retried step never meets
+            # the tickets of an earlier, failed attempt.
+            epoch=int(gather_until * 1000),
+            fingerprint=self.fingerprint,
+            gather_until=gather_until,
+            capabilities=self.capabilities(),
+        )
+        self.status.last_step_seconds = time.monotonic() - started
+        self.status.averaged_bytes += sum(r.bytes_sent + r.bytes_received for r in result.rounds)
+        return result
+
+    def _apply_pending(self) -> None:
+        assert self._pending_result is not None
+        vector, samples, result, gather_until = self._pending_result
+        self._pending_result = None
+        self._pending = None
+        self._finish_step(vector, samples, result, gather_until)
+
+    def _finish_step(
+        self, vector: np.ndarray, samples: int, result: AveragingResult, gather_until: float
+    ) -> None:
+        alone = result.peers_seen == 1 and not result.rounds
+        complete = alone or (bool(result.rounds) and all(r.complete for r in result.rounds))
+        self._call = None
+        if not complete or (alone and samples == 0):
+            self._failed_before = gather_until
+            self.strategy.give_back(vector, samples)
+            log.warning(
+                "averaging for step %d did not complete (%s); keeping our %d samples for the "
+                "next try",
+                self.step + 1,
+                "; ".join(result.skipped) or "a member failed",
+                samples,
+            )
+            return
+        self.strategy.apply(vector)
+        self.step += 1
+        self.status.steps_applied += 1
+        self._capture()
+        self.status.step = self.step
+        self._publish_now.set()
+        log.info(
+            "step %d: %d peers, %d local samples, loss %.4f",
+            self.step,
+            result.peers_seen,
+            samples,
+            self._loss_ema or math.nan,
+        )
+        interval = self.training.validation_interval
+        self._validate_due = bool(interval) and self.step % interval == 0
+
+    # ------------------------------------------------------------------ catching up
+
+    async def _catch_up(self, donors: list[ProgressRecord], view: CollaborationView) -> None:
+        target = view.global_step
+        if not donors:
+            return
+        self.status.phase = f"downloading step {target}"
+        for record in donors:
+            from libp2p.peer.id import ID
+
+            self.dht.node.remember_addrs(ID.from_base58(record.peer_id), parse_addrs(record.addrs))
+        try:
+            snapshot = await self.download(donors, target)
+            state = await trio.to_thread.run_sync(states.from_bytes, snapshot.blob)
+            if state.step < max(target, self.step):
+                raise RemoteError(f"donors sent step {state.step}, expected {target}")
+            self._restore(state)
+        except RemoteError as error:
+            log.warning("state download failed: %s; retrying", error)
+            await trio.sleep(self.training.progress_interval)
+            return
+        self.status.downloads += 1
+        self.status.step = self.step
+        self._publish_now.set()
+        log.info("downloaded the state of step %d from %d donors", self.step, len(donors))
+
+    # ------------------------------------------------------------------ validation, checkpoints
+
+    async def _validate(self) -> None:
+        self._validate_due = False
+        if self._validation_batches is None:
+            self._validation_batches = await trio.to_thread.run_sync(
+                self.task.validation_batches,
+                self.config.task.micro_batch,
+                self.training.validation_batches,
+            )
+        loss = await trio.to_thread.run_sync(self.validation_loss, self._validation_batches)
+        self.status.validation = (self.step, loss)
+        self._publish_now.set()
+        log.info("step %d: validation loss %.4f", self.step, loss)
+
+    def validation_loss(self, batches: list[Any]) -> float:
+        """Mean loss over held-out batches (the model as of the current step)."""
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                losses = [
+                    float(self.task.loss(self.model, to_device(b, self.device))) for b in batches
+                ]
+        finally:
+            self.model.train()
+        return sum(losses) / len(losses)
+
+    async def _checkpoint(self, *, force: bool = False) -> None:
+        if self.checkpoint_dir is None or self._captured is None or self.step == 0:
+            return
+        if (
+            not force
+            and time.monotonic() - self._last_checkpoint < self.training.checkpoint_interval
+        ):
+            return
+        self._last_checkpoint = time.monotonic()
+        state = self._captured
+        with trio.move_on_after(30):
+            await trio.to_thread.run_sync(checkpoints.save_checkpoint, self.checkpoint_dir, state)
+
+    def _resume(self) -> None:
+        self._capture()
+        if self.checkpoint_dir is None:
+            return
+        state = checkpoints.load_latest(self.checkpoint_dir)
+        if state is None:
+            return
+        try:
+            self._restore(state)
+            log.info("resumed from the checkpoint of step %d", self.step)
+        except RemoteError as error:
+            log.warning("ignoring checkpoint in %s: %s", self.checkpoint_dir, error)

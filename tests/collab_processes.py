@@ -1,0 +1,161 @@
+"""A local collaboration of real `backbone start` / `peer join` processes on loopback, for tests
+and benchmarks: start, kill by PID, read each peer's JSON log lines, watch the global step."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import trio
+
+from peer.config import load_config
+from peer.errors import RemoteError
+from peer.status import collect_status
+
+ROOT = Path(__file__).resolve().parent.parent
+LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+BASE_ENV = {
+    "PEERTRAIN_CONFIG": str(ROOT / "configs" / "debug.toml"),
+    "PEERTRAIN_LOG_FORMAT": "json",
+    "PEERTRAIN_LOG_LEVEL": "info",
+    "OMP_NUM_THREADS": "1",
+}
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    def records(self) -> list[dict]:
+        """The JSON log lines written so far."""
+        out = []
+        for line in self.log.read_text(errors="replace").splitlines():
+            with contextlib.suppress(ValueError):  # a line cut by a kill
+                out.append(json.loads(line))
+        return out
+
+    def finished(self) -> dict | None:
+        """The trainer's final figures, if it logged them."""
+        for record in self.records():
+            if "training" in record:
+                return record["training"]
+        return None
+
+
+@dataclass
+class Collaboration:
+    workdir: Path
+    env: dict[str, str]
+    procs: list[Proc] = field(default_factory=list)
+    backbone_addr: str = ""
+    global_steps: list[int] = field(default_factory=list)
+    _stop_watch: threading.Event = field(default_factory=threading.Event)
+
+    def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
+        log = self.workdir / f"{name}.log"
+        popen = subprocess.Popen(
+            [sys.executable, "-m", *args],
+            stdout=subprocess.PIPE,
+            stderr=log.open("ab"),
+            env={**os.environ, **BASE_ENV, **self.env, **(env or {})},
+            cwd=ROOT,
+        )
+        proc = Proc(name, popen, log)
+        self.procs.append(proc)
+        return proc
+
+    def start_backbone(self, *extra: str) -> Proc:
+        proc = self.start(
+            "backbone",
+            [
+                "cli.backbone_cli",
+                "start",
+                "--identity",
+                str(self.workdir / "backbone.key"),
+                "--listen",
+                LOOPBACK,
+                *extra,
+            ],
+        )
+        deadline = time.monotonic() + 30
+        assert proc.popen.stdout is not None
+        while time.monotonic() < deadline:
+            line = proc.popen.stdout.readline().decode()
+            if "peer join --backbone /ip4/127.0.0.1/" in line:
+                self.backbone_addr = line.split("--backbone ", 1)[1].strip()
+                return proc
+            if not line and proc.popen.poll() is not None:
+                break
+        raise AssertionError(f"backbone did not start: {proc.log.read_text()[-2000:]}")
+
+    def start_peer(self, index: int, env: dict[str, str] | None = None) -> Proc:
+        return self.start(
+            f"peer{index}",
+            [
+                "cli.peer_cli",
+                "join",
+                "--backbone",
+                self.backbone_addr,
+                "--listen",
+                LOOPBACK,
+                "--identity",
+                str(self.workdir / f"peer{index}.key"),
+            ],
+            {
+                "PEERTRAIN_TRAINING_CHECKPOINT_DIR": str(self.workdir / f"checkpoints{index}"),
+                **(env or {}),
+            },
+        )
+
+    def watch_global_step(self) -> threading.Thread:
+        """Record the collaboration's global step every half second (a status client)."""
+        config = load_config(
+            env={**BASE_ENV, **self.env},
+            overrides={"collaboration.backbones": [self.backbone_addr], "log.level": "error"},
+        ).config
+
+        async def poll() -> None:
+            while not self._stop_watch.is_set():
+                try:
+                    with trio.fail_after(10):
+                        report = await collect_status(config)
+                    if report.progress:
+                        self.global_steps.append(report.training.global_step)
+                except (RemoteError, trio.TooSlowError):
+                    pass
+                await trio.sleep(0.5)
+
+        thread = threading.Thread(target=trio.run, args=(poll,), daemon=True)
+        thread.start()
+        return thread
+
+    def close(self) -> None:
+        self._stop_watch.set()
+        for proc in self.procs:
+            if proc.popen.poll() is None:
+                proc.popen.kill()
+        for proc in self.procs:
+            proc.popen.wait(timeout=10)
+            if proc.popen.stdout is not None:
+                proc.popen.stdout.close()
+
+
+def wait_all(procs: list[Proc], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        proc.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+
+
+def kill(proc: Proc) -> None:
+    os.kill(proc.popen.pid, signal.SIGKILL)
+    proc.popen.wait(timeout=10)

@@ -1,0 +1,326 @@
+"""Atomic checkpoints: round trips, pruning, falling back past damage, and SIGKILL at random moments."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import random
+import signal
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from peer.errors import ConfigError
+from peer.training.checkpoint import load_latest, save_checkpoint
+from peer.training.state import TrainingState, capture, restore, to_bytes
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def state_of(step: int) -> TrainingState:
+    model = nn.Linear(8, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.fill_(step)
+    return capture(step, model, {"sgd": optimizer}, extra={"step": step})
+
+
+def files(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name != ".lock")
+
+
+def warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "peertrain.checkpoint"]
+
+
+def test_round_trip(tmp_path):
+    directory = tmp_path / "a" / "b"
+    assert load_latest(directory) is None
+    path = save_checkpoint(directory, state_of(3))
+    assert path == directory / "step-3.safetensors"
+    assert files(directory) == ["step-3.json", "step-3.safetensors"]
+    loaded = load_latest(directory)
+    assert loaded is not None and loaded.step == 3 and loaded.extra == {"step": 3}
+    assert to_bytes(loaded) == to_bytes(state_of(3))
+
+
+def test_keeps_the_newest_and_prunes_the_rest(tmp_path):
+    for step in range(1, 6):
+        save_checkpoint(tmp_path, state_of(step), keep=2)
+    assert files(tmp_path) == [f"step-{s}.{e}" for s in (4, 5) for e in ("json", "safetensors")]
+    save_checkpoint(tmp_path, state_of(6), keep=1)
+    assert files(tmp_path) == ["step-6.json", "step-6.safetensors"]
+
+
+def test_the_newest_save_wins_even_with_a_lower_step(tmp_path):
+    save_checkpoint(tmp_path, state_of(9))
+    save_checkpoint(tmp_path, state_of(4))  # e.g. adopted a younger collaboration's state
+    assert load_latest(tmp_path).step == 4
+    save_checkpoint(tmp_path, state_of(5))
+    assert files(tmp_path) == [f"step-{s}.{e}" for s in (4, 5) for e in ("json", "safetensors")]
+
+
+def test_saving_a_step_again_replaces_it(tmp_path):
+    save_checkpoint(tmp_path, state_of(2))
+    save_checkpoint(tmp_path, state_of(3))
+    changed = state_of(3)
+    changed.metadata["extra"] = {"again": True}
+    save_checkpoint(tmp_path, changed)
+    assert load_latest(tmp_path).extra == {"again": True}
+    assert files(tmp_path) == [f"step-{s}.{e}" for s in (2, 3) for e in ("json", "safetensors")]
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(data)
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:10])
+
+
+@pytest.mark.parametrize(
+    ("damage", "file", "message"),
+    [
+        (_flip_a_byte, "step-3.safetensors", "sha256"),
+        (_truncate, "step-3.safetensors", "bytes"),
+        (Path.unlink, "step-3.safetensors", "No such file"),
+        (_truncate, "step-3.json", "record step-3.json is damaged"),
+    ],
+)
+def test_damage_to_the_newest_falls_back_to_the_older(tmp_path, caplog, damage, file, message):
+    save_checkpoint(tmp_path, state_of(2))
+    save_checkpoint(tmp_path, state_of(3))
+    damage(tmp_path / file)
+    with caplog.at_level(logging.WARNING, logger="peertrain.checkpoint"):
+        loaded = load_latest(tmp_path)
+    assert loaded is not None and loaded.step == 2
+    assert any(message in w for w in warnings(caplog)), warnings(caplog)
+
+
+def test_nothing_intact_gives_none(tmp_path, caplog):
+    save_checkpoint(tmp_path, state_of(2))
+    _flip_a_byte(tmp_path / "step-2.safetensors")
+    with caplog.at_level(logging.WARNING, logger="peertrain.checkpoint"):
+        assert load_latest(tmp_path) is None
+    assert any("no intact checkpoint" in w for w in warnings(caplog))
+
+
+def test_litter_of_a_killed_writer_is_cleaned_up(tmp_path):
+    save_checkpoint(tmp_path, state_of(1))
+    (tmp_path / ".tmp-abc").write_bytes(b"half a checkpoint")
+    assert load_latest(tmp_path).step == 1
+    assert files(tmp_path) == ["step-1.json", "step-1.safetensors"]
+    (tmp_path / ".tmp-def").write_bytes(b"half a checkpoint")
+    (tmp_path / "step-2.safetensors").write_bytes(b"committed payload, no record yet")
+    save_checkpoint(tmp_path, state_of(3))
+    assert files(tmp_path) == [f"step-{s}.{e}" for s in (1, 3) for e in ("json", "safetensors")]
+
+
+class Crash(BaseException):
+    """The writer died (a BaseException: nothing on the way up handles it)."""
+
+
+@contextlib.contextmanager
+def crashing_at(point: int) -> Iterator[list[str]]:
+    """Die at the `point`-th durable step of a save (fsync, rename, unlink; -1: never) and
+    yield the steps seen. Dying at an fsync first cuts that file to half: it was only partly
+    written. Once dead, every later step raises too: a killed process runs no cleanup."""
+    seen: list[str] = []
+    real_fsync, real_replace, real_unlink = os.fsync, os.replace, os.unlink
+
+    def step(what: str) -> None:
+        seen.append(what)
+        if 0 <= point < len(seen):
+            raise Crash(what)
+
+    def fsync(descriptor: int) -> None:
+        if len(seen) == point and stat.S_ISREG(os.fstat(descriptor).st_mode):
+            os.ftruncate(descriptor, os.fstat(descriptor).st_size // 2)
+        step("fsync")
+        real_fsync(descriptor)
+
+    def replace(source: Any, target: Any) -> None:
+        step(f"rename to {Path(target).name}")
+        real_replace(source, target)
+
+    def unlink(path: Any) -> None:  # Path.unlink calls os.unlink
+        step(f"unlink {Path(path).name}")
+        real_unlink(path)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(os, "fsync", fsync)
+        patch.setattr(os, "replace", replace)
+        patch.setattr(os, "unlink", unlink)
+        yield seen
+
+
+def _changed(state: TrainingState) -> TrainingState:
+    state.metadata["extra"] = {"again": True}
+    return state
+
+
+@pytest.mark.parametrize(
+    ("saving", "acceptable"),
+    [
+        pytest.param(state_of(3), (state_of(2), state_of(3)), id="a new step"),
+        # The old record of step 2 goes first, so step 1 is acceptable too.
+        pytest.param(
+            _changed(state_of(2)),
+            (state_of(1), state_of(2), _changed(state_of(2))),
+            id="a step again",
+        ),
+    ],
+)
+def test_a_crash_at_any_point_of_a_save_keeps_the_old_or_the_new_checkpoint(
+    tmp_path, caplog, saving, acceptable
+):
+    """The deterministic twin of the SIGKILL test below: a crash at each point of a save in turn,
+    including while a file is half written."""
+    with crashing_at(-1) as steps:  # count the points of a save that also prunes
+        save_checkpoint(tmp_path / "count", state_of(1))
+        save_checkpoint(tmp_path / "count", state_of(2))
+        steps.clear()
+        save_checkpoint(tmp_path / "count", saving)
+    assert len(steps) >= 8, steps  # two writes (fsync, rename, fsync dir), an unlink, an fsync
+    for point, where in enumerate(steps):
+        directory = tmp_path / f"crash-{point}"
+        save_checkpoint(directory, state_of(1))
+        save_checkpoint(directory, state_of(2))
+        with pytest.raises(Crash), crashing_at(point):
+            save_checkpoint(directory, saving)
+
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="peertrain.checkpoint"):
+            loaded = load_latest(directory)
+        assert warnings(caplog) == [], f"crash at {where}"
+        assert loaded is not None, f"crash at {where}"
+        assert to_bytes(loaded) in {to_bytes(s) for s in acceptable}, f"crash at {where}"
+        for record in directory.glob("step-*.json"):  # not even an older record is dangling
+            assert (directory / json.loads(record.read_text())["file"]).exists(), where
+        save_checkpoint(directory, state_of(4))  # and the next save cleans up after the crash
+        kept = [f"step-{s}.{e}" for s in sorted({loaded.step, 4}) for e in ("json", "safetensors")]
+        assert files(directory) == kept, f"crash at {where}"
+
+
+def test_an_unwritable_directory_is_a_config_error(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match=r"training\.checkpoint_dir") as raised:
+        save_checkpoint(tmp_path / "file" / "checkpoints", state_of(1))
+    assert "\n" not in str(raised.value)
+
+
+# A writer that saves checkpoints of growing steps as fast as it can, resuming from the newest.
+# It imports torch (seconds) before waiting for "go", so the next writer starts up while the test
+# works with the current one. 8 MB of parameters: a save takes long enough to be killed mid-write.
+WRITER = """
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from peer.training.checkpoint import load_latest, save_checkpoint
+from peer.training.state import capture
+
+directory, report = Path(sys.argv[1]), open(sys.argv[2], "w", buffering=1)
+model = nn.Linear(1024, 2048, bias=False)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+sys.stdin.readline()
+latest = load_latest(directory)
+step = 0 if latest is None else latest.step
+print("ready", step, file=report)
+while True:
+    step += 1
+    with torch.no_grad():
+        model.weight.fill_(step)
+    state = capture(step, model, {"sgd": optimizer})
+    print("saving", step, file=report)
+    save_checkpoint(directory, state, keep=2)
+    print("saved", step, file=report)
+"""
+
+
+def _start_writer(directory: Path, report: Path) -> subprocess.Popen[bytes]:
+    with report.with_suffix(".err").open("wb") as errors:  # the child keeps its own copy
+        return subprocess.Popen(
+            [sys.executable, "-c", WRITER, str(directory), str(report)],
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=errors,
+        )
+
+
+def _wait_for_ready(process: subprocess.Popen[bytes], report: Path) -> None:
+    limit = time.monotonic() + 120  # a bound, not a timing assertion: startup is ~2 s
+    while not (report.exists() and report.read_text().startswith("ready")):
+        if process.poll() is not None or time.monotonic() > limit:
+            error = report.with_suffix(".err").read_text()
+            pytest.fail(f"writer did not start (exit {process.returncode}): {error}")
+        time.sleep(0.01)
+
+
+def test_sigkill_at_random_moments_never_leaves_a_corrupt_newest_checkpoint(tmp_path, caplog):
+    directory = tmp_path / "checkpoints"
+    rng = random.Random(1)
+    last_saved = 0  # the highest step any writer reported saved
+    kills_mid_save = 0
+    rounds = 8
+    processes: list[subprocess.Popen[bytes]] = []
+    try:
+        processes.append(_start_writer(directory, tmp_path / "report-0"))
+        for round_ in range(rounds):
+            writer, report = processes[round_], tmp_path / f"report-{round_}"
+            if round_ + 1 < rounds:
+                processes.append(_start_writer(directory, tmp_path / f"report-{round_ + 1}"))
+            assert writer.stdin is not None
+            writer.stdin.write(b"go\n")
+            writer.stdin.flush()
+            _wait_for_ready(writer, report)
+            time.sleep(rng.uniform(0, 0.3))
+            os.kill(writer.pid, signal.SIGKILL)
+            writer.wait()
+
+            lines = [line.split() for line in report.read_text().splitlines()]
+            saved = [int(step) for word, step in lines if word == "saved"]
+            started = [int(step) for word, step in lines if word == "saving"]
+            in_progress = started[-1] if started and started[-1] not in saved else None
+            kills_mid_save += in_progress is not None
+            last_saved = max([last_saved, *saved])
+
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="peertrain.checkpoint"):
+                state = load_latest(directory)
+            # A kill never damages a committed checkpoint, so there is nothing to fall back from.
+            assert warnings(caplog) == []
+            if state is None:
+                assert last_saved == 0, f"round {round_}: step {last_saved} was saved, got None"
+                continue
+            assert state.step in {last_saved, in_progress}, (round_, state.step, lines[-3:])
+            model = nn.Linear(1024, 2048, bias=False)
+            restore(state, model, {"sgd": torch.optim.SGD(model.parameters(), lr=0.1)})
+            assert torch.all(model.weight == state.step)
+            last_saved = state.step
+            assert not list(directory.glob(".tmp-*")), "load_latest leaves no litter"
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                os.kill(process.pid, signal.SIGKILL)
+            process.wait()
+            if process.stdin is not None:
+                process.stdin.close()
+    assert last_saved > 0, "no writer ever finished a save"
+    print(f"{kills_mid_save} of {rounds} kills landed mid-save")

@@ -1,0 +1,106 @@
+"""Progress records and the collaboration's view of them (pure)."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+from peer.dht.records import Entry
+from peer.training.progress import (
+    CollaborationView,
+    ProgressRecord,
+    decode_progress,
+    encode_progress,
+    should_call,
+)
+from tests.helpers import new_identity
+
+PEERS = [new_identity().peer_id.to_base58() for _ in range(4)]
+
+
+def rec(i: int, **fields) -> ProgressRecord:
+    base = dict(
+        peer_id=PEERS[i],
+        role="trainer",
+        addrs=[],
+        step=3,
+        digest="d",
+        samples=0,
+        samples_per_second=0.0,
+        updated_at=1.0,
+    )
+    return ProgressRecord(**{**base, **fields})
+
+
+def entry(value: bytes) -> Entry:
+    return Entry(value=value, expiration=2e9)
+
+
+def test_decode_keeps_only_owner_subkeys_naming_themselves_with_finite_figures():
+    good = rec(0, samples=5)
+    entries = {
+        PEERS[0]: entry(encode_progress(good)),
+        PEERS[1]: entry(encode_progress(rec(2))),  # names someone else
+        "open-subkey": entry(encode_progress(rec(3))),
+        PEERS[2]: entry(b"\x93junk"),
+        PEERS[3]: entry(encode_progress(rec(3, loss=math.nan))),
+    }
+    assert decode_progress(entries) == [good]
+
+
+def test_decode_rejects_negative_steps():
+    raw = msgspec.msgpack.encode({**msgspec.structs.asdict(rec(0)), "step": -1})
+    assert decode_progress({PEERS[0]: entry(raw)}) == []
+
+
+def test_global_step_samples_and_eta_count_only_trainers_at_the_step():
+    view = CollaborationView(
+        [
+            rec(0, samples=100, samples_per_second=10.0),
+            rec(1, samples=50, samples_per_second=30.0),
+            rec(2, step=2, samples=1000, samples_per_second=100.0),
+            rec(3, role="keeper", step=3),
+        ]
+    )
+    assert view.global_step == 3
+    assert view.samples(3) == 150 and view.throughput(3) == 40.0
+    assert view.eta(3, 350) == 5.0
+    assert view.eta(3, 100) == 0.0
+    assert math.isinf(CollaborationView([rec(0)]).eta(3, 10))
+
+
+def test_a_step_is_called_when_the_projected_samples_reach_the_target():
+    view = CollaborationView([rec(0, samples=80, samples_per_second=10.0)])
+    assert not should_call(view, 3, target_batch=101, window=2.0)
+    assert should_call(view, 3, target_batch=100, window=2.0)
+    assert not should_call(view, 4, target_batch=1, window=2.0)  # nobody at step 4
+
+
+def test_the_earliest_call_wins_and_with_record_replaces_our_own():
+    view = CollaborationView([rec(0, call_step=3, gather_until=12.0), rec(1)])
+    assert view.call(3) == 12.0 and view.call(4) is None
+    mine = view.with_record(rec(1, call_step=3, gather_until=11.5))
+    assert mine.call(3) == 11.5 and len(mine.records) == 2
+
+
+def test_consensus_is_the_most_common_digest_and_ties_break_by_the_smallest():
+    view = CollaborationView([rec(0, digest="b"), rec(1, digest="b"), rec(2, digest="a")])
+    assert view.consensus(3) == "b"
+    assert [r.peer_id for r in view.donors(3)] == sorted([PEERS[0], PEERS[1]])
+    tie = CollaborationView([rec(0, digest="b"), rec(1, digest="a")])
+    assert tie.consensus(3) == "a"
+    keeper_last = CollaborationView([rec(0, role="keeper"), rec(1)])
+    assert [r.role for r in keeper_last.donors(3)] == ["trainer", "keeper"]
+
+
+def test_newest_validation_loss():
+    view = CollaborationView(
+        [
+            rec(0, validation_loss=2.0, validation_step=10),
+            rec(1, validation_loss=1.5, validation_step=20),
+            rec(2),
+        ]
+    )
+    assert view.validation_loss() == (20, 1.5)
+    assert CollaborationView([rec(0)]).validation_loss() is None

@@ -1,0 +1,544 @@
+"""State download: the pure plan (`peer.training.chunks`) synchronously, then real donors.
+
+Network tests run in-process libp2p nodes on loopback, one `StateDonor` each. Misbehaving donors
+get their faults through `StateDonor(wrap_stream=...)`: a data connection that corrupts what it
+sends, or that stops after a few chunks while the test kills its donor.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import msgspec
+import pytest
+import trio
+
+from peer.errors import RemoteError
+from peer.net.host import Node, open_node
+from peer.training.chunks import (
+    MAX_CHUNK_BYTES,
+    MIN_CHUNK_BYTES,
+    SERVICE,
+    BadManifest,
+    ChunkState,
+    DonorState,
+    DownloadPlan,
+    Manifest,
+    ManifestRequest,
+    Release,
+    Released,
+    check_manifest,
+    choose_manifest,
+    chunk_count,
+    chunk_range,
+    donor_chunk_bytes,
+    servable_chunks,
+)
+from peer.training.statesync import (
+    REPLY,
+    Snapshot,
+    StateDonor,
+    StateDownload,
+    StateDownloadFailed,
+)
+from tests.helpers import LOOPBACK, new_identity, nodes
+
+KIB = 1024
+CHUNK = 256 * KIB
+BLOB_BYTES = 8 * 1024 * KIB + 12_345  # ~8 MB, a short last chunk
+TIMEOUT = 30
+
+
+# ---------------------------------------------------------------------------- pure: plan
+
+
+def manifest(
+    hashes: list[bytes],
+    *,
+    step: int = 7,
+    chunk_bytes: int = MIN_CHUNK_BYTES,
+    total_bytes: int | None = None,
+) -> Manifest:
+    if total_bytes is None:
+        total_bytes = len(hashes) * chunk_bytes
+    return Manifest(
+        step=step,
+        total_bytes=total_bytes,
+        chunk_bytes=chunk_bytes,
+        hashes=hashes,
+        data_host="127.0.0.1",
+        data_port=1,
+        ticket=bytes(32),
+    )
+
+
+def digests(count: int, *, differ: tuple[int, ...] = (), salt: int = 1) -> list[bytes]:
+    return [bytes([i % 256, salt if i in differ else 0]) + bytes(30) for i in range(count)]
+
+
+def test_chunk_ranges_cover_the_state_with_a_short_last_chunk():
+    assert chunk_count(0, 10) == 0
+    assert chunk_count(30, 10) == 3
+    assert chunk_count(31, 10) == 4
+    assert [chunk_range(i, 31, 10) for i in range(4)] == [(0, 10), (10, 20), (20, 30), (30, 31)]
+
+
+def test_donor_chunk_size_is_clamped_and_grows_to_fit_one_manifest():
+    assert donor_chunk_bytes(10**6, 1) == MIN_CHUNK_BYTES
+    assert donor_chunk_bytes(10**6, 1 << 40) == MAX_CHUNK_BYTES
+    assert donor_chunk_bytes(10**6, 4 << 20) == 4 << 20
+    # 1 GB in at most 100 chunks: 10 MB chunks
+    assert donor_chunk_bytes(10**9, 4 << 20, max_chunks=100) == 10**7
+
+
+def test_a_well_formed_manifest_passes():
+    good = manifest(digests(3), total_bytes=3 * MIN_CHUNK_BYTES - 5)
+    check_manifest(good, min_step=7, max_total_bytes=1 << 30)
+
+
+@pytest.mark.parametrize(
+    ("bad", "complaint"),
+    [
+        (manifest(digests(3), step=6), "step 6, but step >= 7"),
+        (manifest(digests(2), total_bytes=3 * MIN_CHUNK_BYTES), "2 chunk hashes .* expected 3"),
+        (manifest(digests(4), total_bytes=3 * MIN_CHUNK_BYTES), "4 chunk hashes .* expected 3"),
+        (manifest([], total_bytes=1), "0 chunk hashes .* expected 1"),
+        (manifest(digests(1), chunk_bytes=1024, total_bytes=1000), "chunk size 1024"),
+        (manifest(digests(1), chunk_bytes=MAX_CHUNK_BYTES + 1), "chunk size 67108865"),
+        (manifest(digests(40)), "state of 2621440 bytes, above the 1048576"),
+    ],
+)
+def test_malformed_manifests_are_rejected_with_the_value(bad: Manifest, complaint: str):
+    with pytest.raises(BadManifest, match=complaint):
+        check_manifest(bad, min_step=7, max_total_bytes=1 << 20)
+
+
+def test_the_schema_rejects_wrong_hash_and_ticket_lengths_and_ports():
+    good = msgspec.msgpack.encode(manifest(digests(2)))
+    msgspec.msgpack.decode(good, type=Manifest)
+    for field, value in [
+        ("hashes", [bytes(31)]),
+        ("ticket", bytes(8)),
+        ("data_port", 0),
+        ("step", -1),
+        ("data_host", ""),
+    ]:
+        raw = msgspec.structs.asdict(manifest(digests(2)))
+        raw[field] = value
+        with pytest.raises(msgspec.ValidationError, match=field):
+            msgspec.msgpack.decode(msgspec.msgpack.encode(raw), type=Manifest)
+
+
+def test_a_donor_serves_the_chunks_it_holds_byte_for_byte():
+    chosen = manifest(digests(4), total_bytes=4 * MIN_CHUNK_BYTES - 10)
+    assert servable_chunks(chosen, chosen) == {0, 1, 2, 3}
+    assert servable_chunks(chosen, manifest(digests(4, differ=(1,)))) == {0, 2}  # last: length
+    same_length = manifest(digests(4, differ=(1,)), total_bytes=chosen.total_bytes)
+    assert servable_chunks(chosen, same_length) == {0, 2, 3}
+    assert servable_chunks(chosen, manifest(digests(4), step=8)) == set()
+    assert servable_chunks(chosen, manifest(digests(2), chunk_bytes=2 * MIN_CHUNK_BYTES)) == set()
+
+
+def test_the_step_most_donors_hold_wins_then_the_higher_one():
+    assert choose_manifest({}) is None
+    offers = {
+        "a": manifest(digests(2), step=9),
+        "b": manifest(digests(2)),
+        "c": manifest(digests(2)),
+    }
+    assert choose_manifest(offers) == "b"
+    offers = {"a": manifest(digests(2), step=9), "b": manifest(digests(2))}
+    assert choose_manifest(offers) == "a"
+
+
+def test_among_donors_at_one_step_the_most_shared_manifest_is_followed():
+    odd = manifest(digests(4, differ=(1, 2)))
+    common = manifest(digests(4))
+    assert choose_manifest({"odd": odd, "x": common, "y": common}) == "x"
+    # a tie in coverage: the caller's order decides
+    assert choose_manifest({"odd": odd, "x": common}) == "odd"
+
+
+def test_donors_steal_the_lowest_chunk_they_may_serve():
+    plan = DownloadPlan("a", manifest(digests(4)), parallel=2)
+    assert plan.add_donor("b", manifest(digests(4, differ=(0,)))) is None
+    assert plan.add_donor("c", manifest(digests(4, differ=(0, 1, 2, 3)))) is not None
+    assert plan.donors_to_start() == ["a", "b"]
+    assert plan.claim("b") == 1  # b does not hold chunk 0
+    assert plan.claim("a") == 0
+    assert plan.claim("a") == 2
+    assert plan.claim("b") == 3
+    assert plan.claim("b") is None
+    for donor, index in [("a", 0), ("b", 1), ("a", 2), ("b", 3)]:
+        plan.received(donor, index)
+        plan.verified(donor, index)
+    assert plan.complete
+    assert plan.statistics().chunks_from == {"a": 2, "b": 2}
+
+
+def test_a_bad_chunk_is_refetched_and_drops_its_donor():
+    plan = DownloadPlan("a", manifest(digests(3)), parallel=1)
+    plan.add_donor("b", manifest(digests(3)))
+    assert plan.donors_to_start() == ["a"]
+    assert plan.claim("a") == 0
+    assert plan.claim("a") == 1
+    plan.received("a", 0)
+    plan.rejected("a", 0)
+    assert plan.donors["a"] is DonorState.DROPPED
+    assert plan.claim("a") is None  # a dropped donor gets nothing more
+    # chunk 1 stays a's until its task stops: nobody else may write it meanwhile
+    assert plan.chunks[1] is ChunkState.FETCHING
+    assert plan.donors_to_start() == ["b"]
+    assert plan.claim("b") == 0
+    assert plan.claim("b") == 2
+    plan.stopped("a", None)
+    assert plan.chunks[1] is ChunkState.PENDING
+    assert plan.claim("b") == 1
+    stats = plan.statistics()
+    assert stats.rejected == {"a": 1}
+    assert "SHA-256" in stats.dropped["a"]
+
+
+def test_a_failed_donor_hands_back_what_it_fetched_but_not_what_it_is_checking():
+    plan = DownloadPlan("a", manifest(digests(3)), parallel=2)
+    plan.add_donor("b", manifest(digests(3)))
+    plan.donors_to_start()
+    assert [plan.claim("a"), plan.claim("a")] == [0, 1]
+    plan.received("a", 0)
+    plan.stopped("a", "connection reset")
+    assert plan.chunks[0] is ChunkState.CHECKING  # its hash decides, whoever sent it
+    assert plan.chunks[1] is ChunkState.PENDING
+    plan.verified("a", 0)
+    assert plan.statistics().dropped == {"a": "connection reset"}
+    assert plan.unservable() == []
+    plan.stopped("b", "gone")
+    assert plan.unservable() == [1, 2]
+    assert not plan.complete
+
+
+def test_an_idle_donor_is_restarted_when_chunks_come_back():
+    plan = DownloadPlan("a", manifest(digests(2)), parallel=2)
+    plan.add_donor("b", manifest(digests(2)))
+    assert plan.donors_to_start() == ["a", "b"]
+    assert plan.claim("a") == 0
+    assert plan.claim("b") == 1
+    assert plan.claim("b") is None
+    plan.received("b", 1)
+    plan.verified("b", 1)
+    plan.stopped("b", None)
+    assert plan.donors["b"] is DonorState.IDLE
+    assert plan.donors_to_start() == []  # nothing pending
+    plan.stopped("a", "timeout")
+    assert plan.donors_to_start() == ["b"]
+    assert plan.claim("b") == 0
+
+
+def test_parallel_bounds_the_active_donors_and_events_must_follow_the_table():
+    plan = DownloadPlan("a", manifest(digests(8)), parallel=2)
+    for donor in "bcd":
+        plan.add_donor(donor, manifest(digests(8)))
+    assert plan.donors_to_start() == ["a", "b"]
+    assert plan.donors_to_start() == []
+    assert plan.live_donors() == 4
+    with pytest.raises(AssertionError):
+        plan.received("a", 5)  # never claimed
+    with pytest.raises(ValueError, match="parallel=0"):
+        DownloadPlan("a", manifest(digests(1)), parallel=0)
+
+
+def test_an_empty_state_is_complete_at_once():
+    plan = DownloadPlan("a", manifest([], total_bytes=0), parallel=1)
+    assert plan.complete
+
+
+# ---------------------------------------------------------------------------- network
+
+
+class Faulty(trio.abc.Stream):
+    """A donor's data connection with a fault: `corrupt` flips a byte of every chunk slice;
+    `stop_after` bytes of chunks sent, it sets `stopped` and hangs until its donor is killed."""
+
+    def __init__(
+        self,
+        inner: trio.SocketStream,
+        *,
+        corrupt: bool = False,
+        stop_after: int | None = None,
+        stopped: trio.Event | None = None,
+        on_send: Callable[[], None] | None = None,
+    ) -> None:
+        self.inner = inner
+        self.corrupt = corrupt
+        self.stop_after = stop_after
+        self.stopped = stopped
+        self.on_send = on_send
+        self.sent = 0
+
+    async def send_all(self, data) -> None:
+        if self.on_send is not None:
+            self.on_send()
+        if len(data) > REPLY.size:  # a chunk slice (headers are REPLY.size bytes)
+            if self.stop_after is not None and self.sent >= self.stop_after:
+                assert self.stopped is not None
+                self.stopped.set()
+                await trio.sleep_forever()
+            self.sent += len(data)
+            if self.corrupt:
+                data = bytearray(data)
+                data[len(data) // 2] ^= 0xFF
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes=None):
+        return await self.inner.receive_some(max_bytes)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+@dataclass
+class Running:
+    node: Node
+    donor: StateDonor
+    scope: trio.CancelScope
+
+    def kill(self) -> None:
+        self.scope.cancel()
+
+
+@asynccontextmanager
+async def donors(
+    snapshots: list[Snapshot | None],
+    *,
+    wraps: dict[int, Callable[[trio.SocketStream], trio.abc.Stream]] | None = None,
+    max_downloads: int = 4,
+    ticket_idle: float = 10.0,
+    getters: dict[int, Callable[[], Snapshot | None]] | None = None,
+) -> AsyncIterator[list[Running]]:
+    """One node + StateDonor per snapshot, each killable on its own."""
+    wraps = wraps or {}
+    getters = getters or {}
+
+    async def run(i: int, task_status: trio.TaskStatus[Running]) -> None:
+        with trio.CancelScope() as scope:
+            async with open_node(
+                new_identity(), listen=[LOOPBACK], announce=[], max_message_bytes=1 << 20
+            ) as node:
+                snapshot = snapshots[i]
+                donor = StateDonor(
+                    node,
+                    getters.get(i, lambda: snapshot),
+                    max_downloads=max_downloads,
+                    ticket_idle=ticket_idle,
+                    chunk_bytes=CHUNK,
+                    wrap_stream=wraps.get(i),
+                    stall_timeout=5.0,
+                )
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(donor.serve, "127.0.0.1", 0)
+                    task_status.started(Running(node, donor, scope))
+                    await trio.sleep_forever()
+
+    async with trio.open_nursery() as nursery:
+        running = [await nursery.start(run, i) for i in range(len(snapshots))]
+        yield running
+        nursery.cancel_scope.cancel()
+
+
+async def connect(downloader: Node, running: list[Running]) -> list:
+    for r in running:
+        await downloader.connect(r.node.peer_id, r.node.announce, timeout=5)
+    return [r.node.peer_id for r in running]
+
+
+async def fetch(downloader: Node, peers: list, *, min_step: int = 7, parallel: int = 3):
+    download = StateDownload(
+        downloader, peers, min_step=min_step, parallel=parallel, stall_timeout=5
+    )
+    snapshot = await download.run(deadline=trio.current_time() + 20)
+    return snapshot, download.statistics()
+
+
+def blob(size: int = BLOB_BYTES) -> bytes:
+    return os.urandom(size)
+
+
+def with_differences(original: bytes, chunks: tuple[int, ...]) -> bytes:
+    out = bytearray(original)
+    for index in chunks:
+        out[index * CHUNK + 5] ^= 0x55
+    return bytes(out)
+
+
+async def test_three_donors_give_the_exact_bytes_and_step_in_parallel():
+    state = Snapshot(7, blob())
+    with trio.fail_after(TIMEOUT):
+        async with nodes(1) as (downloader,), donors([state] * 3) as running:
+            peers = await connect(downloader, running)
+            snapshot, stats = await fetch(downloader, peers)
+            assert snapshot.step == 7
+            assert snapshot.blob == state.blob
+            assert isinstance(snapshot.blob, bytes)
+            served = [r.donor.statistics().chunks_served for r in running]
+            assert sum(served) == chunk_count(BLOB_BYTES, CHUNK)
+            assert sum(1 for n in served if n) >= 2, served
+            assert len(stats.chunks_from) >= 2
+            assert stats.rejected == {} and stats.dropped == {}
+            # every ticket was released at the end
+            assert [r.donor.statistics().downloads for r in running] == [0, 0, 0]
+
+
+async def test_donors_whose_bytes_partly_differ_give_the_followed_manifest_exactly():
+    common = blob()
+    odd = with_differences(common, (3, 7))
+    with trio.fail_after(TIMEOUT):
+        async with (
+            nodes(1) as (downloader,),
+            donors([Snapshot(7, odd), Snapshot(7, common), Snapshot(7, common)]) as running,
+        ):
+            peers = await connect(downloader, running)
+            # the manifest most donors share is followed, even though `odd` comes first
+            snapshot, stats = await fetch(downloader, peers)
+            assert snapshot.blob == common
+            # with two donors the tie goes to the first: the result is exactly its bytes
+            snapshot, stats = await fetch(downloader, peers[:2], parallel=2)
+            assert snapshot.blob == odd
+            assert stats.rejected == {}
+            assert stats.chunks_from[str(peers[0])] >= 2  # chunks 3 and 7 came from it alone
+
+
+async def test_corrupted_chunks_are_rejected_and_fetched_from_others():
+    state = Snapshot(7, blob())
+    wraps = {0: lambda stream: Faulty(stream, corrupt=True)}
+    with trio.fail_after(TIMEOUT):
+        async with nodes(1) as (downloader,), donors([state] * 3, wraps=wraps) as running:
+            peers = await connect(downloader, running)
+            snapshot, stats = await fetch(downloader, peers)
+            assert snapshot.blob == state.blob
+            assert stats.rejected.get(str(peers[0]), 0) >= 1
+            assert "SHA-256" in stats.dropped[str(peers[0])]
+            assert str(peers[0]) not in stats.chunks_from
+            assert running[0].donor.statistics().chunks_served >= 1
+
+
+async def test_a_donor_that_dies_mid_download_is_replaced():
+    state = Snapshot(7, blob())
+    stopped = trio.Event()
+    wraps = {0: lambda stream: Faulty(stream, stop_after=2 * CHUNK, stopped=stopped)}
+    with trio.fail_after(TIMEOUT):
+        async with nodes(1) as (downloader,), donors([state] * 3, wraps=wraps) as running:
+            peers = await connect(downloader, running)
+            result = {}
+
+            async def download() -> None:
+                result["snapshot"], result["stats"] = await fetch(downloader, peers)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(download)
+                await stopped.wait()
+                assert running[0].donor.statistics().chunks_served == 2
+                running[0].kill()
+            assert result["snapshot"].blob == state.blob
+            stats = result["stats"]
+            assert stats.chunks_from.get(str(peers[0])) == 2
+            assert str(peers[0]) in stats.dropped
+
+
+async def test_a_busy_donor_refuses_and_the_download_uses_others_or_fails_clearly():
+    state = Snapshot(7, blob(MIN_CHUNK_BYTES * 5))
+    with trio.fail_after(TIMEOUT):
+        async with (
+            nodes(2) as (holder, downloader),
+            donors([state, state], max_downloads=1) as running,
+        ):
+            busy, other = running
+            peers = await connect(downloader, running)
+            await connect(holder, running)
+            # `holder` is downloading from `busy`: it holds busy's only ticket
+            ticket = await holder.rpc.call(
+                busy.node.peer_id, SERVICE, "manifest", ManifestRequest(0), Manifest, timeout=5
+            )
+            with pytest.raises(StateDownloadFailed, match="busy: serving 1 downloads") as caught:
+                await fetch(downloader, peers[:1])
+            assert "\n" not in str(caught.value)
+            snapshot, stats = await fetch(downloader, peers)
+            assert snapshot.blob == state.blob
+            assert "busy" in stats.refused[str(busy.node.peer_id)]
+            assert busy.donor.statistics().refused == 2
+            assert busy.donor.statistics().chunks_served == 0
+            # once released, the slot is free again
+            await holder.rpc.call(
+                busy.node.peer_id, SERVICE, "release", Release(ticket.ticket), Released, timeout=5
+            )
+            snapshot, _ = await fetch(downloader, peers[:1])
+            assert snapshot.blob == state.blob
+            assert other.donor.statistics().chunks_served == chunk_count(len(state.blob), CHUNK)
+
+
+async def test_an_unused_ticket_expires_and_frees_its_slot():
+    state = Snapshot(7, blob(MIN_CHUNK_BYTES * 2))
+    with trio.fail_after(TIMEOUT):
+        async with (
+            nodes(2) as (holder, downloader),
+            donors([state], max_downloads=1, ticket_idle=0.3) as running,
+        ):
+            peers = await connect(downloader, running)
+            await connect(holder, running)
+            await holder.rpc.call(
+                peers[0], SERVICE, "manifest", ManifestRequest(0), Manifest, timeout=5
+            )
+            with pytest.raises(StateDownloadFailed, match="busy"):
+                await fetch(downloader, peers)
+            await trio.sleep(0.4)  # the holder never connected: its ticket lapses
+            snapshot, _ = await fetch(downloader, peers)
+            assert snapshot == state
+
+
+async def test_stale_donors_are_not_used_and_none_fresh_is_a_clear_error():
+    fresh = Snapshot(7, blob(MIN_CHUNK_BYTES * 3))
+    stale = Snapshot(6, blob(MIN_CHUNK_BYTES * 3))
+    with trio.fail_after(TIMEOUT):
+        async with (
+            nodes(1) as (downloader,),
+            donors([stale, None, fresh]) as running,
+        ):
+            peers = await connect(downloader, running)
+            snapshot, stats = await fetch(downloader, peers)
+            assert snapshot == fresh
+            assert [r.donor.statistics().chunks_served for r in running][:2] == [0, 0]
+            assert "holding step 6" in stats.refused[str(peers[0])]
+            assert "holding nothing" in stats.refused[str(peers[1])]
+            with pytest.raises(StateDownloadFailed, match="nothing at step >= 7") as caught:
+                await fetch(downloader, peers[:2])
+            assert isinstance(caught.value, RemoteError)
+            with pytest.raises(StateDownloadFailed, match="none asked"):
+                await fetch(downloader, [])
+            # the step asked for is the floor: a fresher state is fine
+            snapshot, _ = await fetch(downloader, peers, min_step=3)
+            assert snapshot.step == 7
+
+
+async def test_the_donor_serves_the_snapshot_its_manifest_described():
+    old, new = Snapshot(7, blob()), Snapshot(8, blob())
+    current = [old]
+
+    def advance() -> None:
+        current[0] = new  # the donor's state moves on while it serves the download
+
+    wraps = {0: lambda stream: Faulty(stream, on_send=advance)}
+    with trio.fail_after(TIMEOUT):
+        async with (
+            nodes(1) as (downloader,),
+            donors([None], wraps=wraps, getters={0: lambda: current[0]}) as running,
+        ):
+            peers = await connect(downloader, running)
+            snapshot, _ = await fetch(downloader, peers)
+            assert snapshot == old
+            assert current[0] is new
+            snapshot, _ = await fetch(downloader, peers)
+            assert snapshot == new

@@ -1,0 +1,378 @@
+"""Training state as named tensors: exact round trips, determinism, and refusal of bad input."""
+
+from __future__ import annotations
+
+import io
+import json
+from typing import Any
+
+import pytest
+import safetensors.torch
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from peer.errors import ProtocolError
+from peer.training.state import (
+    StateMismatch,
+    TrainingState,
+    capture,
+    from_bytes,
+    parameters_digest,
+    restore,
+    to_bytes,
+)
+from peer.training.task import ByteGPTTask, TinyTask
+
+Optimizers = dict[str, torch.optim.Optimizer]
+
+
+def tiny_setup() -> tuple[TinyTask, nn.Module, Optimizers]:
+    """The tiny task with the DiLoCo pair of optimizers: AdamW inner, Nesterov SGD outer."""
+    task = TinyTask()
+    model = task.build_model()
+    optimizers: Optimizers = {
+        "inner": torch.optim.AdamW(model.parameters(), lr=1e-2),
+        "outer": torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, nesterov=True),
+    }
+    return task, model, optimizers
+
+
+def train(task: TinyTask, model: nn.Module, optimizers: Optimizers, steps: int, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for optimizer in optimizers.values():  # both step, so both have state
+            optimizer.zero_grad()
+            task.loss(model, task.sample_batch(8, generator)).backward()
+            optimizer.step()
+
+
+def assert_same(a: Any, b: Any, where: str = "") -> None:
+    """Equal structure, types and bits (tensors: same dtype, shape and every bit)."""
+    kinds = [dict if isinstance(x, dict) else type(x) for x in (a, b)]  # OrderedDict is a dict
+    assert kinds[0] is kinds[1], f"{where}: {type(a).__name__} vs {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        bits = [t.reshape(-1).view(torch.uint8) for t in (a, b)]  # -0.0 != 0.0, NaN == NaN
+        assert torch.equal(*bits), where
+    elif isinstance(a, dict):
+        assert sorted(a, key=str) == sorted(b, key=str), f"{where}: {list(a)} vs {list(b)}"
+        for key in a:
+            assert_same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} vs {b!r}"
+
+
+def snapshot(model: nn.Module, optimizers: Optimizers) -> dict[str, Any]:
+    """A deep copy of everything restore may write."""
+    return {
+        "model": {k: v.clone() for k, v in model.state_dict().items()},
+        **{
+            name: {
+                "state": {
+                    i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+                    for i, s in opt.state_dict()["state"].items()
+                },
+                "param_groups": opt.state_dict()["param_groups"],
+            }
+            for name, opt in optimizers.items()
+        },
+    }
+
+
+def current(model: nn.Module, optimizers: Optimizers) -> dict[str, Any]:
+    return {
+        "model": model.state_dict(),
+        **{name: opt.state_dict() for name, opt in optimizers.items()},
+    }
+
+
+def test_round_trip_is_bit_identical_and_training_continues_identically():
+    task, model, optimizers = tiny_setup()
+    train(task, model, optimizers, steps=3, seed=1)
+    state = capture(7, model, optimizers, scheduler_state={"last_epoch": 7}, extra={"samples": 9})
+    blob = to_bytes(state)
+
+    _, fresh, fresh_optimizers = tiny_setup()
+    assert parameters_digest(fresh) != parameters_digest(model)
+    loaded = from_bytes(blob)
+    restore(loaded, fresh, fresh_optimizers)
+
+    assert loaded.step == 7
+    assert loaded.scheduler_state == {"last_epoch": 7} and loaded.extra == {"samples": 9}
+    assert_same(current(fresh, fresh_optimizers), current(model, optimizers))
+    assert fresh_optimizers["inner"].param_groups[0]["betas"] == (0.9, 0.999)  # a tuple again
+    assert parameters_digest(fresh) == parameters_digest(model)
+
+    train(task, model, optimizers, steps=3, seed=2)
+    train(task, fresh, fresh_optimizers, steps=3, seed=2)
+    assert_same(current(fresh, fresh_optimizers), current(model, optimizers))
+    assert parameters_digest(fresh) == parameters_digest(model)
+    # Neither the capture nor the restore aliased the live tensors: the state did not move.
+    assert to_bytes(state) == blob == to_bytes(loaded)
+
+
+def test_to_bytes_is_deterministic():
+    task, model, optimizers = tiny_setup()
+    train(task, model, optimizers, steps=2, seed=1)
+    blob = to_bytes(capture(2, model, optimizers))
+    reordered = {"outer": optimizers["outer"], "inner": optimizers["inner"]}
+    assert to_bytes(capture(2, model, reordered)) == blob
+    assert to_bytes(from_bytes(blob)) == blob
+
+
+def test_restoring_a_never_stepped_optimizer_clears_state():
+    task, model, optimizers = tiny_setup()
+    blank = capture(0, model, optimizers)
+    train(task, model, optimizers, steps=2, seed=1)
+    restore(from_bytes(to_bytes(blank)), model, optimizers)
+    assert all(not opt.state for opt in optimizers.values())
+    _, initial, _ = tiny_setup()
+    assert parameters_digest(model) == parameters_digest(initial)
+
+
+def test_scalar_and_none_optimizer_state_round_trip():
+    _, model, optimizers = tiny_setup()
+    first = next(model.parameters())
+    # Older torch keeps SGD's momentum_buffer = None before the first step, and an int step.
+    optimizers["outer"].state[first]["momentum_buffer"] = None
+    optimizers["inner"].state[first]["step"] = 3
+    state = from_bytes(to_bytes(capture(1, model, optimizers)))
+    _, fresh, fresh_optimizers = tiny_setup()
+    restore(state, fresh, fresh_optimizers)
+    restored = next(fresh.parameters())
+    assert fresh_optimizers["outer"].state[restored] == {"momentum_buffer": None}
+    assert fresh_optimizers["inner"].state[restored] == {"step": 3}
+
+
+def test_bool_int_and_scalar_tensors_round_trip_exactly():
+    tensors = {
+        "model.flag": torch.tensor([True, False, True]),
+        "model.count": torch.tensor(2**62 + 1, dtype=torch.int64),
+        "model.half": torch.tensor([1.0009765625, -0.0], dtype=torch.bfloat16),
+        "model.empty": torch.zeros(0, 3),
+    }
+    state = TrainingState(
+        5, tensors, {"model_aliases": {}, "optimizers": {}, "scheduler": None, "extra": None}
+    )
+    loaded = from_bytes(to_bytes(state))
+    assert_same(dict(sorted(loaded.tensors.items())), dict(sorted(tensors.items())))
+
+
+def test_gpt_round_trip_keeps_the_tied_head_tied():
+    task = ByteGPTTask()
+    model = task.build_model()
+    assert model.head.weight is model.tokens.weight
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter))
+    state = capture(1, model, {"optimizer": task.make_optimizer(model.parameters())})
+    assert "model.head.weight" not in state.tensors  # stored once, as tokens.weight
+    assert state.metadata["model_aliases"] == {"head.weight": "tokens.weight"}
+
+    fresh = task.build_model()
+    restore(
+        from_bytes(to_bytes(state)), fresh, {"optimizer": task.make_optimizer(fresh.parameters())}
+    )
+    assert fresh.head.weight is fresh.tokens.weight
+    assert parameters_digest(fresh) == parameters_digest(model)
+
+    untied = task.build_model()
+    untied.head.weight = nn.Parameter(untied.tokens.weight.detach().clone())
+    with pytest.raises(StateMismatch, match="ties"):
+        restore(state, untied, {"optimizer": task.make_optimizer(untied.parameters())})
+
+
+def _other_widths() -> tuple[nn.Module, Optimizers]:
+    model = nn.Sequential(nn.Linear(64, 100), nn.GELU(), nn.Linear(100, 16))
+    return model, {
+        "inner": torch.optim.AdamW(model.parameters()),
+        "outer": torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, nesterov=True),
+    }
+
+
+def _renamed(state: TrainingState) -> None:
+    state.tensors["model.0.weights"] = state.tensors.pop("model.0.weight")
+
+
+def _extra_tensor(state: TrainingState) -> None:
+    state.tensors["model.3.weight"] = torch.zeros(1)
+
+
+def _double(state: TrainingState) -> None:
+    state.tensors["model.2.bias"] = state.tensors["model.2.bias"].double()
+
+
+def _bad_moment(state: TrainingState) -> None:  # the model is fine, the optimizer is not
+    state.tensors["inner.1.exp_avg"] = torch.zeros(3)
+
+
+def _unknown_parameter(state: TrainingState) -> None:
+    state.tensors["outer.9.momentum_buffer"] = torch.zeros(16)
+
+
+def _two_groups(state: TrainingState) -> None:
+    groups = state.metadata["optimizers"]["outer"]["param_groups"]
+    groups.append(dict(groups[0], params=[]))
+
+
+def _missing_optimizer(state: TrainingState) -> None:
+    del state.metadata["optimizers"]["outer"]
+    for name in [n for n in state.tensors if n.startswith("outer.")]:
+        del state.tensors[name]
+
+
+def _bad_setting(state: TrainingState) -> None:
+    state.metadata["optimizers"]["inner"]["param_groups"][0]["betas"] = [0.9]
+
+
+@pytest.mark.parametrize(
+    ("spoil", "message"),
+    [
+        (_renamed, "lacks model tensor '0.weight'"),
+        (_extra_tensor, "unexpected model tensor '3.weight'"),
+        (_double, r"model tensor '2.bias' is \(16,\) torch.float64"),
+        (_bad_moment, "'inner.1.exp_avg'"),
+        (_unknown_parameter, "parameter 9"),
+        (_two_groups, "2 param groups"),
+        (_missing_optimizer, "optimizers"),
+        (_bad_setting, "betas"),
+        (None, r"model tensor '0.weight' is \(128, 64\).*expected \(100, 64\)"),
+    ],
+)
+def test_restore_refuses_a_mismatch_and_changes_nothing(spoil, message):
+    task, donor, donor_optimizers = tiny_setup()
+    train(task, donor, donor_optimizers, steps=2, seed=1)
+    state = from_bytes(to_bytes(capture(2, donor, donor_optimizers)))
+    if spoil is None:
+        model, optimizers = _other_widths()
+    else:
+        spoil(state)
+        _, model, optimizers = tiny_setup()
+    train(task, model, optimizers, steps=1, seed=3)  # so there is optimizer state to keep
+    before = snapshot(model, optimizers)
+    with pytest.raises(StateMismatch, match=message) as raised:
+        restore(state, model, optimizers)
+    assert isinstance(raised.value, ProtocolError)
+    assert "\n" not in str(raised.value)
+    assert_same(current(model, optimizers), before)
+
+
+def test_a_never_stepped_optimizer_still_checks_shapes_against_its_parameters():
+    task, donor, donor_optimizers = tiny_setup()
+    train(task, donor, donor_optimizers, steps=1, seed=1)
+    state = capture(1, donor, donor_optimizers)
+    state.tensors["inner.1.exp_avg"] = torch.zeros(3)  # parameter 1 is a (128,) bias
+    _, model, optimizers = tiny_setup()
+    with pytest.raises(StateMismatch, match=r"'inner\.1\.exp_avg' has shape \(3,\)"):
+        restore(state, model, optimizers)
+    assert all(not opt.state for opt in optimizers.values())
+
+
+def _payload_blob(payload: Any) -> bytes:
+    text = payload if isinstance(payload, str) else json.dumps(payload)
+    return safetensors.torch.save({"model.w": torch.zeros(2)}, metadata={"peertrain": text})
+
+
+GOOD = {
+    "format": 1,
+    "step": 3,
+    "metadata": {"model_aliases": {}, "optimizers": {}, "scheduler": None, "extra": None},
+}
+
+
+def test_a_well_formed_handmade_blob_parses():
+    assert from_bytes(_payload_blob(GOOD)).step == 3  # so the refusals below are about one thing
+
+
+@pytest.mark.parametrize(
+    ("payload", "message"),
+    [
+        ({**GOOD, "step": -1}, "step -1"),
+        ({**GOOD, "step": "3"}, "step '3'"),
+        ({**GOOD, "step": True}, "step True"),
+        ({**GOOD, "format": 2}, "format 2"),
+        ({"format": 1, "step": 3}, "keys"),
+        ({**GOOD, "metadata": []}, "metadata"),
+        ({**GOOD, "metadata": {**GOOD["metadata"], "optimizers": {"a.b": {}}}}, "identifier"),
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "list"),
+        ("[" * 100_000, "not valid JSON"),
+    ],
+)
+def test_from_bytes_refuses_a_bad_header(payload, message):
+    with pytest.raises(StateMismatch, match=message):
+        from_bytes(_payload_blob(payload))
+
+
+def test_from_bytes_refuses_stray_tensors_and_a_missing_header():
+    blob = safetensors.torch.save(
+        {"model.w": torch.zeros(2), "evil.0.x": torch.zeros(1)},
+        metadata={"peertrain": json.dumps(GOOD)},
+    )
+    with pytest.raises(StateMismatch, match=r"evil\.0\.x"):
+        from_bytes(blob)
+    with pytest.raises(StateMismatch, match="lacks"):
+        from_bytes(safetensors.torch.save({"model.w": torch.zeros(2)}))
+
+
+def test_from_bytes_refuses_every_truncation():
+    task, model, optimizers = tiny_setup()
+    train(task, model, optimizers, steps=1, seed=1)
+    blob = to_bytes(capture(1, model, optimizers))
+    for length in [*range(0, 300), *range(300, len(blob), 997), len(blob) - 1]:
+        with pytest.raises(ProtocolError):
+            from_bytes(blob[:length])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=512))
+def test_from_bytes_refuses_random_bytes(data):
+    with pytest.raises(ProtocolError):
+        from_bytes(data)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(min_size=1, max_size=64), st.integers(min_value=0))
+def test_from_bytes_refuses_random_corruption_of_the_header(garbage, offset):
+    """Overwrite bytes inside the header of a real blob: a clean refusal or a clean parse."""
+    blob = bytearray(_payload_blob(GOOD))
+    header_end = 8 + int.from_bytes(blob[:8], "little")
+    start = offset % header_end
+    blob[start : start + len(garbage)] = garbage[: header_end - start]
+    try:
+        state = from_bytes(bytes(blob))
+    except ProtocolError:
+        return
+    assert isinstance(state.step, int) and state.step >= 0
+
+
+def test_from_bytes_never_unpickles(monkeypatch):
+    buffer = io.BytesIO()
+    torch.save({"model.w": torch.zeros(2)}, buffer)
+    pickled = buffer.getvalue()
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("from_bytes unpickled something")
+
+    monkeypatch.setattr(torch, "load", refuse)
+    monkeypatch.setattr("pickle.loads", refuse)
+    monkeypatch.setattr("pickle.load", refuse)
+    with pytest.raises(ProtocolError):
+        from_bytes(pickled)
+    assert from_bytes(_payload_blob(GOOD)).step == 3
+
+
+def test_parameters_digest_sees_one_bit():
+    _, model, _ = tiny_setup()
+    digest = parameters_digest(model)
+    assert len(digest) == 32 and digest == parameters_digest(tiny_setup()[1])
+    with torch.no_grad():
+        weight = next(model.parameters())
+        weight.view(torch.int32)[0, 0] ^= 1  # the lowest mantissa bit of one weight
+    assert parameters_digest(model) != digest
