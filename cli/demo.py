@@ -46,10 +46,24 @@ class Child:
     stopped_in: float | None = None
 
 
-async def start(name: str, args: list[str], extra_env: dict[str, str] | None = None) -> Child:
+async def start(
+    name: str,
+    args: list[str],
+    extra_env: dict[str, str] | None = None,
+    *,
+    read: bool = False,
+    log_dir: Path | None = None,
+) -> Child:
+    """Start a process; only a `read` one gets a stdout pipe (an unread pipe fills up and
+    blocks the child's progress output, and with it the child)."""
     env = {**os.environ, **DEMO_ENV, **(extra_env or {})}
     process = await trio.lowlevel.open_process(
-        [sys.executable, "-m", *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env
+        [sys.executable, "-m", *args],
+        stdout=subprocess.PIPE if read else subprocess.DEVNULL,
+        stderr=(log_dir / f"{name.replace(' ', '')}.log").open("ab")
+        if log_dir
+        else subprocess.DEVNULL,
+        env=env,
     )
     return Child(name, process)
 
@@ -147,6 +161,7 @@ async def run_demo(peers: int, timeout: float) -> None:
                 "--listen",
                 LOOPBACK,
             ],
+            read=True,
         )
         children.append(backbone)
         address = await read_backbone_addr(backbone, timeout=30)
@@ -163,7 +178,7 @@ async def run_demo(peers: int, timeout: float) -> None:
                 str(workdir / f"peer{index}.key"),
             ]
             env = {"PEERTRAIN_TRAINING_CHECKPOINT_DIR": str(workdir / f"checkpoints{index}")}
-            children.append(await start(f"peer {index}", args, env))
+            children.append(await start(f"peer {index}", args, env, log_dir=workdir))
         config = load_config(
             file=DEMO_CONFIG, overrides={"collaboration.backbones": [address]}
         ).config

@@ -65,7 +65,8 @@ class Collaboration:
         log = self.workdir / f"{name}.log"
         popen = subprocess.Popen(
             [sys.executable, "-m", *args],
-            stdout=subprocess.PIPE,
+            # Only the backbone's address is read; an unread pipe would block a chatty peer.
+            stdout=subprocess.PIPE if name == "backbone" else subprocess.DEVNULL,
             stderr=log.open("ab"),
             env={**os.environ, **BASE_ENV, **self.env, **(env or {})},
             cwd=ROOT,
