@@ -177,7 +177,12 @@ async def run_demo(peers: int, timeout: float) -> None:
                 "--identity",
                 str(workdir / f"peer{index}.key"),
             ]
-            env = {"PEERTRAIN_TRAINING_CHECKPOINT_DIR": str(workdir / f"checkpoints{index}")}
+            env = {
+                "PEERTRAIN_TRAINING_CHECKPOINT_DIR": str(workdir / f"checkpoints{index}"),
+                # The demo watches the target and stops everyone; a peer that stopped itself
+                # would withdraw its record before the demo could read the winning loss.
+                "PEERTRAIN_TRAINING_TARGET_VALIDATION_LOSS": "0",
+            }
             children.append(await start(f"peer {index}", args, env, log_dir=workdir))
         config = load_config(
             file=DEMO_CONFIG, overrides={"collaboration.backbones": [address]}
