@@ -21,6 +21,7 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
 
 from peer.errors import IdentityError
+from peer.files import fsync_directory
 
 __all__ = [
     "KEY_BYTES",
@@ -101,21 +102,12 @@ def _create_key_file(path: Path) -> None:
                 os.link(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
-        _fsync_dir(path.parent)
+        fsync_directory(path.parent)  # a crash must not lose the key
     except OSError as error:
         raise IdentityError(
             f"cannot create identity key {path}: {error.strerror}; pass --identity with a "
             f"writable location"
         ) from error
-
-
-def _fsync_dir(directory: Path) -> None:
-    # Makes the new directory entry durable; without it a crash can lose the key and the peer id.
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class IdentityLock:

@@ -18,6 +18,7 @@ Nesterov SGD step moves the shared parameters, which then replace the local copy
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import numpy as np
@@ -34,6 +35,17 @@ def _flat(tensors: list[torch.Tensor]) -> np.ndarray:
 def _tensor(values: np.ndarray, *, like: torch.Tensor) -> torch.Tensor:
     """A slice of an averaged vector as a tensor shaped, typed and placed like `like`."""
     return torch.from_numpy(values.copy()).view_as(like).to(device=like.device, dtype=like.dtype)
+
+
+def _pieces(
+    vector: np.ndarray, like: list[torch.Tensor]
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """(tensor, its slice of the flat vector as a tensor like it), in order."""
+    offset = 0
+    for tensor in like:
+        n = tensor.numel()
+        yield tensor, _tensor(vector[offset : offset + n], like=tensor)
+        offset += n
 
 
 class Strategy(Protocol):
@@ -83,21 +95,15 @@ class LargeBatch:
         return vector.astype(np.float32, copy=False), samples
 
     def give_back(self, vector: np.ndarray, samples: int) -> None:
-        offset = 0
         with torch.no_grad():
-            for total in self.sums:
-                n = total.numel()
-                total.add_(_tensor(vector[offset : offset + n], like=total) * samples)
-                offset += n
+            for total, part in _pieces(vector, self.sums):
+                total.add_(part * samples)
         self.samples += samples
 
     def apply(self, average: np.ndarray) -> None:
         """One optimizer step with `average` as the gradient of every parameter."""
-        offset = 0
-        for p in self.params:
-            n = p.numel()
-            p.grad = _tensor(average[offset : offset + n], like=p)
-            offset += n
+        for p, grad in _pieces(average, self.params):
+            p.grad = grad
         self.optimizer.step()
         for p in self.params:
             p.grad = None
@@ -143,11 +149,8 @@ class LocalSGD:
         pass  # take() left everything in place
 
     def apply(self, average: np.ndarray) -> None:
-        offset = 0
-        for a in self.anchor:
-            n = a.numel()
-            a.grad = _tensor(average[offset : offset + n], like=a)
-            offset += n
+        for a, grad in _pieces(average, self.anchor):
+            a.grad = grad
         self.outer.step()
         with torch.no_grad():
             for a, p in zip(self.anchor, self.params, strict=True):
