@@ -6,7 +6,7 @@ training to its end (each peer logs its figures when it reaches max_steps). The 
 in the same run, is one process training alone with the same settings: its samples/s is the
 throughput the collaboration's 4 processes share the machine's cores with.
 
-    .venv/bin/python -m benchmarks.training [--steps-diloco 3] [--steps-dedloc 12]
+    .venv/bin/python -m benchmarks.training [--steps-diloco 6] [--steps-dedloc 12]
 """
 
 from __future__ import annotations
@@ -74,6 +74,7 @@ def run(name: str, env: dict[str, str], timeout: float) -> list[dict]:
 
 def report(name: str, figures: list[dict], baseline: float) -> None:
     utilisation = [f["utilisation"] for f in figures]
+    steady = [f["utilisation_after_first_step"] for f in figures]
     samples = sum(f["samples"] for f in figures)
     wall = max(f["wall_s"] for f in figures)
     block = ByteGPTTask().shape.block
@@ -81,7 +82,9 @@ def report(name: str, figures: list[dict], baseline: float) -> None:
     per_token = averaged / (statistics.mean(f["samples"] for f in figures) * block)
     print(
         f"{name:>16}: utilisation per peer {', '.join(f'{u:.1%}' for u in utilisation)} "
-        f"(mean {statistics.mean(utilisation):.1%}); {samples / wall:.0f} samples/s together "
+        f"(mean {statistics.mean(utilisation):.1%}); after the first step "
+        f"{', '.join(f'{u:.1%}' for u in steady)} (mean {statistics.mean(steady):.1%}); "
+        f"{samples / wall:.0f} samples/s together "
         f"= {samples / wall / baseline:.2f}x one process alone; "
         f"steps {figures[0]['step']}; {per_token:.1f} bytes averaged per token per peer"
     )
@@ -89,7 +92,7 @@ def report(name: str, figures: list[dict], baseline: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps-diloco", type=int, default=3)
+    parser.add_argument("--steps-diloco", type=int, default=6)
     parser.add_argument("--steps-dedloc", type=int, default=12)
     parser.add_argument("--inner-steps", type=int, default=50)
     args = parser.parse_args()

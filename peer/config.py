@@ -184,7 +184,7 @@ class AveragingConfig(_Section):
 class TrainingConfig(_Section):
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"mode": ("dedloc", "diloco")}
     MINIMUM: ClassVar[dict[str, int]] = {"max_steps": 0, "validation_interval": 0, "seed": 0}
-    ZERO_OK: ClassVar[frozenset[str]] = frozenset({"target_validation_loss"})
+    ZERO_OK: ClassVar[frozenset[str]] = frozenset({"target_validation_loss", "outer_momentum"})
     mode: str = "dedloc"
     """dedloc (synchronous large batches of task.target_batch samples) or diloco (local steps)."""
     delayed_updates: bool = False
@@ -194,7 +194,7 @@ class TrainingConfig(_Section):
     outer_lr: float = 0.7
     """diloco: outer Nesterov SGD learning rate."""
     outer_momentum: float = 0.9
-    """diloco: outer Nesterov SGD momentum."""
+    """diloco: outer Nesterov SGD momentum (0: plain SGD; with outer_lr 1, parameter averaging)."""
     gather_window: float = 2.0
     """Seconds between a step being called and its averaging (peers keep computing meanwhile)."""
     progress_interval: float = 1.0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -21,8 +23,11 @@ def test_measure_compute_times_real_steps_and_sizes_the_gradient():
 
 def test_a_slower_step_measures_slower():
     class Slowed(TinyTask):
-        def loss(self, model, batch):  # 4x the work of the tiny task per sample
-            return sum(super(Slowed, self).loss(model, batch) for _ in range(4))
+        def loss(self, model, batch):
+            # 20 ms more per micro-batch, ~20x the tiny task's step: a sleep cannot finish
+            # early however busy the machine is (4x the arithmetic flipped under load).
+            time.sleep(0.02)
+            return super().loss(model, batch)
 
     cpu = torch.device("cpu")
     fast = measure_compute(TinyTask(), micro_batch=64, device=cpu, min_seconds=0.3)

@@ -101,3 +101,16 @@ def test_local_sgd_drop_local_work_returns_to_the_shared_parameters():
     peer.drop_local_work()
     vector, samples = peer.take()
     assert samples == 0 and not np.any(vector)
+
+
+def test_local_sgd_without_outer_momentum_at_lr_1_averages_the_parameters():
+    task = TinyTask()
+    peers = [LocalSGD(task, task.build_model(), outer_lr=1.0, momentum=0.0) for _ in range(3)]
+    for seed, peer in enumerate(peers):
+        for x, y in batches(seed, 2, 8):
+            peer.accumulate((x, y), 8)
+    local = [params(peer.model).clone() for peer in peers]
+    average = weighted_average([peer.take() for peer in peers])
+    for peer in peers:
+        peer.apply(average)
+    torch.testing.assert_close(params(peers[0].model), sum(local) / 3)

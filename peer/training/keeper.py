@@ -64,13 +64,20 @@ class StateKeeper:
         task_status.started()
         key = progress_key(self.config.collaboration.name)
         interval = max(self.config.training.progress_interval, 1.0)
+        exchange = max(interval, self.config.net.rpc_timeout)
         while True:
             try:
-                with trio.move_on_after(max(interval, self.config.net.rpc_timeout)):
+                view = None
+                with trio.move_on_after(exchange):
                     view = CollaborationView(decode_progress(await self.dht.get(key)))
+                # Outside the exchange's deadline: a large state takes longer to download
+                # than one exchange (under it, every round would cancel and restart the
+                # download); `fetch` has a deadline of its own (state.download_timeout).
+                if view is not None:
                     await self._follow(view)
-                    if self.held is not None:
-                        record = self._record()
+                if self.held is not None:
+                    record = self._record()
+                    with trio.move_on_after(exchange):
                         await self.dht.store(
                             key,
                             self.me,
@@ -93,6 +100,12 @@ class StateKeeper:
             snapshot = await self.fetch([ID.from_base58(r.peer_id) for r in donors], step)
         except RemoteError as error:
             log.warning("keeper could not download step %d: %s", step, error)
+            return
+        if snapshot.step != step:
+            # The donors stepped since our read, and the digest we know is step's: a record
+            # naming their state by it would send joiners back for the state again and again
+            # (their digest never matches). The next read names the newer step and its digest.
+            log.info("got step %d when asking for step %d; next round", snapshot.step, step)
             return
         self.held = snapshot
         self.digest = donors[0].digest

@@ -124,7 +124,10 @@ class LocalSGD:
         self.inner = task.make_optimizer(self.params)
         # The shared parameters as of the last outer step; the outer optimizer moves these.
         self.anchor = [p.detach().clone() for p in self.params]
-        self.outer = torch.optim.SGD(self.anchor, lr=outer_lr, momentum=momentum, nesterov=True)
+        # Nesterov needs momentum; outer_momentum = 0 is plain averaging (lr 1) or SGD on it.
+        self.outer = torch.optim.SGD(
+            self.anchor, lr=outer_lr, momentum=momentum, nesterov=momentum > 0
+        )
         self.samples = 0
 
     def optimizers(self) -> dict[str, torch.optim.Optimizer]:

@@ -80,6 +80,9 @@ class TrainerStatus:
     compute_seconds: float = 0.0
     samples_computed: int = 0
     started_at: float = field(default_factory=time.monotonic)
+    #: (monotonic time, compute_seconds) when the first step was applied: utilisation from
+    #: there on leaves out start-up (measurements, the first gathering, any download).
+    first_step: tuple[float, float] | None = None
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -255,6 +258,8 @@ class Trainer:
                 self.status.started_at = time.monotonic()
                 while not self._done():
                     await self._iteration(nursery)
+                if self._validate_due:  # the last step's evaluation, e.g. at max_steps
+                    await self._validate()
                 self._report()
                 self.finished.set()
                 nursery.cancel_scope.cancel()
@@ -262,10 +267,16 @@ class Trainer:
             with trio.CancelScope(shield=True):
                 await self._checkpoint(force=True)
 
-    def utilisation(self) -> float:
-        """Share of wall time since training began spent computing micro-batches."""
-        wall = time.monotonic() - self.status.started_at
-        return self.status.compute_seconds / wall if wall > 0 else 0.0
+    def utilisation(self, *, after_first_step: bool = False) -> float:
+        """Share of wall time spent computing micro-batches, since training began or since
+        the first step was applied."""
+        since, computed = self.status.started_at, 0.0
+        if after_first_step:
+            if self.status.first_step is None:
+                return 0.0
+            since, computed = self.status.first_step
+        wall = time.monotonic() - since
+        return (self.status.compute_seconds - computed) / wall if wall > 0 else 0.0
 
     def _report(self) -> None:
         figures = {
@@ -275,8 +286,11 @@ class Trainer:
             "compute_s": round(self.status.compute_seconds, 3),
             "wall_s": round(time.monotonic() - self.status.started_at, 3),
             "utilisation": round(self.utilisation(), 4),
+            "utilisation_after_first_step": round(self.utilisation(after_first_step=True), 4),
             "averaged_bytes": self.status.averaged_bytes,
             "downloads": self.status.downloads,
+            # (step, loss) of the latest evaluation on this peer, or None
+            "validation": self.status.validation,
         }
         log.info(
             "training finished at step %d: utilisation %.1f%%, %d bytes averaged",
@@ -442,21 +456,30 @@ class Trainer:
     ) -> None:
         alone = result.peers_seen == 1 and not result.rounds
         complete = alone or (bool(result.rounds) and all(r.complete for r in result.rounds))
+        # A group whose members all had 0 samples averages nothing (every chunk keeps its
+        # local zeros): an optimizer step on that would still move the weights (momentum,
+        # weight decay), so it is no step.
+        contributed = (
+            samples > 0 if alone else any(c.senders for r in result.rounds for c in r.chunks)
+        )
         self._call = None
-        if not complete or (alone and samples == 0):
+        if not complete or not contributed:
             self._failed_before = gather_until
             self.strategy.give_back(vector, samples)
             log.warning(
                 "averaging for step %d did not complete (%s); keeping our %d samples for the "
                 "next try",
                 self.step + 1,
-                "; ".join(result.skipped) or "a member failed",
+                "; ".join(result.skipped)
+                or ("a member failed" if not complete else "no member had samples"),
                 samples,
             )
             return
         self.strategy.apply(vector)
         self.step += 1
         self.status.steps_applied += 1
+        if self.status.first_step is None:
+            self.status.first_step = (time.monotonic(), self.status.compute_seconds)
         self._capture()
         self.status.step = self.step
         self._publish_now.set()

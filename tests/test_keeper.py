@@ -1,0 +1,390 @@
+"""The state keeper (`backbone start --keep-state`) in one process: real DHT, trainers, state
+download and data plane on loopback, the tiny task.
+
+The trainers are held still (their batches stop counting samples once they reach HOLD_AT), so
+"the keeper holds the trainers' step" is a fact to check, not a race to win.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from peer.config import PeerConfig
+from peer.dht.node import DHT
+from peer.files import state_folder
+from peer.net.host import Node
+from peer.training import state as states
+from peer.training.chunks import MIN_CHUNK_BYTES, chunk_count
+from peer.training.keeper import StateKeeper, run_keeper
+from peer.training.progress import (
+    ProgressRecord,
+    decode_progress,
+    encode_progress,
+    progress_key,
+    should_call,
+)
+from peer.training.statesync import (
+    REPLY,
+    DownloadStatistics,
+    Snapshot,
+    StateDonor,
+    StateDownload,
+    StateDownloadFailed,
+)
+from peer.training.strategies import LargeBatch
+from peer.training.task import TinyTask
+from peer.training.trainer import Trainer
+from tests.helpers import LOOPBACK, Swarm, swarm
+from tests.test_training_collab import DHT_CONFIG, Joinable, Recorder, make_config
+
+HOLD_AT = 2  # the trainers stop counting samples here (and stop a step or two later)
+
+
+class HoldAt(Recorder):
+    """The recorder's batches until a trainer reaches `step`; then batches that count no
+    samples. The trainers still publish their records (a trainer that stops withdraws its
+    record), and stop stepping once their throughput has decayed (`held_step`)."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__()
+        self.step = step
+
+    def source(self, index: int, trainer_ref: list[Trainer]):
+        inner = super().source(index, trainer_ref)
+
+        def next_batch():
+            batch, size = inner()
+            return batch, size if trainer_ref[0].step < self.step else 0
+
+        return next_batch
+
+
+def keeper_config(tmp_path: Path) -> PeerConfig:
+    """A backbone's config: the trainers' collaboration, its own folder, loopback only."""
+    config = make_config(tmp_path)
+    return dataclasses.replace(config, net=dataclasses.replace(config.net, listen=[LOOPBACK]))
+
+
+def kept_folder(config: PeerConfig) -> Path:
+    return state_folder(config.training.checkpoint_dir, config.collaboration.name, "kept-state")
+
+
+def kept_meta(config: PeerConfig) -> dict | None:
+    try:
+        return json.loads((kept_folder(config) / "kept.json").read_text())
+    except FileNotFoundError:
+        return None
+
+
+def blob_digest(blob: bytes) -> str:
+    """The parameters digest of a state blob, as a trainer holding it would report it."""
+    task = TinyTask()
+    model = task.build_model()
+    states.restore(states.from_bytes(blob), model, LargeBatch(task, model).optimizers())
+    return states.parameters_digest(model)
+
+
+def held_step(trainers: list[Trainer], config: PeerConfig) -> int | None:
+    """The step every trainer is at once none of them would call another, else None.
+
+    A trainer calls a step on the samples projected from its throughput, so a step or two
+    with no samples may follow HOLD_AT; once no one's view projects enough, and every new
+    batch counts none, no one calls again."""
+    steps = {t.step for t in trainers}
+    if len(steps) != 1:
+        return None
+    (step,) = steps
+    for trainer in trainers:
+        view = trainer.view()
+        if view.call(step) is not None or should_call(
+            view,
+            step,
+            target_batch=config.task.target_batch,
+            window=config.training.gather_window,
+        ):
+            return None
+    return step
+
+
+async def wait_until(condition: Callable[[], bool]) -> None:
+    while not condition():
+        await trio.sleep(0.05)
+
+
+async def progress(dht: DHT, config: PeerConfig) -> list[ProgressRecord]:
+    return decode_progress(await dht.get(progress_key(config.collaboration.name)))
+
+
+async def start_stoppable(nursery: trio.Nursery, fn, *args) -> tuple[Any, trio.CancelScope]:
+    """`nursery.start(fn, *args)` in a cancel scope of its own: (what it started, the scope)."""
+    scope = trio.CancelScope()
+
+    async def run(task_status: trio.TaskStatus[Any]) -> None:
+        with scope:
+            await fn(*args, task_status=task_status)
+
+    return await nursery.start(run), scope
+
+
+async def start_keeper(s: Swarm, config: PeerConfig) -> tuple[StateKeeper, trio.CancelScope]:
+    """`run_keeper` on a node of its own, stoppable on its own."""
+    dht = await s.add()
+    return await start_stoppable(s.nursery, run_keeper, dht.node, dht, config)
+
+
+async def download_from(
+    node: Node, keeper: StateKeeper, *, min_step: int
+) -> tuple[Snapshot, DownloadStatistics]:
+    """A download that may only ask `keeper`: (the snapshot, the download's statistics)."""
+    donor = keeper.dht.node
+    node.remember_addrs(donor.peer_id, donor.announce)
+    job = StateDownload(node, [donor.peer_id], min_step=min_step, parallel=3)
+    snapshot = await job.run(deadline=trio.current_time() + 20)
+    return snapshot, job.statistics()
+
+
+@dataclass
+class Followed:
+    s: Swarm
+    trainers: list[Trainer]
+    keeper: StateKeeper
+    config: PeerConfig
+    """The keeper's."""
+    training: trio.CancelScope
+    """Cancel to stop every trainer."""
+    step: int
+    """The step the trainers are held at."""
+
+
+@asynccontextmanager
+async def followed(tmp_path: Path, *, trainers: int) -> AsyncIterator[Followed]:
+    """Trainers held still, and a keeper (started before them) that holds their state."""
+    config = make_config(tmp_path / "trainers")
+    kept = keeper_config(tmp_path / "keeper")
+    async with swarm(trainers, DHT_CONFIG) as s:
+        group = Joinable(s, config, HoldAt(HOLD_AT))
+        for dht in s.dhts:
+            await group.add(dht)
+        keeper, _ = await start_keeper(s, kept)
+
+        async def train(task_status: trio.TaskStatus[None]) -> None:
+            async with trio.open_nursery() as nursery:
+                for trainer in group.trainers:
+                    nursery.start_soon(trainer.run)
+                task_status.started()
+
+        _, training = await start_stoppable(s.nursery, train)
+        await wait_until(
+            lambda: (
+                (step := held_step(group.trainers, config)) is not None
+                and (kept_meta(kept) or {}).get("step") == step
+            )
+        )
+        yield Followed(s, group.trainers, keeper, kept, training, group.trainers[0].step)
+
+
+async def test_the_keeper_follows_the_trainers_and_saves_their_state(tmp_path):
+    with trio.fail_after(60):
+        async with followed(tmp_path, trainers=2) as f:
+            digests = {t.digest for t in f.trainers}
+            trainer_blob = f.trainers[0].snapshot().blob
+            held = f.keeper.snapshot()
+    assert f.step >= HOLD_AT
+    assert len(digests) == 1
+    (digest,) = digests
+    assert held is not None and held.step == f.step
+    assert held.blob == trainer_blob  # the consensus state, bit for bit
+    assert f.keeper.digest == digest
+    # On disk: the blob, and metadata that names its step, digest and hash.
+    saved = (kept_folder(f.config) / "kept.state").read_bytes()
+    assert saved == held.blob
+    assert kept_meta(f.config) == {
+        "step": f.step,
+        "digest": digest,
+        "sha256": hashlib.sha256(saved).hexdigest(),
+    }
+    assert states.from_bytes(saved).step == f.step
+    assert blob_digest(saved) == digest
+
+
+async def test_a_joiner_downloads_from_the_keeper_alone_when_no_trainer_is_online(tmp_path):
+    with trio.fail_after(60):
+        async with followed(tmp_path, trainers=2) as f:
+            (digest,) = {t.digest for t in f.trainers}
+            f.training.cancel()  # every trainer stops and withdraws its record
+            while [r.role for r in await progress(f.keeper.dht, f.config)] != ["keeper"]:
+                await trio.sleep(0.1)
+            # A joiner of its own (its own checkpoint folder: nothing to resume from) that
+            # stops once it holds the trainers' step: it can only get there by downloading.
+            joining = make_config(tmp_path / "joiner", max_steps=f.step)
+            joiners = Joinable(f.s, joining, None)
+            joiner = await joiners.add(await f.s.add())
+            await joiner.run()
+    assert joiner.step == f.step
+    assert joiner.status.downloads == 1
+    assert joiner.status.steps_applied == 0
+    assert joiner.digest == states.parameters_digest(joiner.model) == digest
+    (download,) = joiners.downloads
+    stats = download.statistics()
+    assert stats.done == stats.chunks >= 1
+    assert set(stats.chunks_from) == {str(f.keeper.dht.node.peer_id)}
+
+
+async def publish(dht: DHT, config: PeerConfig, record: ProgressRecord | None) -> None:
+    key, me = progress_key(config.collaboration.name), dht.node.peer_id.to_base58()
+    if record is None:
+        await dht.withdraw(key, me, expiration=time.time() + 120)
+    else:
+        await dht.store(key, me, encode_progress(record), expiration=time.time() + 60)
+
+
+def trainer_record(dht: DHT, *, step: int, digest: str) -> ProgressRecord:
+    """What a trainer at `step` would publish (no samples, no call)."""
+    return ProgressRecord(
+        peer_id=dht.node.peer_id.to_base58(),
+        role="trainer",
+        addrs=dht.node.public_addrs(),
+        step=step,
+        digest=digest,
+        samples=0,
+        samples_per_second=0.0,
+        updated_at=time.time(),
+    )
+
+
+def a_state(step: int) -> tuple[Snapshot, str]:
+    """A state of the tiny task at `step` (parameters moved off their initial values, by an
+    amount that depends on the step)."""
+    task = TinyTask()
+    model = task.build_model()
+    for parameter in model.parameters():
+        parameter.data.add_(0.1 * step)
+    optimizers = LargeBatch(task, model).optimizers()
+    blob = states.to_bytes(states.capture(step, model, optimizers))
+    return Snapshot(step, blob), states.parameters_digest(model)
+
+
+async def test_a_restarted_keeper_serves_what_it_saved_unless_the_blob_does_not_match(tmp_path):
+    config = keeper_config(tmp_path)
+    state, digest = a_state(3)
+    with trio.fail_after(60):
+        async with swarm(1, DHT_CONFIG) as s:
+            # A "trainer" at step 3: a donor and its progress record, nothing else.
+            holder = s.dhts[0]
+            donor = StateDonor(holder.node, lambda: state, chunk_bytes=MIN_CHUNK_BYTES)
+            _, holding = await start_stoppable(s.nursery, donor.serve, "127.0.0.1", 0)
+            await publish(holder, config, trainer_record(holder, step=3, digest=digest))
+            _, stop_first = await start_keeper(s, config)
+            await wait_until(lambda: (kept_meta(config) or {}).get("step") == 3)
+            stop_first.cancel()
+            # The trainer goes away: from now on only what the keeper saved can be served.
+            holding.cancel()
+            await publish(holder, config, None)
+            assert kept_meta(config)["digest"] == digest
+
+            restarted, stop_restarted = await start_keeper(s, config)
+            assert restarted.snapshot() == state  # loaded before it read any record
+            assert restarted.digest == digest
+            snapshot, stats = await download_from(holder.node, restarted, min_step=3)
+            assert snapshot == state
+            assert set(stats.chunks_from) == {str(restarted.dht.node.peer_id)}
+            # ... and tells joiners so: its record names the step it loaded.
+            me = restarted.dht.node.peer_id.to_base58()
+            while not (mine := [r for r in await progress(holder, config) if r.peer_id == me]):
+                await trio.sleep(0.1)
+            assert [(r.role, r.step, r.digest) for r in mine] == [("keeper", 3, digest)]
+            stop_restarted.cancel()
+
+            # A blob that does not match its recorded hash (a kill between the two writes,
+            # or a damaged disk) is not served.
+            kept = kept_folder(config) / "kept.state"
+            damaged = bytearray(kept.read_bytes())
+            damaged[len(damaged) // 2] ^= 0xFF
+            kept.write_bytes(bytes(damaged))
+            ignoring, _ = await start_keeper(s, config)
+            assert ignoring.snapshot() is None
+            with pytest.raises(StateDownloadFailed, match="holding nothing"):
+                await download_from(holder.node, ignoring, min_step=3)
+
+
+class SlowChunks(trio.abc.Stream):
+    """A donor's data connection that waits `delay` seconds before each chunk's bytes."""
+
+    def __init__(self, inner: trio.SocketStream, delay: float) -> None:
+        self.inner = inner
+        self.delay = delay
+
+    async def send_all(self, data) -> None:
+        if len(data) > REPLY.size:  # a chunk's bytes (a reply header is REPLY.size bytes)
+            await trio.sleep(self.delay)
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes=None):
+        return await self.inner.receive_some(max_bytes)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+async def test_a_state_slower_to_download_than_one_progress_exchange_is_still_kept(tmp_path):
+    # The keeper reads and publishes progress under a deadline of max(1 s, rpc_timeout), here
+    # 1 s; the download has its own (state.download_timeout): 30 chunks at 0.1 s, ~3 s.
+    config = keeper_config(tmp_path)
+    config = dataclasses.replace(config, net=dataclasses.replace(config.net, rpc_timeout=0.5))
+    state = Snapshot(3, os.urandom(30 * MIN_CHUNK_BYTES))
+    with trio.fail_after(30):
+        async with swarm(1, DHT_CONFIG) as s:
+            holder = s.dhts[0]
+            donor = StateDonor(
+                holder.node,
+                lambda: state,
+                chunk_bytes=MIN_CHUNK_BYTES,
+                wrap_stream=lambda stream: SlowChunks(stream, 0.1),
+            )
+            await s.nursery.start(donor.serve, "127.0.0.1", 0)
+            await publish(holder, config, trainer_record(holder, step=3, digest="d"))
+            keeper, _ = await start_keeper(s, config)
+            await wait_until(lambda: (kept_meta(config) or {}).get("step") == 3)
+    assert keeper.snapshot() == state
+    assert (kept_folder(config) / "kept.state").read_bytes() == state.blob
+
+
+async def test_a_state_newer_than_its_donors_records_is_kept_only_under_its_own_digest(tmp_path):
+    config = keeper_config(tmp_path)
+    _, old_digest = a_state(3)
+    new_state, new_digest = a_state(4)
+    with trio.fail_after(30):
+        async with swarm(1, DHT_CONFIG) as s:
+            holder = s.dhts[0]
+            # The trainer has stepped to 4; its record (published every interval) says 3.
+            donor = StateDonor(holder.node, lambda: new_state, chunk_bytes=MIN_CHUNK_BYTES)
+            await s.nursery.start(donor.serve, "127.0.0.1", 0)
+            await publish(holder, config, trainer_record(holder, step=3, digest=old_digest))
+            keeper, _ = await start_keeper(s, config)
+            # Asking for 3, the keeper gets 4, whose digest no record names: it keeps nothing
+            # (and asks again next round), rather than name 4's parameters by 3's digest.
+            chunks = chunk_count(len(new_state.blob), MIN_CHUNK_BYTES)
+            await wait_until(lambda: donor.statistics().chunks_served >= 2 * chunks)
+            assert keeper.snapshot() is None
+            assert kept_meta(config) is None
+            # The record catches up: step 4 is kept, under its own digest.
+            await publish(holder, config, trainer_record(holder, step=4, digest=new_digest))
+            await wait_until(lambda: (kept_meta(config) or {}).get("step") == 4)
+    assert kept_meta(config)["digest"] == new_digest
+    assert keeper.snapshot() == new_state
+    assert keeper.digest == new_digest
