@@ -81,7 +81,7 @@ def report(name: str, figures: list[dict], baseline: float) -> None:
     averaged = statistics.mean(f["averaged_bytes"] for f in figures)
     per_token = averaged / (statistics.mean(f["samples"] for f in figures) * block)
     print(
-        f"{name:>16}: utilisation per peer {', '.join(f'{u:.1%}' for u in utilisation)} "
+        f"{name:>21}: utilisation per peer {', '.join(f'{u:.1%}' for u in utilisation)} "
         f"(mean {statistics.mean(utilisation):.1%}); after the first step "
         f"{', '.join(f'{u:.1%}' for u in steady)} (mean {statistics.mean(steady):.1%}); "
         f"{samples / wall:.0f} samples/s together "
@@ -98,16 +98,18 @@ def main() -> None:
     args = parser.parse_args()
     baseline = single_process_rate()
     print(f"baseline: one process, one thread: {baseline:.0f} samples/s")
-    diloco = run(
-        "diloco",
-        {
-            "PEERTRAIN_TRAINING_MODE": "diloco",
-            "PEERTRAIN_TRAINING_INNER_STEPS": str(args.inner_steps),
-            "PEERTRAIN_TRAINING_MAX_STEPS": str(args.steps_diloco),
-        },
-        timeout=900,
-    )
-    report(f"diloco H={args.inner_steps}", diloco, baseline)
+    for codec in ("none", "fp16"):
+        diloco = run(
+            "diloco",
+            {
+                "PEERTRAIN_TRAINING_MODE": "diloco",
+                "PEERTRAIN_TRAINING_INNER_STEPS": str(args.inner_steps),
+                "PEERTRAIN_TRAINING_MAX_STEPS": str(args.steps_diloco),
+                "PEERTRAIN_AVERAGING_CODEC": codec,
+            },
+            timeout=900,
+        )
+        report(f"diloco H={args.inner_steps} {codec}", diloco, baseline)
     dedloc = run(
         "dedloc",
         {
@@ -118,7 +120,7 @@ def main() -> None:
         },
         timeout=900,
     )
-    report("dedloc delayed", dedloc, baseline)
+    report("dedloc delayed none", dedloc, baseline)
 
 
 if __name__ == "__main__":

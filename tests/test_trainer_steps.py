@@ -16,20 +16,21 @@ from peer.averaging.averager import AveragingResult
 from peer.averaging.reduce import ChunkResult
 from peer.config import PeerConfig, TaskConfig, TrainingConfig
 from peer.training import state as states
+from peer.training.state import StateMismatch
 from peer.training.task import TinyTask
 from peer.training.trainer import Trainer
 
 
-def make_trainer(tmp_path) -> Trainer:
+def make_trainer(tmp_path, task=None, mode: str = "dedloc") -> Trainer:
     peer_id = ID.from_pubkey(create_new_key_pair().public_key)
     return Trainer(
         dht=SimpleNamespace(node=SimpleNamespace(peer_id=peer_id)),  # type: ignore[arg-type]
         averager=None,  # type: ignore[arg-type]
         config=PeerConfig(
             task=TaskConfig(name="tiny", micro_batch=8, target_batch=64),
-            training=TrainingConfig(checkpoint_dir=str(tmp_path)),
+            training=TrainingConfig(checkpoint_dir=str(tmp_path), mode=mode),
         ),
-        task=TinyTask(),
+        task=task or TinyTask(),
         device=torch.device("cpu"),
         download=None,  # type: ignore[arg-type]
     )
@@ -63,3 +64,74 @@ def test_a_group_result_is_a_step_only_if_complete_and_someone_contributed(
     assert (states.parameters_digest(trainer.model) != before) == steps
     if not steps:
         assert trainer.strategy.samples == samples  # the work is kept for the next try
+
+
+class ScheduledTiny(TinyTask):
+    """The tiny task with a learning rate that halves every global step."""
+
+    def make_scheduler(self, optimizer):
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
+
+
+def make_scheduled(tmp_path, mode: str = "dedloc") -> Trainer:
+    return make_trainer(tmp_path, task=ScheduledTiny(), mode=mode)
+
+
+def take_steps(trainer: Trainer, count: int) -> None:
+    size = sum(p.numel() for p in trainer.model.parameters())
+    for _ in range(count):
+        average = np.full(size, 0.5, dtype=np.float32)
+        trainer._finish_step(average, 8, group_result(size, 3), 1.0)
+
+
+def learning_rate(trainer: Trainer) -> float:
+    optimizers = trainer.strategy.optimizers()
+    optimizer = optimizers.get("optimizer") or optimizers["inner"]
+    return optimizer.param_groups[0]["lr"]
+
+
+@pytest.mark.parametrize("mode", ["dedloc", "diloco"])
+def test_the_scheduler_steps_once_per_global_step_and_travels_with_the_state(tmp_path, mode):
+    donor = make_scheduled(tmp_path / "a", mode)
+    take_steps(donor, 3)
+    assert learning_rate(donor) == pytest.approx(1e-2 * 0.5**3)
+    blob = states.to_bytes(donor._captured)
+
+    joiner = make_scheduled(tmp_path / "b", mode)
+    joiner._restore(states.from_bytes(blob))
+    assert joiner.step == 3 and learning_rate(joiner) == learning_rate(donor)
+    take_steps(donor, 1)
+    take_steps(joiner, 1)
+    assert learning_rate(joiner) == learning_rate(donor) == pytest.approx(1e-2 * 0.5**4)
+    assert states.parameters_digest(joiner.model) == states.parameters_digest(donor.model)
+
+
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        lambda s: s.update(optimizer="x"),  # an attribute of ours to overwrite
+        lambda s: s.update(base_lrs=[1.0, 2.0]),  # wrong length
+        lambda s: s.update(last_epoch="3"),  # wrong kind
+        lambda s: s.update(lr_lambdas=[{"__class__": 1}]),  # written into our lambdas
+    ],
+    ids=["extra-key", "length", "kind", "lambda-dict"],
+)
+def test_a_scheduler_state_unlike_ours_is_refused_and_changes_nothing(tmp_path, tamper):
+    donor = make_scheduled(tmp_path / "a")
+    take_steps(donor, 2)
+    captured = donor._captured
+    tamper(captured.metadata["scheduler"])
+    state = states.from_bytes(states.to_bytes(captured))
+    joiner = make_scheduled(tmp_path / "b")
+    before = states.parameters_digest(joiner.model)
+    with pytest.raises(StateMismatch, match="scheduler"):
+        joiner._restore(state)
+    assert joiner.step == 0 and states.parameters_digest(joiner.model) == before
+    assert learning_rate(joiner) == 1e-2
+
+
+def test_a_state_without_the_scheduler_this_task_has_is_refused(tmp_path):
+    plain = make_trainer(tmp_path / "a")
+    take_steps(plain, 1)
+    with pytest.raises(StateMismatch, match="scheduler state missing"):
+        make_scheduled(tmp_path / "b")._restore(states.from_bytes(states.to_bytes(plain._captured)))

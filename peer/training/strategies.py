@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from peer.training.schedule import Schedule
 from peer.training.task import Task
 
 
@@ -52,6 +53,8 @@ class Strategy(Protocol):
     model: nn.Module
     samples: int
     """Samples of local work not yet taken."""
+    schedule: Schedule
+    """The task's learning-rate scheduler (if any), stepped by `apply`."""
 
     def optimizers(self) -> dict[str, torch.optim.Optimizer]: ...
     def accumulate(self, batch: Any, size: int) -> float: ...
@@ -69,6 +72,7 @@ class LargeBatch:
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = task.make_optimizer(self.params)
+        self.schedule = Schedule(task, self.optimizer)
         # Accumulators apart from p.grad, so a delayed step can use p.grad meanwhile.
         self.sums = [torch.zeros_like(p) for p in self.params]
         self.samples = 0
@@ -105,6 +109,7 @@ class LargeBatch:
         for p, grad in _pieces(average, self.params):
             p.grad = grad
         self.optimizer.step()
+        self.schedule.step()
         for p in self.params:
             p.grad = None
 
@@ -122,6 +127,7 @@ class LocalSGD:
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.inner = task.make_optimizer(self.params)
+        self.schedule = Schedule(task, self.inner)  # the inner learning rate, per outer step
         # The shared parameters as of the last outer step; the outer optimizer moves these.
         self.anchor = [p.detach().clone() for p in self.params]
         # Nesterov needs momentum; outer_momentum = 0 is plain averaging (lr 1) or SGD on it.
@@ -155,6 +161,7 @@ class LocalSGD:
         for a, grad in _pieces(average, self.anchor):
             a.grad = grad
         self.outer.step()
+        self.schedule.step()
         with torch.no_grad():
             for a, p in zip(self.anchor, self.params, strict=True):
                 a.grad = None

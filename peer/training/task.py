@@ -4,7 +4,9 @@ computes the loss; everything else (measurement, averaging, optimizers) only see
 Built in: `gpt` (the default), a small byte-level GPT on Python's own standard library text;
 and `tiny`, a small MLP on a fixed synthetic regression problem, fast enough for tests and for
 measuring a machine in a second. A user's own task is `package.module:factory`, where
-`factory()` returns an object with the `Task` methods.
+`factory()` returns an object with the `Task` methods, and optionally
+`make_scheduler(optimizer)` for a learning-rate scheduler (stepped once per global step and
+carried in the state: `schedule.py`).
 """
 
 from __future__ import annotations

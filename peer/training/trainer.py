@@ -177,12 +177,19 @@ class Trainer:
 
     def _capture(self) -> None:
         """Remember the state at a step boundary (what donors serve and checkpoints hold)."""
-        self._captured = states.capture(self.step, self.model, self.strategy.optimizers())
+        self._captured = states.capture(
+            self.step,
+            self.model,
+            self.strategy.optimizers(),
+            scheduler_state=self.strategy.schedule.state(),
+        )
         self._snapshot = None
         self.digest = states.parameters_digest(self.model)
 
     def _restore(self, state: states.TrainingState) -> None:
+        self.strategy.schedule.check(state.scheduler_state)  # before anything changes
         states.restore(state, self.model, self.strategy.optimizers())
+        self.strategy.schedule.load(state.scheduler_state)
         self.strategy.drop_local_work()
         self.step = state.step
         self._capture()
