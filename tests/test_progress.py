@@ -104,3 +104,13 @@ def test_newest_validation_loss():
     )
     assert view.validation_loss() == (20, 1.5)
     assert CollaborationView([rec(0)]).validation_loss() is None
+
+
+def test_others_at_a_step_and_when_the_collaboration_has_settled():
+    view = CollaborationView(
+        [rec(0), rec(1, digest="e"), rec(2, step=2), rec(3, role="keeper", step=1)]
+    )
+    assert [r.peer_id for r in view.others_at(3, PEERS[0])] == [PEERS[1]]
+    assert not view.settled(3, "d")  # peer 1 holds another digest, peer 2 is behind
+    assert CollaborationView([rec(0), rec(1), rec(3, role="keeper", step=1)]).settled(3, "d")
+    assert not CollaborationView([rec(0), rec(1)]).settled(4, "d")

@@ -87,11 +87,15 @@ class Averager:
         fingerprint: str,
         gather_until: float,
         capabilities: Capabilities | None = None,
+        computes: bool | None = None,
         on_round: Callable[[int, RoundReport], None] = lambda index, report: None,
     ) -> AveragingResult:
         """Average `vector` (float32, updated in place) with every peer of the epoch.
 
-        `weight` is the samples behind it (0: take the average, contribute nothing).
+        `weight` is the samples behind it. `computes` (default: weight > 0) makes this member
+        send its vector and receive the average; weight 0 with computes=True receives the
+        average and adds nothing to it (a trainer that has no samples yet), weight 0 with
+        computes=False only reduces its share for the others (an aggregator).
         """
         namespace = f"{self.collaboration}/avg/{fingerprint}/{epoch}"
         ticket = Ticket(
@@ -99,7 +103,7 @@ class Averager:
             rpc_addrs=self.dht.node.public_addrs(),
             data_host=self.data_host,
             data_port=self.data_port,
-            computes=weight > 0,
+            computes=weight > 0 if computes is None else computes,
             weight=weight,
             capabilities=capabilities,
         )

@@ -99,6 +99,16 @@ class CollaborationView:
     def trainers(self, step: int) -> list[ProgressRecord]:
         return [r for r in self.records if r.role == "trainer" and r.step == step]
 
+    def others_at(self, step: int, me: str) -> list[ProgressRecord]:
+        """The other trainers at `step`: they take part in the averaging toward step + 1."""
+        return [r for r in self.trainers(step) if r.peer_id != me]
+
+    def settled(self, step: int, digest: str) -> bool:
+        """Every trainer holds `step` with `digest`: nobody is left to catch up."""
+        return all(
+            r.step == step and r.digest == digest for r in self.records if r.role == "trainer"
+        )
+
     def samples(self, step: int) -> int:
         """Samples accumulated toward step + 1 by the peers at `step`."""
         return sum(r.samples for r in self.trainers(step))

@@ -83,6 +83,8 @@ class TrainerStatus:
     #: (monotonic time, compute_seconds) when the first step was applied: utilisation from
     #: there on leaves out start-up (measurements, the first gathering, any download).
     first_step: tuple[float, float] | None = None
+    ended_at: float | None = None
+    """When the last step was reached (before settling with the others)."""
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -265,6 +267,8 @@ class Trainer:
                 self.status.started_at = time.monotonic()
                 while not self._done():
                     await self._iteration(nursery)
+                self.status.ended_at = time.monotonic()
+                await self._settle()
                 if self._validate_due:  # the last step's evaluation, e.g. at max_steps
                     await self._validate()
                 self._report()
@@ -274,15 +278,33 @@ class Trainer:
             with trio.CancelScope(shield=True):
                 await self._checkpoint(force=True)
 
+    async def _settle(self) -> None:
+        """Before stopping: stay (publishing progress, serving the state) until every trainer
+        in view holds our step and digest, so that a peer that ended on another digest (a
+        group that averaged apart) or a step behind catches up from us; we catch up likewise.
+        Bounded: a silent peer's record may take a while to expire."""
+        interval = self.training.progress_interval
+        with trio.move_on_after(2 * self.training.gather_window + 4 * interval + 5):
+            while True:
+                view = self.view()
+                if donors := self._should_download(view):
+                    await self._catch_up(donors, view)
+                elif view.settled(self.step, self.digest):
+                    return
+                else:
+                    self.status.phase = "waiting for the others to finish"
+                    await trio.sleep(interval / 2)
+        log.info("stopping at step %d before every peer in view agreed", self.step)
+
     def utilisation(self, *, after_first_step: bool = False) -> float:
         """Share of wall time spent computing micro-batches, since training began or since
-        the first step was applied."""
+        the first step was applied, until training ended."""
         since, computed = self.status.started_at, 0.0
         if after_first_step:
             if self.status.first_step is None:
                 return 0.0
             since, computed = self.status.first_step
-        wall = time.monotonic() - since
+        wall = (self.status.ended_at or time.monotonic()) - since
         return (self.status.compute_seconds - computed) / wall if wall > 0 else 0.0
 
     def _report(self) -> None:
@@ -291,7 +313,7 @@ class Trainer:
             "steps_applied": self.status.steps_applied,
             "samples": self.status.samples_computed,
             "compute_s": round(self.status.compute_seconds, 3),
-            "wall_s": round(time.monotonic() - self.status.started_at, 3),
+            "wall_s": round((self.status.ended_at or time.monotonic()) - self.status.started_at, 3),
             "utilisation": round(self.utilisation(), 4),
             "utilisation_after_first_step": round(self.utilisation(after_first_step=True), 4),
             "averaged_bytes": self.status.averaged_bytes,
@@ -446,6 +468,7 @@ class Trainer:
             fingerprint=self.fingerprint,
             gather_until=gather_until,
             capabilities=self.capabilities(),
+            computes=True,  # with 0 samples too: we need the average to take the step
         )
         self.status.last_step_seconds = time.monotonic() - started
         self.status.averaged_bytes += sum(r.bytes_sent + r.bytes_received for r in result.rounds)
@@ -461,7 +484,13 @@ class Trainer:
     def _finish_step(
         self, vector: np.ndarray, samples: int, result: AveragingResult, gather_until: float
     ) -> None:
-        alone = result.peers_seen == 1 and not result.rounds
+        # Alone only if no other trainer is at our step: with others there, our read of the
+        # tickets missed theirs, and a step of our own would part from theirs.
+        alone = (
+            result.peers_seen == 1
+            and not result.rounds
+            and not self.status.view.others_at(self.step, self.me)
+        )
         complete = alone or (bool(result.rounds) and all(r.complete for r in result.rounds))
         # A group whose members all had 0 samples averages nothing (every chunk keeps its
         # local zeros): an optimizer step on that would still move the weights (momentum,
@@ -473,14 +502,17 @@ class Trainer:
         if not complete or not contributed:
             self._failed_before = gather_until
             self.strategy.give_back(vector, samples)
-            log.warning(
-                "averaging for step %d did not complete (%s); keeping our %d samples for the "
-                "next try",
-                self.step + 1,
-                "; ".join(result.skipped)
-                or ("a member failed" if not complete else "no member had samples"),
-                samples,
-            )
+            if complete:  # routine: e.g. peers that had just started or downloaded
+                log.info("no sample in our group for step %d; joining the next", self.step + 1)
+            else:
+                log.warning(
+                    "averaging for step %d did not complete (%s); keeping our %d samples for "
+                    "the next try",
+                    self.step + 1,
+                    "; ".join(result.skipped)
+                    or ("we read no other ticket" if result.peers_seen == 1 else "a member failed"),
+                    samples,
+                )
             return
         self.strategy.apply(vector)
         self.step += 1

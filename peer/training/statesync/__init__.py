@@ -1,0 +1,50 @@
+"""State download: a late or lagging peer fetches the training state from up-to-date peers.
+
+Control over libp2p, bulk bytes over plain TCP. A py-libp2p Noise + yamux stream tops out near
+0.3 GB/s and keeps a core busy (docs/benchmarks.md), a tenth of loopback TCP, so:
+
+    /peertrain/state/1 (RPC)  manifest{min_step} -> Manifest{step, total_bytes, chunk_bytes,
+                                                   hashes, data_host, data_port, ticket}
+                                                | Err{unavailable}   nothing new enough / busy
+                              release{ticket}   -> Released{}        the download is over
+    data port (TCP)           client: MAGIC | ticket, then chunk indices (4 bytes each, pipelined)
+                              donor:  per index, in order: kind | index | length, then `length`
+                                      bytes (the chunk, or a UTF-8 error that ends the connection)
+
+Integrity comes from the manifest, which travels over the Noise-authenticated RPC: every chunk
+is checked against its SHA-256 before it is accepted, so the TCP bytes need no authentication
+of their own. The ticket (32 random bytes) is only an admission token that bounds how many
+downloads a donor serves at once (`max_downloads`); it travels in clear, which gives an
+eavesdropper nothing that a fresh libp2p identity could not get by asking. The state itself
+is not secret from any peer that joins the collaboration; the data plane does not encrypt it.
+
+A donor pins, per ticket, the exact `Snapshot` its manifest describes, so a step that ends
+mid-download does not change the bytes under the downloader. Chunk hashes are computed once
+per snapshot, in worker threads (SHA-256 releases the GIL: ~0.5 s/GB per thread here). The
+downloader receives straight into its result buffer and hashes each chunk in a worker thread
+while the next one arrives. Protocol decisions (which manifest, who serves which chunk,
+requeueing) are pure code in `peer.training.chunks`. Nothing received is unpickled.
+
+Modules: `wire` (the `Snapshot` and the data-plane framing both sides share), `donor`
+(`StateDonor`), `download` (`StateDownload`, `download_state`, `StateDownloadFailed`).
+"""
+
+from peer.training.statesync.donor import DonorStatistics, StateDonor
+from peer.training.statesync.download import (
+    DownloadStatistics,
+    StateDownload,
+    StateDownloadFailed,
+    download_state,
+)
+from peer.training.statesync.wire import REPLY, Snapshot
+
+__all__ = [
+    "REPLY",
+    "DonorStatistics",
+    "DownloadStatistics",
+    "Snapshot",
+    "StateDonor",
+    "StateDownload",
+    "StateDownloadFailed",
+    "download_state",
+]

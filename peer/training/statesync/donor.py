@@ -1,0 +1,381 @@
+"""The state donor: `StateDonor` serves a snapshot, manifests over RPC and chunks over TCP."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import trio
+from libp2p.peer.id import ID
+from multiaddr import Multiaddr
+
+from peer.errors import ProtocolError, RpcError
+from peer.net.host import Node
+from peer.net.rpc import RpcServer
+from peer.training.chunks import (
+    HASH_BYTES,
+    MAX_CHUNKS,
+    SERVICE,
+    TICKET_BYTES,
+    Manifest,
+    ManifestRequest,
+    Release,
+    Released,
+    chunk_count,
+    chunk_range,
+    donor_chunk_bytes,
+)
+from peer.training.statesync.wire import (
+    CONNECTION_ERRORS,
+    HASH_WORKERS,
+    KIND_CHUNK,
+    KIND_ERROR,
+    MAGIC,
+    MAX_ERROR_BYTES,
+    REPLY,
+    REQUEST,
+    Snapshot,
+    sha256,
+)
+
+log = logging.getLogger("peertrain.statesync")
+
+SEND_SLICE = 1 << 20  # a stalled receiver is noticed within a slice
+MAX_CONNECTIONS_PER_TICKET = 2
+DEFAULT_CHUNK_BYTES = 4 << 20
+
+
+async def _hash_chunks(view: memoryview, chunk_bytes: int) -> list[bytes]:
+    """SHA-256 of every chunk, in HASH_WORKERS threads (hashlib releases the GIL)."""
+    count = chunk_count(len(view), chunk_bytes)
+    out = [b""] * count
+    workers = min(HASH_WORKERS, count)
+
+    def work(first: int) -> None:
+        for index in range(first, count, workers):
+            start, end = chunk_range(index, len(view), chunk_bytes)
+            out[index] = sha256(view[start:end])
+
+    async with trio.open_nursery() as nursery:
+        for first in range(workers):
+            nursery.start_soon(functools.partial(trio.to_thread.run_sync, work, first))
+    return out
+
+
+@dataclass(frozen=True)
+class DonorStatistics:
+    step: int | None
+    """Step of the snapshot whose hashes are cached (None: nothing hashed yet)."""
+    downloads: int
+    """Live tickets: downloads being served (at most `max_downloads`)."""
+    connections: int
+    chunks_served: int
+    bytes_served: int
+    refused: int
+    """Manifest requests refused because `max_downloads` were being served."""
+
+
+@dataclass(frozen=True)
+class _Hashed:
+    snapshot: Snapshot
+    chunk_bytes: int
+    hashes: list[bytes]
+    view: memoryview
+
+
+@dataclass(eq=False)
+class _Ticket:
+    caller: ID
+    token: bytes
+    hashed: _Hashed
+    last_used: float
+    connections: int = 0
+    scopes: set[trio.CancelScope] = field(default_factory=set)
+
+    def revoke(self) -> None:
+        for scope in self.scopes:
+            scope.cancel()
+
+
+class StateDonor:
+    """Serves this peer's `snapshot()` to downloaders: manifests over RPC, chunks over TCP.
+
+    `snapshot()` returns the state to give (None: nothing yet); it should return the same
+    object until the state changes, since chunk hashes are cached per snapshot. At most
+    `max_downloads` tickets are live at once (one per caller; a ticket expires after
+    `ticket_idle` seconds without a connection or request). `wrap_stream` wraps each accepted
+    data connection (tests inject faults there).
+    """
+
+    def __init__(
+        self,
+        node: Node,
+        snapshot: Callable[[], Snapshot | None],
+        *,
+        max_downloads: int = 4,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        advertised_host: str | None = None,
+        ticket_idle: float = 10.0,
+        stall_timeout: float = 10.0,
+        wrap_stream: Callable[[trio.SocketStream], trio.abc.Stream] | None = None,
+    ) -> None:
+        self.node = node
+        self.snapshot = snapshot
+        self.max_downloads = max_downloads
+        self.chunk_bytes = chunk_bytes
+        self.advertised_host = advertised_host
+        self.ticket_idle = ticket_idle
+        self.stall_timeout = stall_timeout
+        self.wrap_stream = wrap_stream
+        # The manifest must fit one RPC message: 34 bytes per msgpack'd hash, plus slack.
+        self.max_chunks = min(MAX_CHUNKS, (node.rpc.max_message_bytes - 1024) // (HASH_BYTES + 2))
+        self._data: tuple[str, int] | None = None
+        self._hashed: _Hashed | None = None
+        self._hash_lock = trio.Lock()
+        self._tickets: dict[bytes, _Ticket] = {}
+        self._by_caller: dict[ID, bytes] = {}
+        self._connections = 0
+        self._chunks_served = 0
+        self._bytes_served = 0
+        self._refused = 0
+        server = RpcServer(node.host, SERVICE, max_message_bytes=node.rpc.max_message_bytes)
+        server.add_unary("manifest", ManifestRequest, self._on_manifest)
+        server.add_unary("release", Release, self._on_release)
+
+    async def serve(
+        self, host: str, port: int, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Listen for data connections on (host, port); reports the bound port to `start`."""
+        try:
+            async with trio.open_nursery() as nursery:
+                listeners = await nursery.start(
+                    functools.partial(trio.serve_tcp, host=host), self._handle, port
+                )
+                bound = listeners[0].socket.getsockname()[1]
+                self._data = (self.advertised_host or self._default_host(host), bound)
+                task_status.started(bound)
+        finally:
+            self._data = None
+            for ticket in self._tickets.values():
+                ticket.revoke()
+            self._tickets.clear()
+            self._by_caller.clear()
+
+    def _default_host(self, bound: str) -> str:
+        if bound not in ("", "0.0.0.0", "::"):
+            return bound
+        for addr in self.node.announce:
+            try:
+                return Multiaddr(str(addr)).value_for_protocol("ip4") or "127.0.0.1"
+            except Exception:  # not an ip4 address
+                continue
+        return "127.0.0.1"
+
+    async def hash_snapshot(self) -> Snapshot | None:
+        """Hash the current snapshot now (else the first manifest request does)."""
+        snapshot = self.snapshot()
+        if snapshot is not None:
+            await self._hash(snapshot)
+        return snapshot
+
+    def statistics(self) -> DonorStatistics:
+        return DonorStatistics(
+            step=self._hashed.snapshot.step if self._hashed else None,
+            downloads=self._live_tickets(),
+            connections=self._connections,
+            chunks_served=self._chunks_served,
+            bytes_served=self._bytes_served,
+            refused=self._refused,
+        )
+
+    # ------------------------------------------------------------ control (RPC)
+
+    async def _on_manifest(self, caller: ID, request: ManifestRequest) -> Manifest:
+        snapshot = self.snapshot()
+        if snapshot is None or snapshot.step < request.min_step:
+            held = "nothing" if snapshot is None else f"step {snapshot.step}"
+            raise RpcError(
+                "unavailable", f"nothing at step >= {request.min_step} here (holding {held})"
+            )
+        self._check_capacity(caller)
+        hashed = await self._hash(snapshot)
+        self._check_capacity(caller)  # others may have taken tickets while we hashed
+        if self._data is None:
+            raise RpcError("unavailable", "the state donor is not serving (stopping or starting)")
+        old = self._by_caller.pop(caller, None)
+        if old is not None:
+            self._tickets.pop(old).revoke()
+        token = secrets.token_bytes(TICKET_BYTES)
+        self._tickets[token] = _Ticket(caller, token, hashed, trio.current_time())
+        self._by_caller[caller] = token
+        host, port = self._data
+        return Manifest(
+            step=snapshot.step,
+            total_bytes=len(hashed.view),
+            chunk_bytes=hashed.chunk_bytes,
+            hashes=hashed.hashes,
+            data_host=host,
+            data_port=port,
+            ticket=token,
+        )
+
+    def _check_capacity(self, caller: ID) -> None:
+        serving = self._live_tickets() - (caller in self._by_caller)
+        if serving >= self.max_downloads:
+            self._refused += 1
+            raise RpcError(
+                "unavailable",
+                f"busy: serving {serving} downloads (limit {self.max_downloads}); ask another donor",
+            )
+
+    async def _on_release(self, caller: ID, request: Release) -> Released:
+        ticket = self._tickets.get(request.ticket)
+        if ticket is not None and ticket.caller == caller:
+            self._forget(ticket)
+            ticket.revoke()
+        return Released()
+
+    def _forget(self, ticket: _Ticket) -> None:
+        self._tickets.pop(ticket.token, None)
+        if self._by_caller.get(ticket.caller) == ticket.token:
+            del self._by_caller[ticket.caller]
+
+    def _live_tickets(self) -> int:
+        now = trio.current_time()
+        for ticket in list(self._tickets.values()):
+            if not ticket.connections and now - ticket.last_used > self.ticket_idle:
+                self._forget(ticket)
+        return len(self._tickets)
+
+    async def _hash(self, snapshot: Snapshot) -> _Hashed:
+        async with self._hash_lock:
+            cached = self._hashed
+            if (
+                cached is not None
+                and cached.snapshot.blob is snapshot.blob
+                and cached.snapshot.step == snapshot.step
+            ):
+                return cached
+            size = donor_chunk_bytes(
+                len(snapshot.blob), self.chunk_bytes, max_chunks=self.max_chunks
+            )
+            if chunk_count(len(snapshot.blob), size) > self.max_chunks:
+                raise RpcError("unavailable", f"a state of {len(snapshot.blob)} bytes is too large")
+            view = memoryview(snapshot.blob).cast("B")
+            started = time.perf_counter()
+            # Shielded: a caller giving up must not waste the work (the threads would finish
+            # anyway), or a state that takes longer to hash than an RPC deadline never would be.
+            with trio.CancelScope(shield=True):
+                hashes = await _hash_chunks(view, size)
+            log.debug(
+                "hashed the state of step %d (%d bytes) in %.3f s",
+                snapshot.step,
+                len(view),
+                time.perf_counter() - started,
+            )
+            self._hashed = _Hashed(snapshot, size, hashes, view)
+            return self._hashed
+
+    # ------------------------------------------------------------ data (TCP)
+
+    async def _handle(self, raw: trio.SocketStream) -> None:
+        # Unauthenticated connections cost a task and a socket each: bounded, and each gets
+        # `stall_timeout` to present its ticket.
+        if self._connections >= MAX_CONNECTIONS_PER_TICKET * self.max_downloads + 16:
+            return
+        self._connections += 1
+        try:
+            stream = self.wrap_stream(raw) if self.wrap_stream else raw
+            await self._serve_connection(stream)
+        except CONNECTION_ERRORS as error:
+            log.debug("state data connection ended: %r", error)
+        finally:
+            self._connections -= 1
+
+    async def _serve_connection(self, stream: trio.abc.Stream) -> None:
+        reader = _Reader(stream)
+        hello = None
+        with trio.move_on_after(self.stall_timeout):
+            hello = await reader.exactly(len(MAGIC) + TICKET_BYTES)
+        if hello is None or not hello.startswith(MAGIC):
+            return
+        ticket = self._tickets.get(bytes(hello[len(MAGIC) :]))
+        if ticket is None or (
+            not ticket.connections and trio.current_time() - ticket.last_used > self.ticket_idle
+        ):
+            await self._send_error(stream, "unknown or expired ticket; ask for a manifest again")
+            return
+        if ticket.connections >= MAX_CONNECTIONS_PER_TICKET:
+            await self._send_error(
+                stream, f"at most {MAX_CONNECTIONS_PER_TICKET} connections per ticket"
+            )
+            return
+        ticket.connections += 1
+        scope = trio.CancelScope()
+        ticket.scopes.add(scope)
+        try:
+            with scope:
+                await self._serve_requests(stream, reader, ticket)
+        finally:
+            ticket.connections -= 1
+            ticket.scopes.discard(scope)
+            ticket.last_used = trio.current_time()
+
+    async def _serve_requests(
+        self, stream: trio.abc.Stream, reader: _Reader, ticket: _Ticket
+    ) -> None:
+        hashed = ticket.hashed
+        count = len(hashed.hashes)
+        while True:
+            request = None
+            with trio.move_on_after(self.stall_timeout):
+                request = await reader.exactly(REQUEST.size)
+            if request is None:
+                return  # the downloader is done (EOF) or went quiet
+            (index,) = REQUEST.unpack(request)
+            if index >= count:
+                await self._send_error(stream, f"chunk {index} does not exist (0 to {count - 1})")
+                return
+            ticket.last_used = trio.current_time()
+            start, end = chunk_range(index, len(hashed.view), hashed.chunk_bytes)
+            with trio.fail_after(self.stall_timeout):
+                await stream.send_all(REPLY.pack(KIND_CHUNK, index, end - start))
+            for offset in range(start, end, SEND_SLICE):
+                # memoryview slices: the blob is never copied on its way to the socket.
+                with trio.fail_after(self.stall_timeout):
+                    await stream.send_all(hashed.view[offset : min(offset + SEND_SLICE, end)])
+            self._chunks_served += 1
+            self._bytes_served += end - start
+
+    async def _send_error(self, stream: trio.abc.Stream, message: str) -> None:
+        data = message.encode()[:MAX_ERROR_BYTES]
+        with trio.move_on_after(1.0):
+            await stream.send_all(REPLY.pack(KIND_ERROR, 0, len(data)) + data)
+
+
+class _Reader:
+    """Exact reads of small messages from a stream (requests are a few bytes each)."""
+
+    def __init__(self, stream: trio.abc.Stream) -> None:
+        self.stream = stream
+        self.buffer = bytearray()
+
+    async def exactly(self, size: int) -> bytes | None:
+        """`size` bytes, or None at a clean end of stream before the first of them."""
+        while len(self.buffer) < size:
+            data = await self.stream.receive_some(4096)
+            if not data:
+                if self.buffer:
+                    raise ProtocolError(f"stream ended {len(self.buffer)} bytes into a message")
+                return None
+            self.buffer += data
+        out = bytes(self.buffer[:size])
+        del self.buffer[:size]
+        return out
+
+
+__all__ = ["DonorStatistics", "StateDonor"]

@@ -1,0 +1,56 @@
+"""State download, the parts both sides share: `Snapshot`, the data-plane framing, SHA-256.
+
+The protocol is described in the package docstring (`peer.training.statesync`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import struct
+from dataclasses import dataclass
+
+import trio
+
+from peer.errors import RemoteError
+
+MAGIC = b"PTSTATE1"  # first bytes of a data connection: protocol and version
+REQUEST = struct.Struct(">I")  # chunk index
+REPLY = struct.Struct(">BIQ")  # kind, chunk index, length
+KIND_CHUNK, KIND_ERROR = 0, 1
+MAX_ERROR_BYTES = 1024
+HASH_WORKERS = max(1, min(4, os.cpu_count() or 1))
+# Errors of a data connection that end it (and drop its donor).
+CONNECTION_ERRORS = (
+    RemoteError,
+    OSError,
+    trio.BrokenResourceError,
+    trio.ClosedResourceError,
+    trio.TooSlowError,
+)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A training state at a step boundary, serialized (safetensors bytes; opaque here)."""
+
+    step: int
+    blob: bytes
+
+
+def sha256(data: memoryview) -> bytes:
+    return hashlib.sha256(data).digest()
+
+
+__all__ = [
+    "CONNECTION_ERRORS",
+    "HASH_WORKERS",
+    "KIND_CHUNK",
+    "KIND_ERROR",
+    "MAGIC",
+    "MAX_ERROR_BYTES",
+    "REPLY",
+    "REQUEST",
+    "Snapshot",
+    "sha256",
+]
