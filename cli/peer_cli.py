@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 from rich.live import Live
 
-from cli import common
+from cli import common, config_cli
 from cli.render import status_table, training_line, training_table
 from peer.daemon import run_daemon
 from peer.net.host import Node
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 app = typer.Typer(
     help="Donate compute to a peertrain collaboration.", no_args_is_help=True, add_completion=False
 )
+app.add_typer(config_cli.app, name="config")
 
 BackboneOpt = Annotated[
     list[str] | None,
