@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Annotated
 
 import trio
@@ -14,8 +15,9 @@ from rich.live import Live
 from cli import common, config_cli
 from cli.render import status_table, training_line, training_table
 from peer.daemon import run_daemon
+from peer.errors import RemoteError
 from peer.net.host import Node
-from peer.status import collect_status
+from peer.status import StatusReport, collect_status, status_client
 
 if TYPE_CHECKING:
     from peer.training.trainer import Trainer
@@ -109,6 +111,12 @@ async def show_progress(trainers: list[Trainer], target_batch: int) -> None:
 def status(
     backbone: BackboneOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
+    watch: Annotated[
+        bool, typer.Option("--watch", "-w", help="Refresh until Ctrl+C (in place on a terminal).")
+    ] = False,
+    interval: Annotated[
+        float, typer.Option(help="Seconds between refreshes with --watch.", min=0.2)
+    ] = 2.0,
     config: common.ConfigOpt = None,
     collaboration: common.CollabOpt = None,
     log_level: common.LogLevelOpt = None,
@@ -123,12 +131,36 @@ def status(
         },
     )
 
-    async def show(stop: trio.Event) -> None:
-        report = await collect_status(loaded.config)
+    def render(report: StatusReport) -> None:
         if as_json:
             common.echo(json.dumps(report.to_json(), indent=2))
         else:
             Console().print(status_table(report))
+
+    async def show(stop: trio.Event) -> None:
+        if not watch:
+            render(await collect_status(loaded.config))
+            return
+        async with status_client(loaded.config) as poll:
+            if as_json or not sys.stdout.isatty():
+                await refresh(stop, poll, render)  # one report after another, for logs and pipes
+                return
+            console = Console()
+            with Live(console=console, refresh_per_second=4) as live:
+                await refresh(stop, poll, lambda report: live.update(status_table(report)))
+
+    async def refresh(
+        stop: trio.Event,
+        poll: Callable[[], Awaitable[StatusReport]],
+        show_one: Callable[[StatusReport], None],
+    ) -> None:
+        while not stop.is_set():
+            try:
+                show_one(await poll())
+            except RemoteError as error:  # a backbone restarting: say so, keep watching
+                print(f"status: {error}; retrying in {interval:g} s", file=sys.stderr, flush=True)
+            with trio.move_on_after(interval):
+                await stop.wait()
 
     common.run_until_signal(show, grace=0)
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 
 import msgspec
@@ -162,7 +164,10 @@ def _work_name(computes: bool, aggregates: bool) -> str:
     }[computes, aggregates]
 
 
-async def collect_status(config: PeerConfig) -> StatusReport:
+@asynccontextmanager
+async def status_client(config: PeerConfig) -> AsyncIterator[Callable[[], Awaitable[StatusReport]]]:
+    """A DHT client joined through the backbones, yielding `poll()`: one fresh report per call
+    (`peer status --watch` polls the same client instead of joining again each time)."""
     seeds = parse_backbones(config.collaboration.backbones)
     if not seeds:
         raise Unreachable("no backbone given; pass --backbone MADDR (printed by `backbone start`)")
@@ -171,8 +176,23 @@ async def collect_status(config: PeerConfig) -> StatusReport:
     ) as node:
         dht = DHT(node, config.dht, server=False, rpc_timeout=config.net.rpc_timeout)
         reached = await join(dht, seeds, backoff=STATUS_JOIN_BACKOFF)
-        entries = await dht.get(presence_key(config.collaboration.name))
-        progress = decode_progress(await dht.get(progress_key(config.collaboration.name)))
+
+        async def poll() -> StatusReport:
+            entries = await dht.get(presence_key(config.collaboration.name))
+            progress = decode_progress(await dht.get(progress_key(config.collaboration.name)))
+            return _report(config, entries, progress, [str(peer_id) for peer_id in reached])
+
+        yield poll
+
+
+async def collect_status(config: PeerConfig) -> StatusReport:
+    async with status_client(config) as poll:
+        return await poll()
+
+
+def _report(
+    config: PeerConfig, entries: dict, progress: list[ProgressRecord], reached: list[str]
+) -> StatusReport:
     now = time.time()
     records = decode_presence(entries)
     assignment, note = assign_group(records)
@@ -184,7 +204,7 @@ async def collect_status(config: PeerConfig) -> StatusReport:
         name=config.collaboration.name,
         peers_online=sum(row.role == "peer" for row in rows),
         backbones_online=sum(row.role == "backbone" for row in rows),
-        backbones_reached=[str(peer_id) for peer_id in reached],
+        backbones_reached=reached,
         queried_at=now,
         assignment=assignment,
         assignment_note=note,

@@ -276,3 +276,14 @@ def test_config_errors_are_one_line_with_exit_2(args, env, expected, tmp_path):
     assert result.returncode == 2
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and expected in lines[0], result.stderr
+
+
+def test_status_watch_refreshes_until_sigint(procs, tmp_path):
+    _, addr = start_backbone(procs, tmp_path, "bb")
+    watcher = procs("cli.peer_cli", "status", "--watch", "--interval", "0.3", "--backbone", addr)
+    watcher.wait_line("collaboration 'default'", timeout=30)
+    watcher.wait_line("collaboration 'default'", timeout=10)  # a second report, same process
+    _, peer_id = start_peer(procs, tmp_path, "p", [addr])
+    watcher.wait_line(peer_id[-8:], timeout=20)  # a later refresh shows the newcomer
+    watcher.popen.send_signal(signal.SIGINT)
+    assert watcher.popen.wait(timeout=3) == 0
