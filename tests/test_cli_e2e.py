@@ -287,3 +287,13 @@ def test_status_watch_refreshes_until_sigint(procs, tmp_path):
     watcher.wait_line(peer_id[-8:], timeout=20)  # a later refresh shows the newcomer
     watcher.popen.send_signal(signal.SIGINT)
     assert watcher.popen.wait(timeout=3) == 0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_backbone_stops_cleanly_within_3_s(procs, tmp_path, sig):
+    backbone, addr = start_backbone(procs, tmp_path, "bb")
+    start_peer(procs, tmp_path, "p", [addr])  # so it has connections to close
+    children = psutil.Process(backbone.popen.pid).children(recursive=True)
+    backbone.popen.send_signal(sig)
+    assert backbone.popen.wait(timeout=3) == 0
+    assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
