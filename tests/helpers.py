@@ -102,3 +102,23 @@ async def swarm(
             await dht.find_nodes(node_id(dht.node.peer_id))
         yield s
         nursery.cancel_scope.cancel()
+
+
+class ForwardingStream(trio.abc.Stream):
+    """A stream that passes everything to `inner`: tests subclass it and override `send_all`
+    to script a donor's data connection (delay, corrupt, hang)."""
+
+    def __init__(self, inner: trio.abc.Stream) -> None:
+        self.inner = inner
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        return await self.inner.receive_some(max_bytes)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()

@@ -46,7 +46,7 @@ from peer.training.statesync import (
 from peer.training.strategies import LargeBatch
 from peer.training.task import TinyTask
 from peer.training.trainer import Trainer
-from tests.helpers import LOOPBACK, Swarm, swarm
+from tests.helpers import LOOPBACK, ForwardingStream, Swarm, swarm
 from tests.test_training_collab import DHT_CONFIG, Joinable, Recorder, make_config
 
 HOLD_AT = 2  # the trainers stop counting samples here (and stop a step or two later)
@@ -319,26 +319,17 @@ async def test_a_restarted_keeper_serves_what_it_saved_unless_the_blob_does_not_
                 await download_from(holder.node, ignoring, min_step=3)
 
 
-class SlowChunks(trio.abc.Stream):
+class SlowChunks(ForwardingStream):
     """A donor's data connection that waits `delay` seconds before each chunk's bytes."""
 
     def __init__(self, inner: trio.SocketStream, delay: float) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.delay = delay
 
     async def send_all(self, data) -> None:
         if len(data) > REPLY.size:  # a chunk's bytes (a reply header is REPLY.size bytes)
             await trio.sleep(self.delay)
         await self.inner.send_all(data)
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await self.inner.wait_send_all_might_not_block()
-
-    async def receive_some(self, max_bytes=None):
-        return await self.inner.receive_some(max_bytes)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
 
 async def test_a_state_slower_to_download_than_one_progress_exchange_is_still_kept(tmp_path):

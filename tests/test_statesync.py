@@ -44,7 +44,7 @@ from peer.training.statesync import (
     StateDownload,
     StateDownloadFailed,
 )
-from tests.helpers import LOOPBACK, new_identity, nodes
+from tests.helpers import LOOPBACK, ForwardingStream, new_identity, nodes
 
 KIB = 1024
 CHUNK = 256 * KIB
@@ -257,7 +257,7 @@ def test_an_empty_state_is_complete_at_once():
 # ---------------------------------------------------------------------------- network
 
 
-class Faulty(trio.abc.Stream):
+class Faulty(ForwardingStream):
     """A donor's data connection with a fault: `corrupt` flips a byte of every chunk slice;
     `stop_after` bytes of chunks sent, it sets `stopped` and hangs until its donor is killed."""
 
@@ -270,7 +270,7 @@ class Faulty(trio.abc.Stream):
         stopped: trio.Event | None = None,
         on_send: Callable[[], None] | None = None,
     ) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.corrupt = corrupt
         self.stop_after = stop_after
         self.stopped = stopped
@@ -290,15 +290,6 @@ class Faulty(trio.abc.Stream):
                 data = bytearray(data)
                 data[len(data) // 2] ^= 0xFF
         await self.inner.send_all(data)
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await self.inner.wait_send_all_might_not_block()
-
-    async def receive_some(self, max_bytes=None):
-        return await self.inner.receive_some(max_bytes)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
 
 @dataclass

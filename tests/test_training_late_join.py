@@ -20,7 +20,7 @@ from peer.training.chunks import MIN_CHUNK_BYTES
 from peer.training.statesync import REPLY, StateDonor
 from peer.training.task import TinyTask
 from peer.training.trainer import Trainer
-from tests.helpers import Swarm, swarm
+from tests.helpers import ForwardingStream, Swarm, swarm
 from tests.test_training_collab import DHT_CONFIG, Joinable, make_config
 
 VICTIM_CHUNKS = 2  # chunks the killed donor serves before it hangs
@@ -67,24 +67,15 @@ class KillOne:
             self.sent += 1
 
 
-class Scripted(trio.abc.Stream):
+class Scripted(ForwardingStream):
     def __init__(self, inner: trio.SocketStream, script: KillOne, donor: int) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.script = script
         self.donor = donor
 
     async def send_all(self, data) -> None:
         await self.script.before_send(self.donor, len(data))
         await self.inner.send_all(data)
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await self.inner.wait_send_all_might_not_block()
-
-    async def receive_some(self, max_bytes=None):
-        return await self.inner.receive_some(max_bytes)
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
 
 
 class DonorSeam:
