@@ -17,10 +17,11 @@ from peer.averaging.averager import AveragingResult
 from peer.averaging.reduce import ChunkResult
 from peer.config import PeerConfig, TaskConfig, TrainingConfig
 from peer.training import state as states
-from peer.training.progress import CollaborationView, ProgressRecord
+from peer.training.progress import CollaborationView
 from peer.training.state import StateMismatch
 from peer.training.task import TinyTask
 from peer.training.trainer import Trainer
+from tests.test_progress import rec
 
 
 def make_trainer(tmp_path, task=None, mode: str = "dedloc") -> Trainer:
@@ -44,16 +45,7 @@ def test_a_peer_that_read_no_other_ticket_steps_alone_only_if_nobody_else_is_at_
     trainer = make_trainer(tmp_path)
     size = sum(p.numel() for p in trainer.model.parameters())
     alone = AveragingResult(peers_seen=1)
-    other = ProgressRecord(
-        peer_id=ID.from_pubkey(create_new_key_pair().public_key).to_base58(),
-        role="trainer",
-        addrs=[],
-        step=0,
-        digest="x",
-        samples=8,
-        samples_per_second=1.0,
-        updated_at=1.0,
-    )
+    other = rec(0, step=0, digest="x", samples=8, samples_per_second=1.0)  # another trainer
     trainer.status.view = CollaborationView([other])
     trainer._finish_step(np.full(size, 0.5, dtype=np.float32), 8, alone, 1.0)
     assert trainer.step == 0 and trainer.strategy.samples == 8  # kept for the next try
