@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import TYPE_CHECKING
 
 from rich import box
@@ -9,7 +10,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from peer.status import PeerRow, StatusReport
+from peer.status import PeerRow, StatusReport, TrainingSummary
 
 if TYPE_CHECKING:  # the trainer imports torch; `peer status` never needs it
     from peer.training.trainer import TrainerStatus
@@ -47,8 +48,73 @@ def speed(samples_per_s: float | None) -> str:
     return f"{samples_per_s:.3g}"
 
 
+SPARKS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list[float]) -> str:
+    """A trend in one short word: the lowest value is ▁, the highest █."""
+    if len(values) < 2:
+        return ""
+    low, high = min(values), max(values)
+    span = high - low
+    if span <= 0:
+        return SPARKS[0] * len(values)
+    return "".join(SPARKS[round((v - low) / span * (len(SPARKS) - 1))] for v in values)
+
+
+def count(n: int, what: str) -> str:
+    return f"{n} {what}" if n == 1 else f"{n} {what}s"
+
+
+def training_summary(report: StatusReport) -> Table:
+    """The collaboration's training at a glance: step, batch, speed, loss and its trend."""
+    t = report.collaboration.training
+    table = Table(box=None, show_header=False, padding=(0, 1), pad_edge=False)
+    table.add_column("what", style="bold", no_wrap=True)
+    table.add_column("value")
+    table.add_row("peers", _peers_by_role(report))
+    if t is None:
+        table.add_row("training", Text("no progress published yet", style="yellow"))
+        return table
+    behind = f", {t.trainers_behind} behind" if t.trainers_behind else ""
+    keepers = f", {count(t.keepers, 'state keeper')}" if t.keepers else ""
+    table.add_row("step", f"{t.global_step}: {count(t.trainers, 'trainer')}{behind}{keepers}")
+    target = t.target_batch
+    batch = f"{t.samples}/{target} ({t.samples / target:.0%})" if target else f"{t.samples}"
+    eta = duration(t.eta_s) if t.eta_s is not None else "-"
+    table.add_row("next step", f"batch {batch}, {speed(t.samples_per_s)} samples/s, ETA {eta}")
+    loss = f"{t.loss:.4f} {sparkline(t.loss_trend)}" if t.loss is not None else "-"
+    if t.validation is not None:
+        step, value = t.validation
+        loss += f"   validation {value:.4f} at step {step} {sparkline(t.validation_trend)}"
+    table.add_row("loss", loss)
+    table.add_row("averaging", f"{size(t.bytes_per_step)} sent and received per step")
+    return table
+
+
+def _peers_by_role(report: StatusReport) -> str:
+    c = report.collaboration
+    work = Counter(
+        WORK_LABELS.get(row.work or "", "") for row in report.peers if row.role == "peer"
+    )
+    parts = [f"{n} {label}" for label, n in sorted(work.items()) if label]
+    client_only = sum(bool(row.client_only) for row in report.peers if row.role == "peer")
+    if client_only:
+        parts.append(f"{client_only} client-only")
+    detail = f" ({', '.join(parts)})" if parts else ""
+    return f"{count(c.peers_online, 'peer')}{detail}, {count(c.backbones_online, 'backbone')}"
+
+
+def size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n} B"
+
+
 def status_table(report: StatusReport) -> Group:
-    """Two tables that fit 80 columns: who is online, then what each measured and does."""
+    """Tables that fit 80 columns: the training at a glance, who is online, what each
+    measured and does, and where each is in training."""
     c = report.collaboration
     online = Table(
         **TABLE_STYLE,
@@ -60,8 +126,12 @@ def status_table(report: StatusReport) -> Group:
     measured = Table(
         **TABLE_STYLE, title="measured capabilities and assigned roles", title_justify="left"
     )
-    for column in ("peer id", "samples/s", "up", "down", "rtt", "reachable", "work", "share"):
+    for column in ("peer id", "samples/s", "up", "down", "rtt", "client-only", "work", "share"):
         measured.add_column(column, no_wrap=True)
+    training = Table(**TABLE_STYLE, title="training", title_justify="left")
+    for column in ("peer id", "role", "step", "samples/s", "this step", "loss"):
+        training.add_column(column, no_wrap=True)
+    step_samples = c.training.samples if c.training else 0
     for row in report.peers:
         # The /p2p/<id> suffix repeats the id column; `--json` keeps full addresses.
         addrs = [addr.split("/p2p/")[0] for addr in row.addrs]
@@ -79,10 +149,19 @@ def status_table(report: StatusReport) -> Group:
             rate(row.upload_bps),
             rate(row.download_bps),
             f"{row.rtt_s * 1e3:.1f} ms" if row.rtt_s is not None else "-",
-            _reachable(row),
+            _yes_no(row.client_only),
             WORK_LABELS.get(row.work or "", "-"),
             f"{row.share:.1%}" if row.share is not None else "-",
         )
+        if row.progress_role is not None:
+            training.add_row(
+                short_id(row.peer_id),
+                row.progress_role,
+                str(row.step),
+                speed(row.training_samples_per_s),
+                _contribution(row, step_samples, c.training),
+                f"{row.loss:.4f}" if row.loss is not None else "-",
+            )
     a = c.assignment
     if a is None:
         footer = Text(f"roles: {c.assignment_note}", style="yellow")
@@ -94,7 +173,8 @@ def status_table(report: StatusReport) -> Group:
             "work: compute gradients, aggregate a share of the all-reduce, or both; "
             "a peer not reachable inbound never aggregates"
         )
-    return Group(online, measured, footer)
+    parts = [training_summary(report), online, measured, footer]
+    return Group(*parts, training) if training.row_count else Group(*parts)
 
 
 # Compact enough for both tables to fit 80 columns.
@@ -113,8 +193,17 @@ WORK_LABELS = {
 }
 
 
-def _reachable(row: PeerRow) -> str:
-    return {None: "-", True: "yes", False: "no"}[row.reachable]
+def _yes_no(flag: bool | None) -> str:
+    return {None: "-", True: "yes", False: "no"}[flag]
+
+
+def _contribution(row: PeerRow, step_samples: int, training: TrainingSummary | None) -> str:
+    """Samples toward the next step, and their part of the collaboration's (at its step)."""
+    if row.progress_role != "trainer" or row.contribution is None:
+        return "-"
+    if training is None or row.step != training.global_step or not step_samples:
+        return str(row.contribution)
+    return f"{row.contribution} ({row.contribution / step_samples:.0%})"
 
 
 def training_line(status: TrainerStatus, *, target_batch: int) -> str:

@@ -7,6 +7,7 @@ table or JSON.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -53,6 +54,42 @@ class PeerRow:
     work: str | None
     """compute, aggregate, compute+aggregate or idle."""
     share: float | None
+    client_only: bool | None
+    """Not reachable inbound, so it never aggregates (None: not checked yet)."""
+    # From its progress record (None for a node that does not train or keep state).
+    progress_role: str | None
+    """trainer or keeper."""
+    step: int | None
+    contribution: int | None
+    """Samples it has accumulated toward step + 1."""
+    training_samples_per_s: float | None
+    loss: float | None
+
+
+@dataclass(frozen=True)
+class TrainingSummary:
+    """The collaboration's training as its progress records show it (pure data)."""
+
+    global_step: int
+    trainers: int
+    """Trainers at the global step."""
+    trainers_behind: int
+    keepers: int
+    samples: int
+    """Samples accumulated toward global_step + 1."""
+    target_batch: int | None
+    samples_per_s: float
+    eta_s: float | None
+    """Seconds until the next step's batch is full (None: nobody is computing)."""
+    loss: float | None
+    """Mean training loss of the trainers at the global step."""
+    loss_trend: list[float]
+    """Their mean loss at each of the last few steps, oldest first."""
+    validation: tuple[int, float] | None
+    """(step, loss) of the newest validation."""
+    validation_trend: list[float]
+    bytes_per_step: int
+    """Bytes the trainers at the global step sent and received averaging their last step."""
 
 
 @dataclass(frozen=True)
@@ -81,6 +118,8 @@ class CollaborationSummary:
     assignment: GroupAssignment | None
     assignment_note: str | None
     """Why there is no assignment (nothing measured yet, no aggregator, ...)."""
+    training: TrainingSummary | None
+    """None until some peer publishes progress."""
 
 
 @dataclass(frozen=True)
@@ -112,14 +151,9 @@ def assign_group(records: list[PresenceRecord]) -> tuple[GroupAssignment | None,
     training another task stay out. Returns (assignment, None) or (None, why not).
     """
     measured = [(r.peer_id, r.capabilities) for r in records if r.capabilities is not None]
-    tasks = Counter(
-        _task_of(c)
-        for _, c in measured
-        if c.samples_per_s > 0 and c.gradient_bytes > 0 and c.target_batch > 0
-    )
-    if not tasks:
+    main_task = _main_task(records)
+    if main_task is None:
         return None, "no peer has measured its compute yet"
-    main_task, _ = max(tasks.items(), key=lambda kv: (kv[1], kv[0]))
     task, gradient_bytes, target_batch = main_task
     capacities = [
         capacity
@@ -148,6 +182,61 @@ def assign_group(records: list[PresenceRecord]) -> tuple[GroupAssignment | None,
         exact=result.exact,
         work=work,
     ), None
+
+
+def _main_task(records: list[PresenceRecord]) -> tuple[str, int, int] | None:
+    """(task, gradient bytes, target batch) that most measured peers train, or None."""
+    tasks = Counter(
+        _task_of(c)
+        for r in records
+        if (c := r.capabilities) is not None
+        and c.samples_per_s > 0
+        and c.gradient_bytes > 0
+        and c.target_batch > 0
+    )
+    return max(tasks.items(), key=lambda kv: (kv[1], kv[0]))[0] if tasks else None
+
+
+def summarise_training(
+    progress: list[ProgressRecord], target_batch: int | None
+) -> TrainingSummary | None:
+    """What the progress records say about the collaboration's training (pure)."""
+    if not progress:
+        return None
+    view = CollaborationView(progress)
+    step = view.global_step
+    at_step = view.trainers(step)
+    trainers = [r for r in progress if r.role == "trainer"]
+    losses = [r.loss for r in at_step if r.loss is not None]
+    eta = view.eta(step, target_batch) if target_batch else math.inf
+    validation = view.validation_loss()
+    newest = [r for r in progress if validation and r.validation_step == validation[0]]
+    return TrainingSummary(
+        global_step=step,
+        trainers=len(at_step),
+        trainers_behind=len(trainers) - len(at_step),
+        keepers=sum(r.role == "keeper" for r in progress),
+        samples=view.samples(step),
+        target_batch=target_batch,
+        samples_per_s=view.throughput(step),
+        eta_s=eta if math.isfinite(eta) else None,
+        loss=sum(losses) / len(losses) if losses else None,
+        loss_trend=mean_tail([r.recent_losses for r in at_step]),
+        validation=validation,
+        validation_trend=list(newest[0].recent_validation) if newest else [],
+        bytes_per_step=sum(r.step_bytes for r in at_step),
+    )
+
+
+def mean_tail(series: list[list[float]]) -> list[float]:
+    """Element-wise mean of series aligned at their ends (peers that joined later have fewer
+    past steps): [[1, 2, 3], [4, 5]] -> [1, 3, 4]."""
+    length = max((len(s) for s in series), default=0)
+    out = []
+    for back in range(length, 0, -1):
+        values = [s[-back] for s in series if len(s) >= back]
+        out.append(sum(values) / len(values))
+    return out
 
 
 def _task_of(c: Capabilities) -> tuple[str, int, int]:
@@ -196,10 +285,18 @@ def _report(
     now = time.time()
     records = decode_presence(entries)
     assignment, note = assign_group(records)
+    by_peer = {r.peer_id: r for r in progress}
     rows = [
-        _row(r, now=now, expires_at=entries[r.peer_id].expiration, assignment=assignment)
+        _row(
+            r,
+            now=now,
+            expires_at=entries[r.peer_id].expiration,
+            assignment=assignment,
+            progress=by_peer.get(r.peer_id),
+        )
         for r in records
     ]
+    main_task = _main_task(records)
     summary = CollaborationSummary(
         name=config.collaboration.name,
         peers_online=sum(row.role == "peer" for row in rows),
@@ -208,12 +305,18 @@ def _report(
         queried_at=now,
         assignment=assignment,
         assignment_note=note,
+        training=summarise_training(progress, main_task[2] if main_task else None),
     )
     return StatusReport(summary, rows, progress)
 
 
 def _row(
-    r: PresenceRecord, *, now: float, expires_at: float, assignment: GroupAssignment | None
+    r: PresenceRecord,
+    *,
+    now: float,
+    expires_at: float,
+    assignment: GroupAssignment | None,
+    progress: ProgressRecord | None,
 ) -> PeerRow:
     c = r.capabilities
     work, share = assignment.work.get(r.peer_id, (None, None)) if assignment else (None, None)
@@ -236,4 +339,10 @@ def _row(
         measured_at=c.measured_at if c else None,
         work=work,
         share=share,
+        client_only=None if c is None or c.reachable is None else not c.reachable,
+        progress_role=progress.role if progress else None,
+        step=progress.step if progress else None,
+        contribution=progress.samples if progress else None,
+        training_samples_per_s=progress.samples_per_second if progress else None,
+        loss=progress.loss if progress else None,
     )

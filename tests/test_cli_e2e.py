@@ -74,13 +74,24 @@ class Proc:
         return self.popen.stderr.read() if self.popen.poll() is not None else "(still running)"  # type: ignore[union-attr]
 
 
+class IsolatedProc(Proc):
+    """A CLI process whose checkpoints stay in the test's own folder (never ~/.peertrain)."""
+
+    def __init__(self, args: list[str], checkpoints: Path) -> None:
+        self.checkpoints = checkpoints
+        super().__init__(args)
+
+    def environment(self) -> dict[str, str]:
+        return {**ENV, "PEERTRAIN_TRAINING_CHECKPOINT_DIR": str(self.checkpoints)}
+
+
 @pytest.fixture
-def procs():
+def procs(tmp_path):
     """Starts CLI processes and kills every one of them (by PID) at the end."""
     started: list[Proc] = []
 
     def start(*args: str) -> Proc:
-        proc = Proc(list(args))
+        proc = IsolatedProc(list(args), tmp_path / f"checkpoints{len(started)}")
         started.append(proc)
         return proc
 
@@ -297,3 +308,56 @@ def test_a_backbone_stops_cleanly_within_3_s(procs, tmp_path, sig):
     backbone.popen.send_signal(sig)
     assert backbone.popen.wait(timeout=3) == 0
     assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_status_shows_the_training_the_peers_report(procs, tmp_path):
+    _, addr = start_backbone(procs, tmp_path, "bb")
+    peers = [start_peer(procs, tmp_path, f"p{i}", [addr]) for i in range(2)]
+    ids = {peer_id for _, peer_id in peers}
+
+    def training_report() -> dict | None:
+        report = status_report([addr])
+        training = report["collaboration"]["training"]
+        rows = [p for p in report["peers"] if p["peer_id"] in ids]
+        trained = len(rows) == 2 and all(p["step"] and p["loss"] for p in rows)
+        return report if training and training["global_step"] >= 2 and trained else None
+
+    wait_for(lambda: training_report() is not None, timeout=90, what="2 steps in status")
+    report = training_report()
+    assert report is not None
+    training = report["collaboration"]["training"]
+    records = {r["peer_id"]: r for r in report["progress"]}
+    rows = {p["peer_id"]: p for p in report["peers"] if p["peer_id"] in ids}
+    for peer_id, row in rows.items():  # each row is what that peer's own record says
+        record = records[peer_id]
+        assert row["progress_role"] == "trainer"
+        assert (row["step"], row["contribution"]) == (record["step"], record["samples"])
+        assert row["loss"] == record["loss"] and row["client_only"] is False
+        assert row["version"] and row["work"] and row["share"] is not None
+    assert training["global_step"] == max(r["step"] for r in records.values())
+    at_step = [r for r in records.values() if r["step"] == training["global_step"]]
+    assert training["trainers"] == len(at_step)
+    assert training["samples"] == sum(r["samples"] for r in at_step)
+    assert training["target_batch"] == 4096  # configs/default.toml: the task's target batch
+    assert training["bytes_per_step"] > 0  # two peers averaged: bytes crossed the wire
+    assert training["loss_trend"]
+    # Each peer printed the step status shows for it (a line per step on a pipe).
+    for proc, peer_id in peers:
+        proc.wait_line(f"step {rows[peer_id]['step']} |", timeout=30)
+
+    # The table, as a terminal-less run prints it: every section, 80 columns.
+    result = subprocess.run(
+        [sys.executable, "-m", "cli.peer_cli", "status", "--backbone", addr],
+        cwd=ROOT,
+        env={**ENV, "COLUMNS": "80"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    for heading in ("peers", "next step", "loss", "averaging", "measured capabilities", "training"):
+        assert heading in text
+    training_rows = [line for line in text.splitlines() if " trainer " in line]
+    assert {line.split()[0] for line in training_rows} == {f"…{i[-8:]}" for i in ids}
+    assert max(len(line) for line in text.splitlines()) <= 80

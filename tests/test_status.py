@@ -7,7 +7,8 @@ import pytest
 
 from peer.measure.capabilities import Capabilities
 from peer.presence import PresenceRecord
-from peer.status import assign_group
+from peer.status import assign_group, mean_tail, summarise_training
+from tests.test_progress import rec
 
 
 def record(i: int, role: str, caps: Capabilities | None) -> PresenceRecord:
@@ -74,3 +75,49 @@ def test_impossible_figures_never_reach_the_solver():
             msgspec.msgpack.decode(
                 msgspec.msgpack.encode({**fields, key: value}), type=Capabilities
             )
+
+
+def test_training_summary_reads_the_global_step_batch_loss_trend_and_bytes():
+    records = [
+        rec(
+            0,
+            step=5,
+            samples=300,
+            samples_per_second=100.0,
+            loss=2.0,
+            step_bytes=1000,
+            recent_losses=[3.0, 2.5, 2.0],
+        ),
+        rec(
+            1,
+            step=5,
+            samples=100,
+            samples_per_second=50.0,
+            loss=3.0,
+            step_bytes=3000,
+            recent_losses=[3.5, 3.0],
+            validation_loss=2.8,
+            validation_step=4,
+            recent_validation=[3.1, 2.8],
+        ),
+        rec(2, step=4, samples=999, samples_per_second=999.0, loss=9.0, step_bytes=99),  # behind
+        rec(3, role="keeper", step=5),
+    ]
+    t = summarise_training(records, target_batch=1000)
+    assert t is not None
+    assert (t.global_step, t.trainers, t.trainers_behind, t.keepers) == (5, 2, 1, 1)
+    assert (t.samples, t.samples_per_s, t.eta_s) == (400, 150.0, 4.0)  # 600 missing at 150/s
+    assert t.loss == 2.5 and t.loss_trend == [3.0, 3.0, 2.5]
+    assert t.validation == (4, 2.8) and t.validation_trend == [3.1, 2.8]
+    assert t.bytes_per_step == 4000
+
+
+def test_training_summary_without_records_or_speed():
+    assert summarise_training([], target_batch=1000) is None
+    t = summarise_training([rec(0, samples=10)], target_batch=None)
+    assert t is not None and t.eta_s is None and t.loss is None and t.loss_trend == []
+
+
+def test_mean_tail_aligns_series_at_their_ends():
+    assert mean_tail([[1.0, 2.0, 3.0], [4.0, 5.0]]) == [1.0, 3.0, 4.0]
+    assert mean_tail([]) == [] and mean_tail([[], [2.0]]) == [2.0]

@@ -29,6 +29,9 @@ from peer.dht.records import owner_key
 ProgressRole = Literal["trainer", "keeper"]
 _Step = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
 _Count = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
+_History = Annotated[list[float], msgspec.Meta(max_length=16)]
+HISTORY = 8
+"""How many past losses a record carries (the dashboard's trend)."""
 
 
 class ProgressRecord(msgspec.Struct, frozen=True):
@@ -53,11 +56,18 @@ class ProgressRecord(msgspec.Struct, frozen=True):
     """The step this peer has called (-1: none)."""
     gather_until: float = 0.0
     """Wall-clock time the called step's averaging starts."""
+    recent_losses: _History = msgspec.field(default_factory=list)
+    """Training loss when each of the last `HISTORY` steps was applied, oldest first."""
+    recent_validation: _History = msgspec.field(default_factory=list)
+    """The last `HISTORY` validation losses, oldest first (the newest is `validation_loss`)."""
+    step_bytes: _Count = 0
+    """Bytes this peer sent and received averaging its last step."""
 
     def problem(self) -> str | None:
         """Why the record is unusable (non-finite numbers), or None."""
         numbers = [self.samples_per_second, self.updated_at, self.gather_until]
         numbers += [x for x in (self.loss, self.validation_loss) if x is not None]
+        numbers += self.recent_losses + self.recent_validation
         if not all(math.isfinite(x) for x in numbers) or self.samples_per_second < 0:
             return "non-finite or negative figures"
         return None

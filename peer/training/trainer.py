@@ -22,6 +22,7 @@ import contextlib
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +42,7 @@ from peer.net.host import parse_addrs
 from peer.training import checkpoint as checkpoints
 from peer.training import state as states
 from peer.training.progress import (
+    HISTORY,
     CollaborationView,
     ProgressRecord,
     decode_progress,
@@ -157,6 +159,9 @@ class Trainer:
         self._validate_due = False
         self._validation_batches: list[Any] | None = None
         self._loss_ema: float | None = None
+        self._recent_losses: deque[float] = deque(maxlen=HISTORY)
+        self._recent_validation: deque[float] = deque(maxlen=HISTORY)
+        self._step_bytes = 0
         self._rate_ema: float = 0.0
         self._batch_seconds = 0.0
         self._view_changed = trio.Event()
@@ -200,6 +205,8 @@ class Trainer:
 
     def record(self) -> ProgressRecord:
         validation = self.status.validation
+        if validation and not math.isfinite(validation[1]):
+            validation = None  # others would drop the whole record (ProgressRecord.problem)
         call_step, gather_until = self._call or (-1, 0.0)
         return ProgressRecord(
             peer_id=self.me,
@@ -215,6 +222,9 @@ class Trainer:
             validation_step=validation[0] if validation else 0,
             call_step=call_step,
             gather_until=gather_until,
+            recent_losses=list(self._recent_losses),
+            recent_validation=list(self._recent_validation),
+            step_bytes=self._step_bytes,
         )
 
     def view(self) -> CollaborationView:
@@ -471,7 +481,8 @@ class Trainer:
             computes=True,  # with 0 samples too: we need the average to take the step
         )
         self.status.last_step_seconds = time.monotonic() - started
-        self.status.averaged_bytes += sum(r.bytes_sent + r.bytes_received for r in result.rounds)
+        self._step_bytes = sum(r.bytes_sent + r.bytes_received for r in result.rounds)
+        self.status.averaged_bytes += self._step_bytes
         return result
 
     def _apply_pending(self) -> None:
@@ -521,6 +532,8 @@ class Trainer:
             self.status.first_step = (time.monotonic(), self.status.compute_seconds)
         self._capture()
         self.status.step = self.step
+        if self._loss_ema is not None:
+            self._recent_losses.append(self._loss_ema)
         self._publish_now.set()
         log.info(
             "step %d: %d peers, %d local samples, loss %.4f",
@@ -570,6 +583,8 @@ class Trainer:
             )
         loss = await trio.to_thread.run_sync(self.validation_loss, self._validation_batches)
         self.status.validation = (self.step, loss)
+        if math.isfinite(loss):
+            self._recent_validation.append(loss)
         self._publish_now.set()
         log.info("step %d: validation loss %.4f", self.step, loss)
 
