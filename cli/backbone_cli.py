@@ -47,6 +47,7 @@ def start(
     ] = False,
     log_level: common.LogLevelOpt = None,
     log_format: common.LogFormatOpt = None,
+    metrics_port: common.MetricsPortOpt = None,
 ) -> None:
     """Start a backbone and print the addresses peers should pass to `peer join --backbone`."""
     overrides = {
@@ -58,6 +59,7 @@ def start(
         "state.keep": True if keep_state else None,
         "log.level": log_level,
         "log.format": log_format,
+        "metrics.port": metrics_port,
     }
     loaded = common.build_config(config, overrides, port=port)
     if loaded.sources["identity.path"] == "default":  # a backbone's key lives apart from a peer's

@@ -49,6 +49,12 @@ LogLevelOpt = Annotated[
     str | None, typer.Option("--log-level", help="debug, info, warning or error.")
 ]
 LogFormatOpt = Annotated[str | None, typer.Option("--log-format", help="rich or json.")]
+MetricsPortOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--metrics-port", help="Serve Prometheus metrics on this port (GET /metrics; 0: off)."
+    ),
+]
 
 
 def fail(message: str) -> NoReturn:

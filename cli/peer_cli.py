@@ -52,6 +52,7 @@ def join(
     ] = None,
     log_level: common.LogLevelOpt = None,
     log_format: common.LogFormatOpt = None,
+    metrics_port: common.MetricsPortOpt = None,
 ) -> None:
     """Join a collaboration through its backbones and stay until Ctrl+C."""
     loaded = common.build_config(
@@ -65,6 +66,7 @@ def join(
             "task.name": task,
             "log.level": log_level,
             "log.format": log_format,
+            "metrics.port": metrics_port,
         },
         port=port,
     )

@@ -28,6 +28,7 @@ __all__ = [
     "LoadedConfig",
     "LogConfig",
     "MeasureConfig",
+    "MetricsConfig",
     "NetConfig",
     "PeerConfig",
     "PresenceConfig",
@@ -230,6 +231,16 @@ class StateConfig(_Section):
 
 
 @dataclass(frozen=True, kw_only=True)
+class MetricsConfig(_Section):
+    MINIMUM: ClassVar[dict[str, int]] = {"port": 0}
+    MAXIMUM: ClassVar[dict[str, int]] = {"port": 65535}
+    port: int = 0
+    """TCP port of the Prometheus endpoint (GET /metrics); 0: no endpoint."""
+    host: str = "127.0.0.1"
+    """Address the endpoint listens on; 0.0.0.0 lets a Prometheus on another machine scrape."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class LogConfig(_Section):
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
         "level": ("debug", "info", "warning", "error"),
@@ -254,6 +265,7 @@ class PeerConfig:
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     state: StateConfig = field(default_factory=StateConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
 
@@ -460,7 +472,11 @@ def _coerce(dotted: str, value: Any, origin: str) -> Any:
     elif kind is int:
         ok = isinstance(value, int) and not isinstance(value, bool)
         minimum = getattr(SECTIONS[section], "MINIMUM", {}).get(key, 1)
-        problem = None if not ok or value >= minimum else f"expected an integer >= {minimum}"
+        maximum = getattr(SECTIONS[section], "MAXIMUM", {}).get(key, math.inf)
+        if ok and not minimum <= value <= maximum:
+            problem = f"expected an integer >= {minimum}" + (
+                f" and <= {maximum}" if maximum != math.inf else ""
+            )
     elif kind is float:
         ok = isinstance(value, int | float) and not isinstance(value, bool)
         if ok:

@@ -27,6 +27,7 @@ from peer.errors import Unreachable
 from peer.measure.probe import ProbeServer
 from peer.measure.reachability import DialBackServer, open_dialer
 from peer.measure.service import Measurements
+from peer.metrics import Sources, registry_for, serve_metrics
 from peer.net.host import Node, open_node, parse_addrs, split_peer_addr
 from peer.net.identity import ephemeral_identity, hold_identity, load_or_create_identity
 from peer.presence import PresenceRecord, Role, decode_presence, keep_present, presence_key
@@ -121,6 +122,14 @@ async def run_daemon(
                     probe_server=probe_server,
                 )
                 await nursery.start(measurements.run)
+                sources = Sources(role, node.peer_id.to_base58(), __version__, dht, measurements)
+                if config.metrics.port:
+                    await nursery.start(
+                        serve_metrics,
+                        registry_for(sources),
+                        config.metrics.host,
+                        config.metrics.port,
+                    )
                 if role == "backbone" and config.state.keep:
                     from peer.training.keeper import run_keeper
 
@@ -159,7 +168,7 @@ async def run_daemon(
                             config,
                             workload,
                             measurements,
-                            on_trainer,
+                            lambda trainer: on_trainer(sources.add_trainer(trainer)),
                             stop,
                         )
                     await stop.wait()

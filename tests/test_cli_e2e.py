@@ -361,3 +361,48 @@ def test_status_shows_the_training_the_peers_report(procs, tmp_path):
     training_rows = [line for line in text.splitlines() if " trainer " in line]
     assert {line.split()[0] for line in training_rows} == {f"…{i[-8:]}" for i in ids}
     assert max(len(line) for line in text.splitlines()) <= 80
+
+
+def scrape(port: int) -> str:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        conn.sendall(b"GET /metrics HTTP/1.0\r\n\r\n")
+        reply = b""
+        while chunk := conn.recv(65536):
+            reply += chunk
+    return reply.decode()
+
+
+def metric(text: str, name: str) -> float | None:
+    for line in text.splitlines():
+        if line.startswith(f"{name} "):
+            return float(line.split()[1])
+    return None
+
+
+def test_metrics_endpoints_of_a_backbone_and_a_training_peer(procs, tmp_path):
+    bb_port, peer_port = free_port(), free_port()
+    backbone = procs(
+        "cli.backbone_cli", "start", "--identity", str(tmp_path / "bb.key"),
+        "--listen", LOOPBACK, "--metrics-port", str(bb_port),
+    )  # fmt: skip
+    line = backbone.wait_line("peer join --backbone /ip4/127.0.0.1/", timeout=30)
+    addr = line.split("--backbone ", 1)[1].strip()
+    for i in range(2):
+        args = ["--identity", str(tmp_path / f"p{i}.key"), "--listen", LOOPBACK]
+        args += ["--backbone", addr] + (["--metrics-port", str(peer_port)] if i == 0 else [])
+        procs("cli.peer_cli", "join", *args).wait_line(" joined collaboration", timeout=30)
+    wait_for(
+        lambda: (metric(scrape(peer_port), "peertrain_steps_total") or 0) >= 2,
+        timeout=90,
+        what="2 steps counted on /metrics",
+    )
+    text = scrape(peer_port)
+    assert 'role="peer"' in text
+    assert (metric(text, "peertrain_allreduce_bytes_total") or 0) > 0
+    assert (metric(text, "peertrain_allreduce_seconds_count") or 0) >= 2
+    assert metric(text, "peertrain_samples_total")
+    assert metric(text, "peertrain_measured_samples_per_second")
+    assert 'peertrain_dht_operations_total{method="get",outcome="ok"}' in text
+    backbone_text = scrape(bb_port)
+    assert 'role="backbone"' in backbone_text and "peertrain_steps_total" not in backbone_text
+    assert (metric(backbone_text, "peertrain_peers_seen") or 0) >= 2

@@ -184,6 +184,8 @@ def test_unknown_flag_key() -> None:
         ("[dht]\nalpha = true", "dht.alpha", "True", "expected an integer"),
         ("[dht]\nalpha = 2.5", "dht.alpha", "2.5", "expected an integer"),
         ("[dht]\nalpha = 0", "dht.alpha", "0", "expected an integer >= 1"),
+        ("[metrics]\nport = 65536", "metrics.port", "65536", ">= 0 and <= 65535"),
+        ("[metrics]\nport = -1", "metrics.port", "-1", ">= 0 and <= 65535"),
         ("[net]\nrpc_timeout = -1", "net.rpc_timeout", "-1.0", "expected a number > 0"),
         ("[net]\nrpc_timeout = true", "net.rpc_timeout", "True", "expected a number"),
         ("[net]\nrpc_timeout = nan", "net.rpc_timeout", "nan", "expected a number > 0"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -22,7 +23,7 @@ from peer.config import DhtConfig
 from peer.dht import protocol as p
 from peer.dht.records import Entry, Limits, RecordStore, live, make_entry, merge, validate_entry
 from peer.dht.routing import Contact, Lookup, RoutingTable, key_id, node_id
-from peer.errors import ProtocolError, RemoteError
+from peer.errors import DeadlineExceeded, ProtocolError, RemoteError, Unreachable
 from peer.net.host import Node, parse_addrs
 from peer.net.rpc import RpcServer
 
@@ -37,6 +38,8 @@ class DhtStatistics:
     keys_held: int
     stores_received: int
     gets_served: int
+    calls: dict[tuple[str, str], int]
+    """(method, outcome) -> RPCs this node made; outcome ok, timeout, unreachable or error."""
 
 
 class DHT:
@@ -67,6 +70,7 @@ class DHT:
         self.seeds: list[tuple[ID, Multiaddr]] = []  # backbones to fall back on
         self._stores_received = 0
         self._gets_served = 0
+        self._calls: Counter[tuple[str, str]] = Counter()
         rpc = RpcServer(node.host, p.SERVICE, max_message_bytes=node.rpc.max_message_bytes)
         rpc.add_unary("find_node", p.FindNode, self._on_find_node)
         rpc.add_unary("store", p.Store, self._on_store)
@@ -122,7 +126,11 @@ class DHT:
 
     def statistics(self) -> DhtStatistics:
         return DhtStatistics(
-            len(self.table), len(self.records), self._stores_received, self._gets_served
+            len(self.table),
+            len(self.records),
+            self._stores_received,
+            self._gets_served,
+            dict(self._calls),
         )
 
     # ------------------------------------------------------------------ public operations
@@ -277,9 +285,15 @@ class DHT:
     # ------------------------------------------------------------------ helpers
 
     async def _call(self, peer_id: ID, method: str, request: object, reply_type: type):
-        return await self.node.rpc.call(
-            peer_id, p.SERVICE, method, request, reply_type, timeout=self.rpc_timeout
-        )
+        try:
+            reply = await self.node.rpc.call(
+                peer_id, p.SERVICE, method, request, reply_type, timeout=self.rpc_timeout
+            )
+        except RemoteError as error:
+            self._calls[method, _outcome(error)] += 1
+            raise
+        self._calls[method, "ok"] += 1
+        return reply
 
     def _caller_addrs(self) -> list[str] | None:
         return [str(a) for a in self.node.announce] if self.server else None
@@ -317,3 +331,9 @@ class DHT:
         if len(contacts) < self.config.replicas:
             return True
         return self.table.own ^ target < max(c.id ^ target for c in contacts)
+
+
+def _outcome(error: RemoteError) -> str:
+    if isinstance(error, DeadlineExceeded):
+        return "timeout"
+    return "unreachable" if isinstance(error, Unreachable) else "error"

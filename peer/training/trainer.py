@@ -22,7 +22,7 @@ import contextlib
 import logging
 import math
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,6 +77,11 @@ class TrainerStatus:
     validation: tuple[int, float] | None = None
     last_step_seconds: float | None = None
     averaged_bytes: int = 0
+    averaging_seconds: float = 0.0
+    """Total time spent in averaging calls (`averagings` of them)."""
+    averagings: int = 0
+    failures: Counter[str] = field(default_factory=Counter)
+    """Failures by kind: averaging_incomplete, state_download."""
     steps_applied: int = 0
     downloads: int = 0
     compute_seconds: float = 0.0
@@ -481,6 +486,8 @@ class Trainer:
             computes=True,  # with 0 samples too: we need the average to take the step
         )
         self.status.last_step_seconds = time.monotonic() - started
+        self.status.averaging_seconds += self.status.last_step_seconds
+        self.status.averagings += 1
         self._step_bytes = sum(r.bytes_sent + r.bytes_received for r in result.rounds)
         self.status.averaged_bytes += self._step_bytes
         return result
@@ -516,6 +523,7 @@ class Trainer:
             if complete:  # routine: e.g. peers that had just started or downloaded
                 log.info("no sample in our group for step %d; joining the next", self.step + 1)
             else:
+                self.status.failures["averaging_incomplete"] += 1
                 log.warning(
                     "averaging for step %d did not complete (%s); keeping our %d samples for "
                     "the next try",
@@ -563,6 +571,7 @@ class Trainer:
                 raise RemoteError(f"donors sent step {state.step}, expected {target}")
             self._restore(state)
         except RemoteError as error:
+            self.status.failures["state_download"] += 1
             log.warning("state download failed: %s; retrying", error)
             await trio.sleep(self.training.progress_interval)
             return
