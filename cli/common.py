@@ -114,6 +114,8 @@ def run_until_signal(main: Callable[[trio.Event], Awaitable[None]], *, grace: fl
                             os._exit(130)  # second Ctrl+C: the user wants out now
                         stop.set()
                         nursery.cancel_scope.deadline = trio.current_time() + grace
+                        if grace > 0:  # a daemon: say what the wait is for, and the way out
+                            echo(f"stopping within {grace:g} s (Ctrl+C again to quit at once)")
 
                 nursery.start_soon(watch)
                 await main(stop)

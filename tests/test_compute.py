@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -33,6 +34,23 @@ def test_a_slower_step_measures_slower():
     fast = measure_compute(TinyTask(), micro_batch=64, device=cpu, min_seconds=0.3)
     slow = measure_compute(Slowed(), micro_batch=64, device=cpu, min_seconds=0.3)
     assert slow.samples_per_s < fast.samples_per_s
+
+
+def test_a_stopped_measurement_returns_none_within_a_step():
+    # Without the stop flag this would time steps for an hour; a stopping daemon waits for it.
+    stop = threading.Event()
+    results: list = []
+    worker = threading.Thread(
+        target=lambda: results.append(
+            measure_compute(
+                TinyTask(), micro_batch=16, device=torch.device("cpu"), min_seconds=3600, stop=stop
+            )
+        )
+    )
+    worker.start()
+    stop.set()
+    worker.join(timeout=60)
+    assert not worker.is_alive() and results == [None]
 
 
 def test_devices():

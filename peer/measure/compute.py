@@ -8,6 +8,7 @@ thread, never on the trio loop.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,10 @@ class ComputeMeasurement:
     """Free memory of that device (host RAM for the CPU)."""
     gradient_bytes: int
     """Bytes of one full gradient of the task's model."""
+
+
+class _Stopped(Exception):
+    pass
 
 
 def pick_device(setting: str) -> torch.device:
@@ -71,12 +76,16 @@ def measure_compute(
     min_seconds: float = 1.0,
     warmup_steps: int = 2,
     min_steps: int = 3,
-) -> ComputeMeasurement:
-    """Samples/s of sampling + forward + backward at `micro_batch` (blocking; use a thread)."""
+    stop: threading.Event | None = None,
+) -> ComputeMeasurement | None:
+    """Samples/s of sampling + forward + backward at `micro_batch` (blocking; use a thread).
+    Returns None, within one step, once `stop` is set."""
     model = task.build_model().to(device)
     generator = torch.Generator().manual_seed(0)
 
     def step() -> None:
+        if stop is not None and stop.is_set():
+            raise _Stopped
         model.zero_grad(set_to_none=True)
         task.loss(model, to_device(task.sample_batch(micro_batch, generator), device)).backward()
 
@@ -84,18 +93,21 @@ def measure_compute(
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # kernels run asynchronously: wait before timing
 
-    for _ in range(warmup_steps):
-        step()
-    synchronize()
-    steps, start = 0, time.perf_counter()
-    while True:
-        step()
-        steps += 1
-        if steps >= min_steps:
-            synchronize()
-            elapsed = time.perf_counter() - start
-            if elapsed >= min_seconds:
-                break
+    try:
+        for _ in range(warmup_steps):
+            step()
+        synchronize()
+        steps, start = 0, time.perf_counter()
+        while True:
+            step()
+            steps += 1
+            if steps >= min_steps:
+                synchronize()
+                elapsed = time.perf_counter() - start
+                if elapsed >= min_seconds:
+                    break
+    except _Stopped:
+        return None
     gradient_bytes = sum(
         p.numel() * p.element_size() for p in model.parameters() if p.requires_grad
     )

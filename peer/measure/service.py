@@ -15,6 +15,7 @@ before every round); it is reachable by definition (peers joined by dialing it).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING
@@ -41,6 +42,8 @@ log = logging.getLogger("peertrain.measure")
 RETRY_AFTER_FAILURE = 30.0
 # Seconds of real work after which a start-up figure counts half.
 SPEED_HALF_LIFE = 60.0
+# Seconds a stopping daemon waits for the compute benchmark's step in progress.
+STOP_WAIT = 10.0
 LINK_HALF_LIFE = 300.0
 
 
@@ -148,16 +151,31 @@ class Measurements:
     async def _measure_compute(self, task: Task, device: torch.device) -> None:
         from peer.measure.compute import measure_compute  # torch: only peers import it
 
-        # abandon_on_cancel: a stopping daemon must not wait for the benchmark to finish.
-        self.compute = await trio.to_thread.run_sync(
-            lambda: measure_compute(
-                task,
-                micro_batch=self.config.task.micro_batch,
-                device=device,
-                min_seconds=self.config.measure.compute_seconds,
-            ),
-            abandon_on_cancel=True,
-        )
+        # A stopping daemon must not wait for the whole benchmark, nor leave its thread inside
+        # torch while the interpreter exits (torch aborts the process then): on cancel we tell
+        # the benchmark to stop and wait for the step in progress.
+        stop, finished = threading.Event(), threading.Event()
+
+        def benchmark() -> ComputeMeasurement | None:
+            try:
+                return measure_compute(
+                    task,
+                    micro_batch=self.config.task.micro_batch,
+                    device=device,
+                    min_seconds=self.config.measure.compute_seconds,
+                    stop=stop,
+                )
+            finally:
+                finished.set()
+
+        try:
+            compute = await trio.to_thread.run_sync(benchmark, abandon_on_cancel=True)
+        finally:
+            stop.set()
+            with trio.CancelScope(shield=True):
+                await trio.to_thread.run_sync(finished.wait, STOP_WAIT)
+        assert compute is not None  # None only once stopped, and then we were cancelled
+        self.compute = compute
         self.speed = RateEMA(self.compute.samples_per_s, half_life=SPEED_HALF_LIFE)
         log.info(
             "compute: %.1f samples/s of task %r on %s",
