@@ -3,6 +3,7 @@ signal handling, and turning user and network errors into one line and exit code
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import sys
@@ -128,6 +129,17 @@ def run_until_signal(main: Callable[[trio.Event], Awaitable[None]], *, grace: fl
         if ours is None:
             raise
         fail(str(ours))
+    exit_at_once(0)
+
+
+def exit_at_once(code: int) -> NoReturn:
+    """End a daemon that has shut down cleanly without the interpreter's teardown: its final
+    garbage collection (the model, optimizer state, the network stack) took ~3 s of a peer's
+    stop (measured with py-spy: gc_collect_main after atexit). Everything is saved by now."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def find_error(error: BaseException) -> PeertrainError | None:
