@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from cli.peer_cli import app
+from peer.config import config_to_dict, load_config
 
 runner = CliRunner()
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -39,10 +41,25 @@ def test_show_as_a_table_names_the_sources(tmp_path):
 
 
 def test_check_accepts_the_shipped_presets(tmp_path):
-    for name in ("default", "demo", "debug"):
-        result = runner.invoke(app, ["config", "check", str(CONFIGS / f"{name}.toml")])
+    presets = sorted(CONFIGS.glob("*.toml"))
+    assert {p.stem for p in presets} >= {"default", "demo", "debug", "lan", "internet"}
+    for preset in presets:
+        result = runner.invoke(app, ["config", "check", str(preset)])
         assert result.exit_code == 0, result.output
         assert "valid" in result.output
+
+
+@pytest.mark.parametrize("name", ["lan", "internet"])
+def test_a_deployment_preset_sets_only_what_differs_from_the_defaults(name):
+    # Their header says so; a key equal to its default would only hide later default changes.
+    loaded = load_config(file=CONFIGS / f"{name}.toml", env={})
+    defaults = config_to_dict(load_config(env={}).config)
+    ours = config_to_dict(loaded.config)
+    from_file = [key for key, source in loaded.sources.items() if source.startswith("file")]
+    assert from_file
+    for key in from_file:
+        section, field = key.split(".")
+        assert ours[section][field] != defaults[section][field], key
 
 
 def test_check_rejects_a_bad_file_in_one_line_and_ignores_the_environment(tmp_path):
