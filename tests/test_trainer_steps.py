@@ -61,6 +61,21 @@ def group_result(size: int, senders: int, *, complete: bool = True) -> Averaging
     return AveragingResult(peers_seen=3, rounds=[report])
 
 
+def test_failed_averagings_warn_only_once_they_persist(tmp_path, caplog):
+    trainer = make_trainer(tmp_path)
+    size = sum(p.numel() for p in trainer.model.parameters())
+    vector = np.full(size, 0.5, dtype=np.float32)
+    outcomes = [False] * 4 + [True] + [False] * 14  # 4 failures, a step, 14 failures
+    with caplog.at_level("INFO", logger="peertrain.trainer"):
+        for gather_until, complete in enumerate(outcomes, start=1):
+            trainer._finish_step(vector, 8, group_result(size, 3, complete=complete), gather_until)
+    failures = [r for r in caplog.records if "did not complete" in r.getMessage()]
+    warned = [i + 1 for i, r in enumerate(failures) if r.levelname == "WARNING"]
+    # The 3rd failure in a row warns, then the 13th, 23rd...; a step starts the count over.
+    assert len(failures) == 18 and warned == [3, 7, 17]
+    assert trainer.status.failures["averaging_incomplete"] == 18
+
+
 @pytest.mark.parametrize(
     ("samples", "senders", "complete", "steps"),
     [

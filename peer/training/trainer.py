@@ -57,6 +57,8 @@ if TYPE_CHECKING:
     from peer.training.statesync import Snapshot
 
 log = logging.getLogger("peertrain.trainer")
+#: Failed averagings in a row before the trainer logs a warning (fewer are routine, at INFO).
+WARN_AFTER_FAILURES = 3
 
 #: Fetches the state of `step` (or newer) from the given holders.
 Download = Callable[[list[ProgressRecord], int], Awaitable["Snapshot"]]
@@ -159,6 +161,7 @@ class Trainer:
         self._captured: states.TrainingState | None = None
         self._call: tuple[int, float] | None = None  # (step, gather_until) we called
         self._failed_before = -math.inf  # calls gathering at or before this failed for us
+        self._failed_in_a_row = 0
         self._pending: trio.Event | None = None  # delayed averaging in flight
         self._pending_result: tuple[np.ndarray, int, AveragingResult, float] | None = None
         self._validate_due = False
@@ -524,15 +527,25 @@ class Trainer:
                 log.info("no sample in our group for step %d; joining the next", self.step + 1)
             else:
                 self.status.failures["averaging_incomplete"] += 1
-                log.warning(
+                self._failed_in_a_row += 1
+                in_a_row = self._failed_in_a_row
+                # One failure is routine (a late ticket, a peer that just left) and the next
+                # try heals it: a warning once failures persist, then every tenth one.
+                warn = (
+                    in_a_row >= WARN_AFTER_FAILURES and (in_a_row - WARN_AFTER_FAILURES) % 10 == 0
+                )
+                log.log(
+                    logging.WARNING if warn else logging.INFO,
                     "averaging for step %d did not complete (%s); keeping our %d samples for "
-                    "the next try",
+                    "the next try (%d failed in a row)",
                     self.step + 1,
                     "; ".join(result.skipped)
                     or ("we read no other ticket" if result.peers_seen == 1 else "a member failed"),
                     samples,
+                    in_a_row,
                 )
             return
+        self._failed_in_a_row = 0
         self.strategy.apply(vector)
         self.step += 1
         self.status.steps_applied += 1
