@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.live import Live
 
-from cli import common, config_cli
+from cli import common, config_cli, doctor_cli
 from cli.render import status_table, training_line, training_table
 from peer.daemon import run_daemon
 from peer.errors import RemoteError
@@ -180,6 +180,8 @@ def demo(
 
     trio.run(run_demo, peers, timeout)
 
+
+app.command(name="doctor")(doctor_cli.doctor)
 
 if __name__ == "__main__":
     app()

@@ -3,7 +3,8 @@
 Protocol `/peertrain/probe/1`, one probe per stream, control messages as frames
 (`peer.net.framing`), bulk data as raw bytes:
 
-    ping:      Ping ->  Pong          (up to 32 on one stream; the client keeps the fastest)
+    ping:      Ping ->  Pong{server_time} (up to 32 on one stream; the client keeps the fastest;
+               the backbone's wall clock lets `peer doctor` estimate clock skew)
     download:  Probe{download, n} ->  Accepted{n', seconds} | Refused, then n' raw bytes, EOF;
                Measured{bytes, seconds} ->
     upload:    Probe{upload, n}   ->  Accepted{n', seconds} | Refused;  n' raw bytes, EOF
@@ -56,7 +57,9 @@ class Ping(msgspec.Struct, tag=True):
 
 
 class Pong(msgspec.Struct, tag=True):
-    pass
+    server_time: Annotated[float, msgspec.Meta(ge=0, le=1e11)] | None = None
+    """The backbone's wall clock (unix seconds) when it answered; None from older backbones
+    (the default keeps their bare `Pong` decodable, and older clients ignore the field)."""
 
 
 class Probe(msgspec.Struct, tag=True):
@@ -156,10 +159,17 @@ class ProbeServer:
     """Serves link probes on a backbone."""
 
     def __init__(
-        self, host: IHost, limits: ProbeConfig, *, clock: Callable[[], float] = time.monotonic
+        self,
+        host: IHost,
+        limits: ProbeConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
+        """`clock` paces budgets and rates; `wall_clock` is the time a `Pong` reports."""
         self.limits = limits
         self.clock = clock
+        self.wall_clock = wall_clock
         self.budgets = ByteBudgets(capacity=limits.budget_bytes, window=limits.budget_window)
         self.running = 0
         self._rates: deque[tuple[float, str, float]] = deque(maxlen=256)  # (at, direction, bps)
@@ -187,7 +197,7 @@ class ProbeServer:
                     break
                 request = _requests.decode(frame)
                 if isinstance(request, Ping):
-                    await framed.write_frame(_encode(Pong()))
+                    await framed.write_frame(_encode(Pong(self.wall_clock())))
                     continue
                 await self._probe(caller, framed, request)
                 break
