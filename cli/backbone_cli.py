@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 
 from cli import common
+from peer.config import LoadedConfig
 from peer.daemon import run_daemon
-from peer.net.host import Node
+from peer.errors import ConfigError, UserError
+from peer.net.host import Node, parse_multiaddr
+from peer.net.identity import load_or_create_identity
 
 app = typer.Typer(
     help="Run a peertrain backbone (DHT bootstrap node).",
@@ -22,6 +26,18 @@ DEFAULT_IDENTITY = "~/.peertrain/backbone.key"
 @app.callback()
 def main() -> None:
     """Backbones are always-on DHT servers; peers join a collaboration through any of them."""
+
+
+def backbone_config(
+    config: Path | None, overrides: dict[str, Any], *, port: int | None = None
+) -> LoadedConfig:
+    """The config a backbone runs with: a peer's, but its key lives apart from a peer's."""
+    loaded = common.build_config(config, overrides, port=port)
+    if loaded.sources["identity.path"] == "default":
+        loaded = common.build_config(
+            config, {**overrides, "identity.path": DEFAULT_IDENTITY}, port=port
+        )
+    return loaded
 
 
 @app.command()
@@ -61,11 +77,7 @@ def start(
         "log.format": log_format,
         "metrics.port": metrics_port,
     }
-    loaded = common.build_config(config, overrides, port=port)
-    if loaded.sources["identity.path"] == "default":  # a backbone's key lives apart from a peer's
-        loaded = common.build_config(
-            config, {**overrides, "identity.path": DEFAULT_IDENTITY}, port=port
-        )
+    loaded = backbone_config(config, overrides, port=port)
 
     def on_ready(node: Node) -> None:
         common.echo(
@@ -77,6 +89,34 @@ def start(
     common.run_until_signal(
         lambda stop: run_daemon(loaded.config, stop, role="backbone", on_ready=on_ready)
     )
+
+
+@app.command("id")
+def id_(
+    identity: common.IdentityOpt = None,
+    address: Annotated[
+        str | None,
+        typer.Option(
+            "--address",
+            help="Transport multiaddr peers dial (e.g. /dns4/backbone/tcp/31337); print it "
+            "with /p2p/<peer id> appended, ready for `peer join --backbone`.",
+        ),
+    ] = None,
+    config: common.ConfigOpt = None,
+) -> None:
+    """Print the backbone's peer id (or full address), creating its key on first use."""
+    # Peers need the id as well as an address; printing it without starting the backbone lets
+    # a deployment hand out the full address up front (deploy/compose.yaml does).
+    loaded = backbone_config(config, {"identity.path": str(identity) if identity else None})
+    try:
+        transport = None if address is None else parse_multiaddr(address, what="--address")
+        if transport is not None and "p2p" in (p.name for p in transport.protocols()):
+            raise ConfigError(f"--address {address!r} already ends in /p2p/<id>; drop that part")
+        # No IdentityLock: reading the public half is safe while `start` runs on the key.
+        found = load_or_create_identity(Path(loaded.config.identity.path).expanduser())
+    except UserError as error:
+        common.fail(str(error))
+    common.echo(str(found.peer_id) if transport is None else f"{transport}/p2p/{found.peer_id}")
 
 
 if __name__ == "__main__":

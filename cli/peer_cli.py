@@ -176,8 +176,13 @@ def demo(
 ) -> None:
     """Train the default task with a local collaboration (a backbone and N peer processes on
     loopback) until the validation-loss target in configs/demo.toml; exit 0 when reached."""
-    from cli.demo import run_demo
+    from cli.demo import DEMO_CONFIG, run_demo
 
+    if not DEMO_CONFIG.is_file():  # an installed copy has no configs/ beside its sources
+        common.fail(
+            f"peer demo needs {DEMO_CONFIG}: run it from a peertrain checkout installed with "
+            "`pip install -e .` (README quick start)"
+        )
     trio.run(run_demo, peers, timeout)
 
 

@@ -84,3 +84,13 @@ def test_check_rejects_a_bad_file_in_one_line_and_ignores_the_environment(tmp_pa
     assert "sets 1 of" in result.output
     missing = runner.invoke(app, ["config", "check", str(tmp_path / "none.toml")])
     assert missing.exit_code == 2 and "does not exist" in missing.output
+
+
+def test_demo_without_its_config_is_a_one_line_error(tmp_path, monkeypatch):
+    import cli.demo
+
+    monkeypatch.setattr(cli.demo, "DEMO_CONFIG", tmp_path / "configs" / "demo.toml")
+    result = runner.invoke(app, ["demo"])
+    assert result.exit_code == 2
+    assert "peer demo needs" in result.output and "pip install -e" in result.output
+    assert len(result.output.strip().splitlines()) == 1
