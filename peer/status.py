@@ -320,6 +320,10 @@ def _row(
 ) -> PeerRow:
     c = r.capabilities
     work, share = assignment.work.get(r.peer_id, (None, None)) if assignment else (None, None)
+    # A peer publishes its compute figure before its first link probe and dial-back: until
+    # then its record says 0 B/s and not reachable, which means "not measured yet" (a real
+    # probe never gives 0 for all three). A backbone is reachable by definition.
+    linked = c is not None and (r.role == "backbone" or c.upload_bps or c.download_bps or c.rtt_s)
     return PeerRow(
         peer_id=r.peer_id,
         role=r.role,
@@ -330,16 +334,16 @@ def _row(
         last_seen_s=max(0.0, now - r.updated_at),
         expires_in_s=expires_at - now,
         samples_per_s=c.samples_per_s if c else None,
-        upload_bps=c.upload_bps if c else None,
-        download_bps=c.download_bps if c else None,
-        rtt_s=c.rtt_s if c else None,
-        reachable=c.reachable if c else None,
+        upload_bps=c.upload_bps if c and linked else None,
+        download_bps=c.download_bps if c and linked else None,
+        rtt_s=c.rtt_s if c and linked else None,
+        reachable=c.reachable if c and linked else None,
         device=c.device if c else None,
         free_memory_bytes=c.free_memory_bytes if c else None,
         measured_at=c.measured_at if c else None,
         work=work,
         share=share,
-        client_only=None if c is None or c.reachable is None else not c.reachable,
+        client_only=not c.reachable if c and linked else None,
         progress_role=progress.role if progress else None,
         step=progress.step if progress else None,
         contribution=progress.samples if progress else None,

@@ -121,3 +121,20 @@ def test_training_summary_without_records_or_speed():
 def test_mean_tail_aligns_series_at_their_ends():
     assert mean_tail([[1.0, 2.0, 3.0], [4.0, 5.0]]) == [1.0, 3.0, 4.0]
     assert mean_tail([]) == [] and mean_tail([[], [2.0]]) == [2.0]
+
+
+def test_links_not_measured_yet_show_as_unknown_not_as_client_only():
+    from peer.status import _row
+
+    def row(role: str, capabilities: Capabilities):
+        presence = record(0, role, capabilities)
+        return _row(presence, now=1.0, expires_at=9.0, assignment=None, progress=None)
+
+    compute_only = msgspec.structs.replace(caps(100.0, 0.0, reachable=False), rtt_s=0.0)
+    early = row("peer", compute_only)
+    assert early.samples_per_s == 100.0
+    assert (early.upload_bps, early.rtt_s, early.reachable, early.client_only) == (None,) * 4
+    probed = row("peer", caps(100.0, 5e6, reachable=False))
+    assert (probed.upload_bps, probed.client_only) == (5e6, True)
+    backbone = row("backbone", msgspec.structs.replace(caps(0.0, 0.0), rtt_s=0.0))
+    assert (backbone.reachable, backbone.client_only) == (True, False)
