@@ -26,15 +26,15 @@ ROW = PeerRow(
     last_seen_s=2.4,
     expires_in_s=20.0,
     samples_per_s=22222.2,
-    upload_bps=2.5e6,
+    upload_bps=41.3e6,  # the widest figures: 4 digits and a unit
     download_bps=1.25e8,
     rtt_s=0.0412,
     reachable=False,
     device="cpu",
     free_memory_bytes=1 << 30,
     measured_at=0.0,
-    work="compute",
-    share=0.0,
+    work="aggregate",
+    share=0.5,
     client_only=True,
     progress_role=None,
     step=None,
@@ -61,10 +61,10 @@ def test_tables_show_ids_addresses_measurements_and_roles_in_80_columns():
     assert "(+1 more)" in text and "10.0.0.3" not in text
     assert "1h02m" in text and "2s ago" in text
     measured = next(line for line in text.splitlines() if line.startswith("…ALLTe1aw  22.2k"))
-    expected = "…ALLTe1aw 22.2k 2.5 MB/s 125 MB/s 41.2 ms yes compute 0.0%"
+    expected = "…ALLTe1aw 22.2k 41.3 MB/s 125 MB/s 41.2 ms yes aggregate 50.0%"
     assert measured.split() == expected.split()
     assert "roles: no peer has measured its compute yet" in text
-    assert "1 peer (1 compute, 1 client-only), 0 backbones" in text
+    assert "1 peer (1 aggregate, 1 client-only), 0 backbones" in text
     assert "no progress published yet" in text
     assert "this step" not in text  # no training table without progress
     assert max(len(line) for line in text.splitlines()) <= 80
