@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
 # A collaboration of emulated hosts on one Linux machine, one network namespace per host.
 #
-#   <prefix>sw   a bridge (br0); one port per host, named after the host (bb, p1, p2, ...)
-#   <prefix>bb   the backbone, <subnet>.1, eth0 (a veth to the bridge), not shaped
+#   <prefix>sw   the switch: one port per host, named after the host (bb, p1, p2, ...), joined by
+#                a kernel bridge (br0), or by deploy/impair.py (--shaper user, see below)
+#   <prefix>bb   the backbone, <subnet>.1, eth0 (a veth to the switch), not shaped
 #   <prefix>pI   peer I, <subnet>.(I+1), eth0, shaped on both ends of its veth: eth0 (its upload)
 #                and port pI in <prefix>sw (its download) each get the peer's rate, one-way delay
 #                and loss, so its RTT to the backbone is twice the delay.
 #
-# Shaping uses tc netem (rate, delay and loss in one qdisc). A kernel without sch_netem gets tbf
-# instead: rate only, delay and loss are not applied (said on stderr and in `<run dir>/state`).
+# Shapers: netem puts rate, delay and loss in one qdisc on each end. A kernel without sch_netem
+# gets `user` instead (--shaper auto): tbf on each end for the rate, and in place of the bridge a
+# user-space switch, deploy/impair.py, on AF_PACKET sockets, which holds each frame for the delay
+# of its ingress and egress ports and drops it with their loss probabilities (seeded, --seed).
+# The hosts' eth0 then run without checksum and segmentation offloads (the switch reads frames as
+# the veth hands them over). `--shaper tbf` applies the rate only (said in `<run dir>/state`).
 # Nothing is created in the root namespace; a unique --prefix keeps concurrent testbeds apart.
 # Needs root, iproute2 (ip, tc) and the peertrain checkout this script lives in.
 set -euo pipefail
@@ -18,6 +23,7 @@ PREFIX=${TESTBED_PREFIX:-pt-}
 SUBNET=${TESTBED_SUBNET:-10.77.0.0/24}
 SHAPES=${TESTBED_SHAPES:-"100mbit,5ms,0% 20mbit,40ms,0.5% 10mbit,80ms,1%"}
 SHAPER=${TESTBED_SHAPER:-auto}
+SEED=${TESTBED_SEED:-0}
 RUN_DIR=${TESTBED_RUN_DIR:-}
 MAX_STEPS=${TESTBED_MAX_STEPS:-10}
 TIMEOUT=${TESTBED_TIMEOUT:-600}
@@ -32,7 +38,8 @@ usage() {
 Usage: deploy/testbed.sh [options] COMMAND [args]
 
 A peertrain collaboration of emulated hosts on one Linux machine: a backbone and N peers, each in
-its own network namespace, joined by veth pairs to a bridge, each peer's link shaped with tc.
+its own network namespace, joined by veth pairs to a switch, each peer's link shaped with tc
+(netem), or with tc (tbf, rate) and a user-space switch that adds delay and loss (deploy/impair.py).
 
 Commands:
   up N             create namespaces <prefix>sw, <prefix>bb and <prefix>p1..pN, links, shaping
@@ -52,8 +59,10 @@ Options (environment variable in brackets):
   --shapes LIST    per-peer "RATE,DELAY,LOSS" entries, space-separated, peer I takes entry I
                    (cycling), "-" leaves a peer unshaped
                    [TESTBED_SHAPES, default "100mbit,5ms,0% 20mbit,40ms,0.5% 10mbit,80ms,1%"]
-  --shaper S       auto, netem or tbf (rate only) [TESTBED_SHAPER, default auto: netem if the
-                   kernel has it, else tbf]
+  --shaper S       netem, user (tbf for the rate; delay and loss in deploy/impair.py, a
+                   user-space switch in place of the bridge), tbf (rate only) or auto
+                   [TESTBED_SHAPER, default auto: netem if the kernel has it, else user]
+  --seed N         the user switch's loss RNG seed [TESTBED_SEED, default 0]
   --max-steps S    global step the peers stop at, 0 for none [TESTBED_MAX_STEPS, default 10]
   --timeout SEC    longest wait for training [TESTBED_TIMEOUT, default 600]
   -h, --help       this help
@@ -61,7 +70,8 @@ Options (environment variable in brackets):
 Processes run with \$PYTHON (default: .venv/bin/python of the checkout, else python3) and the
 config file \$PEERTRAIN_CONFIG (default configs/debug.toml), with small-batch defaults for any
 PEERTRAIN_* variable not already set (see peer_env in this script); logs go to the run dir
-(bb.out/bb.log, pI.out/pI.log; *.log are JSON lines).
+(bb.out/bb.log, pI.out/pI.log; *.log are JSON lines); the user switch's PID is in switch.pid,
+its output (statistics at \`down\`, or on SIGUSR1) in sw.out.
 EOF
 }
 
@@ -111,7 +121,9 @@ check_options() {
         die "--prefix $PREFIX: expected up to 32 letters, digits, '.', '_' or '-'"
     [[ $SUBNET =~ ^([0-9]{1,3})\.([0-9]{1,3})\.([0-9]{1,3})\.0/24$ ]] ||
         die "--subnet $SUBNET: expected an IPv4 /24 such as 10.77.0.0/24"
-    [[ $SHAPER =~ ^(auto|netem|tbf)$ ]] || die "--shaper $SHAPER: expected auto, netem or tbf"
+    [[ $SHAPER =~ ^(auto|netem|tbf|user)$ ]] ||
+        die "--shaper $SHAPER: expected auto, netem, user or tbf"
+    [[ $SEED =~ ^[0-9]+$ ]] || die "--seed $SEED: expected a whole number"
     [[ $MAX_STEPS =~ ^[0-9]+$ ]] || die "--max-steps $MAX_STEPS: expected a whole number"
     [[ $TIMEOUT =~ ^[0-9]+$ ]] || die "--timeout $TIMEOUT: expected whole seconds"
     local entry
@@ -167,7 +179,7 @@ cmd_up() {
     [[ -z $(our_namespaces) ]] || die "namespaces with prefix $PREFIX exist; run down first"
     mkdir -p "$RUN_DIR"
     # A fresh run: earlier logs and checkpoints go (keys stay, so peer ids do too).
-    rm -rf "$RUN_DIR"/{state,pids,backbone,*.out,*.log,*.checkpoints}
+    rm -rf "$RUN_DIR"/{state,pids,switch.pid,backbone,*.out,*.log,*.checkpoints}
     : >"$RUN_DIR/pids"
     # A failure half-way tears down what was made (under `run`, its own trap does).
     local own_trap=0
@@ -176,19 +188,18 @@ cmd_up() {
         trap 'say "up failed; tearing down"; cmd_down' EXIT
     fi
 
-    local sw host i entry rate delay loss
+    local sw host i entry rate delay loss ports=()
     sw=$(ns sw)
     ip netns add "$sw"
     ip -n "$sw" link set dev lo up
-    ip -n "$sw" link add br0 type bridge
-    ip -n "$sw" link set dev br0 up
     if [[ $SHAPER == auto ]]; then
         if netem_available; then SHAPER=netem; else
-            SHAPER=tbf
-            say "this kernel has no sch_netem: shaping rate only (tbf); delay and loss not applied"
+            SHAPER=user
+            say "this kernel has no sch_netem: rate with tbf, delay and loss in a user-space" \
+                "switch (deploy/impair.py)"
         fi
     elif [[ $SHAPER == netem ]] && ! netem_available; then
-        die "--shaper netem: this kernel has no sch_netem (try --shaper tbf)"
+        die "--shaper netem: this kernel has no sch_netem (try --shaper user)"
     fi
     {
         echo "prefix=$PREFIX"
@@ -196,39 +207,76 @@ cmd_up() {
         echo "subnet=$SUBNET"
         echo "shaper=$SHAPER"
     } >"$RUN_DIR/state"
+    if [[ $SHAPER == user ]]; then
+        # The switch's ports carry no addresses: no IPv6 link-local ones either, so the namespace
+        # sends nothing of its own into the collaboration.
+        ip netns exec "$sw" sh -c 'echo 1 >/proc/sys/net/ipv6/conf/default/disable_ipv6' ||
+            true
+    else
+        ip -n "$sw" link add br0 type bridge
+        ip -n "$sw" link set dev br0 up
+    fi
 
     for host in $(hosts "$n"); do
         ip netns add "$(ns "$host")"
         ip -n "$(ns "$host")" link set dev lo up
         # Both ends are created inside namespaces: nothing touches the root namespace.
         ip -n "$(ns "$host")" link add eth0 type veth peer name "$host" netns "$sw"
-        ip -n "$sw" link set dev "$host" master br0
+        # Under the user switch the port is in no bridge: the kernel must not switch it too.
+        if [[ $SHAPER != user ]]; then ip -n "$sw" link set dev "$host" master br0; fi
         ip -n "$sw" link set dev "$host" up
         ip -n "$(ns "$host")" addr add "$(host_ip "$host")/24" dev eth0
         ip -n "$(ns "$host")" link set dev eth0 up
+        if [[ $SHAPER == user ]]; then
+            # The veth would hand the switch's packet sockets frames with partial checksums and
+            # 64 KB TCP segments (GSO), which it could not send on: software does both instead.
+            (cd "$ROOT" && ip netns exec "$(ns "$host")" "$PYTHON" deploy/impair.py \
+                offloads-off eth0) || die "$host: could not turn off eth0's offloads"
+        fi
         if [[ $host == bb ]]; then
             echo "bb=$(host_ip bb) unshaped" >>"$RUN_DIR/state"
+            ports+=(bb)
             continue
         fi
         i=${host#p}
         entry=$(shape_of "$i")
         if [[ $entry == - ]]; then
             echo "$host=$(host_ip "$host") unshaped" >>"$RUN_DIR/state"
+            ports+=("$host")
             continue
         fi
         IFS=, read -r rate delay loss <<<"$entry"
+        ports+=("$host=$delay,$loss")
         shape "$(ns "$host")" eth0 "$rate" "$delay" "$loss" # its upload
         shape "$sw" "$host" "$rate" "$delay" "$loss"         # its download
-        if [[ $SHAPER == netem ]]; then
-            echo "$host=$(host_ip "$host") rate $rate delay $delay loss $loss" >>"$RUN_DIR/state"
-        else
-            echo "$host=$(host_ip "$host") rate $rate (delay $delay, loss $loss not applied)" \
-                >>"$RUN_DIR/state"
-        fi
+        case $SHAPER in
+        netem) echo "$host=$(host_ip "$host") rate $rate delay $delay loss $loss" ;;
+        user) echo "$host=$(host_ip "$host") rate $rate delay $delay loss $loss (user switch)" ;;
+        *) echo "$host=$(host_ip "$host") rate $rate (delay $delay, loss $loss not applied)" ;;
+        esac >>"$RUN_DIR/state"
     done
+    if [[ $SHAPER == user ]]; then start_switch "${ports[@]}"; fi
     if ((own_trap)); then trap - EXIT; fi
     say "up: $n peers, shaper $SHAPER, run dir $RUN_DIR"
     grep -E '^(bb|p[0-9]+)=' "$RUN_DIR/state" | sed 's/^/  /' >&2
+}
+
+# start_switch PORT...: deploy/impair.py in the switch namespace, its PID in switch.pid; waits
+# until it has bound every port.
+start_switch() {
+    local pid t
+    (cd "$ROOT" && exec ip netns exec "$(ns sw)" "$PYTHON" deploy/impair.py --seed "$SEED" "$@" \
+        </dev/null >"$RUN_DIR/sw.out" 2>&1) &
+    pid=$!
+    echo "$pid" >"$RUN_DIR/switch.pid"
+    for ((t = 0; t < 100; t++)); do
+        if grep -q '^impair: switching ' "$RUN_DIR/sw.out" 2>/dev/null; then return 0; fi
+        alive "$pid" || break
+        sleep 0.1
+    done
+    say "the user switch did not start; $RUN_DIR/sw.out says:"
+    tail -n 20 "$RUN_DIR/sw.out" >&2 || true
+    die "user switch failed"
 }
 
 # --- start ----------------------------------------------------------------------------------
@@ -239,7 +287,9 @@ peer_env() {
     export PEERTRAIN_LOG_FORMAT=${PEERTRAIN_LOG_FORMAT:-json}
     export PEERTRAIN_TASK_MICRO_BATCH=${PEERTRAIN_TASK_MICRO_BATCH:-16}
     export PEERTRAIN_TASK_TARGET_BATCH=${PEERTRAIN_TASK_TARGET_BATCH:-256}
-    export PEERTRAIN_TRAINING_GATHER_WINDOW=${PEERTRAIN_TRAINING_GATHER_WINDOW:-1.0}
+    # 3 s, not less: behind the default shapes' 80 ms links (160 ms RTT) a ticket took up to 1.8 s
+    # to be stored, and with a 1 s window the peers missed every gathering of step 1 for 300 s.
+    export PEERTRAIN_TRAINING_GATHER_WINDOW=${PEERTRAIN_TRAINING_GATHER_WINDOW:-3.0}
     export PEERTRAIN_TRAINING_PROGRESS_INTERVAL=${PEERTRAIN_TRAINING_PROGRESS_INTERVAL:-0.5}
     export PEERTRAIN_TRAINING_VALIDATION_INTERVAL=${PEERTRAIN_TRAINING_VALIDATION_INTERVAL:-5}
     export PEERTRAIN_TRAINING_MAX_STEPS=$MAX_STEPS
@@ -295,6 +345,9 @@ cmd_start() {
         done <"$RUN_DIR/pids"
     fi
     : >"$RUN_DIR/pids"
+    if [[ $(state_get shaper) == user ]] && ! switch_pid >/dev/null; then
+        die "the user switch is not running (see $RUN_DIR/sw.out); run down, then up"
+    fi
     peer_env
     bb_ip=$(host_ip bb)
     PEERTRAIN_TRAINING_CHECKPOINT_DIR=$RUN_DIR/bb.checkpoints \
@@ -370,11 +423,35 @@ cmd_status() {
 
 # --- down -----------------------------------------------------------------------------------
 
-# Stop what start launched (SIGTERM: peers withdraw their presence; SIGKILL after 5 s), then
-# anything else still inside our namespaces, then delete the namespaces (and their links).
+# The user switch's PID while it runs in our switch namespace (a reused PID is someone else's).
+switch_pid() {
+    local pid
+    pid=$(cat "$RUN_DIR/switch.pid" 2>/dev/null) || return 1
+    [[ $pid =~ ^[0-9]+$ ]] && alive "$pid" || return 1
+    [[ $(ip netns identify "$pid" 2>/dev/null) == "$(ns sw)" ]] || return 1
+    echo "$pid"
+}
+
+# stop PID...: SIGTERM, then SIGKILL to whichever still runs after 5 s.
+stop() {
+    local pids=("$@") left=() pid t
+    kill -TERM "${pids[@]}" 2>/dev/null || true
+    for ((t = 0; t < 25; t++)); do
+        left=()
+        for pid in "${pids[@]}"; do if alive "$pid"; then left+=("$pid"); fi; done
+        ((${#left[@]} == 0)) && return 0
+        sleep 0.2
+    done
+    kill -KILL "${left[@]}" 2>/dev/null || true
+}
+
+# Stop what start launched (SIGTERM: peers withdraw their presence; SIGKILL after 5 s), then the
+# user switch (after the peers: they withdraw through it), then anything else still inside our
+# namespaces, then delete the namespaces (and their links).
 cmd_down() {
-    local namespaces pids=() left=() inside="" strays=0 host pid name cmdline t
+    local namespaces pids=() switch inside="" strays=0 host pid name cmdline t
     namespaces=$(our_namespaces)
+    switch=$(switch_pid || true)
     if [[ -s $RUN_DIR/pids ]]; then
         while read -r host pid; do
             # Only a PID still in our namespace, or one whose command names our run dir: a PID
@@ -385,17 +462,13 @@ cmd_down() {
             if [[ $name == "$(ns "$host")" || $cmdline == *"$RUN_DIR/"* ]]; then pids+=("$pid"); fi
         done <"$RUN_DIR/pids"
     fi
-    [[ -n $namespaces || ${#pids[@]} -gt 0 ]] || return 0
+    [[ -n $namespaces || ${#pids[@]} -gt 0 || -n $switch ]] || return 0
     need_root down
-    if ((${#pids[@]})); then
-        kill -TERM "${pids[@]}" 2>/dev/null || true
-        for ((t = 0; t < 25; t++)); do
-            left=()
-            for pid in "${pids[@]}"; do if alive "$pid"; then left+=("$pid"); fi; done
-            ((${#left[@]} == 0)) && break
-            sleep 0.2
-        done
-        if ((${#left[@]})); then kill -KILL "${left[@]}" 2>/dev/null || true; fi
+    if ((${#pids[@]})); then stop "${pids[@]}"; fi
+    if [[ -n $switch ]]; then
+        stop "$switch"
+        pids+=("$switch")
+        say "down: user switch $(sed -n 's/^impair: stopped; //p' "$RUN_DIR/sw.out" | tail -n 1)"
     fi
     for name in $namespaces; do # the safety net: whatever else runs in our namespaces
         for ((t = 0; t < 50; t++)); do
@@ -438,7 +511,7 @@ main() {
             usage
             return 0
             ;;
-        --prefix | --run-dir | --subnet | --shapes | --shaper | --max-steps | --timeout)
+        --prefix | --run-dir | --subnet | --shapes | --shaper | --seed | --max-steps | --timeout)
             (($# >= 2)) || die "$1 needs a value"
             case $1 in
             --prefix) PREFIX=$2 ;;
@@ -446,6 +519,7 @@ main() {
             --subnet) SUBNET=$2 ;;
             --shapes) SHAPES=$2 ;;
             --shaper) SHAPER=$2 ;;
+            --seed) SEED=$2 ;;
             --max-steps) MAX_STEPS=$2 ;;
             --timeout) TIMEOUT=$2 ;;
             esac
