@@ -20,6 +20,14 @@ from peer.logs import setup_logging
 
 EXIT_USER_ERROR = 2
 
+BackboneOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--backbone",
+        "-b",
+        help="Backbone multiaddr with /p2p/<id> (repeatable; any one that answers is enough).",
+    ),
+]
 ConfigOpt = Annotated[
     Path | None,
     typer.Option(

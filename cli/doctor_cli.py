@@ -26,18 +26,9 @@ from peer.errors import UserError
 EXIT_FAILED = 1
 LABELS = {"ok": ("OK  ", "green"), "warn": ("WARN", "yellow"), "fail": ("FAIL", "bold red")}
 
-BackboneOpt = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--backbone",
-        "-b",
-        help="Backbone multiaddr with /p2p/<id> (repeatable), as for `peer join`.",
-    ),
-]
-
 
 def doctor(
-    backbone: BackboneOpt = None,
+    backbone: common.BackboneOpt = None,
     config: common.ConfigOpt = None,
     listen: common.ListenOpt = None,
     announce: common.AnnounceOpt = None,

@@ -27,19 +27,10 @@ app = typer.Typer(
 )
 app.add_typer(config_cli.app, name="config")
 
-BackboneOpt = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--backbone",
-        "-b",
-        help="Backbone multiaddr with /p2p/<id> (repeatable; any one that answers is enough).",
-    ),
-]
-
 
 @app.command()
 def join(
-    backbone: BackboneOpt = None,
+    backbone: common.BackboneOpt = None,
     identity: common.IdentityOpt = None,
     config: common.ConfigOpt = None,
     listen: common.ListenOpt = None,
@@ -111,7 +102,7 @@ async def show_progress(trainers: list[Trainer], target_batch: int) -> None:
 
 @app.command()
 def status(
-    backbone: BackboneOpt = None,
+    backbone: common.BackboneOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")] = False,
     watch: Annotated[
         bool, typer.Option("--watch", "-w", help="Refresh until Ctrl+C (in place on a terminal).")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import stat
 import tempfile
 import time
@@ -60,7 +59,7 @@ from peer.measure import probe
 from peer.measure.probe import measure_link
 from peer.measure.reachability import check_reachable
 from peer.measure.service import reachability_verdict
-from peer.net.host import Node, open_node, parse_multiaddr
+from peer.net.host import Node, bind_error, open_node, parse_multiaddr
 from peer.net.identity import ephemeral_identity
 from peer.net.rpc import TRANSPORT_ERRORS, FramedStream
 
@@ -157,22 +156,16 @@ def listen_blocked(listen: Sequence[str]) -> Finding | None:
     a finding when one fails, naming the process that holds the port."""
     for text in listen:
         maddr = parse_multiaddr(text, what="listen address")
-        try:
-            ip, port = maddr.value_for_protocol("ip4"), int(maddr.value_for_protocol("tcp"))
-        except Exception:  # not ip4/tcp: open_node reports what it cannot use
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is fine
-            try:
-                probe.bind((ip, port))
-            except OSError as error:
-                cmdline, holder = port_holder(port) if port else ([], None)
-                return listen_verdict(
-                    text,
-                    error.strerror or str(error),
-                    holder=holder,
-                    peertrain=is_peertrain_command(cmdline),
-                )
+        error = bind_error(maddr)
+        if error is not None:
+            port = int(maddr.value_for_protocol("tcp"))  # bind_error checks only ip4/tcp
+            cmdline, holder = port_holder(port)
+            return listen_verdict(
+                text,
+                error.strerror or str(error),
+                holder=holder,
+                peertrain=is_peertrain_command(cmdline),
+            )
     return None
 
 

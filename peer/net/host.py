@@ -197,20 +197,30 @@ async def open_node(
 
 def _check_ports_free(listen_addrs: Sequence[Multiaddr]) -> None:
     for maddr in listen_addrs:
+        error = bind_error(maddr)
+        if error is not None:
+            raise ConfigError(
+                f"cannot listen on {maddr}: {error.strerror or error}; pick another --port"
+            )
+
+
+def bind_error(maddr: Multiaddr) -> OSError | None:
+    """Why a plain bind of an ip4/tcp address with a fixed port fails (None: it binds, or the
+    address is not ip4/tcp with a fixed port). libp2p's own listener sets SO_REUSEPORT and
+    would bind a taken port anyway."""
+    try:
+        ip, port = maddr.value_for_protocol("ip4"), int(maddr.value_for_protocol("tcp"))
+    except Exception:  # not an ip4/tcp address: nothing of ours to check
+        return None
+    if port == 0:
+        return None
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is fine
         try:
-            ip, port = maddr.value_for_protocol("ip4"), int(maddr.value_for_protocol("tcp"))
-        except Exception:  # not an ip4/tcp address: nothing of ours to check
-            continue
-        if port == 0:
-            continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is fine
-            try:
-                probe.bind((ip, port))
-            except OSError as error:
-                raise ConfigError(
-                    f"cannot listen on {maddr}: {error.strerror or error}; pick another --port"
-                ) from None
+            probe.bind((ip, port))
+        except OSError as error:
+            return error
+    return None
 
 
 async def _close_connections(host: IHost) -> None:
