@@ -13,12 +13,10 @@ import os
 import shutil
 import stat
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-import msgspec
 import psutil
 import trio
 from libp2p.crypto.ed25519 import Ed25519PrivateKey
@@ -53,7 +51,7 @@ from peer.doctor import (
     reachability_finding,
     skew_verdict,
 )
-from peer.errors import ConfigError, ProtocolError, RemoteError, Unreachable
+from peer.errors import ConfigError, RemoteError
 from peer.files import state_folder
 from peer.measure import probe
 from peer.measure.probe import measure_link
@@ -61,7 +59,6 @@ from peer.measure.reachability import check_reachable
 from peer.measure.service import reachability_verdict
 from peer.net.host import Node, bind_error, open_node, parse_multiaddr
 from peer.net.identity import ephemeral_identity
-from peer.net.rpc import TRANSPORT_ERRORS, FramedStream
 
 __all__ = ["DEADLINE", "check_device", "inspect_disk", "inspect_key", "run_doctor"]
 
@@ -220,9 +217,6 @@ LOCAL_WAIT_SECONDS = 4.0  # how long the bandwidth probe waits for the device ch
 BANDWIDTH_TARGET_SECONDS = 1.0
 BANDWIDTH_MAX_BYTES = 16 << 20
 
-_encode = msgspec.msgpack.Encoder().encode
-_pongs = msgspec.msgpack.Decoder(probe.Pong)
-
 
 async def run_doctor(config: PeerConfig, *, deadline: float = DEADLINE) -> list[Finding]:
     """Every check's findings, in CHECKS order. A check that has not finished by `deadline`
@@ -373,34 +367,9 @@ def dial_failure(error: BaseException) -> str:
 
 async def sample_clock(node: Node, backbone: ID, *, count: int) -> list[ClockSample]:
     """`count` pings on one probe stream, each with our wall clock around the backbone's.
-    No deadline here: the caller's covers the whole exchange."""
-    try:
-        stream = await node.host.new_stream(backbone, [probe.PROTOCOL])
-    except TRANSPORT_ERRORS as error:
-        raise Unreachable(
-            f"it does not serve {probe.PROTOCOL} ({error}); is it a backbone (`backbone start`)?"
-        ) from error
-    framed = FramedStream(stream, probe.MAX_CONTROL_BYTES)
-    samples = []
-    try:
-        for _ in range(count):
-            sent = time.time()
-            await framed.write_frame(_encode(probe.Ping()))
-            frame = await framed.read_frame()
-            received = time.time()
-            if frame is None:
-                raise ProtocolError("it closed the probe stream without answering a ping")
-            try:
-                pong = _pongs.decode(frame)
-            except msgspec.DecodeError as error:
-                raise ProtocolError(f"it answered a ping with {error}") from None
-            samples.append(ClockSample(sent, received, pong.server_time))
-        await framed.stream.close()
-    except TRANSPORT_ERRORS as error:
-        raise Unreachable(f"ping failed: {error!r}") from error
-    finally:
-        await framed.reset()
-    return samples
+    No deadline beyond the probe's own per reply: the caller's covers the whole exchange."""
+    pings = await probe.ping(node, backbone, count)
+    return [ClockSample(p.sent, p.received, p.server_time) for p in pings]
 
 
 async def _check_reachability(

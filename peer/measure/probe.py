@@ -24,7 +24,6 @@ to flood links. A refusal says when to retry.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -91,6 +90,17 @@ class Measured(msgspec.Struct, tag=True):
 _requests = msgspec.msgpack.Decoder(Ping | Probe)
 _replies = msgspec.msgpack.Decoder(Pong | Accepted | Refused | Measured)
 _encode = msgspec.msgpack.Encoder().encode
+
+
+@dataclass(frozen=True)
+class PingSample:
+    rtt_s: float
+    """Round trip, on the monotonic clock."""
+    sent: float
+    """Our wall clock when the ping left, and when the reply came."""
+    received: float
+    server_time: float | None
+    """The backbone's wall clock in its reply (None from older backbones)."""
 
 
 @dataclass(frozen=True)
@@ -301,7 +311,7 @@ async def measure_link(
     Each direction first moves 256 KiB to estimate the rate, then enough bytes for about
     `target_seconds` (at most `max_bytes`). Raises RemoteError subclasses on refusal or failure.
     """
-    rtt = await _ping(node, backbone, pings)
+    rtt = min(sample.rtt_s for sample in await ping(node, backbone, pings))
     rates = {}
     for direction in ("download", "upload"):
         estimate = await _probe(node, backbone, direction, 256 << 10)
@@ -314,7 +324,9 @@ async def _open(node: Node, backbone: ID) -> FramedStream:
     try:
         stream = await node.host.new_stream(backbone, [PROTOCOL])
     except TRANSPORT_ERRORS as error:
-        raise Unreachable(f"cannot open {PROTOCOL} to {backbone}: {error}") from error
+        raise Unreachable(
+            f"{backbone} does not serve {PROTOCOL} ({error}); is it a backbone (`backbone start`)?"
+        ) from error
     return FramedStream(stream, MAX_CONTROL_BYTES)
 
 
@@ -330,22 +342,25 @@ async def _reply(framed: FramedStream, backbone: ID) -> Pong | Accepted | Refuse
     raise DeadlineExceeded(f"{backbone} did not answer a probe within {CONTROL_TIMEOUT:.3g}s")
 
 
-async def _ping(node: Node, backbone: ID, count: int) -> float:
+async def ping(node: Node, backbone: ID, count: int) -> list[PingSample]:
+    """`count` pings on one probe stream: each round trip, and the wall clocks around it."""
     framed = await _open(node, backbone)
-    best = math.inf
+    samples = []
     try:
         for _ in range(count):
-            start = time.perf_counter()
+            sent, start = time.time(), time.perf_counter()
             await framed.write_frame(_encode(Ping()))
-            if not isinstance(await _reply(framed, backbone), Pong):
+            reply = await _reply(framed, backbone)
+            rtt, received = time.perf_counter() - start, time.time()
+            if not isinstance(reply, Pong):
                 raise ProtocolError(f"{backbone} answered a ping with something else")
-            best = min(best, time.perf_counter() - start)
+            samples.append(PingSample(rtt, sent, received, reply.server_time))
         await framed.stream.close()
     except TRANSPORT_ERRORS as error:
         raise Unreachable(f"ping to {backbone} failed: {error!r}") from error
     finally:
         await framed.reset()
-    return best
+    return samples
 
 
 async def _probe(node: Node, backbone: ID, direction: str, size: int) -> float:
