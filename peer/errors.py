@@ -8,6 +8,13 @@ Anything else is our own bug and crashes loudly.
 
 from __future__ import annotations
 
+import msgspec
+
+#: What decoding a peer's msgpack may raise: msgspec's errors (ValidationError included), and
+#: UnicodeDecodeError, which msgspec 0.22 lets out as is when a str field holds invalid UTF-8
+#: (found by tests/test_fuzz_decoders.py).
+DECODE_ERRORS = (msgspec.DecodeError, UnicodeDecodeError)
+
 
 class PeertrainError(Exception):
     """Base class of every error peertrain raises on purpose."""

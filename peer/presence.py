@@ -17,7 +17,7 @@ import trio
 
 from peer.dht.node import DHT
 from peer.dht.records import owner_key
-from peer.errors import RemoteError
+from peer.errors import DECODE_ERRORS, RemoteError
 from peer.measure.capabilities import Capabilities
 
 log = logging.getLogger("peertrain.presence")
@@ -99,7 +99,7 @@ def decode_presence(entries: dict[str, object]) -> list[PresenceRecord]:
             continue
         try:
             record = msgspec.msgpack.decode(entry.value, type=PresenceRecord)  # type: ignore[attr-defined]
-        except msgspec.DecodeError:
+        except DECODE_ERRORS:
             log.debug("ignoring malformed presence record under %s", subkey)
             continue
         if record.peer_id == subkey:

@@ -46,7 +46,7 @@ from peer.averaging.wire import (
     receive_frame,
     send_frame,
 )
-from peer.errors import ProtocolError
+from peer.errors import DECODE_ERRORS, ProtocolError
 
 log = logging.getLogger("peertrain.allreduce")
 
@@ -158,7 +158,7 @@ class DataServer:
             with trio.fail_after(self.hello_timeout):
                 frame = await receive_frame(stream, max_bytes=MAX_HELLO_BYTES)
             hello = msgspec.msgpack.decode(bytes(frame or b""), type=Hello)
-        except (trio.TooSlowError, msgspec.DecodeError, *CONNECTION_ERRORS):
+        except (trio.TooSlowError, *DECODE_ERRORS, *CONNECTION_ERRORS):
             await stream.aclose()
             return
         channels = self._rounds.get(hello.round_id)

@@ -33,7 +33,7 @@ from peer.averaging.group import Joined, Ticket, build_spec
 from peer.averaging.moshpit import group_of
 from peer.dht.node import DHT
 from peer.dht.records import owner_key
-from peer.errors import PeertrainError, RemoteError, RpcError
+from peer.errors import DECODE_ERRORS, PeertrainError, RemoteError, RpcError
 from peer.net.host import parse_addrs
 from peer.net.rpc import RpcServer
 
@@ -135,7 +135,7 @@ class Matchmaker:
                 continue
             try:
                 ticket = msgspec.msgpack.decode(entry.value, type=Ticket)
-            except msgspec.DecodeError:
+            except DECODE_ERRORS:
                 continue
             if ticket.peer_id == subkey:
                 tickets.append(ticket)

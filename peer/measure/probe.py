@@ -36,7 +36,7 @@ from libp2p.abc import IHost, INetStream
 from libp2p.peer.id import ID
 
 from peer.config import ProbeConfig
-from peer.errors import DeadlineExceeded, ProtocolError, RemoteError, Unreachable
+from peer.errors import DECODE_ERRORS, DeadlineExceeded, ProtocolError, RemoteError, Unreachable
 from peer.net.host import Node
 from peer.net.rpc import READ_CHUNK, TRANSPORT_ERRORS, FramedStream
 
@@ -211,7 +211,7 @@ class ProbeServer:
                     continue
                 await self._probe(caller, framed, request)
                 break
-        except (ProtocolError, msgspec.DecodeError, *TRANSPORT_ERRORS) as error:
+        except (ProtocolError, *DECODE_ERRORS, *TRANSPORT_ERRORS) as error:
             log.debug("probe from %s ended: %r", caller, error)
         finally:
             with trio.CancelScope(shield=True), trio.move_on_after(1.0):
@@ -337,7 +337,7 @@ async def _reply(framed: FramedStream, backbone: ID) -> Pong | Accepted | Refuse
             raise ProtocolError(f"{backbone} closed the probe stream without a reply")
         try:
             return _replies.decode(frame)
-        except msgspec.DecodeError as error:
+        except DECODE_ERRORS as error:
             raise ProtocolError(f"{backbone} sent a malformed probe reply: {error}") from None
     raise DeadlineExceeded(f"{backbone} did not answer a probe within {CONTROL_TIMEOUT:.3g}s")
 

@@ -29,7 +29,7 @@ from libp2p.abc import IHost, INetStream
 from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
-from peer.errors import DeadlineExceeded, ProtocolError, RemoteError, Unreachable
+from peer.errors import DECODE_ERRORS, DeadlineExceeded, ProtocolError, RemoteError, Unreachable
 from peer.net.host import Node, create_host, parse_multiaddr
 from peer.net.identity import Identity
 from peer.net.rpc import TRANSPORT_ERRORS, FramedStream
@@ -94,7 +94,7 @@ class DialBackServer:
             await framed.write_frame(_encode(result))
             with trio.move_on_after(1.0):
                 await stream.close()
-        except (ProtocolError, msgspec.DecodeError, *TRANSPORT_ERRORS) as error:
+        except (ProtocolError, *DECODE_ERRORS, *TRANSPORT_ERRORS) as error:
             log.debug("dial-back request from %s failed: %r", caller, error)
             await framed.reset()
 
@@ -172,7 +172,7 @@ async def check_reachable(node: Node, backbone: ID) -> DialBackResult:
                 raise ProtocolError(f"{backbone} closed the dial-back stream without a reply")
             return msgspec.msgpack.decode(frame, type=DialBackResult)
         raise DeadlineExceeded(f"{backbone} did not report a dial-back within {timeout:.3g}s")
-    except msgspec.DecodeError as error:
+    except DECODE_ERRORS as error:
         raise ProtocolError(f"{backbone} sent a malformed dial-back reply: {error}") from None
     except TRANSPORT_ERRORS as error:
         raise RemoteError(f"dial-back check with {backbone} failed: {error!r}") from error

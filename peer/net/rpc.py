@@ -34,6 +34,7 @@ from libp2p.exceptions import BaseLibp2pError
 from libp2p.peer.id import ID
 
 from peer.errors import (
+    DECODE_ERRORS,
     DeadlineExceeded,
     MessageTooLarge,
     ProtocolError,
@@ -310,7 +311,7 @@ class RpcServer:
     async def _answer(self, caller: ID, framed: FramedStream, frame: bytes) -> None:
         try:
             request = _request_decoder.decode(frame)
-        except msgspec.DecodeError as error:
+        except DECODE_ERRORS as error:
             await self._send_error(framed, "bad_request", f"malformed request: {error}")
             return
         method = self._methods.get(request.method)
@@ -324,7 +325,7 @@ class RpcServer:
             return
         try:
             body = msgspec.msgpack.decode(request.body, type=method.request_type)
-        except msgspec.DecodeError as error:  # ValidationError is a subclass
+        except DECODE_ERRORS as error:  # ValidationError is a subclass
             await self._send_error(framed, "bad_request", f"{request.method}: {error}")
             return
         outcome: BaseException | None = None
@@ -562,7 +563,7 @@ class RpcClient:
     def _decode_reply(self, frame: bytes, peer_id: ID) -> Reply:
         try:
             return _reply_decoder.decode(frame)
-        except msgspec.DecodeError as error:
+        except DECODE_ERRORS as error:
             raise ProtocolError(f"{peer_id} sent a malformed reply: {error}") from None
 
     async def _checkout(self, peer_id: ID, service: str, *, reuse: bool) -> FramedStream | None:
@@ -602,7 +603,7 @@ class RpcClient:
 def _decode_body(body: msgspec.Raw, type_: type[T], peer_id: ID) -> T:
     try:
         return msgspec.msgpack.decode(body, type=type_)
-    except msgspec.DecodeError as error:
+    except DECODE_ERRORS as error:
         raise ProtocolError(
             f"{peer_id} sent a reply that does not fit the schema: {error}"
         ) from None

@@ -25,6 +25,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from peer.dht.records import owner_key
+from peer.errors import DECODE_ERRORS
 
 ProgressRole = Literal["trainer", "keeper"]
 _Step = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
@@ -89,7 +90,7 @@ def decode_progress(entries: dict[str, object]) -> list[ProgressRecord]:
             continue
         try:
             record = msgspec.msgpack.decode(entry.value, type=ProgressRecord)  # type: ignore[attr-defined]
-        except msgspec.DecodeError:
+        except DECODE_ERRORS:
             continue
         if record.peer_id == subkey and record.problem() is None:
             records.append(record)

@@ -1,0 +1,254 @@
+"""Fuzzing of every decoder that reads bytes from the network (issue 7, in part).
+
+Each decoder gets arbitrary bytes, msgpack documents shaped like its messages (the field names
+and tags of its schema as keys, any values), and mutations (bit flips, truncations, insertions)
+of a valid encoding. It must return or raise one of the errors its callers handle as "the peer
+sent garbage"; anything else would escape as a crash of the task serving that peer.
+
+The default run tries a few hundred inputs per decoder; `-m slow` runs 100,000 each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgspec
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.id import ID
+
+from peer.averaging.compression import CODECS, BadPart
+from peer.averaging.group import Ticket
+from peer.averaging.wire import Hello
+from peer.dht import protocol as dht
+from peer.dht.records import Entry, Limits, make_entry, validate_entry
+from peer.errors import DECODE_ERRORS, ProtocolError
+from peer.measure import probe
+from peer.measure.capabilities import Capabilities
+from peer.measure.reachability import DialBack, DialBackResult
+from peer.net import rpc
+from peer.net.framing import FrameDecoder, encode_frame
+from peer.presence import PresenceRecord, decode_presence
+from peer.training import state as states
+from peer.training.progress import ProgressRecord, decode_progress, encode_progress
+from tests.test_progress import PEERS, rec
+
+ALLOWED = (ProtocolError, *DECODE_ERRORS)
+KEY_PAIR = create_new_key_pair()
+OWNER = ID.from_pubkey(KEY_PAIR.public_key).to_base58()
+LIMITS = Limits(
+    max_value_bytes=65536, max_subkeys=4096, max_keys=100000, max_ttl=86400.0, max_clock_skew=10.0
+)
+NOW = 1_800_000_000.0
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    decode: Callable[[bytes], object]
+    valid: bytes
+    """A valid encoding, mutated by the fuzzer."""
+    names: tuple[str, ...] = ()
+    """Field names and tags its messages use (keys of the shaped documents)."""
+    allowed: tuple[type[BaseException], ...] = ALLOWED
+
+
+def names_of(*types: type) -> tuple[str, ...]:
+    out = ["type"]
+    for t in types:
+        out += [f.encode_name for f in msgspec.structs.fields(t)]
+        out.append(t.__name__)
+    return tuple(out)
+
+
+def frames(data: bytes) -> object:
+    decoder = FrameDecoder(4096)
+    decoder.feed(data)
+    out = []
+    while (frame := decoder.next_frame()) is not None:
+        out.append(frame)
+    return out
+
+
+def rpc_request(data: bytes) -> object:
+    request = rpc._request_decoder.decode(data)
+    return msgspec.msgpack.decode(request.body, type=dht.Store)
+
+
+def dht_store(data: bytes) -> object:
+    """A Store request as a DHT node receives it: decoded, then every entry validated."""
+    store = msgspec.msgpack.decode(data, type=dht.Store)
+    for subkey, entry in store.entries.items():
+        try:
+            validate_entry(store.key, subkey, entry, now=NOW, limits=LIMITS)
+        except ProtocolError:
+            continue  # refused: what a node answers "rejected: ..."
+    return store
+
+
+def progress(data: bytes) -> object:
+    return decode_progress({PEERS[0]: Entry(value=data, expiration=NOW + 10)})
+
+
+def presence(data: bytes) -> object:
+    return decode_presence({OWNER: Entry(value=data, expiration=NOW + 10)})
+
+
+def codec(name: str) -> Callable[[bytes], object]:
+    return lambda data: CODECS[name].decode(data, 8)
+
+
+def state_blob() -> bytes:
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    return states.to_bytes(states.capture(3, model, {"main": optimizer}))
+
+
+SIGNED = make_entry("c/presence", OWNER, b"x", NOW + 5, signer=KEY_PAIR.private_key)
+CASES = [
+    Case("frames", frames, encode_frame(b"hello") + encode_frame(b"")),
+    Case(
+        "rpc request",
+        rpc_request,
+        rpc._encoder.encode(rpc.Request("store", rpc._raw(dht.Store("k", {})))),
+        names_of(rpc.Request, rpc.Ok, rpc.Item, rpc.End, rpc.Err, dht.Store),
+    ),
+    Case(
+        "dht store",
+        dht_store,
+        msgspec.msgpack.encode(dht.Store("c/presence", {OWNER: SIGNED})),
+        names_of(dht.Store, Entry),
+    ),
+    Case(
+        "dht get reply",
+        lambda data: msgspec.msgpack.decode(data, type=dht.GetReply),
+        msgspec.msgpack.encode(dht.GetReply({OWNER: SIGNED}, [])),
+        names_of(dht.GetReply, dht.WireContact, Entry),
+    ),
+    Case(
+        "progress record",
+        progress,
+        encode_progress(rec(0, loss=1.5, recent_losses=[2.0])),
+        names_of(ProgressRecord),
+    ),
+    Case(
+        "presence record",
+        presence,
+        msgspec.msgpack.encode(PresenceRecord(OWNER, "peer", [], "0.1.0", NOW, NOW)),
+        names_of(PresenceRecord, Capabilities),
+    ),
+    Case(
+        "ticket",
+        lambda data: msgspec.msgpack.decode(data, type=Ticket),
+        msgspec.msgpack.encode(Ticket(OWNER, [], "127.0.0.1", 4002, True, 8.0)),
+        names_of(Ticket, Capabilities),
+    ),
+    Case(
+        "all-reduce hello",
+        lambda data: msgspec.msgpack.decode(data, type=Hello),
+        msgspec.msgpack.encode(Hello(bytes(16), OWNER)),
+        names_of(Hello),
+    ),
+    Case(
+        "probe request",
+        probe._requests.decode,
+        msgspec.msgpack.encode(probe.Ping()),
+        names_of(probe.Ping, probe.Probe),
+    ),
+    Case(
+        "probe reply",
+        probe._replies.decode,
+        msgspec.msgpack.encode(probe.Pong(NOW)),
+        names_of(probe.Pong, probe.Accepted, probe.Refused, probe.Measured),
+    ),
+    Case(
+        "dial-back",
+        lambda data: msgspec.msgpack.decode(data, type=DialBack),
+        msgspec.msgpack.encode(DialBack(["/ip4/127.0.0.1/tcp/1"])),
+        names_of(DialBack, DialBackResult),
+    ),
+    Case("codec none", codec("none"), bytes(32), allowed=(BadPart,)),
+    Case("codec fp16", codec("fp16"), bytes(16), allowed=(BadPart,)),
+    Case("codec int8", codec("int8"), bytes(CODECS["int8"].wire_bytes(8)), allowed=(BadPart,)),
+    Case("state blob", states.from_bytes, state_blob(), allowed=(ProtocolError,)),
+]
+# decode_progress and decode_presence skip what they cannot use: they must never raise.
+NEVER_RAISE = {"progress record", "presence record"}
+
+scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**63), max_value=2**64 - 1),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=40),
+    st.binary(max_size=64),
+)
+
+
+def inputs(case: Case) -> st.SearchStrategy[bytes]:
+    keys = st.sampled_from(case.names) | st.text(max_size=12) if case.names else st.text()
+    documents = st.recursive(
+        scalars | st.sampled_from(case.names or ("",)),
+        lambda inner: st.lists(inner, max_size=6) | st.dictionaries(keys, inner, max_size=6),
+        max_leaves=24,
+    )
+
+    def mutate(edits: list[tuple[int, int, int]]) -> bytes:
+        data = bytearray(case.valid)
+        for kind, position, value in edits:
+            at = position % (len(data) + 1)
+            if kind == 0 and data:
+                data[at % len(data)] ^= 1 << (value % 8)
+            elif kind == 1:
+                del data[at:]
+            else:
+                data[at:at] = bytes([value % 256])
+        return bytes(data)
+
+    edits = st.lists(st.tuples(st.integers(0, 2), st.integers(0, 2**16), st.integers(0, 255)))
+    return st.one_of(
+        st.binary(max_size=512),
+        documents.map(msgspec.msgpack.encode),
+        edits.map(mutate),
+    )
+
+
+def fuzz(case: Case, examples: int) -> None:
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(inputs(case))
+    def check(data: bytes) -> None:
+        if case.name in NEVER_RAISE:
+            case.decode(data)
+            return
+        with contextlib.suppress(*case.allowed):
+            case.decode(data)
+
+    check()
+
+
+def test_every_valid_sample_decodes():
+    for case in CASES:
+        case.decode(case.valid)  # the mutations start from something the decoder accepts
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_garbage_never_escapes_as_another_error(case):
+    fuzz(case, 300)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_a_hundred_thousand_inputs_per_decoder(case):
+    fuzz(case, 100_000)
