@@ -24,6 +24,7 @@ from libp2p.peer.id import ID
 
 from peer.averaging.compression import CODECS, BadPart
 from peer.averaging.group import Ticket
+from peer.averaging.matchmaking import Begin, JoinReply, Redirect, TooFew
 from peer.averaging.wire import Hello
 from peer.dht import protocol as dht
 from peer.dht.records import Entry, Limits, make_entry, validate_entry
@@ -34,6 +35,7 @@ from peer.measure.reachability import DialBack, DialBackResult
 from peer.net import rpc
 from peer.net.framing import FrameDecoder, encode_frame
 from peer.presence import PresenceRecord, decode_presence
+from peer.training import chunks
 from peer.training import state as states
 from peer.training.progress import ProgressRecord, decode_progress, encode_progress
 from tests.test_progress import PEERS, rec
@@ -97,6 +99,13 @@ def progress(data: bytes) -> object:
 
 def presence(data: bytes) -> object:
     return decode_presence({OWNER: Entry(value=data, expiration=NOW + 10)})
+
+
+def manifest(data: bytes) -> object:
+    """A donor's manifest as a downloader checks it: schema, then check_manifest."""
+    offer = msgspec.msgpack.decode(data, type=chunks.Manifest)
+    chunks.check_manifest(offer, min_step=0, max_total_bytes=1 << 30)
+    return offer
 
 
 def codec(name: str) -> Callable[[bytes], object]:
@@ -173,6 +182,28 @@ CASES = [
         lambda data: msgspec.msgpack.decode(data, type=DialBack),
         msgspec.msgpack.encode(DialBack(["/ip4/127.0.0.1/tcp/1"])),
         names_of(DialBack, DialBackResult),
+    ),
+    Case(
+        "state manifest",
+        manifest,
+        msgspec.msgpack.encode(
+            chunks.Manifest(
+                3,
+                10,
+                chunks.MIN_CHUNK_BYTES,
+                [bytes(32)],
+                "127.0.0.1",
+                4003,
+                bytes(32),
+            )
+        ),
+        names_of(chunks.Manifest, chunks.ManifestRequest, chunks.Release),
+    ),
+    Case(
+        "join reply",
+        lambda data: msgspec.msgpack.decode(data, type=JoinReply),
+        msgspec.msgpack.encode(TooFew(1, 2)),
+        names_of(Begin, Redirect, TooFew),
     ),
     Case("codec none", codec("none"), bytes(32), allowed=(BadPart,)),
     Case("codec fp16", codec("fp16"), bytes(16), allowed=(BadPart,)),
