@@ -225,11 +225,15 @@ scalars = st.one_of(
 
 def inputs(case: Case) -> st.SearchStrategy[bytes]:
     keys = st.sampled_from(case.names) | st.text(max_size=12) if case.names else st.text()
-    documents = st.recursive(
-        scalars | st.sampled_from(case.names or ("",)),
-        lambda inner: st.lists(inner, max_size=6) | st.dictionaries(keys, inner, max_size=6),
-        max_leaves=24,
-    )
+    # Three levels of nesting, built out explicitly: deep enough for every schema here (a
+    # struct holding a map of structs holding lists).
+    documents = scalars | st.sampled_from(case.names or ("",))
+    for _ in range(3):
+        documents = (
+            documents
+            | st.lists(documents, max_size=5)
+            | st.dictionaries(keys, documents, max_size=5)
+        )
 
     def mutate(edits: list[tuple[int, int, int]]) -> bytes:
         data = bytearray(case.valid)
