@@ -32,12 +32,15 @@ def duration(seconds: float) -> str:
 
 def rate(bytes_per_s: float | None) -> str:
     """Link speed in bytes/s, with a decimal prefix: 12.5 MB/s."""
-    if bytes_per_s is None:
-        return "-"
-    for unit, scale in (("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
-        if bytes_per_s >= scale:
-            return f"{bytes_per_s / scale:.3g} {unit}"
-    return f"{bytes_per_s:.0f} B/s"
+    return "-" if bytes_per_s is None else f"{size(bytes_per_s)}/s"
+
+
+def size(n: float) -> str:
+    """Bytes with a decimal prefix: 26.7 MB."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.0f} B"
 
 
 def speed(samples_per_s: float | None) -> str:
@@ -105,13 +108,6 @@ def _peers_by_role(report: StatusReport) -> str:
     return f"{count(c.peers_online, 'peer')}{detail}, {count(c.backbones_online, 'backbone')}"
 
 
-def size(n: int) -> str:
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n} B"
-
-
 def status_table(report: StatusReport) -> Group:
     """Tables that fit 80 columns: the training at a glance, who is online, what each
     measured and does, and where each is in training."""
@@ -132,7 +128,6 @@ def status_table(report: StatusReport) -> Group:
     training = Table(**TABLE_STYLE, title="training", title_justify="left")
     for column in ("peer id", "role", "step", "samples/s", "this step", "loss"):
         training.add_column(column, no_wrap=True)
-    step_samples = c.training.samples if c.training else 0
     for row in report.peers:
         # The /p2p/<id> suffix repeats the id column; `--json` keeps full addresses.
         addrs = [addr.split("/p2p/")[0] for addr in row.addrs]
@@ -160,7 +155,7 @@ def status_table(report: StatusReport) -> Group:
                 row.progress_role,
                 str(row.step),
                 speed(row.training_samples_per_s),
-                _contribution(row, step_samples, c.training),
+                _contribution(row, c.training),
                 f"{row.loss:.4f}" if row.loss is not None else "-",
             )
     a = c.assignment
@@ -198,13 +193,13 @@ def _yes_no(flag: bool | None) -> str:
     return {None: "-", True: "yes", False: "no"}[flag]
 
 
-def _contribution(row: PeerRow, step_samples: int, training: TrainingSummary | None) -> str:
+def _contribution(row: PeerRow, training: TrainingSummary | None) -> str:
     """Samples toward the next step, and their part of the collaboration's (at its step)."""
     if row.progress_role != "trainer" or row.contribution is None:
         return "-"
-    if training is None or row.step != training.global_step or not step_samples:
+    if training is None or row.step != training.global_step or not training.samples:
         return str(row.contribution)
-    return f"{row.contribution} ({row.contribution / step_samples:.0%})"
+    return f"{row.contribution} ({row.contribution / training.samples:.0%})"
 
 
 def training_line(status: TrainerStatus, *, target_batch: int) -> str:
