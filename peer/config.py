@@ -161,7 +161,10 @@ class ProbeConfig(_Section):
 
 @dataclass(frozen=True, kw_only=True)
 class AveragingConfig(_Section):
-    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"codec": ("none", "fp16", "int8")}
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
+        "codec": ("none", "fp16", "int8"),
+        "aggregation": ("mean", "centered_clip"),
+    }
     MINIMUM: ClassVar[dict[str, int]] = {"data_port": 0}
     group_size: int = 4
     """Moshpit group size m: N = m^k peers reach the exact average in k rounds."""
@@ -179,6 +182,11 @@ class AveragingConfig(_Section):
     """Seconds a group's leader waits for its members to join."""
     data_port: int = 0
     """TCP port of the all-reduce data plane (0: any free port)."""
+    aggregation: str = "mean"
+    """How this peer reduces its part: mean (weighted by samples) or centered_clip (robust to
+    poisoned contributions while fewer than half of a group's senders are malicious)."""
+    norm_factor: float = 2.0
+    """centered_clip: contributions are scaled to at most this times their median norm."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -198,16 +198,20 @@ async def allreduce(
     *,
     deadline: float,
     stall_timeout: float,
+    norm_factor: float | None = None,
 ) -> RoundReport:
     """Average `vector` (float32, flat, updated in place) with the group; see the module doc.
 
     `deadline` is a `trio.current_time()` value; `stall_timeout` bounds each wait for a peer.
+    With a `norm_factor` the part this member reduces is averaged robustly
+    (`peer.averaging.robust`): the choice is each reducer's own, not the group's.
     """
     me = round_key.peer_id
     index = next(i for i, m in enumerate(spec.members) if m.peer_id == me)
     inbox = server.open_inbox(spec.round_id)
     try:
-        return await _Round(spec, index, round_key, vector, stall_timeout).run(inbox, deadline)
+        round_ = _Round(spec, index, round_key, vector, stall_timeout, norm_factor)
+        return await round_.run(inbox, deadline)
     finally:
         server.close_inbox(spec.round_id)
 
@@ -220,6 +224,7 @@ class _Round:
         round_key: RoundKey,
         vector: np.ndarray,
         stall_timeout: float,
+        norm_factor: float | None,
     ) -> None:
         if vector.dtype != np.float32 or vector.shape != (spec.size,):
             raise ValueError(
@@ -231,6 +236,7 @@ class _Round:
         self.round_key = round_key
         self.vector = vector
         self.stall_timeout = stall_timeout
+        self.norm_factor = norm_factor
         self.codec = CODECS[spec.codec]
         self.parts = spec.parts()
         self.report = RoundReport(chunks=[])
@@ -374,7 +380,13 @@ class _PartService:
         self.lo = lo
         self.members = {m.peer_id: m for m in spec.members}
         senders = {m.peer_id: m.weight for m in spec.members if m.computes}
-        self.reducer = PartReducer(lo, hi, chunk_elements=spec.chunk_elements, weights=senders)
+        self.reducer = PartReducer(
+            lo,
+            hi,
+            chunk_elements=spec.chunk_elements,
+            weights=senders,
+            norm_factor=round_.norm_factor,
+        )
         self.remote = set(senders) - {me.peer_id}
         self.connected: set[str] = set()
         self.outboxes: dict[str, trio.MemorySendChannel] = {}

@@ -178,6 +178,9 @@ class Averager:
             self.data_server,
             deadline=trio.current_time() + duration,
             stall_timeout=stall,
+            norm_factor=(
+                self.config.norm_factor if self.config.aggregation == "centered_clip" else None
+            ),
         )
         result.rounds.append(report)
         result.groups.append([m.peer_id for m in spec.members])

@@ -6,6 +6,9 @@ weight and the senders that made it. A sender that fails is dropped: the chunks 
 delivered keep its contribution, the rest are averaged without it (each chunk is normalised by
 its own total weight). A chunk that fails validation is never added, and its sender is dropped.
 
+With a `norm_factor` the reducer is robust instead (`peer.averaging.robust`): it keeps every
+sender's chunks (memory: senders x part) and averages each complete chunk with CenteredClip.
+
 A member's `ResultAssembler` writes the averaged chunks it receives into its own vector;
 chunks that never arrive keep the member's local values, and the report says which chunks were
 averaged over how many senders.
@@ -20,6 +23,7 @@ import numpy as np
 
 from peer.averaging.compression import BadPart
 from peer.averaging.partition import chunk_ranges
+from peer.averaging.robust import robust_average
 
 
 @dataclass(frozen=True)
@@ -35,7 +39,13 @@ class PartReducer:
     """Weighted average of the elements [start, end), built chunk by chunk."""
 
     def __init__(
-        self, start: int, end: int, *, chunk_elements: int, weights: Mapping[str, float]
+        self,
+        start: int,
+        end: int,
+        *,
+        chunk_elements: int,
+        weights: Mapping[str, float],
+        norm_factor: float | None = None,
     ) -> None:
         for sender, weight in weights.items():
             if not (np.isfinite(weight) and weight >= 0):
@@ -49,6 +59,11 @@ class PartReducer:
         self.pending = {sender: set(range(len(self.chunks))) for sender in weights}
         self.dropped: dict[str, str] = {}
         self.taken: set[int] = set()  # chunks already averaged (or given up)
+        self.norm_factor = norm_factor
+        # Robust mode: every sender's values of each chunk, until the chunk is averaged.
+        self.kept: list[dict[str, np.ndarray]] | None = (
+            [{} for _ in self.chunks] if norm_factor is not None else None
+        )
 
     def chunk_size(self, index: int) -> int:
         lo, hi = self.chunks[index]
@@ -72,11 +87,11 @@ class PartReducer:
         if not np.isfinite(values).all():
             raise BadPart(f"chunk {index} from {sender} holds NaN or Inf")
         weight = self.weights[sender]
-        with np.errstate(over="ignore"):  # an overflowing chunk is caught when it is averaged
-            if weight == 1.0:
-                self.sum[lo:hi] += values
-            elif weight > 0:
-                self.sum[lo:hi] += values * np.float32(weight)
+        if self.kept is not None:
+            self.kept[index][sender] = values.copy()
+        elif weight > 0:
+            with np.errstate(over="ignore"):  # an overflowing chunk is caught when averaged
+                self.sum[lo:hi] += values if weight == 1.0 else values * np.float32(weight)
         self.chunk_weight[index] += weight
         self.chunk_senders[index] += 1
         pending.discard(index)
@@ -104,14 +119,21 @@ class PartReducer:
         return ready
 
     def average(self, index: int) -> tuple[np.ndarray | None, int]:
-        """(average, senders) of a complete chunk, dividing the sum in place; (None, 0) if no
+        """(average, senders) of a complete chunk, computed in place of its sum; (None, 0) if no
         sender delivered it."""
         total = self.chunk_weight[index]
         if total <= 0:
             return None, 0
         lo, hi = self.chunks[index]
-        with np.errstate(over="ignore", invalid="ignore"):
-            self.sum[lo:hi] /= np.float32(total)
+        if self.kept is not None:
+            kept, self.kept[index] = self.kept[index], {}
+            assert self.norm_factor is not None
+            self.sum[lo:hi] = robust_average(
+                list(kept.values()), [self.weights[s] for s in kept], norm_factor=self.norm_factor
+            )
+        else:
+            with np.errstate(over="ignore", invalid="ignore"):
+                self.sum[lo:hi] /= np.float32(total)
         return self.sum[lo:hi], int(self.chunk_senders[index])
 
 
