@@ -13,6 +13,7 @@ from peer.daemon import run_daemon
 from peer.errors import ConfigError, UserError
 from peer.net.host import Node, parse_multiaddr
 from peer.net.identity import load_or_create_identity
+from peer.net.network_key import create_network_key
 
 app = typer.Typer(
     help="Run a peertrain backbone (DHT bootstrap node).",
@@ -54,6 +55,7 @@ def start(
     listen: common.ListenOpt = None,
     announce: common.AnnounceOpt = None,
     collaboration: common.CollabOpt = None,
+    network_key: common.NetworkKeyOpt = None,
     keep_state: Annotated[
         bool,
         typer.Option(
@@ -72,6 +74,7 @@ def start(
         "net.listen": listen or None,
         "net.announce": announce or None,
         "collaboration.name": collaboration,
+        "collaboration.network_key": str(network_key) if network_key else None,
         "state.keep": True if keep_state else None,
         "log.level": log_level,
         "log.format": log_format,
@@ -117,6 +120,19 @@ def id_(
     except UserError as error:
         common.fail(str(error))
     common.echo(str(found.peer_id) if transport is None else f"{transport}/p2p/{found.peer_id}")
+
+
+@app.command("network-key")
+def network_key_(
+    path: Annotated[Path, typer.Argument(help="Where to write the new key (mode 0600).")],
+) -> None:
+    """Make the key of a private collaboration: pass it to every backbone and peer with
+    --network-key (or collaboration.network_key); machines without it cannot connect."""
+    try:
+        create_network_key(path.expanduser())
+    except UserError as error:
+        common.fail(str(error))
+    common.echo(f"wrote {path}; copy it (mode 0600) to every machine you admit")
 
 
 if __name__ == "__main__":

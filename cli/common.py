@@ -54,6 +54,13 @@ CollabOpt = Annotated[
     str | None,
     typer.Option("--collaboration", help="Collaboration name (namespace of all DHT keys)."),
 ]
+NetworkKeyOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--network-key",
+        help="Key file of a private collaboration (made by `backbone network-key FILE`).",
+    ),
+]
 LogLevelOpt = Annotated[
     str | None, typer.Option("--log-level", help="debug, info, warning or error.")
 ]

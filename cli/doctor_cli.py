@@ -35,6 +35,7 @@ def doctor(
     port: common.PortOpt = None,
     identity: common.IdentityOpt = None,
     collaboration: common.CollabOpt = None,
+    network_key: common.NetworkKeyOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the findings as JSON.")] = False,
     log_level: common.LogLevelOpt = None,
 ) -> None:
@@ -49,6 +50,7 @@ def doctor(
             "net.listen": listen or None,
             "net.announce": announce or None,
             "collaboration.name": collaboration,
+            "collaboration.network_key": str(network_key) if network_key else None,
             "log.level": log_level or "warning",
         },
         port=port,

@@ -37,6 +37,7 @@ def join(
     announce: common.AnnounceOpt = None,
     port: common.PortOpt = None,
     collaboration: common.CollabOpt = None,
+    network_key: common.NetworkKeyOpt = None,
     task: Annotated[
         str | None,
         typer.Option("--task", help="Task to train: tiny, or package.module:factory."),
@@ -54,6 +55,7 @@ def join(
             "net.listen": listen or None,
             "net.announce": announce or None,
             "collaboration.name": collaboration,
+            "collaboration.network_key": str(network_key) if network_key else None,
             "task.name": task,
             "log.level": log_level,
             "log.format": log_format,
@@ -112,6 +114,7 @@ def status(
     ] = 2.0,
     config: common.ConfigOpt = None,
     collaboration: common.CollabOpt = None,
+    network_key: common.NetworkKeyOpt = None,
     log_level: common.LogLevelOpt = None,
 ) -> None:
     """Show the live peers of a collaboration (works from any machine that reaches a backbone)."""
@@ -120,6 +123,7 @@ def status(
         {
             "collaboration.backbones": backbone or None,
             "collaboration.name": collaboration,
+            "collaboration.network_key": str(network_key) if network_key else None,
             "log.level": log_level or "warning",
         },
     )

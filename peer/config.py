@@ -115,10 +115,14 @@ class PresenceConfig(_Section):
 
 @dataclass(frozen=True, kw_only=True)
 class CollaborationConfig(_Section):
+    EMPTY_OK: ClassVar[frozenset[str]] = frozenset({"network_key"})
     name: str = "default"
     """Namespace of every DHT key."""
     backbones: list[str] = field(default_factory=list)
     """Multiaddrs of backbone peers."""
+    network_key: str = ""
+    """Key file of a private collaboration (`backbone network-key FILE` makes one): only
+    machines holding it can connect at all. Empty: open to anyone."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -505,7 +509,7 @@ def _coerce(dotted: str, value: Any, origin: str) -> Any:
         if ok and choices:
             value = value.lower()
             problem = None if value in choices else f"expected one of {', '.join(choices)}"
-        elif ok and not value.strip():
+        elif ok and not value.strip() and key not in getattr(SECTIONS[section], "EMPTY_OK", ()):
             problem = "expected a non-empty string"
     if not ok:
         problem = _EXPECTED[kind]

@@ -30,6 +30,7 @@ from peer.measure.service import Measurements
 from peer.metrics import Sources, registry_for, serve_metrics
 from peer.net.host import Node, open_node, parse_addrs, split_peer_addr
 from peer.net.identity import ephemeral_identity, hold_identity, load_or_create_identity
+from peer.net.network_key import load_network_key
 from peer.presence import PresenceRecord, Role, decode_presence, keep_present, presence_key
 
 if TYPE_CHECKING:  # torch takes a second or two to import; backbones never need it
@@ -61,7 +62,8 @@ async def join(
     tried = ", ".join(f"{addr}/p2p/{peer_id}" for peer_id, addr in seeds)
     raise Unreachable(
         f"no backbone answered (tried {tried}); check the addresses `backbone start` printed "
-        "and that a backbone is running and reachable"
+        "and that a backbone is running and reachable (a private collaboration also needs "
+        "its --network-key)"
     )
 
 
@@ -86,12 +88,14 @@ async def run_daemon(
         raise Unreachable("no backbone given; pass --backbone MADDR (printed by `backbone start`)")
     workload = load_workload(config) if role == "peer" else None  # config errors come first
     identity = load_or_create_identity(Path(config.identity.path).expanduser())
+    network_key = load_network_key(config.collaboration.network_key)
     with hold_identity(identity):
         async with open_node(
             identity,
             listen=config.net.listen,
             announce=config.net.announce,
             max_message_bytes=config.net.max_message_bytes,
+            network_key=network_key,
         ) as node:
             dht = DHT(node, config.dht, server=True, rpc_timeout=config.net.rpc_timeout)
             started_at = time.time()
@@ -221,6 +225,6 @@ async def open_backbone_services(
         yield None
         return
     probe_server = ProbeServer(node.host, config.probe)
-    async with open_dialer(ephemeral_identity()) as dialer:
+    async with open_dialer(ephemeral_identity(), node.network_key) as dialer:
         DialBackServer(node.host, dialer)
         yield probe_server

@@ -59,6 +59,7 @@ from peer.measure.reachability import check_reachable
 from peer.measure.service import reachability_verdict
 from peer.net.host import Node, bind_error, open_node, parse_multiaddr
 from peer.net.identity import ephemeral_identity
+from peer.net.network_key import load_network_key
 
 __all__ = ["DEADLINE", "check_device", "inspect_disk", "inspect_key", "run_doctor"]
 
@@ -289,6 +290,7 @@ async def _network_checks(config: PeerConfig, report: Report, device_checked: tr
         listen=listen,
         announce=announce,
         max_message_bytes=net.max_message_bytes,
+        network_key=load_network_key(config.collaboration.network_key),
     ) as node:
         contacts: dict[int, BackboneContact] = {}
 

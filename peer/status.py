@@ -23,6 +23,7 @@ from peer.errors import RoleAssignmentError, Unreachable
 from peer.measure.capabilities import Capabilities, to_capacity
 from peer.net.host import open_node
 from peer.net.identity import ephemeral_identity
+from peer.net.network_key import load_network_key
 from peer.presence import PresenceRecord, decode_presence, presence_key
 from peer.roles import assign_roles
 from peer.training.progress import CollaborationView, ProgressRecord, decode_progress, progress_key
@@ -261,7 +262,11 @@ async def status_client(config: PeerConfig) -> AsyncIterator[Callable[[], Awaita
     if not seeds:
         raise Unreachable("no backbone given; pass --backbone MADDR (printed by `backbone start`)")
     async with open_node(
-        ephemeral_identity(), listen=[], announce=[], max_message_bytes=config.net.max_message_bytes
+        ephemeral_identity(),
+        listen=[],
+        announce=[],
+        max_message_bytes=config.net.max_message_bytes,
+        network_key=load_network_key(config.collaboration.network_key),
     ) as node:
         dht = DHT(node, config.dht, server=False, rpc_timeout=config.net.rpc_timeout)
         reached = await join(dht, seeds, backoff=STATUS_JOIN_BACKOFF)

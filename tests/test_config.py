@@ -69,7 +69,7 @@ def test_config_to_dict_is_plain_nested() -> None:
     data = config_to_dict(PeerConfig())
     assert data["dht"]["bucket_size"] == 20
     assert data["net"]["listen"] == ["/ip4/0.0.0.0/tcp/0"]
-    assert data["collaboration"] == {"name": "default", "backbones": []}
+    assert data["collaboration"] == {"name": "default", "backbones": [], "network_key": ""}
     data["net"]["listen"].append("/x")  # a copy: the frozen config is untouched
     assert PeerConfig().net.listen == ["/ip4/0.0.0.0/tcp/0"]
 

@@ -148,9 +148,9 @@ class DialBackServer:
 
 
 @asynccontextmanager
-async def open_dialer(identity: Identity) -> AsyncIterator[IHost]:
+async def open_dialer(identity: Identity, network_key: str | None) -> AsyncIterator[IHost]:
     """A host that only dials out (no listen address), for dial-back checks."""
-    host = create_host(identity)
+    host = create_host(identity, network_key)
     async with host.run(listen_addrs=[]):
         await host.get_network().auto_connector.stop()  # type: ignore[attr-defined]
         yield host

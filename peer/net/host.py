@@ -85,7 +85,8 @@ def split_peer_addr(text: str, *, what: str) -> tuple[ID, Multiaddr]:
     return ID.from_base58(peer_b58), maddr.decapsulate(Multiaddr(f"/p2p/{peer_b58}"))
 
 
-def create_host(identity: Identity) -> IHost:
+def create_host(identity: Identity, network_key: str | None = None) -> IHost:
+    """`network_key` (64 hex digits): a private network, see `peer.net.network_key`."""
     noise = NoiseTransport(identity.key_pair, noise_privkey=create_x25519_key_pair().private_key)
     host = new_host(
         key_pair=identity.key_pair,
@@ -93,6 +94,7 @@ def create_host(identity: Identity) -> IHost:
         muxer_preference="YAMUX",
         connection_config=ConnectionConfig(max_connections_per_peer=1, dial_timeout=5.0),
         resource_manager=new_resource_manager(enable_memory_limits=False),
+        psk=network_key,
     )
     network = host.get_network()
     # One dial attempt: retries belong to callers that know whether they are worth it.
@@ -136,6 +138,8 @@ class Node:
     identity: Identity
     rpc: RpcClient
     announce: list[Multiaddr]
+    network_key: str | None = None
+    """The private network's key, if any (a second host, e.g. for dial-backs, needs it too)."""
 
     @property
     def peer_id(self) -> ID:
@@ -162,12 +166,17 @@ class Node:
 
 @asynccontextmanager
 async def open_node(
-    identity: Identity, *, listen: Sequence[str], announce: Sequence[str], max_message_bytes: int
+    identity: Identity,
+    *,
+    listen: Sequence[str],
+    announce: Sequence[str],
+    max_message_bytes: int,
+    network_key: str | None = None,
 ) -> AsyncIterator[Node]:
     listen_addrs = [parse_multiaddr(text, what="listen address") for text in listen]
     announce_addrs = [parse_multiaddr(text, what="announce address") for text in announce]
     _check_ports_free(listen_addrs)
-    host = create_host(identity)
+    host = create_host(identity, network_key)
     started = False
     try:
         async with host.run(listen_addrs=listen_addrs):
@@ -180,6 +189,7 @@ async def open_node(
                 identity,
                 RpcClient(host, max_message_bytes=max_message_bytes),
                 announce_addrs or dialable_addrs(bound),
+                network_key,
             )
             try:
                 yield node
