@@ -143,7 +143,8 @@ def backbone_verdict(contact: BackboneContact) -> Finding:
         "fail",
         f"cannot join through {contact.addr}: {contact.error}",
         f"check that `backbone start` runs at {host} and printed exactly this address (its "
-        f"/p2p/ id included), and that no firewall blocks outgoing TCP to {host}",
+        f"/p2p/ id included), that no firewall blocks outgoing TCP to {host}, and, for a "
+        f"private collaboration, that you pass its --network-key",
     )
 
 
