@@ -67,7 +67,10 @@ async def _donor(pipe: Connection, size: int, chunk_bytes: int) -> None:
         ) as node,
         trio.open_nursery() as nursery,
     ):
-        donor = StateDonor(node, lambda: snapshot, chunk_bytes=chunk_bytes, max_downloads=8)
+        # One downloader takes the state many times here: no per-caller budget.
+        donor = StateDonor(
+            node, lambda: snapshot, chunk_bytes=chunk_bytes, max_downloads=8, caller_states=1e6
+        )
         await nursery.start(donor.serve, "127.0.0.1", 0)
         started = time.perf_counter()
         await donor.hash_snapshot()

@@ -44,6 +44,7 @@ from peer.training.statesync import (
     StateDownload,
     StateDownloadFailed,
 )
+from peer.training.statesync.wire import KIND_ERROR, MAGIC, REQUEST
 from tests.helpers import LOOPBACK, ForwardingStream, new_identity, nodes
 
 KIB = 1024
@@ -310,6 +311,7 @@ async def donors(
     max_downloads: int = 4,
     ticket_idle: float = 10.0,
     getters: dict[int, Callable[[], Snapshot | None]] | None = None,
+    caller_states: float = 3.0,
 ) -> AsyncIterator[list[Running]]:
     """One node + StateDonor per snapshot, each killable on its own."""
     wraps = wraps or {}
@@ -329,6 +331,7 @@ async def donors(
                     chunk_bytes=CHUNK,
                     wrap_stream=wraps.get(i),
                     stall_timeout=5.0,
+                    caller_states=caller_states,
                 )
                 async with trio.open_nursery() as nursery:
                     await nursery.start(donor.serve, "127.0.0.1", 0)
@@ -533,3 +536,58 @@ async def test_the_donor_serves_the_snapshot_its_manifest_described():
             assert current[0] is new
             snapshot, _ = await fetch(downloader, peers)
             assert snapshot == new
+
+
+async def test_a_peer_downloading_again_and_again_is_refused_and_others_are_served():
+    """Resource limits (issue 7): each caller may take `caller_states` states per window."""
+    state = Snapshot(7, blob(MIN_CHUNK_BYTES * 4))
+    with trio.fail_after(TIMEOUT):
+        async with (
+            nodes(2) as (greedy, honest),
+            donors([state], caller_states=2.0) as running,
+        ):
+            peers = await connect(greedy, running)
+            await connect(honest, running)
+            for _ in range(2):
+                snapshot, _ = await fetch(greedy, peers)
+                assert snapshot == state
+            with pytest.raises(StateDownloadFailed, match="download budget spent") as caught:
+                await fetch(greedy, peers)
+            assert "\n" not in str(caught.value)
+            snapshot, _ = await fetch(honest, peers)  # the others are still served
+            assert snapshot == state
+            assert running[0].donor.statistics().refused >= 1
+
+
+async def test_asking_for_chunks_over_and_over_on_one_ticket_runs_out_of_budget():
+    """A downloader cannot dodge the budget by re-requesting chunks on its data connection."""
+    state = Snapshot(7, blob(MIN_CHUNK_BYTES * 4))
+    with trio.fail_after(TIMEOUT):
+        async with (
+            nodes(1) as (greedy,),
+            donors([state], caller_states=2.0) as running,
+        ):
+            (peer,) = await connect(greedy, running)
+            manifest = await greedy.rpc.call(
+                peer, SERVICE, "manifest", ManifestRequest(0), Manifest, timeout=5
+            )
+            stream = await trio.open_tcp_stream(manifest.data_host, manifest.data_port)
+            async with stream:
+                await stream.send_all(MAGIC + manifest.ticket)
+                received, served = bytearray(), 0
+                for _ in range(4 * len(manifest.hashes)):  # four states' worth of requests
+                    await stream.send_all(REQUEST.pack(0))
+                    while len(received) < REPLY.size:
+                        received += await stream.receive_some(1 << 16)
+                    kind, _, length = REPLY.unpack(received[: REPLY.size])
+                    while len(received) < REPLY.size + length:
+                        received += await stream.receive_some(1 << 16)
+                    body = bytes(received[REPLY.size : REPLY.size + length])
+                    del received[: REPLY.size + length]
+                    if kind == KIND_ERROR:
+                        assert b"download budget spent" in body
+                        break
+                    served += 1
+            chunk = len(state.blob) / len(manifest.hashes)
+            assert served * chunk <= 2.0 * len(state.blob) + chunk  # about two states, not four
+            assert served >= len(manifest.hashes)  # the first state was given in full

@@ -185,6 +185,8 @@ async def run_keeper(
         max_downloads=config.state.max_uploads,
         chunk_bytes=config.state.chunk_bytes,
         advertised_host=advertised,
+        caller_states=config.state.caller_states,
+        caller_window=config.state.caller_window,
     )
     async with trio.open_nursery() as nursery:
         await nursery.start(donor.serve, bind, 0)

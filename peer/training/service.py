@@ -75,6 +75,8 @@ async def run_training(
             max_downloads=config.state.max_uploads,
             chunk_bytes=config.state.chunk_bytes,
             advertised_host=advertised,
+            caller_states=config.state.caller_states,
+            caller_window=config.state.caller_window,
         )
         await nursery.start(donor.serve, bind, 0)
         on_trainer(trainer)

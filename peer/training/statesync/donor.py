@@ -14,6 +14,7 @@ from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
 from peer.errors import ProtocolError, RpcError
+from peer.measure.probe import ByteBudgets
 from peer.net.host import Node
 from peer.net.rpc import RpcServer
 from peer.training.chunks import (
@@ -46,6 +47,7 @@ log = logging.getLogger("peertrain.statesync")
 
 SEND_SLICE = 1 << 20  # a stalled receiver is noticed within a slice
 MAX_CONNECTIONS_PER_TICKET = 2
+STATE_UNITS = 1_000_000  # a caller's download budget counts millionths of a state
 DEFAULT_CHUNK_BYTES = 4 << 20
 
 
@@ -107,8 +109,11 @@ class StateDonor:
     `snapshot()` returns the state to give (None: nothing yet); it should return the same
     object until the state changes, since chunk hashes are cached per snapshot. At most
     `max_downloads` tickets are live at once (one per caller; a ticket expires after
-    `ticket_idle` seconds without a connection or request). `wrap_stream` wraps each accepted
-    data connection (tests inject faults there).
+    `ticket_idle` seconds without a connection or request). One caller may download at most
+    `caller_states` whole states per `caller_window` seconds (counted chunk by chunk, as a
+    fraction of the state, so the limit holds whatever the state's size): a peer that asks
+    again and again degrades only its own service. `wrap_stream` wraps each accepted data
+    connection (tests inject faults there).
     """
 
     def __init__(
@@ -121,6 +126,8 @@ class StateDonor:
         advertised_host: str | None = None,
         ticket_idle: float = 10.0,
         stall_timeout: float = 10.0,
+        caller_states: float = 3.0,
+        caller_window: float = 600.0,
         wrap_stream: Callable[[trio.SocketStream], trio.abc.Stream] | None = None,
     ) -> None:
         self.node = node
@@ -131,6 +138,10 @@ class StateDonor:
         self.ticket_idle = ticket_idle
         self.stall_timeout = stall_timeout
         self.wrap_stream = wrap_stream
+        # Units of a millionth of a state, so one bucket fits states of any size.
+        self.budgets = ByteBudgets(
+            capacity=round(caller_states * STATE_UNITS), window=caller_window
+        )
         # The manifest must fit one RPC message: 34 bytes per msgpack'd hash, plus slack.
         self.max_chunks = min(MAX_CHUNKS, (node.rpc.max_message_bytes - 1024) // (HASH_BYTES + 2))
         self._data: tuple[str, int] | None = None
@@ -201,6 +212,7 @@ class StateDonor:
             raise RpcError(
                 "unavailable", f"nothing at step >= {request.min_step} here (holding {held})"
             )
+        self._check_budget(caller)
         self._check_capacity(caller)
         hashed = await self._hash(snapshot)
         self._check_capacity(caller)  # others may have taken tickets while we hashed
@@ -230,6 +242,17 @@ class StateDonor:
             raise RpcError(
                 "unavailable",
                 f"busy: serving {serving} downloads (limit {self.max_downloads}); ask another donor",
+            )
+
+    def _check_budget(self, caller: ID) -> None:
+        """Refuse a manifest to a caller that has spent its download budget."""
+        wait = self.budgets.try_spend(caller, 1, now=trio.current_time())
+        if wait > 0:
+            self._refused += 1
+            raise RpcError(
+                "unavailable",
+                f"download budget spent (you took the state here recently); retry in {wait:.0f} s "
+                "or ask another donor",
             )
 
     async def _on_release(self, caller: ID, request: Release) -> Released:
@@ -342,6 +365,14 @@ class StateDonor:
                 return
             ticket.last_used = trio.current_time()
             start, end = chunk_range(index, len(hashed.view), hashed.chunk_bytes)
+            units = -(-(end - start) * STATE_UNITS // len(hashed.view))  # rounded up
+            wait = self.budgets.try_spend(ticket.caller, units, now=trio.current_time())
+            if wait > 0:
+                self._refused += 1
+                await self._send_error(
+                    stream, f"download budget spent; retry in {wait:.0f} s or ask another donor"
+                )
+                return
             with trio.fail_after(self.stall_timeout):
                 await stream.send_all(REPLY.pack(KIND_CHUNK, index, end - start))
             for offset in range(start, end, SEND_SLICE):
