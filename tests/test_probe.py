@@ -146,6 +146,25 @@ async def test_concurrent_probes_are_capped():
         assert isinstance(reply, Accepted)
 
 
+async def test_one_caller_runs_one_probe_at_a_time_and_others_get_the_free_slots():
+    async with nodes(3) as (backbone, greedy, other):
+        limits = dataclasses.replace(SMALL, max_concurrent=2, max_seconds=5.0)
+        server = ProbeServer(backbone.host, limits)
+        for peer in (greedy, other):
+            await peer.connect(backbone.peer_id, backbone.announce, timeout=5)
+        # greedy starts an upload and sends nothing: its probe holds a slot until max_seconds
+        stream = await greedy.host.new_stream(backbone.peer_id, [PROTOCOL])
+        framed = FramedStream(stream, 1024)
+        await framed.write_frame(msgspec.msgpack.encode(Probe("upload", 1 << 20)))
+        assert isinstance(_replies.decode(await framed.read_frame()), Accepted)
+        assert server.running == 1
+        reply, _ = await probe_once(greedy, backbone.peer_id, "download", 1024)
+        assert isinstance(reply, Refused) and "your other probe" in reply.reason
+        reply, _ = await probe_once(other, backbone.peer_id, "download", 1024)
+        assert isinstance(reply, Accepted)  # the free slot went to someone else
+        await framed.reset()
+
+
 @pytest.mark.parametrize(
     "wire",
     [

@@ -17,8 +17,8 @@ report is capped by how fast the backbone saw its bytes leave. A rate is
 taken over the last three quarters of the bytes (`measured_window`), so TCP slow start and the
 first round trip do not count. A backbone grants at most `max_bytes` per probe and stops after
 `max_seconds`; each caller has a byte budget that refills over `budget_window` seconds
-(`ByteBudgets`), and at most `max_concurrent` probes run at once, so nobody can use a backbone
-to flood links. A refusal says when to retry.
+(`ByteBudgets`), and at most `max_concurrent` probes run at once, one per caller, so nobody
+can use a backbone to flood links or take every slot. A refusal says when to retry.
 """
 
 from __future__ import annotations
@@ -182,6 +182,7 @@ class ProbeServer:
         self.wall_clock = wall_clock
         self.budgets = ByteBudgets(capacity=limits.budget_bytes, window=limits.budget_window)
         self.running = 0
+        self.probing: set[ID] = set()  # callers with a probe running
         self._rates: deque[tuple[float, str, float]] = deque(maxlen=256)  # (at, direction, bps)
         host.set_stream_handler(PROTOCOL, self._serve)
 
@@ -224,6 +225,9 @@ class ProbeServer:
         if self.running >= self.limits.max_concurrent:
             await framed.write_frame(_encode(Refused("busy: too many probes at once", 1.0)))
             return
+        if caller in self.probing:  # one at a time each: a greedy caller cannot take every slot
+            await framed.write_frame(_encode(Refused("busy: your other probe is running", 1.0)))
+            return
         granted = min(request.bytes, self.limits.max_bytes)
         wait = self.budgets.try_spend(caller, granted, now=self.clock())
         if wait > 0:
@@ -231,6 +235,7 @@ class ProbeServer:
             await framed.write_frame(_encode(Refused(reason, wait)))
             return
         self.running += 1
+        self.probing.add(caller)
         try:
             await framed.write_frame(_encode(Accepted(granted, self.limits.max_seconds)))
             deadline = time.perf_counter() + self.limits.max_seconds
@@ -246,6 +251,7 @@ class ProbeServer:
             self._rates.append((self.clock(), "upload", rate(window)))
         finally:
             self.running -= 1
+            self.probing.discard(caller)
 
     async def _serve_download(self, framed: FramedStream, count: int, deadline: float) -> None:
         start = time.perf_counter()
