@@ -95,6 +95,12 @@ class DhtConfig(_Section):
     """Subkeys stored per key."""
     max_keys: int = 100000
     """Keys stored per node."""
+    max_store_bytes: int = 268435456
+    """Bytes of records one node holds, at most (256 MiB)."""
+    caller_store_bytes: int = 16777216
+    """Bytes of records one peer may store on this node per store_window (16 MiB)."""
+    store_window: float = 60.0
+    """Seconds for a peer's spent store budget to refill."""
     max_ttl: float = 86400.0
     """Longest record lifetime accepted, in seconds."""
     max_clock_skew: float = 10.0

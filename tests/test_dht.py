@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 from peer.config import DhtConfig
+from peer.dht import protocol as dht
 from peer.dht.records import Entry, make_entry
+from peer.errors import RpcError
 from tests.helpers import FakeClock, swarm
 
 CONFIG = dataclasses.replace(
@@ -107,3 +110,30 @@ async def test_clock_skew_of_a_few_seconds_does_not_break_records():
                 clock.now += 1
                 await writer.store("presence", own, b"%d" % version, expiration=writer.clock() + 30)
                 assert (await reader.get("presence"))[own].value == b"%d" % version
+
+
+async def test_a_flooding_writer_is_refused_and_the_others_still_store():
+    """Resource limits (issue 7): each caller's record bytes per window are budgeted."""
+    config = dataclasses.replace(CONFIG, caller_store_bytes=64 * 1024, store_window=600.0)
+    async with swarm(3, config) as s:
+        target, flooder, honest = s.dhts
+        big = b"x" * 8000
+        stored, refusal = 0, None
+        for i in range(100):  # 800 kB: far beyond the 64 KiB budget
+            request = dht.Store(f"flood/{i}", {"s": Entry(big, time.time() + 60)})
+            try:
+                await flooder.node.rpc.call(
+                    target.node.peer_id, dht.SERVICE, "store", request, dht.StoreReply, timeout=5
+                )
+                stored += 1
+            except RpcError as error:
+                refusal = error
+                break
+        assert refusal is not None and refusal.code == "unavailable"
+        assert "store budget spent" in str(refusal)
+        assert 1 <= stored <= 64 * 1024 // 8000
+        request = dht.Store("honest", {"s": Entry(b"hello", time.time() + 60)})
+        reply = await honest.node.rpc.call(
+            target.node.peer_id, dht.SERVICE, "store", request, dht.StoreReply, timeout=5
+        )
+        assert reply.verdicts == {"s": "stored"}

@@ -14,7 +14,6 @@ from peer.measure import probe as probe_module
 from peer.measure.probe import (
     PROTOCOL,
     Accepted,
-    ByteBudgets,
     Measured,
     Ping,
     Probe,
@@ -26,6 +25,7 @@ from peer.measure.probe import (
     rate,
     receive_counted,
 )
+from peer.net.ratelimit import ByteBudgets
 from peer.net.rpc import TRANSPORT_ERRORS, FramedStream
 from tests.helpers import nodes
 

@@ -6,7 +6,16 @@ from hypothesis import strategies as st
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
-from peer.dht.records import Entry, Limits, RecordStore, live, make_entry, merge, owner_key
+from peer.dht.records import (
+    Entry,
+    Limits,
+    RecordStore,
+    entry_bytes,
+    live,
+    make_entry,
+    merge,
+    owner_key,
+)
 from peer.errors import ProtocolError
 
 LIMITS = Limits(max_value_bytes=100, max_subkeys=3, max_keys=2, max_ttl=60.0, max_clock_skew=5.0)
@@ -106,6 +115,41 @@ def test_limits_value_size_ttl_subkeys_keys():
     store.store("k2", "s", Entry(b"x", NOW + 10), now=NOW)
     with pytest.raises(ProtocolError, match="store full"):
         store.store("k3", "s", Entry(b"x", NOW + 10), now=NOW)
+
+
+def test_total_bytes_are_capped_counted_exactly_and_freed_by_expiry():
+    limits = Limits(
+        max_value_bytes=100, max_subkeys=100, max_keys=100, max_ttl=60.0, max_clock_skew=5.0,
+        max_total_bytes=1000,
+    )  # fmt: skip
+    store = RecordStore(limits)
+    cost = entry_bytes("k", "s0", Entry(b"x" * 100, NOW + 1))
+    kept = 0
+    with pytest.raises(ProtocolError, match="store full: 1000 bytes"):
+        for i in range(100):
+            store.store("k", f"s{i}", Entry(b"x" * 100, NOW + 1 + i % 2), now=NOW)
+            kept += 1
+    assert kept == 1000 // cost and store.total_bytes == kept * cost
+    # Replacing an entry costs only the difference; a smaller value frees bytes.
+    store.store("k", "s0", Entry(b"y", NOW + 5), now=NOW)
+    assert store.total_bytes == (kept - 1) * cost + entry_bytes("k", "s0", Entry(b"y", NOW + 5))
+    # Once the entries expire, the purge the full store runs makes room again.
+    store.store("k2", "s", Entry(b"x" * 100, NOW + 10), now=NOW + 3)
+    assert store.get("k2", now=NOW + 3)
+    assert set(store.get("k", now=NOW + 3)) == {"s0"}
+    assert store.total_bytes == sum(
+        entry_bytes(k, s, e) for k in ("k", "k2") for s, e in store.get(k, now=NOW + 3).items()
+    )
+
+
+def test_a_key_emptied_by_the_purge_a_store_runs_still_keeps_the_new_entry():
+    limits = Limits(
+        max_value_bytes=100, max_subkeys=1, max_keys=1, max_ttl=60.0, max_clock_skew=5.0
+    )
+    store = RecordStore(limits)
+    store.store("k", "old", Entry(b"x", NOW + 1), now=NOW)
+    assert store.store("k", "new", Entry(b"y", NOW + 10), now=NOW + 2)  # purges "old" first
+    assert set(store.get("k", now=NOW + 2)) == {"new"}
 
 
 def test_nan_expiration_is_rejected():

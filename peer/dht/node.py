@@ -21,10 +21,20 @@ from multiaddr import Multiaddr
 
 from peer.config import DhtConfig
 from peer.dht import protocol as p
-from peer.dht.records import Entry, Limits, RecordStore, live, make_entry, merge, validate_entry
+from peer.dht.records import (
+    Entry,
+    Limits,
+    RecordStore,
+    entry_bytes,
+    live,
+    make_entry,
+    merge,
+    validate_entry,
+)
 from peer.dht.routing import Contact, Lookup, RoutingTable, key_id, node_id
-from peer.errors import DeadlineExceeded, ProtocolError, RemoteError, Unreachable
+from peer.errors import DeadlineExceeded, ProtocolError, RemoteError, RpcError, Unreachable
 from peer.net.host import Node, parse_addrs
+from peer.net.ratelimit import ByteBudgets
 from peer.net.rpc import RpcServer
 
 log = logging.getLogger("peertrain.dht")
@@ -65,7 +75,11 @@ class DHT:
                 max_keys=config.max_keys,
                 max_ttl=config.max_ttl,
                 max_clock_skew=config.max_clock_skew,
+                max_total_bytes=config.max_store_bytes,
             )
+        )
+        self.store_budgets = ByteBudgets(
+            capacity=config.caller_store_bytes, window=config.store_window
         )
         self.seeds: list[tuple[ID, Multiaddr]] = []  # backbones to fall back on
         self._stores_received = 0
@@ -264,6 +278,10 @@ class DHT:
         self._stores_received += 1
         verdicts = {}
         now = self.clock()
+        size = sum(entry_bytes(request.key, s, e) for s, e in request.entries.items())
+        wait = self.store_budgets.try_spend(caller, size, now=now)
+        if wait > 0:
+            raise RpcError("unavailable", f"store budget spent; retry in {wait:.0f} s")
         for subkey, entry in request.entries.items():
             try:
                 kept = self.records.store(request.key, subkey, entry, now=now)

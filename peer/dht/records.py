@@ -58,6 +58,13 @@ class Limits:
     max_keys: int
     max_ttl: float
     max_clock_skew: float
+    max_total_bytes: int = 256 << 20
+    """Bytes of keys, subkeys, values and signatures one node holds, at most."""
+
+
+def entry_bytes(key: str, subkey: str, entry: Entry) -> int:
+    """What holding an entry costs, for the store's byte limit (64 bytes of overhead)."""
+    return len(key) + len(subkey) + len(entry.value or b"") + len(entry.signature) + 64
 
 
 @functools.lru_cache(maxsize=4096)
@@ -129,6 +136,7 @@ class RecordStore:
     def __init__(self, limits: Limits) -> None:
         self.limits = limits
         self._records: dict[str, dict[str, Entry]] = {}
+        self.total_bytes = 0
 
     def __len__(self) -> int:
         return len(self._records)
@@ -155,7 +163,19 @@ class RecordStore:
             self._purge_key(key, now=now)
             if len(subkeys) >= self.limits.max_subkeys:
                 raise ProtocolError(f"key {key!r} is full: {self.limits.max_subkeys} subkeys")
+        growth = entry_bytes(key, subkey, entry) - (
+            entry_bytes(key, subkey, current) if current is not None else 0
+        )
+        if self.total_bytes + growth > self.limits.max_total_bytes:
+            self.purge(now=now)
+            if self.total_bytes + growth > self.limits.max_total_bytes:
+                if not subkeys:
+                    self._records.pop(key, None)
+                raise ProtocolError(f"store full: {self.limits.max_total_bytes} bytes")
+        # A purge above may have dropped the key's (emptied) dict: attach it again.
+        self._records[key] = subkeys
         subkeys[subkey] = entry
+        self.total_bytes += growth
         return True
 
     def get(self, key: str, *, now: float) -> dict[str, Entry]:
@@ -173,7 +193,7 @@ class RecordStore:
             return 0
         expired = [s for s, e in subkeys.items() if e.expiration <= now]
         for subkey in expired:
-            del subkeys[subkey]
+            self.total_bytes -= entry_bytes(key, subkey, subkeys.pop(subkey))
         if not subkeys:
             del self._records[key]
         return len(expired)

@@ -38,6 +38,7 @@ from libp2p.peer.id import ID
 from peer.config import ProbeConfig
 from peer.errors import DECODE_ERRORS, DeadlineExceeded, ProtocolError, RemoteError, Unreachable
 from peer.net.host import Node
+from peer.net.ratelimit import ByteBudgets
 from peer.net.rpc import READ_CHUNK, TRANSPORT_ERRORS, FramedStream
 
 log = logging.getLogger("peertrain.probe")
@@ -131,35 +132,6 @@ def measured_window(samples: list[tuple[float, int]]) -> tuple[int, float]:
 def rate(window: tuple[int, float]) -> float:
     count, seconds = window
     return count / seconds if seconds > 0 else 0.0
-
-
-class ByteBudgets:
-    """A token bucket of bytes per caller: `capacity` bytes, refilled over `window` seconds."""
-
-    def __init__(self, *, capacity: int, window: float, max_callers: int = 10_000) -> None:
-        self.capacity = capacity
-        self.rate = capacity / window
-        self.max_callers = max_callers
-        self._buckets: dict[object, tuple[float, float]] = {}  # caller -> (tokens, at)
-
-    def try_spend(self, caller: object, amount: int, *, now: float) -> float:
-        """Spend `amount` and return 0, or return the seconds until it could be spent."""
-        tokens, at = self._buckets.get(caller, (float(self.capacity), now))
-        tokens = min(float(self.capacity), tokens + (now - at) * self.rate)
-        amount = min(amount, self.capacity)  # a request above capacity waits for a full bucket
-        if tokens < amount:
-            self._buckets[caller] = (tokens, now)
-            return (amount - tokens) / self.rate
-        if caller not in self._buckets and len(self._buckets) >= self.max_callers:
-            self._forget_full(now)
-        self._buckets[caller] = (tokens - amount, now)
-        return 0.0
-
-    def _forget_full(self, now: float) -> None:
-        """Drop callers whose buckets have refilled: they are indistinguishable from new ones."""
-        for caller, (tokens, at) in list(self._buckets.items()):
-            if tokens + (now - at) * self.rate >= self.capacity:
-                del self._buckets[caller]
 
 
 # ---------------------------------------------------------------------------- backbone side

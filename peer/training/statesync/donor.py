@@ -14,8 +14,8 @@ from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
 from peer.errors import ProtocolError, RpcError
-from peer.measure.probe import ByteBudgets
 from peer.net.host import Node
+from peer.net.ratelimit import ByteBudgets
 from peer.net.rpc import RpcServer
 from peer.training.chunks import (
     HASH_BYTES,
