@@ -14,9 +14,11 @@ Control over libp2p, bulk bytes over plain TCP. A py-libp2p Noise + yamux stream
 Integrity comes from the manifest, which travels over the Noise-authenticated RPC: every chunk
 is checked against its SHA-256 before it is accepted, so the TCP bytes need no authentication
 of their own. The ticket (32 random bytes) is only an admission token that bounds how many
-downloads a donor serves at once (`max_downloads`); it travels in clear, which gives an
-eavesdropper nothing that a fresh libp2p identity could not get by asking. The state itself
-is not secret from any peer that joins the collaboration; the data plane does not encrypt it.
+downloads a donor serves at once (`max_downloads`); it travels in clear, which in an open
+collaboration gives an eavesdropper nothing that a fresh libp2p identity could not get by
+asking. The state itself is not secret from any peer that joins; the data plane does not
+encrypt it. (In a private collaboration an on-path eavesdropper can read it, and replay a live
+ticket: docs/SECURITY.md.)
 
 A donor pins, per ticket, the exact `Snapshot` its manifest describes, so a step that ends
 mid-download does not change the bytes under the downloader. Chunk hashes are computed once
