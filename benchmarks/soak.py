@@ -1,0 +1,133 @@
+"""Soak: a local collaboration trains the default task for a long time with churn, while the
+memory (RSS) and open file descriptors of every daemon are sampled each minute.
+
+A backbone and 4 peers (`configs/demo.toml`, training on, no stop target). Peers 0 and 1 and the
+backbone run the whole time; every `--churn-every` seconds one of peers 2 and 3 (in turn) is
+SIGKILLed and restarted 5 s later with its identity and checkpoint folder, so the long-lived
+daemons keep seeing peers leave and join, averaging groups fail and re-form, and states get
+downloaded. The verdict compares each long-lived daemon's last sample with its sample at the end
+of the warm-up (`--warmup`): RSS may grow by at most `--rss-bound` MiB and open descriptors by
+at most `--fd-bound`. (hivemind's averager was reported to leak 16 GB in 3 hours.)
+
+    .venv/bin/python -m benchmarks.soak [--minutes 30] [--churn-every 300] [--out soak.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+from tests.collab_processes import Collaboration, Proc, kill
+
+ROOT = Path(__file__).resolve().parent.parent
+PEERS = 4
+STABLE = ("backbone", "peer0", "peer1")
+
+
+def sample(proc: Proc) -> dict[str, float] | None:
+    """RSS (MiB) and open descriptors of a running daemon; None if it is gone."""
+    try:
+        process = psutil.Process(proc.popen.pid)
+        return {"rss_mib": process.memory_info().rss / 2**20, "fds": process.num_fds()}
+    except psutil.Error:
+        return None
+
+
+def global_step(collab: Collaboration) -> int:
+    return max(collab.global_steps, default=0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--minutes", type=float, default=30.0)
+    parser.add_argument("--churn-every", type=float, default=300.0)
+    parser.add_argument("--warmup", type=float, default=5.0, help="minutes before the baseline")
+    parser.add_argument("--rss-bound", type=float, default=64.0, help="MiB of growth allowed")
+    parser.add_argument("--fd-bound", type=int, default=16)
+    parser.add_argument("--out", type=Path, default=None, help="write the samples as JSON")
+    args = parser.parse_args()
+
+    workdir = Path(tempfile.mkdtemp(prefix="peertrain-soak-"))
+    collab = Collaboration(
+        workdir,
+        {
+            "PEERTRAIN_CONFIG": str(ROOT / "configs" / "demo.toml"),
+            "PEERTRAIN_LOG_FORMAT": "json",
+            "PEERTRAIN_LOG_LEVEL": "warning",
+            "PEERTRAIN_TRAINING_TARGET_VALIDATION_LOSS": "0",
+            "PEERTRAIN_TRAINING_CHECKPOINT_INTERVAL": "60",
+        },
+    )
+    samples: list[dict] = []
+    kills = 0
+    try:
+        collab.start_backbone()
+        peers = {f"peer{i}": collab.start_peer(i) for i in range(PEERS)}
+        collab.watch_global_step()
+        started = time.monotonic()
+        next_sample, next_churn, victim = 0.0, args.churn_every, 2
+        print(f"soak: {args.minutes:g} min, churn every {args.churn_every:g} s, logs in {workdir}")
+        while (elapsed := time.monotonic() - started) < args.minutes * 60:
+            if elapsed >= next_churn:
+                name = f"peer{victim}"
+                kill(peers[name])
+                kills += 1
+                time.sleep(5.0)
+                peers[name] = collab.start_peer(victim)  # same identity, same checkpoints
+                victim = 5 - victim  # 2, 3, 2, ...
+                next_churn += args.churn_every
+            if elapsed >= next_sample:
+                row = {"minute": round(elapsed / 60, 1), "global_step": global_step(collab)}
+                for name, proc in [("backbone", collab.procs[0]), *peers.items()]:
+                    row[name] = sample(proc)
+                samples.append(row)
+                cells = [
+                    f"{n} {r['rss_mib']:.0f} MiB/{r['fds']} fd" if r else f"{n} -"
+                    for n, r in row.items()
+                    if isinstance(r, dict) or r is None
+                ]
+                print(
+                    f"{row['minute']:5.1f} min  step {row['global_step']:5d}  " + "  ".join(cells)
+                )
+                next_sample += 60.0
+            time.sleep(1.0)
+        exited = {name: p.popen.poll() for name, p in peers.items()}
+    finally:
+        collab.close()
+
+    warm = [s for s in samples if s["minute"] >= args.warmup]
+    verdicts = {}
+    for name in STABLE:
+        first, last = warm[0][name], warm[-1][name]
+        if first is None or last is None:
+            verdicts[name] = "died"
+            continue
+        rss = last["rss_mib"] - first["rss_mib"]
+        fds = last["fds"] - first["fds"]
+        peak = max(s[name]["rss_mib"] for s in warm if s[name])
+        ok = rss <= args.rss_bound and fds <= args.fd_bound
+        verdicts[name] = "ok" if ok else "GREW"
+        print(
+            f"{name:9s} RSS {first['rss_mib']:.0f} -> {last['rss_mib']:.0f} MiB ({rss:+.1f}, "
+            f"peak {peak:.0f}), fds {first['fds']} -> {last['fds']} ({fds:+d}): {verdicts[name]}"
+        )
+    steps = [s["global_step"] for s in samples]
+    print(
+        f"global step {steps[0]} -> {steps[-1]} over {samples[-1]['minute']:.1f} min, "
+        f"{kills} SIGKILLs; peers still running at the end: "
+        f"{sum(code is None for code in exited.values())}/{PEERS}"
+    )
+    if args.out:
+        args.out.write_text(json.dumps({"samples": samples, "verdicts": verdicts}, indent=1))
+    ok = all(v == "ok" for v in verdicts.values()) and all(c is None for c in exited.values())
+    print("PASS" if ok else "FAIL")
+    raise SystemExit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
