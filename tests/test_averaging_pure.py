@@ -8,8 +8,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from peer.averaging.compression import BLOCK, CODECS, BadPart
+from peer.averaging.crypto import KeyAnnouncement, RoundKey, verify_announcement
 from peer.averaging.partition import chunk_ranges, part_ranges, part_sizes
 from peer.averaging.reduce import PartReducer, ResultAssembler
+from tests.helpers import new_identity
 
 # ---------------------------------------------------------------------------- partition
 
@@ -167,3 +169,14 @@ def test_fp16_keeps_inf_so_the_receiver_rejects_it():
 def test_int8_quantises_denormal_blocks_to_zero():
     values = np.full(10, 1e-40, np.float32)
     assert (CODECS["int8"].decode(CODECS["int8"].encode(values), 10) == 0).all()
+
+
+@pytest.mark.parametrize("cut", [1, 63, 65])
+def test_a_key_announcement_with_a_signature_of_the_wrong_length_is_a_bad_part(cut):
+    identity = new_identity()
+    key = RoundKey(b"round", identity.peer_id.to_base58(), identity.key_pair.private_key)
+    good = key.announcement
+    verify_announcement(b"round", good)
+    signature = (good.signature + b"\x00")[:cut]
+    with pytest.raises(BadPart, match="not signed by it"):
+        verify_announcement(b"round", KeyAnnouncement(good.peer_id, good.public_key, signature))

@@ -78,6 +78,10 @@ def test_owner_subkey_requires_owner_signature():
     forged = make_entry("k", peer, b"forged", NOW + 20, signer=mallory.private_key)
     with pytest.raises(ProtocolError, match="not signed by its owner"):
         store.store("k", peer, forged, now=NOW)
+    # Signatures of the wrong length (found by fuzzing: nacl raised its own ValueError).
+    for signature in (b"\x00", good.signature + b"\x00", good.signature[:63]):
+        with pytest.raises(ProtocolError, match="not signed by its owner"):
+            store.store("k", peer, Entry(b"v2", NOW + 20, signature), now=NOW)
     assert store.get("k", now=NOW)[peer].value == b"v"
 
 

@@ -28,7 +28,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from libp2p.crypto.keys import PrivateKey
 
 from peer.averaging.compression import BadPart
-from peer.dht.records import owner_key
+from peer.dht.records import owner_key, signed_by
 
 DOMAIN = b"peertrain/allreduce-key/1"
 TAG_BYTES = 16
@@ -85,7 +85,7 @@ def verify_announcement(round_id: bytes, announcement: KeyAnnouncement) -> X2551
     payload = _signed_payload(round_id, announcement.public_key)
     if owner is None or len(announcement.public_key) != 32:
         raise BadPart(f"key announcement of {announcement.peer_id[:20]!r} is malformed")
-    if not owner.verify(payload, announcement.signature):
+    if not signed_by(owner, payload, announcement.signature):
         raise BadPart(f"key announcement of {announcement.peer_id} is not signed by it")
     return X25519PublicKey.from_public_bytes(announcement.public_key)
 

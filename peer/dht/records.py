@@ -32,6 +32,7 @@ from libp2p.peer.id import ID
 from peer.errors import ProtocolError
 
 SIGNATURE_DOMAIN = b"peertrain/dht-entry/1"
+SIGNATURE_BYTES = 64  # Ed25519
 MAX_KEY_BYTES = 512
 MAX_SUBKEY_BYTES = 128
 
@@ -79,6 +80,17 @@ def owner_key(subkey: str) -> Ed25519PublicKey | None:
     return public_key if isinstance(public_key, Ed25519PublicKey) else None
 
 
+def signed_by(owner: Ed25519PublicKey, payload: bytes, signature: bytes) -> bool:
+    """Whether `signature` is `owner`'s over `payload`. Never raises on a peer's bytes: nacl
+    raises its own ValueError for a signature that is not 64 bytes (found by fuzzing)."""
+    if len(signature) != SIGNATURE_BYTES:
+        return False
+    try:
+        return bool(owner.verify(payload, signature))
+    except Exception:  # nacl's CryptoError family; libp2p catches only BadSignatureError
+        return False
+
+
 def signing_payload(key: str, subkey: str, value: bytes | None, expiration: float) -> bytes:
     return SIGNATURE_DOMAIN + msgspec.msgpack.encode((key, subkey, value, expiration))
 
@@ -113,7 +125,7 @@ def validate_entry(key: str, subkey: str, entry: Entry, *, now: float, limits: L
     owner = owner_key(subkey)
     if owner is not None:
         payload = signing_payload(key, subkey, entry.value, entry.expiration)
-        if not entry.signature or not owner.verify(payload, entry.signature):
+        if not signed_by(owner, payload, entry.signature):
             raise ProtocolError(f"entry {key!r}/{subkey[:16]}... is not signed by its owner")
 
 
