@@ -5,16 +5,22 @@ and tags of its schema as keys, any values), and mutations (bit flips, truncatio
 of a valid encoding. It must return or raise one of the errors its callers handle as "the peer
 sent garbage"; anything else would escape as a crash of the task serving that peer.
 
-The default run tries a few hundred inputs per decoder; `-m slow` runs 100,000 each.
+The default run tries a few hundred inputs per decoder; `-m slow` runs 100,000 each, and checks
+that a long seeded stream of the same kinds of input leaves neither traced Python memory nor the
+process's resident memory growing (a decoder that keeps something from every message would).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import gc
+import random
+import tracemalloc
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import msgspec
+import psutil
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -213,6 +219,21 @@ CASES = [
 # decode_progress and decode_presence skip what they cannot use: they must never raise.
 NEVER_RAISE = {"progress record", "presence record"}
 
+
+def mutate(valid: bytes, edits: list[tuple[int, int, int]]) -> bytes:
+    """`valid` with each (kind, position, value) edit: a bit flip, a truncation or an insertion."""
+    data = bytearray(valid)
+    for kind, position, value in edits:
+        at = position % (len(data) + 1)
+        if kind == 0 and data:
+            data[at % len(data)] ^= 1 << (value % 8)
+        elif kind == 1:
+            del data[at:]
+        else:
+            data[at:at] = bytes([value % 256])
+    return bytes(data)
+
+
 scalars = st.one_of(
     st.none(),
     st.booleans(),
@@ -235,23 +256,11 @@ def inputs(case: Case) -> st.SearchStrategy[bytes]:
             | st.dictionaries(keys, documents, max_size=5)
         )
 
-    def mutate(edits: list[tuple[int, int, int]]) -> bytes:
-        data = bytearray(case.valid)
-        for kind, position, value in edits:
-            at = position % (len(data) + 1)
-            if kind == 0 and data:
-                data[at % len(data)] ^= 1 << (value % 8)
-            elif kind == 1:
-                del data[at:]
-            else:
-                data[at:at] = bytes([value % 256])
-        return bytes(data)
-
     edits = st.lists(st.tuples(st.integers(0, 2), st.integers(0, 2**16), st.integers(0, 255)))
     return st.one_of(
         st.binary(max_size=512),
         documents.map(msgspec.msgpack.encode),
-        edits.map(mutate),
+        edits.map(lambda edits: mutate(case.valid, edits)),
     )
 
 
@@ -287,3 +296,98 @@ def test_garbage_never_escapes_as_another_error(case):
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_a_hundred_thousand_inputs_per_decoder(case):
     fuzz(case, 100_000)
+
+
+# The leak check: a seeded stream of the same three kinds of input as `inputs`, generated without
+# hypothesis so that nothing but the decoder allocates between two measurements.
+WARM_UP = 2_000
+BATCHES = 5
+BATCH = 4_000
+MAX_TRACED_GROWTH = 256 * 1024
+"""Bytes of traced Python memory the last measured batch may hold beyond the first."""
+MAX_RSS_GROWTH = 32 * 1024 * 1024
+"""Resident memory the measured batches may add (native allocations tracemalloc cannot see:
+msgspec, numpy, torch, cryptography); generous, as the allocator keeps what it freed."""
+
+
+def random_scalar(rng: random.Random) -> object:
+    match rng.randrange(6):
+        case 0:
+            return None
+        case 1:
+            return rng.random() < 0.5
+        case 2:
+            return rng.randrange(-(2**63), 2**64)
+        case 3:
+            return rng.choice((float("nan"), float("inf"), -float("inf"), rng.uniform(-1e9, 1e9)))
+        case 4:
+            return "".join(chr(rng.randrange(0x20, 0x3000)) for _ in range(rng.randrange(41)))
+        case _:
+            return rng.randbytes(rng.randrange(65))
+
+
+def random_document(rng: random.Random, case: Case, depth: int = 3) -> object:
+    """A msgpack document up to three levels deep, keyed by the case's field names and tags."""
+    roll = rng.randrange(4) if depth else 0
+    if roll == 0:
+        return random_scalar(rng)
+    if roll == 1:
+        return rng.choice(case.names or ("",))
+    if roll == 2:
+        return [random_document(rng, case, depth - 1) for _ in range(rng.randrange(6))]
+    return {
+        (
+            rng.choice(case.names) if case.names and rng.random() < 0.7 else str(random_scalar(rng))
+        ): random_document(rng, case, depth - 1)
+        for _ in range(rng.randrange(6))
+    }
+
+
+def seeded_inputs(case: Case, rng: random.Random, count: int) -> Iterator[bytes]:
+    for _ in range(count):
+        match rng.randrange(3):
+            case 0:
+                yield rng.randbytes(rng.randrange(513))
+            case 1:
+                yield msgspec.msgpack.encode(random_document(rng, case))
+            case _:
+                edits = [
+                    (rng.randrange(3), rng.randrange(2**16), rng.randrange(256))
+                    for _ in range(rng.randrange(1, 9))
+                ]
+                yield mutate(case.valid, edits)
+
+
+def feed(case: Case, rng: random.Random, count: int) -> None:
+    for data in seeded_inputs(case, rng, count):
+        if case.name in NEVER_RAISE:
+            case.decode(data)
+            continue
+        with contextlib.suppress(*case.allowed):
+            case.decode(data)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_no_decoder_leaks_memory(case):
+    rng = random.Random(f"leak {case.name}")
+    process = psutil.Process()
+    tracemalloc.start()
+    try:
+        feed(case, rng, WARM_UP)  # caches, interned names, lazily built decoders
+        traced, rss = [], []
+        for _ in range(BATCHES):
+            feed(case, rng, BATCH)
+            gc.collect()
+            traced.append(tracemalloc.get_traced_memory()[0])
+            rss.append(process.memory_info().rss)
+    finally:
+        tracemalloc.stop()
+    figures = (
+        f"{case.name}: traced {traced[0]} -> {traced[-1]} B ({traced[-1] - traced[0]:+d}),"
+        f" rss {rss[0] / 2**20:.1f} -> {rss[-1] / 2**20:.1f} MiB"
+        f" ({(rss[-1] - rss[0]) / 2**20:+.1f}); traced per batch {traced}"
+    )
+    print(figures)
+    assert traced[-1] - traced[0] <= MAX_TRACED_GROWTH, figures
+    assert rss[-1] - rss[0] <= MAX_RSS_GROWTH, figures
