@@ -168,3 +168,19 @@ def test_a_state_without_the_scheduler_this_task_has_is_refused(tmp_path):
     take_steps(plain, 1)
     with pytest.raises(StateMismatch, match="scheduler state missing"):
         make_scheduled(tmp_path / "b")._restore(states.from_bytes(states.to_bytes(plain._captured)))
+
+
+def test_slow_dht_stores_widen_the_gathering_window_and_the_declare_margin(tmp_path):
+    """Over high-latency links a 2 s window closed before tickets landed (issue 7 testbed)."""
+    trainer = make_trainer(tmp_path)
+    configured = trainer.training.gather_window
+    assert trainer._gather_window() == configured
+    assert trainer._declare_margin() == min(configured / 4, 1.0)
+    trainer.note_store_time(0.01)  # a loopback store changes nothing
+    assert trainer._gather_window() == configured
+    for _ in range(10):
+        trainer.note_store_time(1.5)  # a store over a 160 ms RTT path: several round trips
+    assert trainer._store_seconds == pytest.approx(1.5, rel=0.05)
+    assert trainer._gather_window() >= 4 * 1.4
+    assert trainer._declare_margin() >= 2 * 1.4
+    assert trainer._gather_window() > trainer._declare_margin() + 1.0  # time left to compute

@@ -59,6 +59,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("peertrain.trainer")
 #: Failed averagings in a row before the trainer logs a warning (fewer are routine, at INFO).
 WARN_AFTER_FAILURES = 3
+#: A step we call gathers for at least this many of our DHT store times (measured).
+STORES_PER_WINDOW = 4
 
 #: Fetches the state of `step` (or newer) from the given holders.
 Download = Callable[[list[ProgressRecord], int], Awaitable["Snapshot"]]
@@ -162,6 +164,7 @@ class Trainer:
         self._call: tuple[int, float] | None = None  # (step, gather_until) we called
         self._failed_before = -math.inf  # calls gathering at or before this failed for us
         self._failed_in_a_row = 0
+        self._store_seconds = 0.0  # moving average of how long our progress store takes
         self._pending: trio.Event | None = None  # delayed averaging in flight
         self._pending_result: tuple[np.ndarray, int, AveragingResult, float] | None = None
         self._validate_due = False
@@ -249,12 +252,14 @@ class Trainer:
                 record = self.record()
                 try:
                     with trio.move_on_after(max(interval, self.config.net.rpc_timeout)):
+                        started = trio.current_time()
                         await self.dht.store(
                             key,
                             self.me,
                             encode_progress(record),
                             expiration=record.updated_at + ttl,
                         )
+                        self.note_store_time(trio.current_time() - started)
                         entries = await self.dht.get(key)
                         self.status.view = CollaborationView(decode_progress(entries))
                         self._view_changed.set()
@@ -302,7 +307,7 @@ class Trainer:
         group that averaged apart) or a step behind catches up from us; we catch up likewise.
         Bounded: a silent peer's record may take a while to expire."""
         interval = self.training.progress_interval
-        with trio.move_on_after(2 * self.training.gather_window + 4 * interval + 5):
+        with trio.move_on_after(2 * self._gather_window() + 4 * interval + 5):
             while True:
                 view = self.view()
                 if donors := self._should_download(view):
@@ -366,7 +371,7 @@ class Trainer:
             return
         call = self._current_call(view)
         if call is None and self._pending is None and self._ready(view):
-            self._call = (self.step, self.clock() + self.training.gather_window)
+            self._call = (self.step, self.clock() + self._gather_window())
             self._publish_now.set()
             call = self._call[1]
             log.info("calling step %d: averaging at +%.1fs", self.step + 1, call - self.clock())
@@ -405,12 +410,23 @@ class Trainer:
             view,
             self.step,
             target_batch=self.config.task.target_batch,
-            window=self.training.gather_window,
+            window=self._gather_window(),
         )
 
+    def note_store_time(self, seconds: float) -> None:
+        """How long a DHT store of ours took (the progress loop times each one)."""
+        first = self._store_seconds == 0.0
+        self._store_seconds = seconds if first else 0.7 * self._store_seconds + 0.3 * seconds
+
+    def _gather_window(self) -> float:
+        """The gathering window of a step we call: `training.gather_window`, widened where our
+        DHT stores are slow (high-latency links) so that tickets still land before it closes."""
+        return max(self.training.gather_window, STORES_PER_WINDOW * self._store_seconds)
+
     def _declare_margin(self) -> float:
-        """Our ticket must be in the DHT before the gathering closes: stop computing this early."""
-        return min(self.training.gather_window / 4, 1.0)
+        """Our ticket must be in the DHT before the gathering closes: stop computing this early
+        (at least twice what a store of ours takes)."""
+        return max(min(self._gather_window() / 4, 1.0), 2 * self._store_seconds)
 
     def _should_download(self, view: CollaborationView) -> list[ProgressRecord]:
         """Holders of the state to fetch when we are behind or hold a minority digest."""
