@@ -30,6 +30,7 @@ __all__ = [
     "ephemeral_identity",
     "hold_identity",
     "load_or_create_identity",
+    "read_key_file",
 ]
 
 KEY_BYTES = 32
@@ -59,22 +60,29 @@ def load_or_create_identity(path: Path) -> Identity:
     return _load_key_file(path)
 
 
-def _load_key_file(path: Path) -> Identity:
+def read_key_file(path: Path, *, what: str, fix: str) -> bytes:
+    """The bytes of a secret key file, which must be a regular file only its owner can read;
+    else an IdentityError naming `what` and saying `fix`."""
     try:
         st = path.stat()
         if not stat.S_ISREG(st.st_mode):
-            raise IdentityError(f"identity key {path} is not a regular file; pass --identity FILE")
+            raise IdentityError(f"{what} {path} is not a regular file; {fix}")
         if st.st_mode & 0o077:
             raise IdentityError(
-                f"identity key {path} is accessible by group or others "
+                f"{what} {path} is accessible by group or others "
                 f"(mode {stat.S_IMODE(st.st_mode):04o}); run `chmod 600 {path}`"
             )
-        data = path.read_bytes()
+        return path.read_bytes()
     except OSError as error:
-        raise IdentityError(
-            f"cannot read identity key {path}: {error.strerror}; fix its permissions or pass "
-            f"--identity with another key file"
-        ) from error
+        raise IdentityError(f"cannot read {what} {path}: {error.strerror}; {fix}") from error
+
+
+def _load_key_file(path: Path) -> Identity:
+    data = read_key_file(
+        path,
+        what="identity key",
+        fix="fix its permissions or pass --identity with another key file",
+    )
     if len(data) != KEY_BYTES:
         raise IdentityError(
             f"identity key {path} is malformed ({len(data)} bytes, expected a {KEY_BYTES}-byte "

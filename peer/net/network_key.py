@@ -13,11 +13,11 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import stat
 from pathlib import Path
 
 from peer.errors import IdentityError
 from peer.files import fsync_directory
+from peer.net.identity import read_key_file
 
 KEY_BYTES = 32
 
@@ -52,20 +52,9 @@ def load_network_key(setting: str) -> str | None:
         return None
     path = Path(setting).expanduser()
     fix = "ask the collaboration's owner for the key file, or make one with `backbone network-key FILE`"
+    data = read_key_file(path, what="network key", fix=fix)
     try:
-        st = path.stat()
-        if not stat.S_ISREG(st.st_mode):
-            raise IdentityError(f"network key {path} is not a regular file; {fix}")
-        if st.st_mode & 0o077:
-            raise IdentityError(
-                f"network key {path} is accessible by group or others "
-                f"(mode {stat.S_IMODE(st.st_mode):04o}); run `chmod 600 {path}`"
-            )
-        text = path.read_text(encoding="ascii", errors="replace").strip()
-    except OSError as error:
-        raise IdentityError(f"cannot read network key {path}: {error.strerror}; {fix}") from None
-    try:
-        key = bytes.fromhex(text)
+        key = bytes.fromhex(data.decode("ascii", errors="replace").strip())
     except ValueError:
         key = b""
     if len(key) != KEY_BYTES:
