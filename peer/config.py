@@ -244,9 +244,9 @@ class StateConfig(_Section):
     """Bytes per verified chunk of a state download (4 MiB)."""
     download_timeout: float = 120.0
     """Seconds a whole state download may take before it is retried."""
-    caller_states: float = 3.0
-    """Whole states one peer may download from this one per caller_window (then refused)."""
-    caller_window: float = 600.0
+    caller_states: float = 20.0
+    """State downloads (manifests) one peer may start from this one per caller_window."""
+    caller_window: float = 300.0
     """Seconds over which a peer's state-download budget refills."""
     keep: bool = False
     """Backbones: keep the newest state (in training.checkpoint_dir) and serve it to joiners."""

@@ -9,6 +9,7 @@ import msgspec
 import numpy as np
 import pytest
 import torch
+import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
@@ -16,11 +17,12 @@ from peer.averaging.allreduce import RoundReport
 from peer.averaging.averager import AveragingResult
 from peer.averaging.reduce import ChunkResult
 from peer.config import PeerConfig, TaskConfig, TrainingConfig
+from peer.errors import RemoteError
 from peer.training import state as states
 from peer.training.progress import CollaborationView
 from peer.training.state import StateMismatch
 from peer.training.task import TinyTask
-from peer.training.trainer import Trainer
+from peer.training.trainer import MAX_DOWNLOAD_BACKOFF, Trainer
 from tests.test_progress import rec
 
 
@@ -184,3 +186,31 @@ def test_slow_dht_stores_widen_the_gathering_window_and_the_declare_margin(tmp_p
     assert trainer._gather_window() >= 4 * 1.4
     assert trainer._declare_margin() >= 2 * 1.4
     assert trainer._gather_window() > trainer._declare_margin() + 1.0  # time left to compute
+
+
+async def test_failed_state_downloads_back_off_and_a_success_resets_the_wait(
+    tmp_path, autojump_clock
+):
+    trainer = make_trainer(tmp_path)
+    trainer.dht.node.remember_addrs = lambda *args: None
+    outcomes = [False] * 8 + [True, False]
+    waits = []
+
+    async def download(donors, step):
+        if outcomes.pop(0):
+            trainer._capture()
+            return trainer.snapshot()
+        raise RemoteError("busy: serving 4 downloads")
+
+    trainer.download = download
+    donor = rec(1, step=0, digest="x")
+    view = CollaborationView([donor])
+    for _ in range(10):
+        started = trio.current_time()
+        await trainer._catch_up([donor], view)
+        waits.append(round(trio.current_time() - started, 3))
+    interval = trainer.training.progress_interval
+    doubling = [min(interval * 2**i, MAX_DOWNLOAD_BACKOFF) for i in range(8)]
+    assert waits[:8] == doubling and doubling[-1] == MAX_DOWNLOAD_BACKOFF
+    assert waits[8] == 0  # the success
+    assert waits[9] == interval  # and the next failure starts over

@@ -61,6 +61,8 @@ log = logging.getLogger("peertrain.trainer")
 WARN_AFTER_FAILURES = 3
 #: A step we call gathers for at least this many of our DHT store times (measured).
 STORES_PER_WINDOW = 4
+#: Longest wait between two failed state downloads (the wait doubles from progress_interval).
+MAX_DOWNLOAD_BACKOFF = 30.0
 
 #: Fetches the state of `step` (or newer) from the given holders.
 Download = Callable[[list[ProgressRecord], int], Awaitable["Snapshot"]]
@@ -165,6 +167,7 @@ class Trainer:
         self._failed_before = -math.inf  # calls gathering at or before this failed for us
         self._failed_in_a_row = 0
         self._store_seconds = 0.0  # moving average of how long our progress store takes
+        self._download_failures = 0  # in a row
         self._pending: trio.Event | None = None  # delayed averaging in flight
         self._pending_result: tuple[np.ndarray, int, AveragingResult, float] | None = None
         self._validate_due = False
@@ -601,9 +604,16 @@ class Trainer:
             self._restore(state)
         except RemoteError as error:
             self.status.failures["state_download"] += 1
-            log.warning("state download failed: %s; retrying", error)
-            await trio.sleep(self.training.progress_interval)
+            # Back off: busy or budget-limited donors refuse again if asked at once.
+            self._download_failures += 1
+            delay = min(
+                self.training.progress_interval * 2 ** (self._download_failures - 1),
+                MAX_DOWNLOAD_BACKOFF,
+            )
+            log.warning("state download failed: %s; retrying in %.3gs", error, delay)
+            await trio.sleep(delay)
             return
+        self._download_failures = 0
         self.status.downloads += 1
         self.status.step = self.step
         self._publish_now.set()

@@ -47,7 +47,7 @@ log = logging.getLogger("peertrain.statesync")
 
 SEND_SLICE = 1 << 20  # a stalled receiver is noticed within a slice
 MAX_CONNECTIONS_PER_TICKET = 2
-STATE_UNITS = 1_000_000  # a caller's download budget counts millionths of a state
+TICKET_STATES = 2  # a ticket serves at most this many times the state's bytes
 DEFAULT_CHUNK_BYTES = 4 << 20
 
 
@@ -96,6 +96,7 @@ class _Ticket:
     hashed: _Hashed
     last_used: float
     connections: int = 0
+    bytes_served: int = 0
     scopes: set[trio.CancelScope] = field(default_factory=set)
 
     def revoke(self) -> None:
@@ -109,11 +110,11 @@ class StateDonor:
     `snapshot()` returns the state to give (None: nothing yet); it should return the same
     object until the state changes, since chunk hashes are cached per snapshot. At most
     `max_downloads` tickets are live at once (one per caller; a ticket expires after
-    `ticket_idle` seconds without a connection or request). One caller may download at most
-    `caller_states` whole states per `caller_window` seconds (counted chunk by chunk, as a
-    fraction of the state, so the limit holds whatever the state's size): a peer that asks
-    again and again degrades only its own service. `wrap_stream` wraps each accepted data
-    connection (tests inject faults there).
+    `ticket_idle` seconds without a connection or request). One caller gets at most
+    `caller_states` manifests per `caller_window` seconds (a token bucket), and a ticket serves
+    at most TICKET_STATES times the state's bytes: a peer that downloads again and again, or
+    asks for the same chunks over and over, degrades only its own service. `wrap_stream`
+    wraps each accepted data connection (tests inject faults there).
     """
 
     def __init__(
@@ -126,8 +127,8 @@ class StateDonor:
         advertised_host: str | None = None,
         ticket_idle: float = 10.0,
         stall_timeout: float = 10.0,
-        caller_states: float = 3.0,
-        caller_window: float = 600.0,
+        caller_states: float = 20.0,
+        caller_window: float = 300.0,
         wrap_stream: Callable[[trio.SocketStream], trio.abc.Stream] | None = None,
     ) -> None:
         self.node = node
@@ -138,10 +139,8 @@ class StateDonor:
         self.ticket_idle = ticket_idle
         self.stall_timeout = stall_timeout
         self.wrap_stream = wrap_stream
-        # Units of a millionth of a state, so one bucket fits states of any size.
-        self.budgets = ByteBudgets(
-            capacity=round(caller_states * STATE_UNITS), window=caller_window
-        )
+        # Manifests per caller, in thousandths so that caller_states may be fractional.
+        self.budgets = ByteBudgets(capacity=round(caller_states * 1000), window=caller_window)
         # The manifest must fit one RPC message: 34 bytes per msgpack'd hash, plus slack.
         self.max_chunks = min(MAX_CHUNKS, (node.rpc.max_message_bytes - 1024) // (HASH_BYTES + 2))
         self._data: tuple[str, int] | None = None
@@ -246,7 +245,7 @@ class StateDonor:
 
     def _check_budget(self, caller: ID) -> None:
         """Refuse a manifest to a caller that has spent its download budget."""
-        wait = self.budgets.try_spend(caller, 1, now=trio.current_time())
+        wait = self.budgets.try_spend(caller, 1000, now=trio.current_time())
         if wait > 0:
             self._refused += 1
             raise RpcError(
@@ -365,14 +364,11 @@ class StateDonor:
                 return
             ticket.last_used = trio.current_time()
             start, end = chunk_range(index, len(hashed.view), hashed.chunk_bytes)
-            units = -(-(end - start) * STATE_UNITS // len(hashed.view))  # rounded up
-            wait = self.budgets.try_spend(ticket.caller, units, now=trio.current_time())
-            if wait > 0:
+            if ticket.bytes_served + (end - start) > TICKET_STATES * len(hashed.view):
                 self._refused += 1
-                await self._send_error(
-                    stream, f"download budget spent; retry in {wait:.0f} s or ask another donor"
-                )
+                await self._send_error(stream, "this ticket is used up; ask for a manifest again")
                 return
+            ticket.bytes_served += end - start
             with trio.fail_after(self.stall_timeout):
                 await stream.send_all(REPLY.pack(KIND_CHUNK, index, end - start))
             for offset in range(start, end, SEND_SLICE):
