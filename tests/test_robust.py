@@ -3,8 +3,8 @@ all-reduce round, and training where 1 of 5 peers poisons its gradient every ste
 
 The training test runs five copies of the tiny task in one process; every step each computes
 its gradient, and the five average it as a butterfly round does: the vector cut in five parts,
-each reduced by a `PartReducer` (the network path of the same reducers is the round test
-above it). The poisoner sends its gradient times -100, or random noise 100 times a gradient's
+each reduced by a `PartReducer`; the slow suite repeats it with a real all-reduce round over
+loopback TCP every step. The poisoner sends its gradient times -100, or random noise 100 times a gradient's
 size. With `centered_clip` the final validation loss must be within 10% of an all-honest run;
 with the plain mean the same attack must do visible damage.
 """
@@ -268,25 +268,37 @@ def validation_loss(task: TinyTask, model: torch.nn.Module) -> float:
         return sum(float(task.loss(model, b)) for b in batches) / len(batches)
 
 
-def train(attack: str | None, norm_factor: float | None) -> float:
+async def train(attack: str | None, norm_factor: float | None, *, network: bool) -> float:
     """Five peers train the tiny task for STEPS steps, the last one poisoning its gradient if
-    `attack`; returns the final validation loss."""
+    `attack`; returns the final validation loss. `network`: average with real all-reduce
+    rounds over loopback (every member must end with the same parameters) instead of the
+    reducers alone."""
     task = TinyTask()
     workers = [LargeBatch(task, task.build_model()) for _ in range(5)]
     generators = [torch.Generator().manual_seed(100 + i) for i in range(5)]
     rng = np.random.default_rng(6)
-    for _ in range(STEPS):
-        vectors, weights = [], []
-        for worker, generator in zip(workers, generators, strict=True):
-            worker.accumulate(task.sample_batch(MICRO_BATCH, generator), MICRO_BATCH)
-            vector, samples = worker.take()
-            vectors.append(vector)
-            weights.append(float(samples))
-        if attack is not None:
-            vectors[-1] = poison(vectors[-1], attack, rng)
-        average = butterfly_average(vectors, weights, norm_factor)
-        for worker in workers:
-            worker.apply(average)
+    async with trio.open_nursery() as nursery:
+        group = await open_group(nursery, 5) if network else None
+        for _ in range(STEPS):
+            vectors, weights = [], []
+            for worker, generator in zip(workers, generators, strict=True):
+                worker.accumulate(task.sample_batch(MICRO_BATCH, generator), MICRO_BATCH)
+                vector, samples = worker.take()
+                vectors.append(vector)
+                weights.append(float(samples))
+            if attack is not None:
+                vectors[-1] = poison(vectors[-1], attack, rng)
+            if group is None:
+                averages = [butterfly_average(vectors, weights, norm_factor)] * 5
+            else:
+                with trio.fail_after(60):
+                    await group.round(vectors, weights, norm_factor)
+                averages = vectors
+            for worker, average in zip(workers, averages, strict=True):
+                worker.apply(average)
+        nursery.cancel_scope.cancel()
+    states = [torch.cat([p.detach().reshape(-1) for p in w.params]) for w in workers]
+    assert all(torch.equal(s, states[0]) for s in states)
     return validation_loss(task, workers[0].model)
 
 
@@ -298,17 +310,28 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("attack", ["scaled", "random"])
-def test_one_poisoner_of_five_is_harmless_with_centered_clip_and_not_without(
-    attack, one_torch_thread
-):
+async def check_poisoning(attack: str, *, network: bool) -> None:
     task = TinyTask()
     start = validation_loss(task, task.build_model())
-    honest = train(None, None)
-    defended = train(attack, 2.0)
-    undefended = train(attack, None)
+    honest = await train(None, None, network=network)
+    defended = await train(attack, 2.0, network=network)
+    undefended = await train(attack, None, network=network)
     print(f"{attack}: start {start:.4f} honest {honest:.4f} defended {defended:.4f} "
           f"undefended {undefended:.4g}")  # fmt: skip
     assert honest < 0.1 * start  # the honest run learns
     assert defended <= 1.1 * honest
     assert undefended > 2 * honest  # the damage the option prevents
+
+
+@pytest.mark.parametrize("attack", ["scaled", "random"])
+async def test_one_poisoner_of_five_is_harmless_with_centered_clip_and_not_without(
+    attack, one_torch_thread
+):
+    await check_poisoning(attack, network=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attack", ["scaled", "random"])
+async def test_the_same_over_real_allreduce_rounds(attack, one_torch_thread):
+    """The whole data plane each step: sealed TCP connections, one part per member."""
+    await check_poisoning(attack, network=True)
