@@ -175,3 +175,29 @@ def test_a_private_backbone_admits_only_peers_with_its_key(procs, tmp_path):  # 
         assert len(lines) == 1 and "--network-key" in lines[0], refused.stderr
         assert "Traceback" not in refused.stderr
     assert backbone.popen.poll() is None and peer.popen.poll() is None
+
+
+async def test_garbage_before_the_handshake_does_not_stop_a_private_node(tmp_path):
+    create_network_key(tmp_path / "net.key")
+    key = load_network_key(str(tmp_path / "net.key"))
+    async with AsyncExitStack() as stack:
+        member = await stack.enter_async_context(
+            open_node(
+                new_identity(), listen=[LOOPBACK], announce=[], max_message_bytes=1 << 20,
+                network_key=key,
+            )
+        )  # fmt: skip
+        port = int(str(member.announce[0]).split("/tcp/")[1])
+        for payload in (b"", b"abc", b"x" * 8, b"y" * 200, os.urandom(5000)):
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            await stream.send_all(payload)  # a short nonce, a wrong key's bytes, noise
+            await trio.sleep(0.1)
+            await stream.aclose()
+        insider = await stack.enter_async_context(
+            open_node(
+                new_identity(), listen=[], announce=[], max_message_bytes=1 << 20,
+                network_key=key,
+            )
+        )  # fmt: skip
+        with trio.fail_after(10):
+            await insider.connect(member.peer_id, member.announce, timeout=5)
