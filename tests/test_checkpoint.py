@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import random
+import re
 import signal
 import stat
 import subprocess
@@ -37,7 +38,17 @@ def state_of(step: int) -> TrainingState:
 
 
 def files(directory: Path) -> list[str]:
-    return sorted(p.name for p in directory.iterdir() if p.name != ".lock")
+    """The checkpoint files, payload names without their save serial (step-3-7 -> step-3)."""
+    return sorted(
+        re.sub(r"-[0-9]+\.safetensors$", ".safetensors", p.name)
+        for p in directory.iterdir()
+        if p.name != ".lock"
+    )
+
+
+def payload(directory: Path, step: int) -> Path:
+    """The payload file the record of `step` names."""
+    return directory / json.loads((directory / f"step-{step}.json").read_text())["file"]
 
 
 def warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -48,7 +59,7 @@ def test_round_trip(tmp_path):
     directory = tmp_path / "a" / "b"
     assert load_latest(directory) is None
     path = save_checkpoint(directory, state_of(3))
-    assert path == directory / "step-3.safetensors"
+    assert path == directory / "step-3-1.safetensors"  # step 3, the first save
     assert files(directory) == ["step-3.json", "step-3.safetensors"]
     loaded = load_latest(directory)
     assert loaded is not None and loaded.step == 3 and loaded.extra == {"step": 3}
@@ -94,16 +105,16 @@ def _truncate(path: Path) -> None:
 @pytest.mark.parametrize(
     ("damage", "file", "message"),
     [
-        (_flip_a_byte, "step-3.safetensors", "sha256"),
-        (_truncate, "step-3.safetensors", "bytes"),
-        (Path.unlink, "step-3.safetensors", "No such file"),
+        (_flip_a_byte, "payload", "sha256"),
+        (_truncate, "payload", "bytes"),
+        (Path.unlink, "payload", "No such file"),
         (_truncate, "step-3.json", "record step-3.json is damaged"),
     ],
 )
 def test_damage_to_the_newest_falls_back_to_the_older(tmp_path, caplog, damage, file, message):
     save_checkpoint(tmp_path, state_of(2))
     save_checkpoint(tmp_path, state_of(3))
-    damage(tmp_path / file)
+    damage(payload(tmp_path, 3) if file == "payload" else tmp_path / file)
     with caplog.at_level(logging.WARNING, logger="peertrain.checkpoint"):
         loaded = load_latest(tmp_path)
     assert loaded is not None and loaded.step == 2
@@ -112,7 +123,7 @@ def test_damage_to_the_newest_falls_back_to_the_older(tmp_path, caplog, damage, 
 
 def test_nothing_intact_gives_none(tmp_path, caplog):
     save_checkpoint(tmp_path, state_of(2))
-    _flip_a_byte(tmp_path / "step-2.safetensors")
+    _flip_a_byte(payload(tmp_path, 2))
     with caplog.at_level(logging.WARNING, logger="peertrain.checkpoint"):
         assert load_latest(tmp_path) is None
     assert any("no intact checkpoint" in w for w in warnings(caplog))
@@ -176,11 +187,9 @@ def _changed(state: TrainingState) -> TrainingState:
     ("saving", "acceptable"),
     [
         pytest.param(state_of(3), (state_of(2), state_of(3)), id="a new step"),
-        # The old record of step 2 goes first, so step 1 is acceptable too.
+        # Saving step 2 again: the old step 2 stands until the new record replaces it.
         pytest.param(
-            _changed(state_of(2)),
-            (state_of(1), state_of(2), _changed(state_of(2))),
-            id="a step again",
+            _changed(state_of(2)), (state_of(2), _changed(state_of(2))), id="a step again"
         ),
     ],
 )
@@ -213,6 +222,34 @@ def test_a_crash_at_any_point_of_a_save_keeps_the_old_or_the_new_checkpoint(
         save_checkpoint(directory, state_of(4))  # and the next save cleans up after the crash
         kept = [f"step-{s}.{e}" for s in sorted({loaded.step, 4}) for e in ("json", "safetensors")]
         assert files(directory) == kept, f"crash at {where}"
+
+
+def test_a_crash_while_saving_the_only_checkpoint_again_keeps_it(tmp_path):
+    """Found by the chaos suite: the old design deleted step N's record before writing step N
+    again, so a kill in between lost the only checkpoint a peer had."""
+    with crashing_at(-1) as steps:
+        save_checkpoint(tmp_path / "count", state_of(1))
+        steps.clear()
+        save_checkpoint(tmp_path / "count", _changed(state_of(1)))
+    for point, where in enumerate(steps):
+        directory = tmp_path / f"crash-{point}"
+        save_checkpoint(directory, state_of(1))
+        with pytest.raises(Crash), crashing_at(point):
+            save_checkpoint(directory, _changed(state_of(1)))
+        loaded = load_latest(directory)
+        assert loaded is not None, f"crash at {where}"
+        assert to_bytes(loaded) in {to_bytes(state_of(1)), to_bytes(_changed(state_of(1)))}
+
+
+def test_checkpoints_named_before_serials_still_load(tmp_path):
+    save_checkpoint(tmp_path, state_of(5))
+    record = json.loads((tmp_path / "step-5.json").read_text())
+    (tmp_path / record["file"]).rename(tmp_path / "step-5.safetensors")
+    record["file"] = "step-5.safetensors"
+    (tmp_path / "step-5.json").write_text(json.dumps(record))
+    assert load_latest(tmp_path).step == 5
+    save_checkpoint(tmp_path, state_of(6), keep=1)  # prunes the old-style payload too
+    assert files(tmp_path) == ["step-6.json", "step-6.safetensors"]
 
 
 def test_an_unwritable_directory_is_a_config_error(tmp_path):

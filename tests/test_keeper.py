@@ -16,10 +16,13 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.id import ID
 
 from peer.config import PeerConfig
 from peer.dht.node import DHT
@@ -208,13 +211,16 @@ async def test_the_keeper_follows_the_trainers_and_saves_their_state(tmp_path):
     assert held.blob == trainer_blob  # the consensus state, bit for bit
     assert f.keeper.digest == digest
     # On disk: the blob, and metadata that names its step, digest and hash.
-    saved = (kept_folder(f.config) / "kept.state").read_bytes()
+    meta = kept_meta(f.config)
+    saved = (kept_folder(f.config) / meta["file"]).read_bytes()
     assert saved == held.blob
-    assert kept_meta(f.config) == {
+    assert meta == {
         "step": f.step,
         "digest": digest,
         "sha256": hashlib.sha256(saved).hexdigest(),
+        "file": f"kept-{hashlib.sha256(saved).hexdigest()[:16]}.state",
     }
+    assert [p.name for p in kept_folder(f.config).glob("*.state")] == [meta["file"]]
     assert states.from_bytes(saved).step == f.step
     assert blob_digest(saved) == digest
 
@@ -309,7 +315,7 @@ async def test_a_restarted_keeper_serves_what_it_saved_unless_the_blob_does_not_
 
             # A blob that does not match its recorded hash (a kill between the two writes,
             # or a damaged disk) is not served.
-            kept = kept_folder(config) / "kept.state"
+            kept = kept_folder(config) / kept_meta(config)["file"]
             damaged = bytearray(kept.read_bytes())
             damaged[len(damaged) // 2] ^= 0xFF
             kept.write_bytes(bytes(damaged))
@@ -352,7 +358,7 @@ async def test_a_state_slower_to_download_than_one_progress_exchange_is_still_ke
             keeper, _ = await start_keeper(s, config)
             await wait_until(lambda: (kept_meta(config) or {}).get("step") == 3)
     assert keeper.snapshot() == state
-    assert (kept_folder(config) / "kept.state").read_bytes() == state.blob
+    assert (kept_folder(config) / kept_meta(config)["file"]).read_bytes() == state.blob
 
 
 async def test_a_state_newer_than_its_donors_records_is_kept_only_under_its_own_digest(tmp_path):
@@ -379,3 +385,35 @@ async def test_a_state_newer_than_its_donors_records_is_kept_only_under_its_own_
     assert kept_meta(config)["digest"] == new_digest
     assert keeper.snapshot() == new_state
     assert keeper.digest == new_digest
+
+
+def test_a_kill_between_the_kept_blob_and_its_metadata_keeps_the_old_state(tmp_path, monkeypatch):
+    """The old design wrote kept.state in place, then kept.json: a kill between them left a
+    blob whose hash did not match, and the keeper restarted with nothing to serve."""
+    from peer.training import keeper as keeper_module
+
+    node = SimpleNamespace(peer_id=ID.from_pubkey(create_new_key_pair().public_key))
+    make = lambda: keeper_module.StateKeeper(  # noqa: E731
+        SimpleNamespace(node=node),
+        PeerConfig(),
+        fetch=None,
+        directory=tmp_path,  # type: ignore[arg-type]
+    )
+    first = make()
+    first._save(Snapshot(3, b"state of step 3"), "d3")
+    real = keeper_module.write_atomically
+
+    def dies_at_the_metadata(directory, name, data):
+        if name == "kept.json":
+            raise KeyboardInterrupt("killed")
+        real(directory, name, data)
+
+    monkeypatch.setattr(keeper_module, "write_atomically", dies_at_the_metadata)
+    with pytest.raises(KeyboardInterrupt):
+        first._save(Snapshot(4, b"state of step 4"), "d4")
+    monkeypatch.setattr(keeper_module, "write_atomically", real)
+    restarted = make()
+    restarted._load()
+    assert restarted.held == Snapshot(3, b"state of step 3") and restarted.digest == "d3"
+    restarted._save(Snapshot(4, b"state of step 4"), "d4")  # the next save tidies up
+    assert len(list(tmp_path.glob("*.state"))) == 1

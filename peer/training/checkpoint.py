@@ -2,10 +2,10 @@
 
 Layout of a checkpoint directory (one per collaboration and task):
 
-    step-140.safetensors   the `state.to_bytes` blob of step 140
-    step-140.json          its commit record: {"format": 1, "file": "step-140.safetensors",
+    step-140-9.safetensors the `state.to_bytes` blob of step 140, written by save number 9
+    step-140.json          its commit record: {"format": 1, "file": "step-140-9.safetensors",
                            "step": 140, "serial": 9, "bytes": ..., "sha256": ...}
-    step-120.safetensors   an older checkpoint (the `keep` newest are kept)
+    step-120-7.safetensors an older checkpoint (the `keep` newest are kept)
     step-120.json
     .lock                  flock()ed by the process that is saving
     .tmp-*                 a file being written (or left by a writer that was killed)
@@ -16,13 +16,13 @@ one with the highest `serial` (the order of saves, not of steps: a peer that ado
 state may save a lower step than an old checkpoint, and that save is still its newest).
 `save_checkpoint`, holding the lock:
 
- 1. deletes temp files, and the record of this step if one exists (it would vouch for the old
-    payload while the new one replaces it);
- 2. writes the payload to a temp file, fsyncs it, renames it to step-N.safetensors, fsyncs the
-    directory;
- 3. writes the record the same way (this rename is the commit);
- 4. deletes the records beyond the `keep` newest, then their payloads, then payloads that no
-    record names (left by a kill between 2 and 3).
+ 1. deletes temp files;
+ 2. writes the payload to a temp file, fsyncs it, renames it to step-N-S.safetensors (S: this
+    save's serial, so it never replaces a payload a record names), fsyncs the directory;
+ 3. writes the record step-N.json the same way (this rename is the commit; saving a step again
+    replaces its record in one rename, and until then the old record and payload stand);
+ 4. deletes the records beyond the `keep` newest, then payloads that no record names (theirs,
+    a replaced one, or one left by a kill between 2 and 3).
 
 rename(2) replaces a name atomically, so a reader sees the old file or the new one, never half a
 file; the fsync before it makes the contents durable before the name points at them, and the
@@ -56,7 +56,8 @@ log = logging.getLogger("peertrain.checkpoint")
 FORMAT = 1
 LOCK = ".lock"
 _RECORD = re.compile(r"step-(0|[1-9][0-9]*)\.json")
-_PAYLOAD = re.compile(r"step-(0|[1-9][0-9]*)\.safetensors")
+# step-N-S (S: the save's serial); step-N from before serials were in the name.
+_PAYLOAD = re.compile(r"step-(0|[1-9][0-9]*)(-[1-9][0-9]*)?\.safetensors")
 
 
 class _Damaged(Exception):
@@ -74,18 +75,16 @@ def save_checkpoint(directory: Path, state: TrainingState, *, keep: int = 2) -> 
         with _locked(directory, blocking=True):
             remove_temps(directory)
             records = _records(directory)
-            if (directory / f"{name}.json").exists():
-                (directory / f"{name}.json").unlink()
-                fsync_directory(directory)
+            serial = max((r["serial"] for r in records.values()), default=0) + 1
             record = {
                 "format": FORMAT,
-                "file": f"{name}.safetensors",
+                "file": f"{name}-{serial}.safetensors",
                 "step": state.step,
-                "serial": max((r["serial"] for r in records.values()), default=0) + 1,
+                "serial": serial,
                 "bytes": len(data),
                 "sha256": hashlib.sha256(data).hexdigest(),
             }
-            write_atomically(directory, f"{name}.safetensors", data)
+            write_atomically(directory, record["file"], data)
             write_atomically(directory, f"{name}.json", json.dumps(record).encode())
             records[f"{name}.json"] = record
             _prune(directory, records, keep)
@@ -94,7 +93,7 @@ def save_checkpoint(directory: Path, state: TrainingState, *, keep: int = 2) -> 
             f"cannot write checkpoints to {str(directory)!r} ({error.strerror or error}): make it "
             "writable, free some space, or set training.checkpoint_dir to another folder"
         ) from error
-    return directory / f"{name}.safetensors"
+    return directory / record["file"]
 
 
 def load_latest(directory: Path) -> TrainingState | None:
@@ -155,7 +154,8 @@ def _records(directory: Path, *, warn: bool = False) -> dict[str, dict[str, Any]
             if (
                 record["format"] != FORMAT
                 or record["step"] != step
-                or record["file"] != f"step-{step}.safetensors"
+                or record["file"]
+                not in (f"step-{step}-{record['serial']}.safetensors", f"step-{step}.safetensors")
                 or type(record["serial"]) is not int
                 or type(record["bytes"]) is not int
                 or not isinstance(record["sha256"], str)

@@ -125,24 +125,30 @@ class StateKeeper:
             updated_at=self.clock(),
         )
 
-    # The blob and then its metadata (step, sha256) are each replaced atomically; a kill between
-    # the two leaves a blob whose hash does not match, which _load ignores.
+    # The blob goes to a file named by its hash (never one kept.json names), then kept.json is
+    # replaced atomically (the commit), then the older blobs go: a kill at any point leaves the
+    # old state or the new one whole (the chaos suite caught a kill between two in-place writes
+    # losing the state of the old design).
     def _save(self, snapshot: Snapshot, digest: str) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
-        write_atomically(self.directory, "kept.state", snapshot.blob)
-        meta = {
-            "step": snapshot.step,
-            "digest": digest,
-            "sha256": hashlib.sha256(snapshot.blob).hexdigest(),
-        }
+        sha = hashlib.sha256(snapshot.blob).hexdigest()
+        name = f"kept-{sha[:16]}.state"
+        write_atomically(self.directory, name, snapshot.blob)
+        meta = {"step": snapshot.step, "digest": digest, "sha256": sha, "file": name}
         write_atomically(self.directory, "kept.json", json.dumps(meta).encode())
+        for path in self.directory.glob("kept*.state"):
+            if path.name != name:
+                path.unlink(missing_ok=True)
 
     def _load(self) -> None:
         try:
             meta = json.loads((self.directory / "kept.json").read_text())
-            blob = (self.directory / "kept.state").read_bytes()
+            name = str(meta.get("file", "kept.state"))  # kept.state: saved before blobs had names
+            if "/" in name or not name.endswith(".state"):
+                return
+            blob = (self.directory / name).read_bytes()
             step, digest, sha = int(meta["step"]), str(meta["digest"]), str(meta["sha256"])
-        except (OSError, ValueError, KeyError, TypeError):
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return
         if hashlib.sha256(blob).hexdigest() != sha:
             log.warning("ignoring the kept state in %s: its hash does not match", self.directory)
