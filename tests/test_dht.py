@@ -46,6 +46,25 @@ async def test_expired_entries_are_never_returned():
         assert purged == 0  # get already dropped the expired copies on every replica it asked
 
 
+async def test_a_slow_read_keeps_what_the_replicas_held_live_when_it_began():
+    """A lookup slower than a record's remaining TTL must not drop the record it was given."""
+    clock = FakeClock()
+    async with swarm(N, CONFIG, clock=clock) as s:
+        await s.dhts[2].store("k", "a", b"v", expiration=clock.now + 4)
+        reader = s.dhts[8]
+        calls = 0
+
+        def slow_clock() -> float:  # every reading after the first is 5 s later
+            nonlocal calls
+            calls += 1
+            return clock.now + (0 if calls == 1 else 5)
+
+        reader.clock = slow_clock
+        assert set(await reader.get("k")) == {"a"}
+        reader.clock = lambda: clock.now + 5  # a read that begins after the expiry
+        assert await reader.get("k") == {}
+
+
 async def test_update_is_visible_to_every_reader_and_withdraw_hides_it():
     clock = FakeClock()
     async with swarm(N, CONFIG, clock=clock) as s:

@@ -198,10 +198,14 @@ class DHT:
         return accepted
 
     async def get(self, key: str) -> dict[str, Entry]:
-        """The live entries of `key`, merged from the closest replicas (fresh, never cached)."""
+        """The entries of `key` live when the read began, merged from the closest replicas
+        (fresh, never cached). Replicas drop what has expired when they answer; judging the
+        rest by the time the read ends would lose every record whose TTL is shorter than a
+        slow lookup (the chaos suite saw a 5 s read under load return one record of five)."""
+        started = self.clock()
         merged: dict[str, Entry] = {}
         if self.server:
-            merge(merged, self.records.get(key, now=self.clock()))
+            merge(merged, self.records.get(key, now=started))
         request = p.Get(key, self._caller_addrs())
 
         async def query(contact: Contact) -> list[Contact]:
@@ -219,7 +223,7 @@ class DHT:
             return p.to_contacts(reply.nodes, exclude=self.node.peer_id)
 
         await self._lookup(key_id(key), query)
-        return live(merged, now=self.clock())
+        return live(merged, now=started)
 
     async def find_nodes(self, target: int) -> Lookup:
         async def query(contact: Contact) -> list[Contact]:
