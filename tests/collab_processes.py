@@ -132,8 +132,8 @@ class Collaboration:
                         report = await collect_status(config)
                     if report.progress:
                         self.global_steps.append(report.training.global_step)
-                except (RemoteError, trio.TooSlowError):
-                    pass
+                except* (RemoteError, trio.TooSlowError):
+                    pass  # no backbone answered this time (collect_status raises a group)
                 await trio.sleep(0.5)
 
         thread = threading.Thread(target=trio.run, args=(poll,), daemon=True)
