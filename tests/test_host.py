@@ -87,3 +87,20 @@ async def test_port_in_use_is_a_config_error():
                 max_message_bytes=1024,
             ):
                 pass
+
+
+async def test_a_closed_inbound_connection_frees_its_slot_and_newcomers_are_served():
+    """py-libp2p 0.8.1 kept each inbound slot until the swarm stopped: after 250 connections in
+    its lifetime a node refused everyone (a backbone in the soak)."""
+    async with nodes(1) as (server,):
+        limiter = server.host.get_network()._inbound_limiter
+        for _ in range(5):
+            async with nodes(1) as (client,):
+                await client.connect(server.peer_id, server.announce, timeout=5)
+                assert limiter.borrowed_tokens >= 1
+        with trio.fail_after(10):
+            while limiter.borrowed_tokens:  # the server notices each close
+                await trio.sleep(0.05)
+        limiter.total_tokens = 1  # one slot: a leaked one would refuse the next client
+        async with nodes(1) as (client,):
+            await client.connect(server.peer_id, server.announce, timeout=5)

@@ -148,7 +148,7 @@ class DialBackServer:
 
 
 @asynccontextmanager
-async def open_dialer(identity: Identity, network_key: str | None) -> AsyncIterator[IHost]:
+async def open_dialer(identity: Identity, network_key: str | None = None) -> AsyncIterator[IHost]:
     """A host that only dials out (no listen address), for dial-back checks."""
     host = create_host(identity, network_key)
     async with host.run(listen_addrs=[]):

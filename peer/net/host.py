@@ -16,16 +16,23 @@ py-libp2p 0.8.1 defaults that we override, and why (see docs/ARCHITECTURE.md):
   check fixed ports with a plain bind first.
 - the resource manager refuses connections when the process uses > 80 % of RAM, which a
   training process may well do; memory limits are off (our own caps bound what peers send).
+- each accepted connection's handler holds one of 250 inbound slots until the *swarm* stops,
+  not until the connection closes, so after 250 inbound connections in its lifetime a node
+  refuses every newcomer (a backbone stopped answering joiners after ~10 minutes of churn and
+  `peer status` calls in the soak). Our handler (`_serve_inbound`) returns when its
+  connection closes, which frees the slot and the handler's task.
 """
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import logging
 import socket
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
+from typing import Any
 
 import psutil
 import trio
@@ -33,6 +40,7 @@ from libp2p import new_host
 from libp2p.abc import IHost
 from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
 from libp2p.network.config import ConnectionConfig, RetryConfig
+from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.rcmgr import new_resource_manager
@@ -97,11 +105,32 @@ def create_host(identity: Identity, network_key: str | None = None) -> IHost:
         psk=network_key,
     )
     network = host.get_network()
+    # Private method of the pinned py-libp2p version; see the module docstring.
+    network._do_handle_inbound_connection = functools.partial(_serve_inbound, network)  # type: ignore[attr-defined]
     # One dial attempt: retries belong to callers that know whether they are worth it.
     network.retry_config = RetryConfig(max_retries=0)  # type: ignore[attr-defined]
     # Private attribute of the pinned py-libp2p version; see the module docstring.
     network._negative_peer_cache._ttl = NEGATIVE_DIAL_CACHE_SECONDS  # type: ignore[attr-defined]
     return host
+
+
+async def _serve_inbound(swarm: Any, read_write_closer: Any, maddr: Multiaddr, _event: Any) -> None:
+    """py-libp2p's inbound path for TCP (connection gate, Noise, yamux), ending when the
+    connection closes instead of when the swarm stops."""
+    remote = swarm._build_remote_multiaddr(read_write_closer)
+    if remote is not None and not await swarm.connection_gate.is_allowed(remote):
+        with suppress(Exception):
+            await read_write_closer.close()
+        return
+    raw = RawConnection(read_write_closer, False)
+    try:
+        muxed = await swarm.upgrade_inbound_raw_conn(raw, maddr)
+        closed = getattr(muxed, "event_closed", None)
+        await (closed.wait() if closed is not None else swarm.manager.wait_finished())
+    except Exception as error:  # what py-libp2p's own handler does: a failed peer, not a bug
+        log.debug("inbound connection from %s failed: %r", maddr, error)
+        with suppress(Exception):
+            await raw.close()
 
 
 def _interface_ips() -> list[str]:
