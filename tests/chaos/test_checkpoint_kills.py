@@ -56,7 +56,7 @@ CHECKPOINT_INTERVAL = 0.25
 #: As in test_peer_churn: ~10 s per step at worst, times 6 for a shared 2-core machine.
 WINDOW = 60.0
 _RESUMED = re.compile(r"^resumed from the checkpoint of step (\d+)$")
-_PAYLOAD = re.compile(r"step-(\d+)\.safetensors")
+_PAYLOAD = re.compile(r"step-(\d+)(?:-\d+)?\.safetensors")  # step-N-S (S: the save)
 _RECORD = re.compile(r"step-(\d+)\.json")
 
 
@@ -80,7 +80,11 @@ def litter(folder: Path) -> dict[str, list[str]]:
     if not folder.exists():
         return {"temps": [], "orphans": []}
     names = {p.name for p in folder.iterdir()}
-    recorded = {f"step-{m.group(1)}.safetensors" for n in names if (m := _RECORD.fullmatch(n))}
+    recorded = set()
+    for name in names:  # the payloads the records name
+        if _RECORD.fullmatch(name):
+            with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+                recorded.add(str(json.loads((folder / name).read_bytes())["file"]))
     return {
         "temps": sorted(n for n in names if n.startswith(TEMP_PREFIX)),
         "orphans": sorted(n for n in names if _PAYLOAD.fullmatch(n) and n not in recorded),
