@@ -6,9 +6,11 @@ backbone run the whole time; every `--churn-every` seconds one of peers 2 and 3 
 SIGKILLed and restarted 5 s later with its identity and checkpoint folder, so the long-lived
 daemons keep seeing peers leave and join, averaging groups fail and re-form, and states get
 downloaded. A restarted peer that exits on its own is reported, started again, and fails the
-run. The verdict compares each long-lived daemon's last sample with its sample at the end
-of the warm-up (`--warmup`): RSS may grow by at most `--rss-bound` MiB and open descriptors by
-at most `--fd-bound`. (hivemind's averager was reported to leak 16 GB in 3 hours.)
+run. The verdict looks at each long-lived daemon's samples after the warm-up (`--warmup`): the
+peak RSS of the last third may exceed that of the first third by at most `--rss-bound` MiB,
+and likewise open descriptors by `--fd-bound`; it prints the least-squares trend too. (A peer's
+RSS is a sawtooth of a few hundred MiB, so first-against-last measures the phase, not a leak;
+hivemind's averager was reported to leak 16 GB in 3 hours.)
 
     .venv/bin/python -m benchmarks.soak [--minutes 30] [--churn-every 300] [--out soak.json]
 """
@@ -37,6 +39,42 @@ def sample(proc: Proc) -> dict[str, float] | None:
         return {"rss_mib": process.memory_info().rss / 2**20, "fds": process.num_fds()}
     except psutil.Error:
         return None
+
+
+def growth(series: list[float]) -> tuple[float, float]:
+    """(the last third's peak minus the first third's, the least-squares slope per sample). A
+    training peer's RSS is a sawtooth (buffers of each step, the allocator's caching): its
+    first and last samples differ by the phase they caught; a leak lifts the peaks."""
+    third = max(1, len(series) // 3)
+    rise = max(series[-third:]) - max(series[:third])
+    n = len(series)
+    mean_x, mean_y = (n - 1) / 2, sum(series) / n
+    spread = sum((x - mean_x) ** 2 for x in range(n)) or 1.0
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in enumerate(series)) / spread
+    return rise, slope
+
+
+def judge(samples: list[dict], warmup: float, rss_bound: float, fd_bound: int) -> dict[str, str]:
+    """Print and return each long-lived daemon's verdict after the warm-up (samples a minute
+    apart): RSS peaks may rise by `rss_bound` MiB, descriptors by `fd_bound`."""
+    warm = [s for s in samples if s["minute"] >= warmup]
+    verdicts = {}
+    for name in STABLE:
+        if any(s[name] is None for s in warm):
+            verdicts[name] = "died"
+            continue
+        rss = [s[name]["rss_mib"] for s in warm]
+        fds = [s[name]["fds"] for s in warm]
+        rise, slope = growth(rss)
+        fd_rise, _ = growth(fds)
+        ok = rise <= rss_bound and fd_rise <= fd_bound
+        verdicts[name] = "ok" if ok else "GREW"
+        print(
+            f"{name:9s} RSS {min(rss):.0f}-{max(rss):.0f} MiB, first to last {rss[0]:.0f} -> "
+            f"{rss[-1]:.0f}, peaks of the first and last thirds {rise:+.1f} MiB, trend "
+            f"{slope:+.2f} MiB/min; fds {min(fds)}-{max(fds)} ({fd_rise:+.0f}): {verdicts[name]}"
+        )
+    return verdicts
 
 
 def global_step(collab: Collaboration) -> int:
@@ -112,22 +150,7 @@ def main() -> None:
     finally:
         collab.close()
 
-    warm = [s for s in samples if s["minute"] >= args.warmup]
-    verdicts = {}
-    for name in STABLE:
-        first, last = warm[0][name], warm[-1][name]
-        if first is None or last is None:
-            verdicts[name] = "died"
-            continue
-        rss = last["rss_mib"] - first["rss_mib"]
-        fds = last["fds"] - first["fds"]
-        peak = max(s[name]["rss_mib"] for s in warm if s[name])
-        ok = rss <= args.rss_bound and fds <= args.fd_bound
-        verdicts[name] = "ok" if ok else "GREW"
-        print(
-            f"{name:9s} RSS {first['rss_mib']:.0f} -> {last['rss_mib']:.0f} MiB ({rss:+.1f}, "
-            f"peak {peak:.0f}), fds {first['fds']} -> {last['fds']} ({fds:+d}): {verdicts[name]}"
-        )
+    verdicts = judge(samples, args.warmup, args.rss_bound, args.fd_bound)
     steps = [s["global_step"] for s in samples]
     print(
         f"global step {steps[0]} -> {steps[-1]} over {samples[-1]['minute']:.1f} min, "
