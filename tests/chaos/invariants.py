@@ -322,7 +322,10 @@ def check_all(
     attempt(
         "longest_wait_for_a_step_s", check_progress_windows, collab, window, final_step=max_steps
     )
-    attempt("agreement", check_agreement, collab, sorted(peers), list(peers.values()), max_steps)
+    agreement = attempt(
+        "agreement", check_agreement, collab, sorted(peers), list(peers.values()), max_steps
+    )
+    attempt("target_validation", check_target, agreement, max_steps)
     for i in peers:
         attempt(f"checkpoints_peer{i}", check_checkpoint_folder, collab.checkpoint_dir(i))
     attempt("stop_times", check_stop_times, collab)
@@ -330,6 +333,22 @@ def check_all(
     figures["log_counts"] = log_counts(collab.procs)
     figures["warning_samples"] = warning_lines(collab.procs)
     return figures, failures
+
+
+#: The validation loss every scenario's training must reach by its last step: a byte-level
+#: model guessing uniformly scores ln 256 = 5.55; these runs (50-70 steps of 64 samples) end at
+#: 2.9-3.3 undisturbed.
+TARGET_VALIDATION = 3.5
+
+
+def check_target(agreement: dict | None, max_steps: int) -> float:
+    """The final validation loss (at max_steps) reached the target."""
+    assert agreement is not None, "no agreement on the final parameters to judge"
+    final = {v[1] for v in agreement["final_validation"].values() if v and v[0] == max_steps}
+    assert len(final) == 1, f"no single final validation at step {max_steps}: {agreement}"
+    (loss,) = final
+    assert loss <= TARGET_VALIDATION, f"validation {loss:.4f} > target {TARGET_VALIDATION}"
+    return loss
 
 
 def regressions(collab: ChaosCollaboration) -> list[dict]:
