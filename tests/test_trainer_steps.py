@@ -22,7 +22,7 @@ from peer.training import state as states
 from peer.training.progress import CollaborationView
 from peer.training.state import StateMismatch
 from peer.training.task import TinyTask
-from peer.training.trainer import MAX_DOWNLOAD_BACKOFF, Trainer
+from peer.training.trainer import MAX_DOWNLOAD_BACKOFF, STORES_PER_WINDOW, Trainer
 from tests.test_progress import rec
 
 
@@ -214,3 +214,26 @@ async def test_failed_state_downloads_back_off_and_a_success_resets_the_wait(
     assert waits[:8] == doubling and doubling[-1] == MAX_DOWNLOAD_BACKOFF
     assert waits[8] == 0  # the success
     assert waits[9] == interval  # and the next failure starts over
+
+
+async def test_a_store_cut_short_by_its_deadline_still_widens_the_window(tmp_path, autojump_clock):
+    """Stores slower than the progress exchange's deadline never finished, so they were never
+    counted: a peer in the namespace testbed kept calling 3 s windows while its tickets landed
+    4 s late."""
+    trainer = make_trainer(tmp_path)
+
+    async def slow_store(*args, **kwargs):
+        await trio.sleep(60)  # past any deadline
+
+    async def withdraw(*args, **kwargs):
+        return 0
+
+    trainer.dht.store, trainer.dht.withdraw = slow_store, withdraw
+    trainer.dht.node.public_addrs = lambda: []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(trainer._keep_progress)
+        await trio.sleep(30)
+        nursery.cancel_scope.cancel()
+    deadline = max(trainer.training.progress_interval, trainer.config.net.rpc_timeout)
+    assert trainer._store_seconds >= deadline
+    assert trainer._gather_window() >= STORES_PER_WINDOW * deadline

@@ -253,15 +253,16 @@ class Trainer:
         try:
             while True:
                 record = self.record()
+                started, stored = trio.current_time(), False
                 try:
                     with trio.move_on_after(max(interval, self.config.net.rpc_timeout)):
-                        started = trio.current_time()
                         await self.dht.store(
                             key,
                             self.me,
                             encode_progress(record),
                             expiration=record.updated_at + ttl,
                         )
+                        stored = True
                         self.note_store_time(trio.current_time() - started)
                         entries = await self.dht.get(key)
                         self.status.view = CollaborationView(decode_progress(entries))
@@ -269,6 +270,8 @@ class Trainer:
                         self._view_changed = trio.Event()
                 except RemoteError as error:
                     log.debug("progress exchange failed: %s", error)
+                if not stored:  # cut short or failed: it took at least this long (testbed, 4 s+)
+                    self.note_store_time(trio.current_time() - started)
                 with trio.move_on_after(interval):
                     await self._publish_now.wait()
                 self._publish_now = trio.Event()
