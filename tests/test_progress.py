@@ -77,15 +77,6 @@ def test_a_step_is_called_when_the_projected_samples_reach_the_target():
     assert not should_call(view, 4, target_batch=1, window=2.0)  # nobody at step 4
 
 
-def test_a_peer_that_missed_a_call_looks_for_the_next_one():
-    view = CollaborationView(
-        [rec(0, call_step=3, gather_until=10.0), rec(1, call_step=3, gather_until=14.0)]
-    )
-    assert view.call(3) == 10.0
-    assert view.call(3, after=10.0) == 14.0  # the missed gathering no longer hides this one
-    assert view.call(3, after=14.0) is None
-
-
 def test_the_earliest_call_wins_and_with_record_replaces_our_own():
     view = CollaborationView([rec(0, call_step=3, gather_until=12.0), rec(1)])
     assert view.call(3) == 12.0 and view.call(4) is None

@@ -133,13 +133,9 @@ class CollaborationView:
         rate = self.throughput(step)
         return 0.0 if missing == 0 else (missing / rate if rate > 0 else math.inf)
 
-    def call(self, step: int, *, after: float = -math.inf) -> float | None:
-        """When step's averaging starts, if anyone has called it: the earliest call wins.
-        `after`: only calls gathering later than this (a peer that missed a gathering looks
-        for the next call, not the one it missed)."""
-        times = [
-            r.gather_until for r in self.records if r.call_step == step and r.gather_until > after
-        ]
+    def call(self, step: int) -> float | None:
+        """When step's averaging starts, if anyone has called it: the earliest call wins."""
+        times = [r.gather_until for r in self.records if r.call_step == step]
         return min(times) if times else None
 
     def consensus(self, step: int) -> str | None:

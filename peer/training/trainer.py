@@ -406,9 +406,8 @@ class Trainer:
         )
 
     def _current_call(self, view: CollaborationView) -> float | None:
-        # Not the call we missed: with it still earliest in view, a peer that missed it would
-        # call the step again on every iteration, and its calls would never take effect.
-        return view.call(self.step, after=self._failed_before)
+        call = view.call(self.step)
+        return call if call is not None and call > self._failed_before else None
 
     def _ready(self, view: CollaborationView) -> bool:
         if self.training.mode == "diloco":
