@@ -16,7 +16,7 @@ from peer.training.progress import (
 )
 from tests.helpers import new_identity
 
-PEERS = [new_identity().peer_id.to_base58() for _ in range(4)]
+PEERS = [new_identity().peer_id.to_base58() for _ in range(5)]
 
 
 def rec(i: int, **fields) -> ProgressRecord:
@@ -77,6 +77,15 @@ def test_a_step_is_called_when_the_projected_samples_reach_the_target():
     assert not should_call(view, 4, target_batch=1, window=2.0)  # nobody at step 4
 
 
+def test_a_peer_that_missed_a_call_looks_for_the_next_one():
+    view = CollaborationView(
+        [rec(0, call_step=3, gather_until=10.0), rec(1, call_step=3, gather_until=14.0)]
+    )
+    assert view.call(3) == 10.0
+    assert view.call(3, after=10.0) == 14.0  # the missed gathering no longer hides this one
+    assert view.call(3, after=14.0) is None
+
+
 def test_the_earliest_call_wins_and_with_record_replaces_our_own():
     view = CollaborationView([rec(0, call_step=3, gather_until=12.0), rec(1)])
     assert view.call(3) == 12.0 and view.call(4) is None
@@ -106,11 +115,16 @@ def test_newest_validation_loss():
     assert CollaborationView([rec(0)]).validation_loss() is None
 
 
-def test_others_at_a_step_and_when_the_collaboration_has_settled():
+def test_company_those_behind_and_when_the_collaboration_has_settled():
+    view = CollaborationView(
+        [rec(0), rec(1, digest="e"), rec(2, step=2), rec(3, role="keeper", step=4), rec(4, step=5)]
+    )
+    # Trainers at our step or beyond (not us, not keepers, not those behind).
+    assert [r.peer_id for r in view.company(3, PEERS[0])] == [PEERS[1], PEERS[4]]
+    assert [r.peer_id for r in view.behind(3)] == [PEERS[2]]
     view = CollaborationView(
         [rec(0), rec(1, digest="e"), rec(2, step=2), rec(3, role="keeper", step=1)]
     )
-    assert [r.peer_id for r in view.others_at(3, PEERS[0])] == [PEERS[1]]
     assert not view.settled(3, "d")  # peer 1 holds another digest, peer 2 is behind
     assert CollaborationView([rec(0), rec(1), rec(3, role="keeper", step=1)]).settled(3, "d")
     assert not CollaborationView([rec(0), rec(1)]).settled(4, "d")

@@ -3,6 +3,7 @@ a result it is handed)."""
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import msgspec
@@ -26,14 +27,16 @@ from peer.training.trainer import MAX_DOWNLOAD_BACKOFF, STORES_PER_WINDOW, Train
 from tests.test_progress import rec
 
 
-def make_trainer(tmp_path, task=None, mode: str = "dedloc") -> Trainer:
+def make_trainer(tmp_path, task=None, mode: str = "dedloc", max_steps: int = 0) -> Trainer:
     peer_id = ID.from_pubkey(create_new_key_pair().public_key)
     return Trainer(
-        dht=SimpleNamespace(node=SimpleNamespace(peer_id=peer_id)),  # type: ignore[arg-type]
+        dht=SimpleNamespace(  # type: ignore[arg-type]
+            node=SimpleNamespace(peer_id=peer_id, public_addrs=lambda: [])
+        ),
         averager=None,  # type: ignore[arg-type]
         config=PeerConfig(
             task=TaskConfig(name="tiny", micro_batch=8, target_batch=64),
-            training=TrainingConfig(checkpoint_dir=str(tmp_path), mode=mode),
+            training=TrainingConfig(checkpoint_dir=str(tmp_path), mode=mode, max_steps=max_steps),
         ),
         task=task or TinyTask(),
         device=torch.device("cpu"),
@@ -41,19 +44,103 @@ def make_trainer(tmp_path, task=None, mode: str = "dedloc") -> Trainer:
     )
 
 
-def test_a_peer_that_read_no_other_ticket_steps_alone_only_if_nobody_else_is_at_its_step(
-    tmp_path,
-):
+def test_a_peer_that_read_no_other_ticket_steps_alone_only_once_nobody_is_left(tmp_path):
+    """A step of our samples alone parts from everyone at our step or beyond; a peer cut off
+    from the others (or one that missed their gathering) accumulates instead, until nobody at
+    our step or beyond has been in view for `solo_after` seconds."""
     trainer = make_trainer(tmp_path)
     size = sum(p.numel() for p in trainer.model.parameters())
     alone = AveragingResult(peers_seen=1)
     other = rec(0, step=0, digest="x", samples=8, samples_per_second=1.0)  # another trainer
-    trainer.status.view = CollaborationView([other])
-    trainer._finish_step(np.full(size, 0.5, dtype=np.float32), 8, alone, 1.0)
+
+    def try_alone(gather_until: float) -> None:
+        trainer._finish_step(np.full(size, 0.5, dtype=np.float32), 8, alone, gather_until)
+
+    trainer._note_view(CollaborationView([other]))  # at our step
+    try_alone(1.0)
     assert trainer.step == 0 and trainer.strategy.samples == 8  # kept for the next try
-    trainer.status.view = CollaborationView([msgspec.structs.replace(other, step=5)])
-    trainer._finish_step(np.full(size, 0.5, dtype=np.float32), 8, alone, 2.0)
+    trainer._note_view(CollaborationView([msgspec.structs.replace(other, step=5)]))  # ahead
+    try_alone(2.0)
+    assert trainer.step == 0 and trainer.strategy.samples == 16
+    # Its record gone (left, or cut off from us): not yet, it was in view a moment ago.
+    trainer._note_view(CollaborationView([]))
+    try_alone(3.0)
+    assert trainer.step == 0 and trainer.strategy.samples == 24
+    # solo_after seconds later nobody came back: the accumulated samples make our step.
+    assert trainer._company_at is not None
+    trainer._company_at -= trainer.training.solo_after
+    try_alone(4.0)
     assert trainer.step == 1
+
+
+def test_a_lone_peer_from_the_start_and_one_ahead_of_everyone_step_alone(tmp_path):
+    trainer = make_trainer(tmp_path)
+    size = sum(p.numel() for p in trainer.model.parameters())
+    alone = AveragingResult(peers_seen=1)
+    trainer._finish_step(np.full(size, 0.5, dtype=np.float32), 8, alone, 1.0)  # nobody seen
+    assert trainer.step == 1
+    # Others behind us are catching up (they download our state): they do not hold us back.
+    trainer._note_view(CollaborationView([rec(0, step=0, digest="x")]))
+    trainer._finish_step(np.full(size, 0.5, dtype=np.float32), 8, alone, 2.0)
+    assert trainer.step == 2
+
+
+def test_a_peer_left_behind_when_the_collaboration_finished_stops_instead_of_stepping_alone(
+    tmp_path,
+):
+    """The 5 Mbit testbed run: the others reached max_steps and left while a laggard was still
+    downloading; it then stepped alone to the last step and ended on parameters nobody held."""
+    trainer = make_trainer(tmp_path, max_steps=3)
+    trainer._note_view(CollaborationView([rec(0, step=3, digest="x")]))
+    assert not trainer._done()  # it downloads from them
+    trainer._note_view(CollaborationView([]))  # they left
+    assert not trainer._done()  # (or a read missed them: wait solo_after)
+    assert trainer._company_at is not None
+    trainer._company_at -= trainer.training.solo_after
+    assert trainer._done() and trainer.step == 0
+    # Without max_steps, or once we reached it ourselves, nothing changes.
+    free = make_trainer(tmp_path)
+    free._note_view(CollaborationView([rec(0, step=3, digest="x")]))
+    free._note_view(CollaborationView([]))
+    free._company_at = -math.inf
+    assert not free._done()
+
+
+async def test_a_finished_peer_waits_for_one_behind_it_up_to_a_download_deadline(
+    tmp_path, autojump_clock
+):
+    """Finished peers used to leave after 2 gather_window + 4 progress_interval + 5 s (13 s)
+    whatever the others did: a laggard mid-way through a 20 s download lost its donors."""
+    trainer = make_trainer(tmp_path, max_steps=3)
+    take_steps(trainer, 3)
+    laggard = rec(0, step=1, digest="x")
+    trainer._note_view(CollaborationView([laggard]))
+
+    async def catches_up_at(seconds: float) -> None:
+        await trio.sleep(seconds)
+        trainer._note_view(
+            CollaborationView([msgspec.structs.replace(laggard, step=3, digest=trainer.digest)])
+        )
+
+    started = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(catches_up_at, 40.0)
+        await trainer._settle()
+    assert trio.current_time() - started == pytest.approx(40.0, abs=1.0)
+    # One that never catches up (its record alive, e.g. a dead peer's not yet expired) is
+    # waited for no longer than a download's deadline after the usual bound.
+    trainer._note_view(CollaborationView([laggard]))
+    started = trio.current_time()
+    await trainer._settle()
+    bound = 2 * trainer._gather_window() + 4 * trainer.training.progress_interval + 5
+    assert trio.current_time() - started == pytest.approx(
+        bound + trainer.config.state.download_timeout, abs=1.0
+    )
+    # Nobody behind: the usual bound (a peer at our step on another digest downloads from us).
+    trainer._note_view(CollaborationView([rec(0, step=3, digest="x")]))
+    started = trio.current_time()
+    await trainer._settle()
+    assert trio.current_time() - started == pytest.approx(bound, abs=1.0)
 
 
 def group_result(size: int, senders: int, *, complete: bool = True) -> AveragingResult:
@@ -229,7 +316,6 @@ async def test_a_store_cut_short_by_its_deadline_still_widens_the_window(tmp_pat
         return 0
 
     trainer.dht.store, trainer.dht.withdraw = slow_store, withdraw
-    trainer.dht.node.public_addrs = lambda: []
     async with trio.open_nursery() as nursery:
         nursery.start_soon(trainer._keep_progress)
         await trio.sleep(30)

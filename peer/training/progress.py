@@ -110,9 +110,17 @@ class CollaborationView:
     def trainers(self, step: int) -> list[ProgressRecord]:
         return [r for r in self.records if r.role == "trainer" and r.step == step]
 
-    def others_at(self, step: int, me: str) -> list[ProgressRecord]:
-        """The other trainers at `step`: they take part in the averaging toward step + 1."""
-        return [r for r in self.trainers(step) if r.peer_id != me]
+    def company(self, step: int, me: str) -> list[ProgressRecord]:
+        """The other trainers at `step` or beyond: while any is in view, a step of ours taken
+        with our samples alone would part from theirs (they average at our step or hold a later
+        one)."""
+        return [
+            r for r in self.records if r.role == "trainer" and r.step >= step and r.peer_id != me
+        ]
+
+    def behind(self, step: int) -> list[ProgressRecord]:
+        """Trainers at an earlier step than `step` (catching up, or gone and not yet expired)."""
+        return [r for r in self.records if r.role == "trainer" and r.step < step]
 
     def settled(self, step: int, digest: str) -> bool:
         """Every trainer holds `step` with `digest`: nobody is left to catch up."""
@@ -133,9 +141,13 @@ class CollaborationView:
         rate = self.throughput(step)
         return 0.0 if missing == 0 else (missing / rate if rate > 0 else math.inf)
 
-    def call(self, step: int) -> float | None:
-        """When step's averaging starts, if anyone has called it: the earliest call wins."""
-        times = [r.gather_until for r in self.records if r.call_step == step]
+    def call(self, step: int, *, after: float = -math.inf) -> float | None:
+        """When step's averaging starts, if anyone has called it: the earliest call wins.
+        `after`: only calls gathering later than this (a peer that missed a gathering looks
+        for the next call, not the one it missed)."""
+        times = [
+            r.gather_until for r in self.records if r.call_step == step and r.gather_until > after
+        ]
         return min(times) if times else None
 
     def consensus(self, step: int) -> str | None:

@@ -166,6 +166,10 @@ class Trainer:
         self._call: tuple[int, float] | None = None  # (step, gather_until) we called
         self._failed_before = -math.inf  # calls gathering at or before this failed for us
         self._failed_in_a_row = 0
+        # When another trainer at our step or beyond was last in view (monotonic; None: never)
+        # and the highest step anyone reported: whether we may step alone (`_on_our_own`).
+        self._company_at: float | None = None
+        self._highest_seen = 0
         self._store_seconds = 0.0  # moving average of how long our progress store takes
         self._download_failures = 0  # in a row
         self._pending: trio.Event | None = None  # delayed averaging in flight
@@ -245,6 +249,23 @@ class Trainer:
         """The last read of the collaboration, with our own figures as they are now."""
         return self.status.view.with_record(self.record())
 
+    def _note_view(self, view: CollaborationView) -> None:
+        self.status.view = view
+        self._highest_seen = max(self._highest_seen, view.global_step)
+        if view.company(self.step, self.me):
+            self._company_at = time.monotonic()
+
+    def _on_our_own(self) -> bool:
+        """Nobody is left to average with: no other trainer at our step or beyond is in view,
+        nor has been for `solo_after` seconds. Only then is a step of our samples alone no step
+        apart from anyone's: sooner, a peer cut off from the others (or one whose clock made it
+        miss their gathering) would run ahead alone, and the others' work be dropped when the
+        highest step wins after the heal, or it would end on its own parameters."""
+        if self.status.view.company(self.step, self.me):
+            return False
+        since = self._company_at
+        return since is None or time.monotonic() - since >= self.training.solo_after
+
     async def _keep_progress(self) -> None:
         """Publish our record and read everyone's, every progress_interval (or when asked)."""
         key = progress_key(self.config.collaboration.name)
@@ -265,7 +286,7 @@ class Trainer:
                         stored = True
                         self.note_store_time(trio.current_time() - started)
                         entries = await self.dht.get(key)
-                        self.status.view = CollaborationView(decode_progress(entries))
+                        self._note_view(CollaborationView(decode_progress(entries)))
                         self._view_changed.set()
                         self._view_changed = trio.Event()
                 except RemoteError as error:
@@ -297,6 +318,13 @@ class Trainer:
                 while not self._done():
                     await self._iteration(nursery)
                 self.status.ended_at = time.monotonic()
+                if self._left_behind():
+                    log.warning(
+                        "the collaboration finished at step %d and nobody holding that state is "
+                        "left to download it from; stopping at step %d",
+                        self._highest_seen,
+                        self.step,
+                    )
                 await self._settle()
                 if self._validate_due:  # the last step's evaluation, e.g. at max_steps
                     await self._validate()
@@ -311,15 +339,20 @@ class Trainer:
         """Before stopping: stay (publishing progress, serving the state) until every trainer
         in view holds our step and digest, so that a peer that ended on another digest (a
         group that averaged apart) or a step behind catches up from us; we catch up likewise.
-        Bounded: a silent peer's record may take a while to expire."""
+        Bounded: a silent peer's record may take a while to expire. While a trainer behind us
+        is in view we stay longer, up to a state download's deadline: it may be mid-download
+        (a large state over a slow link takes minutes) and would be left without a donor."""
         interval = self.training.progress_interval
-        with trio.move_on_after(2 * self._gather_window() + 4 * interval + 5):
+        patience = trio.current_time() + 2 * self._gather_window() + 4 * interval + 5
+        with trio.move_on_at(patience + self.config.state.download_timeout):
             while True:
                 view = self.view()
                 if donors := self._should_download(view):
                     await self._catch_up(donors, view)
                 elif view.settled(self.step, self.digest):
                     return
+                elif trio.current_time() > patience and not view.behind(self.step):
+                    break
                 else:
                     self.status.phase = "waiting for the others to finish"
                     await trio.sleep(interval / 2)
@@ -361,6 +394,8 @@ class Trainer:
     def _done(self) -> bool:
         if self.training.max_steps and self.step >= self.training.max_steps:
             return True
+        if self._left_behind():
+            return True
         target = self.training.target_validation_loss
         reached = self.view().validation_loss()
         return bool(target) and reached is not None and reached[1] <= target
@@ -399,6 +434,12 @@ class Trainer:
                 return
         await self._compute()
 
+    def _left_behind(self) -> bool:
+        """The collaboration reached max_steps without us, and its holders left: stepping on
+        alone would end on parameters nobody else holds."""
+        last = self.training.max_steps
+        return bool(last) and self.step < last <= self._highest_seen and self._on_our_own()
+
     def _batch_is_full(self, view: CollaborationView) -> bool:
         return (
             self.training.mode == "dedloc"
@@ -406,8 +447,9 @@ class Trainer:
         )
 
     def _current_call(self, view: CollaborationView) -> float | None:
-        call = view.call(self.step)
-        return call if call is not None and call > self._failed_before else None
+        # Not the call we missed: with it still earliest in view, a peer that missed it would
+        # call the step again on every iteration, and its calls would never take effect.
+        return view.call(self.step, after=self._failed_before)
 
     def _ready(self, view: CollaborationView) -> bool:
         if self.training.mode == "diloco":
@@ -527,13 +569,10 @@ class Trainer:
     def _finish_step(
         self, vector: np.ndarray, samples: int, result: AveragingResult, gather_until: float
     ) -> None:
-        # Alone only if no other trainer is at our step: with others there, our read of the
-        # tickets missed theirs, and a step of our own would part from theirs.
-        alone = (
-            result.peers_seen == 1
-            and not result.rounds
-            and not self.status.view.others_at(self.step, self.me)
-        )
+        # Alone only if nobody is left to average with: with others at our step or beyond,
+        # our read of the tickets missed theirs (or we missed their gathering), and a step of
+        # our own would part from theirs.
+        alone = result.peers_seen == 1 and not result.rounds and self._on_our_own()
         complete = alone or (bool(result.rounds) and all(r.complete for r in result.rounds))
         # A group whose members all had 0 samples averages nothing (every chunk keeps its
         # local zeros): an optimizer step on that would still move the weights (momentum,
