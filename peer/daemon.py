@@ -1,6 +1,7 @@
 """The long-lived node that `peer join` and `backbone start` run.
 
     identity key (locked) -> libp2p host -> DHT (server mode) -> join through backbones
+    -> (a peer) clock offset to the backbones measured, then every minute
     -> presence record kept fresh -> ... until cancelled -> presence withdrawn, connections closed
 
 A peer must reach at least one backbone to join; a backbone may be the first of its
@@ -10,9 +11,9 @@ collaboration and then starts alone.
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,6 +25,7 @@ from peer import __version__
 from peer.config import PeerConfig
 from peer.dht.node import DHT
 from peer.errors import Unreachable
+from peer.measure.clock import CollaborationClock, keep_clock
 from peer.measure.probe import ProbeServer
 from peer.measure.reachability import DialBackServer, open_dialer
 from peer.measure.service import Measurements
@@ -42,6 +44,8 @@ if TYPE_CHECKING:  # torch takes a second or two to import; backbones never need
 log = logging.getLogger("peertrain.daemon")
 
 JOIN_BACKOFF = (0.5, 1.0, 2.0, 4.0)
+#: Seconds between measurements of our clock's offset to the backbones'.
+CLOCK_INTERVAL = 60.0
 
 
 def parse_backbones(addrs: Sequence[str]) -> list[tuple[ID, Multiaddr]]:
@@ -97,8 +101,13 @@ async def run_daemon(
             max_message_bytes=config.net.max_message_bytes,
             network_key=network_key,
         ) as node:
-            dht = DHT(node, config.dht, server=True, rpc_timeout=config.net.rpc_timeout)
-            started_at = time.time()
+            # A peer reads the time as the backbones do (peer.measure.clock); a backbone is
+            # the reference and keeps its own.
+            clock = CollaborationClock()
+            dht = DHT(
+                node, config.dht, server=True, rpc_timeout=config.net.rpc_timeout, clock=clock
+            )
+            started_at = clock()
             async with (
                 open_backbone_services(node, config, role) as probe_server,
                 trio.open_nursery() as nursery,
@@ -116,12 +125,24 @@ async def run_daemon(
                             "background"
                         )
 
+                def backbones() -> Awaitable[list[ID]]:
+                    return find_backbones(dht, config.collaboration.name, first=reached)
+
+                if role == "peer":  # in the background: a silent backbone delays nothing
+                    nursery.start_soon(
+                        partial(
+                            keep_clock,
+                            node,
+                            clock,
+                            backbones,
+                            interval=CLOCK_INTERVAL,
+                            timeout=config.net.rpc_timeout,
+                        )
+                    )
                 measurements = Measurements(
                     node,
                     config,
-                    find_backbones=lambda: find_backbones(
-                        dht, config.collaboration.name, first=reached
-                    ),
+                    find_backbones=backbones,
                     workload=workload,
                     probe_server=probe_server,
                 )
@@ -146,7 +167,7 @@ async def run_daemon(
                         node.public_addrs(),
                         __version__,
                         started_at,
-                        time.time(),
+                        clock(),
                         measurements.capabilities(),
                     )
 

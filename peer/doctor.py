@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from peer.measure.clock import ClockSample, clock_offset
 from peer.measure.probe import LinkMeasurement
 from peer.measure.reachability import DialBackResult
 from peer.measure.service import reachability_verdict
@@ -106,16 +107,6 @@ def not_checked(name: str, why: str) -> Finding:
 
 
 @dataclass(frozen=True)
-class ClockSample:
-    """One ping: our wall clock when it left and when the reply came, and the backbone's."""
-
-    sent: float
-    received: float
-    server_time: float | None
-    """None from a backbone older than `Pong.server_time`."""
-
-
-@dataclass(frozen=True)
 class BackboneContact:
     addr: str
     """The full multiaddr as configured."""
@@ -148,21 +139,6 @@ def backbone_verdict(contact: BackboneContact) -> Finding:
         f"/p2p/ id included), that no firewall blocks outgoing TCP to {host}, and, for a "
         f"private collaboration, that you pass its --network-key",
     )
-
-
-def clock_offset(samples: Sequence[ClockSample]) -> tuple[float, float] | None:
-    """(offset, uncertainty) in seconds: the backbone's clock minus ours, +- half a round trip.
-
-    As in NTP, the sample with the shortest round trip counts: the backbone read its clock
-    somewhere between `sent` and `received`, so the midpoint is off by at most half of it.
-    Positive: our clock is behind. None when no sample carries the backbone's time.
-    """
-    timed = [s for s in samples if s.server_time is not None]
-    if not timed:
-        return None
-    best = min(timed, key=lambda s: s.received - s.sent)
-    assert best.server_time is not None
-    return best.server_time - (best.sent + best.received) / 2, (best.received - best.sent) / 2
 
 
 def skew_verdict(

@@ -30,7 +30,6 @@ from peer.daemon import parse_backbones
 from peer.doctor import (
     CHECKS,
     BackboneContact,
-    ClockSample,
     DiskProbe,
     Finding,
     KeyProbe,
@@ -38,7 +37,6 @@ from peer.doctor import (
     announce_verdict,
     backbone_verdict,
     bandwidth_verdict,
-    clock_offset,
     disk_verdict,
     fixed_port,
     host_port,
@@ -53,7 +51,7 @@ from peer.doctor import (
 )
 from peer.errors import ConfigError, RemoteError
 from peer.files import state_folder
-from peer.measure import probe
+from peer.measure.clock import clock_offset, sample_clock
 from peer.measure.probe import measure_link
 from peer.measure.reachability import check_reachable
 from peer.measure.service import reachability_verdict
@@ -365,13 +363,6 @@ def dial_failure(error: BaseException) -> str:
     if any(isinstance(current, SecurityUpgradeFailure) for current in chain):
         return "something that is not a peertrain node answers there (no Noise handshake)"
     return str(error)
-
-
-async def sample_clock(node: Node, backbone: ID, *, count: int) -> list[ClockSample]:
-    """`count` pings on one probe stream, each with our wall clock around the backbone's.
-    No deadline beyond the probe's own per reply: the caller's covers the whole exchange."""
-    pings = await probe.ping(node, backbone, count)
-    return [ClockSample(p.sent, p.received, p.server_time) for p in pings]
 
 
 async def _check_reachability(

@@ -3,7 +3,7 @@
     averager.average(vector, weight=..., epoch=..., fingerprint=..., gather_until=...)
 
 declares this peer's ticket, waits until `gather_until` (a wall-clock time every peer of the
-epoch uses), reads every ticket, and runs k = ceil(log_m N) rounds: in each, the Moshpit group
+epoch uses, read on the DHT's clock: the backbones' time, peer.measure.clock), reads every ticket, and runs k = ceil(log_m N) rounds: in each, the Moshpit group
 forms (`matchmaking.py`) and runs one all-reduce (`allreduce.py`) with deadlines derived from
 the bytes each member moves and its measured bandwidth (`group.round_timeouts`). A round whose
 group is too small, or that fails, is reported and skipped: the vector keeps what the earlier
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -108,14 +107,14 @@ class Averager:
             capabilities=capabilities,
         )
         await self.matchmaker.declare(namespace, ticket, expiration=gather_until + 600)
-        if time.time() > gather_until:
+        if self.dht.clock() > gather_until:
             log.warning(
                 "our ticket for epoch %d was stored %.1fs after the gathering closed: other "
                 "peers may not have seen it (a longer gathering window helps)",
                 epoch,
-                time.time() - gather_until,
+                self.dht.clock() - gather_until,
             )
-        await trio.sleep(max(0.0, gather_until - time.time()))
+        await trio.sleep(max(0.0, gather_until - self.dht.clock()))
         view = await self.matchmaker.read_tickets(namespace)
         if self.me not in {t.peer_id for t in view}:
             view.append(ticket)  # our own store may not be readable yet

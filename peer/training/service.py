@@ -68,6 +68,7 @@ async def run_training(
             download=download,
             capabilities=measurements.capabilities,
             observe_training=measurements.observe_training,
+            clock=dht.clock,
         )
         donor = StateDonor(
             node,
