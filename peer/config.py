@@ -218,7 +218,7 @@ class TrainingConfig(_Section):
     """Seconds between a step being called and its averaging (peers keep computing meanwhile)."""
     progress_interval: float = 1.0
     """Seconds between progress publications and reads of the collaboration's progress."""
-    solo_after: float = 30.0
+    solo_after: float = 60.0
     """Seconds without another trainer at our step or beyond before we step with our samples
     alone (until then a cut-off or lagging peer keeps accumulating instead of running away)."""
     validation_interval: int = 10

@@ -9,7 +9,9 @@ import msgspec
 from peer.dht.records import Entry
 from peer.training.progress import (
     CollaborationView,
+    Moves,
     ProgressRecord,
+    company,
     decode_progress,
     encode_progress,
     should_call,
@@ -119,8 +121,21 @@ def test_company_those_behind_and_when_the_collaboration_has_settled():
     view = CollaborationView(
         [rec(0), rec(1, digest="e"), rec(2, step=2), rec(3, role="keeper", step=4), rec(4, step=5)]
     )
-    # Trainers at our step or beyond (not us, not keepers, not those behind).
-    assert [r.peer_id for r in view.company(3, PEERS[0])] == [PEERS[1], PEERS[4]]
+    # Trainers at our step or beyond (not us, not keepers), and those behind only while their
+    # step moves (catching up).
+    moves = Moves()
+    moves.note(view, now=100.0)
+    assert moves.since[PEERS[2]] == (2, 100.0)  # appeared
+    in_company = [r.peer_id for r in company(view, 3, PEERS[0], moves, within=30, now=120.0)]
+    assert in_company == [PEERS[1], PEERS[2], PEERS[4]]
+    moves.note(view, now=140.0)  # peer 2 still at step 2
+    in_company = [r.peer_id for r in company(view, 3, PEERS[0], moves, within=30, now=140.0)]
+    assert in_company == [PEERS[1], PEERS[4]]
+    moved = CollaborationView([*view.records[:2], rec(2, step=3), *view.records[3:]])
+    moves.note(moved, now=141.0)
+    assert moves.since[PEERS[2]] == (3, 141.0) and moves.since[PEERS[1]] == (3, 100.0)
+    moves.note(CollaborationView([rec(1)]), now=142.0)
+    assert list(moves.since) == [PEERS[1]]  # those gone are forgotten
     assert [r.peer_id for r in view.behind(3)] == [PEERS[2]]
     view = CollaborationView(
         [rec(0), rec(1, digest="e"), rec(2, step=2), rec(3, role="keeper", step=1)]

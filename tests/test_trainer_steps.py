@@ -73,16 +73,39 @@ def test_a_peer_that_read_no_other_ticket_steps_alone_only_once_nobody_is_left(t
     assert trainer.step == 1
 
 
-def test_a_lone_peer_from_the_start_and_one_ahead_of_everyone_step_alone(tmp_path):
+def test_a_peer_ahead_waits_for_those_catching_up_but_not_for_one_stuck_behind(tmp_path):
+    """The partition testbed run: a peer that had stepped alone during a 35 s cut was ahead
+    after the heal, and stepped alone 19 more times while the others, behind, downloaded its
+    state after each of its steps (8 downloads each) and never averaged with it."""
     trainer = make_trainer(tmp_path)
     size = sum(p.numel() for p in trainer.model.parameters())
     alone = AveragingResult(peers_seen=1)
-    trainer._finish_step(np.full(size, 0.5, dtype=np.float32), 8, alone, 1.0)  # nobody seen
-    assert trainer.step == 1
-    # Others behind us are catching up (they download our state): they do not hold us back.
-    trainer._note_view(CollaborationView([rec(0, step=0, digest="x")]))
-    trainer._finish_step(np.full(size, 0.5, dtype=np.float32), 8, alone, 2.0)
+
+    def try_alone(gather_until: float) -> None:
+        trainer._finish_step(np.full(size, 0.5, dtype=np.float32), 8, alone, gather_until)
+
+    try_alone(1.0)  # nobody seen yet: a lone first peer trains
+    try_alone(2.0)
     assert trainer.step == 2
+    behind = rec(0, step=0, digest="x")
+    trainer._note_view(CollaborationView([behind]))  # appeared: it is about to download
+    try_alone(3.0)
+    assert trainer.step == 2
+    # It catches up by download to step 1 (we moved on meanwhile): still catching up.
+    for moved in trainer._moves.since:
+        trainer._moves.since[moved] = (0, trainer._moves.since[moved][1] - 100)
+    trainer._note_view(CollaborationView([msgspec.structs.replace(behind, step=1)]))
+    try_alone(4.0)
+    assert trainer.step == 2
+    # Stuck at step 1 for solo_after seconds (its downloads keep failing): it holds us back
+    # no longer, once nobody else has been there for solo_after either.
+    for moved in trainer._moves.since:
+        trainer._moves.since[moved] = (1, trainer._moves.since[moved][1] - 100)
+    trainer._note_view(CollaborationView([msgspec.structs.replace(behind, step=1)]))
+    assert trainer._company_at is not None
+    trainer._company_at -= trainer.training.solo_after
+    try_alone(5.0)
+    assert trainer.step == 3
 
 
 def test_a_peer_left_behind_when_the_collaboration_finished_stops_instead_of_stepping_alone(

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
 import msgspec
@@ -110,14 +110,6 @@ class CollaborationView:
     def trainers(self, step: int) -> list[ProgressRecord]:
         return [r for r in self.records if r.role == "trainer" and r.step == step]
 
-    def company(self, step: int, me: str) -> list[ProgressRecord]:
-        """The other trainers at `step` or beyond: while any is in view, a step of ours taken
-        with our samples alone would part from theirs (they average at our step or hold a later
-        one)."""
-        return [
-            r for r in self.records if r.role == "trainer" and r.step >= step and r.peer_id != me
-        ]
-
     def behind(self, step: int) -> list[ProgressRecord]:
         """Trainers at an earlier step than `step` (catching up, or gone and not yet expired)."""
         return [r for r in self.records if r.role == "trainer" and r.step < step]
@@ -176,6 +168,44 @@ class CollaborationView:
             if r.validation_loss is not None
         ]
         return max(reported, key=lambda item: (item[0], -item[1])) if reported else None
+
+
+@dataclass
+class Moves:
+    """When each trainer's step last changed (or it first appeared), as our reads saw it."""
+
+    since: dict[str, tuple[int, float]] = field(default_factory=dict)
+
+    def note(self, view: CollaborationView, now: float) -> None:
+        """Update from a read at `now`; peers no longer in view are forgotten."""
+        before = self.since
+        self.since = {
+            r.peer_id: before[r.peer_id]
+            if r.peer_id in before and before[r.peer_id][0] == r.step
+            else (r.step, now)
+            for r in view.records
+            if r.role == "trainer"
+        }
+
+    def moved_within(self, peer_id: str, seconds: float, now: float) -> bool:
+        seen = self.since.get(peer_id)
+        return seen is not None and now - seen[1] < seconds
+
+
+def company(
+    view: CollaborationView, step: int, me: str, moves: Moves, *, within: float, now: float
+) -> list[ProgressRecord]:
+    """The other trainers a step of ours taken with our samples alone would part from: those at
+    `step` or beyond (they average at our step or hold a later one), and those behind that are
+    catching up (their step moved, or they appeared, within `within` seconds: downloading our
+    state, they are about to average with us). One stuck behind for longer holds nobody back."""
+    return [
+        r
+        for r in view.records
+        if r.role == "trainer"
+        and r.peer_id != me
+        and (r.step >= step or moves.moved_within(r.peer_id, within, now))
+    ]
 
 
 def should_call(view: CollaborationView, step: int, *, target_batch: int, window: float) -> bool:

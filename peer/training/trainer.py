@@ -44,7 +44,9 @@ from peer.training import state as states
 from peer.training.progress import (
     HISTORY,
     CollaborationView,
+    Moves,
     ProgressRecord,
+    company,
     decode_progress,
     encode_progress,
     progress_key,
@@ -166,8 +168,10 @@ class Trainer:
         self._call: tuple[int, float] | None = None  # (step, gather_until) we called
         self._failed_before = -math.inf  # calls gathering at or before this failed for us
         self._failed_in_a_row = 0
-        # When another trainer at our step or beyond was last in view (monotonic; None: never)
-        # and the highest step anyone reported: whether we may step alone (`_on_our_own`).
+        # When the others' steps last moved, when someone to average with was last in view
+        # (monotonic; None: never) and the highest step anyone reported: whether we may step
+        # alone (`_on_our_own`).
+        self._moves = Moves()
         self._company_at: float | None = None
         self._highest_seen = 0
         self._store_seconds = 0.0  # moving average of how long our progress store takes
@@ -252,19 +256,33 @@ class Trainer:
     def _note_view(self, view: CollaborationView) -> None:
         self.status.view = view
         self._highest_seen = max(self._highest_seen, view.global_step)
-        if view.company(self.step, self.me):
-            self._company_at = time.monotonic()
+        now = time.monotonic()
+        self._moves.note(view, now)
+        if self._company(now):
+            self._company_at = now
+
+    def _company(self, now: float) -> list[ProgressRecord]:
+        return company(
+            self.status.view,
+            self.step,
+            self.me,
+            self._moves,
+            within=self.training.solo_after,
+            now=now,
+        )
 
     def _on_our_own(self) -> bool:
-        """Nobody is left to average with: no other trainer at our step or beyond is in view,
-        nor has been for `solo_after` seconds. Only then is a step of our samples alone no step
-        apart from anyone's: sooner, a peer cut off from the others (or one whose clock made it
-        miss their gathering) would run ahead alone, and the others' work be dropped when the
-        highest step wins after the heal, or it would end on its own parameters."""
-        if self.status.view.company(self.step, self.me):
+        """Nobody is left to average with (`progress.company`: no other trainer at our step or
+        beyond, or behind and catching up), nor has been for `solo_after` seconds. Only then is
+        a step of our samples alone no step apart from anyone's: sooner, a peer cut off from the
+        others (or one whose clock made it miss their gathering) would run ahead alone, the
+        others chasing it by download, and their work be dropped when the highest step wins
+        after the heal; or it would end on parameters nobody else holds."""
+        now = time.monotonic()
+        if self._company(now):
             return False
         since = self._company_at
-        return since is None or time.monotonic() - since >= self.training.solo_after
+        return since is None or now - since >= self.training.solo_after
 
     async def _keep_progress(self) -> None:
         """Publish our record and read everyone's, every progress_interval (or when asked)."""
