@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import time
 
+import trio
+
 from peer.config import DhtConfig
 from peer.dht import protocol as dht
 from peer.dht.records import Entry, make_entry
@@ -156,3 +158,26 @@ async def test_a_flooding_writer_is_refused_and_the_others_still_store():
             target.node.peer_id, dht.SERVICE, "store", request, dht.StoreReply, timeout=5
         )
         assert reply.verdicts == {"s": "stored"}
+
+
+async def test_a_call_that_times_out_closes_the_connection_so_the_next_one_dials_afresh():
+    """Over a cut (a partition, a blackhole) a py-libp2p connection stays open with no
+    keepalive, and TCP's retransmission backoff kept calls over it dead for ~30 s after the
+    testbed's partition healed: the peers cut off stepped alone meanwhile."""
+    from peer.net.rpc import protocol_id
+
+    async with swarm(2, CONFIG) as s:
+        caller, silent = s.dhts
+        silent.node.host.set_stream_handler(protocol_id(dht.SERVICE), hang)
+        caller.node.rpc.forget(silent.node.peer_id)  # no pooled stream: the next call opens one
+        caller.rpc_timeout = 0.5
+        network = caller.node.host.get_network()
+        (before,) = network.connections[silent.node.peer_id]  # bootstrapped through it
+        with trio.fail_after(10):
+            assert await caller.get("k") == {}  # asks its only contact, which never answers
+        assert caller._calls["get", "timeout"] == 1, caller._calls
+        assert before not in network.connections.get(silent.node.peer_id, [])
+
+
+async def hang(stream) -> None:
+    await trio.sleep_forever()

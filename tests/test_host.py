@@ -104,3 +104,26 @@ async def test_a_closed_inbound_connection_frees_its_slot_and_newcomers_are_serv
         limiter.total_tokens = 1  # one slot: a leaked one would refuse the next client
         async with nodes(1) as (client,):
             await client.connect(server.peer_id, server.announce, timeout=5)
+
+
+async def test_a_redial_skips_the_unspecified_listen_address_identify_stored():
+    """py-libp2p dials one TCP address per peer, the first its peerstore lists; identify put a
+    backbone's 0.0.0.0 listen address there, and after a partition its peers redialled that,
+    failing for minutes, rather than the address they had joined through."""
+    async with nodes(2) as (a, b):
+        store = a.host.get_peerstore()
+        nowhere = Multiaddr("/ip4/0.0.0.0/tcp/9")  # discard port: nothing listens
+        store.add_addrs(b.peer_id, [nowhere, *b.announce], 3600)
+        assert store.addrs(b.peer_id) == b.announce
+        with trio.fail_after(20):
+            await a.host.get_network().dial_peer(b.peer_id)  # what a new stream does first
+        assert a.host.get_network().connections.get(b.peer_id)
+
+
+async def test_an_explicit_connect_dials_the_given_address_first():
+    async with nodes(2) as (a, b):
+        store = a.host.get_peerstore()
+        store.add_addrs(b.peer_id, [Multiaddr("/ip4/127.0.0.1/tcp/9")], 3600)  # stale
+        with trio.fail_after(20):
+            await a.connect(b.peer_id, b.announce, timeout=10)
+        assert store.addrs(b.peer_id) == b.announce

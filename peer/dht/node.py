@@ -38,6 +38,8 @@ from peer.net.ratelimit import ByteBudgets
 from peer.net.rpc import RpcServer
 
 log = logging.getLogger("peertrain.dht")
+#: Seconds between attempts to bootstrap again while no backbone is in our routing table.
+REJOIN_INTERVAL = 2.0
 
 Clock = Callable[[], float]
 
@@ -97,12 +99,19 @@ class DHT:
         task_status.started()
         next_refresh = trio.current_time() + self.config.refresh_interval
         while True:
-            await trio.sleep(self.config.purge_interval)
+            lost = self.seeds and not any(peer_id in self.table for peer_id, _ in self.seeds)
+            # Lost every backbone: try them again soon, they may be back (a restart, a healed
+            # partition); until then our reads see only ourselves.
+            await trio.sleep(
+                min(self.config.purge_interval, REJOIN_INTERVAL)
+                if lost
+                else self.config.purge_interval
+            )
             purged = self.records.purge(now=self.clock())
             if purged:
                 log.debug("purged %d expired entries", purged)
             if self.seeds and not any(peer_id in self.table for peer_id, _ in self.seeds):
-                await self.bootstrap(self.seeds)  # lost every backbone: they may be back
+                await self.bootstrap(self.seeds)
             elif trio.current_time() >= next_refresh:
                 next_refresh = trio.current_time() + self.config.refresh_interval
                 await self.find_nodes(random.getrandbits(256))
@@ -313,6 +322,8 @@ class DHT:
             )
         except RemoteError as error:
             self._calls[method, _outcome(error)] += 1
+            if isinstance(error, DeadlineExceeded):
+                await self.node.disconnect(peer_id)  # it may be a connection the network cut
             raise
         self._calls[method, "ok"] += 1
         return reply

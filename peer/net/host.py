@@ -21,6 +21,11 @@ py-libp2p 0.8.1 defaults that we override, and why (see docs/ARCHITECTURE.md):
   refuses every newcomer (a backbone stopped answering joiners after ~10 minutes of churn and
   `peer status` calls in the soak). Our handler (`_serve_inbound`) returns when its
   connection closes, which frees the slot and the handler's task.
+- a dial tries ONE address per transport class (for TCP: the first the peerstore lists), and
+  identify fills the peerstore with the remote's *listen* addresses, 0.0.0.0 included: after a
+  partition cut a backbone's connection, its peers redialled 0.0.0.0 and failed for minutes.
+  The peerstore hides unspecified addresses, and an explicit `connect` dials the addresses it
+  is given.
 """
 
 from __future__ import annotations
@@ -111,7 +116,30 @@ def create_host(identity: Identity, network_key: str | None = None) -> IHost:
     network.retry_config = RetryConfig(max_retries=0)  # type: ignore[attr-defined]
     # Private attribute of the pinned py-libp2p version; see the module docstring.
     network._negative_peer_cache._ttl = NEGATIVE_DIAL_CACHE_SECONDS  # type: ignore[attr-defined]
+    _hide_unspecified_addrs(host.get_peerstore())
     return host
+
+
+def _hide_unspecified_addrs(peerstore: Any) -> None:
+    """Make `peerstore.addrs` leave out 0.0.0.0 and :: (a listener's "every interface", never
+    a remote's address): the swarm dials only the first TCP address it returns."""
+    every = peerstore.addrs
+
+    def dialable(peer_id: ID) -> list[Multiaddr]:
+        return [addr for addr in every(peer_id) if not _unspecified(addr)]
+
+    peerstore.addrs = dialable
+
+
+def _unspecified(addr: Multiaddr) -> bool:
+    for protocol in ("ip4", "ip6"):
+        try:
+            value = addr.value_for_protocol(protocol)
+        except Exception:  # no such part in this address
+            continue
+        if value and ipaddress.ip_address(value).is_unspecified:
+            return True
+    return False
 
 
 async def _serve_inbound(swarm: Any, read_write_closer: Any, maddr: Multiaddr, _event: Any) -> None:
@@ -183,6 +211,10 @@ class Node:
             self.host.get_peerstore().add_addrs(peer_id, list(addrs), PEERSTORE_ADDR_TTL)
 
     async def connect(self, peer_id: ID, addrs: Sequence[Multiaddr], *, timeout: float) -> None:
+        """Connect through `addrs` (e.g. a backbone's address from the command line): they
+        replace what identify told the peerstore, since a dial tries only the first one."""
+        if addrs:
+            self.host.get_peerstore().clear_addrs(peer_id)
         self.remember_addrs(peer_id, addrs)
         try:
             with trio.fail_after(timeout):
@@ -191,6 +223,15 @@ class Node:
             raise Unreachable(f"no answer from {peer_id} within {timeout:.3g}s") from None
         except TRANSPORT_ERRORS as error:
             raise Unreachable(f"cannot connect to {peer_id}: {error}") from None
+
+    async def disconnect(self, peer_id: ID) -> None:
+        """Close our connection to a peer that stopped answering: py-libp2p has no keepalive,
+        so a connection the network cut (a partition, a blackhole) stays open, and TCP's
+        retransmission backoff grows to tens of seconds over a cut; after the heal, calls over
+        it stay dead that long. The next call dials afresh."""
+        self.rpc.forget(peer_id)
+        with trio.move_on_after(1.0):
+            await _close_peer(self.host.get_network(), peer_id)
 
 
 @asynccontextmanager
