@@ -236,7 +236,13 @@ async def test_a_joiner_downloads_from_the_keeper_alone_when_no_trainer_is_onlin
             # stops once it holds the trainers' step: it can only get there by downloading.
             joining = make_config(tmp_path / "joiner", max_steps=f.step)
             joiners = Joinable(f.s, joining, None)
-            joiner = await joiners.add(await f.s.add())
+            dht = await f.s.add()
+            # Its DHT finds the keeper's record first: a joiner whose first reads miss every
+            # record (a lookup cut short on a loaded machine) trains alone from step 0, and
+            # the tiny task reaches max_steps in a second (once seen: downloads == 0).
+            while [r.role for r in await progress(dht, f.config)] != ["keeper"]:
+                await trio.sleep(0.1)
+            joiner = await joiners.add(dht)
             await joiner.run()
     assert joiner.step == f.step
     assert joiner.status.downloads == 1
