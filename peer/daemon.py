@@ -128,13 +128,18 @@ async def run_daemon(
                 def backbones() -> Awaitable[list[ID]]:
                     return find_backbones(dht, config.collaboration.name, first=reached)
 
+                async def configured() -> list[ID]:
+                    # Only the backbones this machine was told to trust keep its time: anyone
+                    # can announce a "backbone" in presence, and a few could move the median.
+                    return [peer_id for peer_id, _ in seeds]
+
                 if role == "peer":  # in the background: a silent backbone delays nothing
                     nursery.start_soon(
                         partial(
                             keep_clock,
                             node,
                             clock,
-                            backbones,
+                            configured,
                             interval=CLOCK_INTERVAL,
                             timeout=config.net.rpc_timeout,
                         )

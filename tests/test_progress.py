@@ -136,7 +136,10 @@ def test_company_those_behind_and_when_the_collaboration_has_settled():
     assert moves.since[PEERS[2]] == (3, 141.0) and moves.since[PEERS[1]] == (3, 100.0)
     moves.note(CollaborationView([rec(1)]), now=142.0)
     assert list(moves.since) == [PEERS[1]]  # those gone are forgotten
-    assert [r.peer_id for r in view.behind(3)] == [PEERS[2]]
+    assert [r.peer_id for r in view.catching_up(3)] == [PEERS[2]]
+    fetching = CollaborationView([rec(0), rec(1, downloading=True)])
+    assert [r.peer_id for r in fetching.catching_up(3)] == [PEERS[1]]
+    assert not fetching.settled(3, "d")  # its digest is about to change
     view = CollaborationView(
         [rec(0), rec(1, digest="e"), rec(2, step=2), rec(3, role="keeper", step=1)]
     )

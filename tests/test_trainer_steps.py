@@ -159,6 +159,21 @@ async def test_a_finished_peer_waits_for_one_behind_it_up_to_a_download_deadline
     assert trio.current_time() - started == pytest.approx(
         bound + trainer.config.state.download_timeout, abs=1.0
     )
+    # One at our step and digest, but downloading (two groups swapping digests at the end):
+    # we wait until it holds what it fetched, and would download it if that is the consensus.
+    fetching = rec(0, step=3, digest=trainer.digest, downloading=True)
+    trainer._note_view(CollaborationView([fetching]))
+    started = trio.current_time()
+    async with trio.open_nursery() as nursery:
+
+        async def fetched_at(seconds: float) -> None:
+            await trio.sleep(seconds)
+            done = msgspec.structs.replace(fetching, downloading=False)
+            trainer._note_view(CollaborationView([done]))
+
+        nursery.start_soon(fetched_at, 50.0)
+        await trainer._settle()
+    assert trio.current_time() - started == pytest.approx(50.0, abs=1.0)
     # Nobody behind: the usual bound (a peer at our step on another digest downloads from us).
     trainer._note_view(CollaborationView([rec(0, step=3, digest="x")]))
     started = trio.current_time()
@@ -324,6 +339,25 @@ async def test_failed_state_downloads_back_off_and_a_success_resets_the_wait(
     assert waits[:8] == doubling and doubling[-1] == MAX_DOWNLOAD_BACKOFF
     assert waits[8] == 0  # the success
     assert waits[9] == interval  # and the next failure starts over
+
+
+async def test_a_peer_downloading_says_so_in_its_record(tmp_path, autojump_clock):
+    trainer = make_trainer(tmp_path)
+    trainer.dht.node.remember_addrs = lambda *args: None
+    during = []
+
+    async def download(donors, step):
+        during.append(trainer.record().downloading)
+        await trio.sleep(5)
+        trainer._capture()
+        return trainer.snapshot()
+
+    trainer.download = download
+    donor = rec(1, step=0, digest="x")
+    assert not trainer.record().downloading
+    await trainer._catch_up([donor], CollaborationView([donor]))
+    assert during == [True] and not trainer.record().downloading
+    assert trainer._publish_now.is_set()  # others learn both at once
 
 
 async def test_a_store_cut_short_by_its_deadline_still_widens_the_window(tmp_path, autojump_clock):

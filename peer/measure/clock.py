@@ -8,7 +8,8 @@ backbones (pings carry the backbone's wall clock, as in NTP) and reads the time 
 `time.time() + offset` for everything it shares: progress records, calls, gatherings, record
 expirations. Backbones are the reference and do not correct themselves.
 
-Trust: the median over backbones counts, so one lying backbone of three moves nobody; a
+Trust: the median over the backbones a peer was given (`--backbone`; the daemon never asks
+ones announced in the DHT) counts, so one lying backbone of three moves nobody; a
 correction beyond `MAX_CORRECTION` is refused (a clock that far off, or a backbone that far off,
 needs a person: `peer doctor` says which).
 """

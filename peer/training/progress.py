@@ -63,6 +63,8 @@ class ProgressRecord(msgspec.Struct, frozen=True):
     """The last `HISTORY` validation losses, oldest first (the newest is `validation_loss`)."""
     step_bytes: _Count = 0
     """Bytes this peer sent and received averaging its last step."""
+    downloading: bool = False
+    """Fetching another state: its step and digest are about to change."""
 
     def problem(self) -> str | None:
         """Why the record is unusable (non-finite numbers), or None."""
@@ -110,14 +112,19 @@ class CollaborationView:
     def trainers(self, step: int) -> list[ProgressRecord]:
         return [r for r in self.records if r.role == "trainer" and r.step == step]
 
-    def behind(self, step: int) -> list[ProgressRecord]:
-        """Trainers at an earlier step than `step` (catching up, or gone and not yet expired)."""
-        return [r for r in self.records if r.role == "trainer" and r.step < step]
+    def catching_up(self, step: int) -> list[ProgressRecord]:
+        """Trainers behind `step` (catching up, or gone and not yet expired) or downloading."""
+        return [r for r in self.records if r.role == "trainer" and (r.step < step or r.downloading)]
 
     def settled(self, step: int, digest: str) -> bool:
-        """Every trainer holds `step` with `digest`: nobody is left to catch up."""
+        """Every trainer holds `step` with `digest` and none is downloading: nobody is left to
+        catch up. (A peer mid-download still shows its old digest: two groups that averaged
+        apart can swap digests, each fetching the other's, and a peer that left on seeing the
+        old digests would end apart from them.)"""
         return all(
-            r.step == step and r.digest == digest for r in self.records if r.role == "trainer"
+            r.step == step and r.digest == digest and not r.downloading
+            for r in self.records
+            if r.role == "trainer"
         )
 
     def samples(self, step: int) -> int:

@@ -176,6 +176,7 @@ class Trainer:
         self._highest_seen = 0
         self._store_seconds = 0.0  # moving average of how long our progress store takes
         self._download_failures = 0  # in a row
+        self._downloading = False
         self._pending: trio.Event | None = None  # delayed averaging in flight
         self._pending_result: tuple[np.ndarray, int, AveragingResult, float] | None = None
         self._validate_due = False
@@ -247,6 +248,7 @@ class Trainer:
             recent_losses=list(self._recent_losses),
             recent_validation=list(self._recent_validation),
             step_bytes=self._step_bytes,
+            downloading=self._downloading,
         )
 
     def view(self) -> CollaborationView:
@@ -358,8 +360,9 @@ class Trainer:
         in view holds our step and digest, so that a peer that ended on another digest (a
         group that averaged apart) or a step behind catches up from us; we catch up likewise.
         Bounded: a silent peer's record may take a while to expire. While a trainer behind us
-        is in view we stay longer, up to a state download's deadline: it may be mid-download
-        (a large state over a slow link takes minutes) and would be left without a donor."""
+        or downloading is in view we stay longer, up to a state download's deadline: it would
+        be left without a donor (a large state over a slow link takes minutes), or end on
+        other parameters than ours. After a download of our own we read the view again."""
         interval = self.training.progress_interval
         patience = trio.current_time() + 2 * self._gather_window() + 4 * interval + 5
         with trio.move_on_at(patience + self.config.state.download_timeout):
@@ -367,9 +370,11 @@ class Trainer:
                 view = self.view()
                 if donors := self._should_download(view):
                     await self._catch_up(donors, view)
+                    # Our digest changed: others may have changed theirs meanwhile (a swap).
+                    patience = max(patience, trio.current_time() + 4 * interval)
                 elif view.settled(self.step, self.digest):
                     return
-                elif trio.current_time() > patience and not view.behind(self.step):
+                elif trio.current_time() > patience and not view.catching_up(self.step):
                     break
                 else:
                     self.status.phase = "waiting for the others to finish"
@@ -652,6 +657,15 @@ class Trainer:
         if not donors:
             return
         self.status.phase = f"downloading step {target}"
+        self._downloading = True
+        self._publish_now.set()  # others must not take our old digest for settled
+        try:
+            await self._download(donors, target)
+        finally:
+            self._downloading = False
+            self._publish_now.set()
+
+    async def _download(self, donors: list[ProgressRecord], target: int) -> None:
         for record in donors:
             from libp2p.peer.id import ID
 
@@ -676,7 +690,6 @@ class Trainer:
         self._download_failures = 0
         self.status.downloads += 1
         self.status.step = self.step
-        self._publish_now.set()
         log.info("downloaded the state of step %d from %d donors", self.step, len(donors))
 
     # ------------------------------------------------------------------ validation, checkpoints
