@@ -149,8 +149,8 @@ def skew_verdict(
     fail_above: float,
 ) -> Finding:
     """Warn above `warn_above` seconds of skew beyond the measurement's uncertainty; fail above
-    `fail_above` (the presence TTL: a clock that far behind publishes records that are already
-    expired, so nobody ever sees the peer)."""
+    `fail_above` (what a peer corrects for, peer.measure.clock.MAX_CORRECTION: beyond it, a
+    clock that far behind publishes records that are already expired)."""
     advice = "synchronise this machine's clock: enable NTP (`timedatectl set-ntp true`)"
     if estimate is None:
         return Finding(
@@ -172,15 +172,15 @@ def skew_verdict(
         return Finding(
             "clock",
             "fail",
-            f"{figure}: more than the presence TTL ({fail_above:g} s), so other peers would "
-            "drop this peer's records as expired",
+            f"{figure}: more than a peer corrects for ({fail_above:g} s), so other peers "
+            "would drop this peer's records as expired",
             advice,
         )
     return Finding(
         "clock",
         "warn",
-        f"{figure}: training steps start at wall-clock times (gather_until), so this peer "
-        "would miss averaging rounds and only download the others' state",
+        f"{figure}: a peer reads the backbones' time for training (steps start at "
+        "wall-clock times, gather_until), but this machine's other programs see this clock",
         advice,
     )
 

@@ -51,7 +51,7 @@ from peer.doctor import (
 )
 from peer.errors import ConfigError, RemoteError
 from peer.files import state_folder
-from peer.measure.clock import clock_offset, sample_clock
+from peer.measure.clock import MAX_CORRECTION, clock_offset, sample_clock
 from peer.measure.probe import measure_link
 from peer.measure.reachability import check_reachable
 from peer.measure.service import reachability_verdict
@@ -313,7 +313,7 @@ async def _network_checks(config: PeerConfig, report: Report, device_checked: tr
             skew_verdict(
                 clock_offset(best.samples),
                 backbone=host_port(best.addr),
-                fail_above=config.presence.ttl,
+                fail_above=MAX_CORRECTION,
             )
         )
         if blocked is None:
