@@ -3,8 +3,8 @@
     averager.average(vector, weight=..., epoch=..., fingerprint=..., gather_until=...)
 
 declares this peer's ticket, waits until `gather_until` (a wall-clock time every peer of the
-epoch uses, read on the DHT's clock: the backbones' time, peer.measure.clock), reads every ticket, and runs k = ceil(log_m N) rounds: in each, the Moshpit group
-forms (`matchmaking.py`) and runs one all-reduce (`allreduce.py`) with deadlines derived from
+epoch uses, read on the DHT's clock: the backbones' time, peer.measure.clock), reads every
+ticket, and runs k = ceil(log_m N) rounds: in each, the Moshpit group forms (`matchmaking.py`) and runs one all-reduce (`allreduce.py`) with deadlines derived from
 the bytes each member moves and its measured bandwidth (`group.round_timeouts`). A round whose
 group is too small, or that fails, is reported and skipped: the vector keeps what the earlier
 rounds made of it.

@@ -99,22 +99,24 @@ class DHT:
         task_status.started()
         next_refresh = trio.current_time() + self.config.refresh_interval
         while True:
-            lost = self.seeds and not any(peer_id in self.table for peer_id, _ in self.seeds)
             # Lost every backbone: try them again soon, they may be back (a restart, a healed
             # partition); until then our reads see only ourselves.
             await trio.sleep(
                 min(self.config.purge_interval, REJOIN_INTERVAL)
-                if lost
+                if self._lost_backbones()
                 else self.config.purge_interval
             )
             purged = self.records.purge(now=self.clock())
             if purged:
                 log.debug("purged %d expired entries", purged)
-            if self.seeds and not any(peer_id in self.table for peer_id, _ in self.seeds):
+            if self._lost_backbones():
                 await self.bootstrap(self.seeds)
             elif trio.current_time() >= next_refresh:
                 next_refresh = trio.current_time() + self.config.refresh_interval
                 await self.find_nodes(random.getrandbits(256))
+
+    def _lost_backbones(self) -> bool:
+        return bool(self.seeds) and not any(peer_id in self.table for peer_id, _ in self.seeds)
 
     async def bootstrap(self, seeds: Sequence[tuple[ID, Multiaddr]]) -> list[ID]:
         """Contact seed nodes (backbones), then look ourselves up to fill the routing table.
