@@ -12,7 +12,9 @@ Every peer reads the same records and applies the same rules:
   reach the target batch; the earliest `gather_until` among the calls for a step wins, so two
   peers that call at nearly the same moment still average together;
 - the parameters of a step are those of the most common digest at it (ties: smallest digest),
-  and a peer holding another digest downloads the state instead of training on.
+  and a peer holding another digest downloads the state instead of training on;
+- a peer steps with its own samples alone only when nobody is left to average with
+  (`company`), and a peer that says it is `downloading` is never counted as settled.
 """
 
 from __future__ import annotations
