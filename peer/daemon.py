@@ -11,7 +11,7 @@ collaboration and then starts alone.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
@@ -125,21 +125,15 @@ async def run_daemon(
                             "background"
                         )
 
-                def backbones() -> Awaitable[list[ID]]:
-                    return find_backbones(dht, config.collaboration.name, first=reached)
-
-                async def configured() -> list[ID]:
+                if role == "peer":  # in the background: a silent backbone delays nothing
                     # Only the backbones this machine was told to trust keep its time: anyone
                     # can announce a "backbone" in presence, and a few could move the median.
-                    return [peer_id for peer_id, _ in seeds]
-
-                if role == "peer":  # in the background: a silent backbone delays nothing
                     nursery.start_soon(
                         partial(
                             keep_clock,
                             node,
                             clock,
-                            configured,
+                            [peer_id for peer_id, _ in seeds],
                             interval=CLOCK_INTERVAL,
                             timeout=config.net.rpc_timeout,
                         )
@@ -147,7 +141,9 @@ async def run_daemon(
                 measurements = Measurements(
                     node,
                     config,
-                    find_backbones=backbones,
+                    find_backbones=lambda: find_backbones(
+                        dht, config.collaboration.name, first=reached
+                    ),
                     workload=workload,
                     probe_server=probe_server,
                 )

@@ -61,14 +61,10 @@ async def test_a_peer_measures_the_backbones_clock_over_pings_and_reads_the_time
         assert all(offset == pytest.approx(skew, abs=0.5) for offset, _ in estimates)
 
         clock = CollaborationClock()
-
-        async def find() -> list:
-            return backbones
-
         with trio.fail_after(30):
             async with trio.open_nursery() as nursery:
                 await nursery.start(
-                    partial(keep_clock, peer, clock, find, interval=0.5, timeout=10)
+                    partial(keep_clock, peer, clock, backbones, interval=0.5, timeout=10)
                 )
                 assert clock() - time.time() == pytest.approx(skew, abs=0.5)
                 shift[0] = 0.0  # the backbones' clocks are stepped back to ours
@@ -89,13 +85,10 @@ async def test_a_backbone_that_does_not_answer_leaves_the_clock_as_it_was():
         clock = CollaborationClock()
         clock.offset = 1.5
 
-        async def find() -> list:
-            return [backbone.peer_id]
-
         with trio.fail_after(30):
             async with trio.open_nursery() as nursery:
                 await nursery.start(
-                    partial(keep_clock, peer, clock, find, interval=60, timeout=0.5)
+                    partial(keep_clock, peer, clock, [backbone.peer_id], interval=60, timeout=0.5)
                 )
                 nursery.cancel_scope.cancel()
         assert clock.offset == 1.5

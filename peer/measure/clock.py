@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import trio
@@ -140,7 +140,7 @@ async def measure_offsets(
 async def keep_clock(
     node: Node,
     clock: CollaborationClock,
-    find_backbones: Callable[[], Awaitable[list[ID]]],
+    backbones: Sequence[ID],
     *,
     interval: float,
     timeout: float,
@@ -149,12 +149,7 @@ async def keep_clock(
     """Measure the offset now (started: after the first try), then every `interval` seconds:
     a clock stepped later (NTP coming up, a suspend) is followed."""
     while True:
-        try:
-            with trio.move_on_after(timeout):
-                backbones = await find_backbones()
-                clock.adjust(await measure_offsets(node, backbones, timeout=timeout))
-        except RemoteError as error:
-            log.debug("clock measurement failed: %s", error)
+        clock.adjust(await measure_offsets(node, backbones, timeout=timeout))
         task_status.started()
         task_status = trio.TASK_STATUS_IGNORED
         await trio.sleep(interval)
