@@ -201,15 +201,24 @@ class AveragingConfig(_Section):
 
 @dataclass(frozen=True, kw_only=True)
 class TrainingConfig(_Section):
-    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {"mode": ("dedloc", "diloco")}
+    CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
+        "mode": ("dedloc", "diloco"),
+        "outer_weighting": ("samples", "uniform"),
+    }
     MINIMUM: ClassVar[dict[str, int]] = {"max_steps": 0, "validation_interval": 0, "seed": 0}
     ZERO_OK: ClassVar[frozenset[str]] = frozenset({"target_validation_loss", "outer_momentum"})
     mode: str = "dedloc"
     """dedloc (synchronous large batches of task.target_batch samples) or diloco (local steps)."""
     delayed_updates: bool = False
-    """dedloc: average step t's gradients while computing step t+1 (one step stale)."""
+    """dedloc: average step t's gradients while computing step t+1. Not the exact large-batch
+    algorithm: part of each step's micro-batches see the previous parameters (slower to a
+    target per step, docs/benchmarks.md), in exchange for no idle time while averaging."""
     inner_steps: int = 50
-    """diloco: local AdamW steps H before each outer step."""
+    """diloco: local AdamW steps H every peer takes before each outer step (exactly H: a peer
+    that is done waits for the others at its step, as in the DiLoCo paper)."""
+    outer_weighting: str = "samples"
+    """diloco: weight of each peer's pseudo-gradient in the average: samples (its inner steps
+    times its micro-batch) or uniform (1 per peer, the DiLoCo paper's)."""
     outer_lr: float = 0.7
     """diloco: outer Nesterov SGD learning rate."""
     outer_momentum: float = 0.9
@@ -234,7 +243,8 @@ class TrainingConfig(_Section):
     checkpoint_interval: float = 300.0
     """Seconds between local checkpoints (one more is written on a clean stop)."""
     seed: int = 0
-    """Extra seed for this peer's data sampling (0: derived from the peer id)."""
+    """Seed of this peer's data sampling, mixed with its peer id: every peer draws its own
+    micro-batches for any seed, and the same ones again with the same seed and identity."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -122,3 +123,50 @@ class ForwardingStream(trio.abc.Stream):
 
     async def aclose(self) -> None:
         await self.inner.aclose()
+
+
+class CuttingRelay:
+    """A TCP relay on 127.0.0.1 in front of `target_port` that cuts every connection at once
+    when `limit` bytes have gone back to its clients: a member killed in the middle of an
+    all-reduce, after it returned some averages (put it in a member's ticket as its data port).
+    """
+
+    def __init__(self, target_port: int, *, limit: int) -> None:
+        self.target_port = target_port
+        self.limit = limit
+        self.returned = 0
+        self.cut = trio.Event()
+
+    async def serve(self, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(
+                functools.partial(trio.serve_tcp, host="127.0.0.1"), self._relay, 0
+            )
+            task_status.started(listeners[0].socket.getsockname()[1])
+
+    async def _relay(self, client: trio.SocketStream) -> None:
+        if self.cut.is_set():
+            await client.aclose()
+            return
+        try:
+            async with (
+                client,
+                await trio.open_tcp_stream("127.0.0.1", self.target_port) as server,
+                trio.open_nursery() as nursery,
+            ):
+                nursery.start_soon(self._pipe, client, server, False)
+                nursery.start_soon(self._pipe, server, client, True)
+                await self.cut.wait()
+                nursery.cancel_scope.cancel()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+
+    async def _pipe(self, src: trio.SocketStream, dst: trio.SocketStream, back: bool) -> None:
+        async for data in src:
+            if back:
+                data = data[: max(0, self.limit - self.returned)]
+                self.returned += len(data)
+            await dst.send_all(data)
+            if back and self.returned >= self.limit:
+                self.cut.set()
+                return

@@ -116,6 +116,8 @@ def held_step(trainers: list[Trainer], config: PeerConfig) -> int | None:
             step,
             target_batch=config.task.target_batch,
             window=config.training.gather_window,
+            now=trainer.clock(),
+            horizon=2 * config.training.progress_interval,
         ):
             return None
     return step

@@ -12,28 +12,12 @@ import trio
 
 from peer.averaging.allreduce import DataServer
 from peer.averaging.averager import Averager, AveragingResult, fingerprint
-from peer.averaging.moshpit import group_of, rounds_for
 from peer.config import AveragingConfig, DhtConfig
-from tests.helpers import swarm
+from tests.helpers import CuttingRelay, swarm
 
 DHT_CONFIG = dataclasses.replace(DhtConfig(), replicas=5, alpha=3, purge_interval=3600.0)
 SIZE = 4099
 MODEL = fingerprint([("w", (SIZE,), "float32")])
-
-
-def test_groups_partition_the_peers_along_a_new_axis_every_round():
-    peers = [f"peer-{i}" for i in range(27)]
-    assert rounds_for(27, 3) == 3 and rounds_for(28, 3) == 4 and rounds_for(1, 2) == 1
-    seen_pairs = set()
-    for round_index in range(3):
-        groups = {tuple(group_of(peers, p, group_size=3, round_index=round_index)) for p in peers}
-        assert sorted(p for g in groups for p in g) == sorted(peers)  # a partition
-        assert {len(g) for g in groups} == {3}
-        pairs = {(a, b) for g in groups for a in g for b in g if a < b}
-        assert not pairs & seen_pairs  # nobody meets the same peer twice
-        seen_pairs |= pairs
-    with pytest.raises(ValueError, match="not among"):
-        group_of(peers, "stranger", group_size=3, round_index=0)
 
 
 @asynccontextmanager
@@ -70,7 +54,11 @@ async def average_all(
             epoch=1,
             fingerprint=MODEL if fingerprints is None else fingerprints[i],
             gather_until=gather_until,
-            on_round=(lambda r, report: on_round(i, r)) if on_round else (lambda r, report: None),
+            on_round=(
+                (lambda r, report, values: on_round(i, r, values))
+                if on_round
+                else (lambda r, report, values: None)
+            ),
         )
 
     with trio.fail_after(60):
@@ -87,10 +75,11 @@ async def test_eight_peers_in_pairs_reach_the_exact_average_in_three_rounds():
         rng = np.random.default_rng(0)
         vectors = [rng.standard_normal(SIZE).astype(np.float32) * (i + 1) for i in range(8)]
         mean = np.mean([v.astype(np.float64) for v in vectors], axis=0)
+        originals = [v.copy() for v in vectors]
         spread: dict[int, list[float]] = {}
 
-        def record(i: int, round_index: int) -> None:
-            spread.setdefault(round_index, []).append(float(np.abs(vectors[i] - mean).max()))
+        def record(i: int, round_index: int, values: np.ndarray) -> None:
+            spread.setdefault(round_index, []).append(float(np.abs(values - mean).max()))
 
         initial = max(float(np.abs(v - mean).max()) for v in vectors)
         results = await average_all(averagers, vectors, on_round=record)
@@ -98,15 +87,25 @@ async def test_eight_peers_in_pairs_reach_the_exact_average_in_three_rounds():
         assert all(len(group) == 2 for r in results for group in r.groups)
         widths = [initial] + [max(spread[r]) for r in range(3)]
         assert widths[0] > widths[1] > widths[2] > widths[3]  # the spread shrinks every round
-        for v in vectors:
-            np.testing.assert_allclose(v, mean, atol=1e-5)  # exact after log2(8) = 3 rounds
+        for r in results:
+            np.testing.assert_allclose(r.average, mean, atol=1e-5)  # exact after 3 rounds
+            assert r.weight == 8.0
+        assert len({r.average.tobytes() for r in results}) == 1  # the same bits everywhere
+        assert all((v == o).all() for v, o in zip(vectors, originals, strict=True))
 
 
-async def test_a_lone_peer_is_told_there_are_too_few_peers():
-    async with averaging_swarm(1, AveragingConfig(join_timeout=0.5)) as (_, averagers):
+async def test_a_lone_peer_averages_nothing_and_a_group_too_small_is_told_so():
+    async with averaging_swarm(2, AveragingConfig(join_timeout=0.5)) as (s, averagers):
         vector = np.ones(SIZE, np.float32)
-        (result,) = await average_all(averagers, [vector])
-        assert result.rounds == [] and len(result.skipped) == 1
+        (result, _) = await average_all(averagers, [vector, vector], skip={1})
+        assert result.peers_seen == 1 and result.rounds == [] and result.average is None
+        # The other declares too, then dies before the gathering closes: a group of one.
+        await averagers[1].matchmaker.declare(
+            f"test/avg/{MODEL}/1", _ticket(averagers[1]), expiration=time.time() + 600
+        )
+        s.kill(1)
+        (result, _) = await average_all(averagers, [vector, vector], skip={1})
+        assert result.peers_seen == 2 and result.average is None
         assert "too few peers to average" in result.skipped[0]
         assert (vector == 1).all()
 
@@ -122,7 +121,7 @@ async def test_incompatible_models_never_share_a_group():
             assert r.peers_seen == 2
             same = [j for j in range(4) if prints[j] == prints[i]]
             assert sorted(r.groups[0]) == sorted(averagers[j].me for j in same)
-            np.testing.assert_allclose(vectors[i], np.mean([float(j) for j in same]), atol=1e-6)
+            np.testing.assert_allclose(r.average, np.mean([float(j) for j in same]), atol=1e-6)
 
 
 async def test_a_dead_leader_is_passed_over():
@@ -148,7 +147,7 @@ async def test_a_dead_leader_is_passed_over():
         for i in alive:
             assert results[i].peers_seen == 4  # its ticket was there
             assert averagers[dead].me not in [p for g in results[i].groups for p in g]
-            np.testing.assert_allclose(vectors[i], expected, atol=1e-6)
+            np.testing.assert_allclose(results[i].average, expected, atol=1e-6)
 
 
 def _ticket(averager: Averager):
@@ -191,3 +190,86 @@ async def test_joins_for_other_epochs_and_abandoned_joins_leave_no_trace():
         with trio.fail_after(5):
             while leader.matchmaker._gatherings[(namespace, 0)].joined:
                 await trio.sleep(0.05)
+
+
+@pytest.mark.parametrize(
+    ("group_size", "weights"),
+    [
+        (4, [1.0] * 5),  # the issue's case: 5 peers in groups of 4 got 2.7498 or 3.3751
+        (2, [1.0, 3.0, 1.0, 1.0]),  # and 2.3124 or 2.3749 here instead of 2.3332
+        (4, [3.0, 0.0, 5.0, 2.0, 0.0, 7.0]),  # members with no samples receive and add nothing
+        (2, [2.0, 1.0, 4.0, 3.0, 5.0]),  # 3 rounds, a left-over member doubling up
+    ],
+    ids=["5-in-4", "4-in-2-weighted", "6-in-4-zeros", "5-in-2"],
+)
+async def test_any_number_of_peers_reaches_the_exact_weighted_mean_everywhere(group_size, weights):
+    count = len(weights)
+    config = AveragingConfig(group_size=group_size, join_timeout=3.0, timeout_floor=5.0)
+    async with averaging_swarm(count, config) as (_, averagers):
+        rng = np.random.default_rng(count)
+        vectors = [(rng.standard_normal(SIZE) + i).astype(np.float32) for i in range(count)]
+        results = await average_all(averagers, vectors, weights=weights)
+    exact = np.average(np.stack(vectors).astype(np.float64), axis=0, weights=weights)
+    for r in results:
+        assert not r.skipped and r.weight == sum(weights)
+        np.testing.assert_allclose(r.average, exact, rtol=0, atol=1e-5)
+    assert len({r.average.tobytes() for r in results}) == 1  # the same bits on every peer
+    assert max(len(g) for r in results for g in r.groups) <= group_size + 1
+
+
+async def test_a_member_that_declared_and_died_makes_every_peer_refuse_the_average():
+    """5 peers in groups of 4: the lowest one declares, then dies. Its round-0 group cannot be
+    exact, and neither can any group of round 1 (each holds a member of that group): every
+    peer refuses, and nobody's vector changed."""
+    config = AveragingConfig(group_size=4, join_timeout=2.0, timeout_floor=2.0)
+    async with averaging_swarm(5, config) as (s, averagers):
+        dead = min(range(5), key=lambda i: averagers[i].me)
+        await averagers[dead].matchmaker.declare(
+            f"test/avg/{MODEL}/1", _ticket(averagers[dead]), expiration=time.time() + 600
+        )
+        s.kill(s.dhts.index(averagers[dead].dht))
+        vectors = [np.full(SIZE, float(i), np.float32) for i in range(5)]
+        results = await average_all(averagers, vectors, skip={dead}, gather=7.0)
+    for i, r in enumerate(results):
+        if i == dead:
+            continue
+        assert r.peers_seen == 5 and r.average is None and r.skipped
+        assert (vectors[i] == float(i)).all()
+    reasons = " ".join(x for i, r in enumerate(results) if i != dead for x in r.skipped)
+    assert "did not join" in reasons and "no longer holds the exact value" in reasons
+
+
+async def test_a_member_killed_mid_round_leaves_every_vector_whole_and_no_average():
+    """The lowest peer (in round 0's first group) stops answering after it returned some
+    averages: its group's round is incomplete, so every peer refuses the averaging, and the
+    vectors are exactly what each peer put in (before, the survivors kept the half-averaged
+    values and gave them back to the trainer as their own)."""
+    config = AveragingConfig(group_size=4, join_timeout=2.0, timeout_floor=2.0, chunk_elements=256)
+    async with averaging_swarm(5, config) as (s, averagers):
+        victim = min(range(5), key=lambda i: averagers[i].me)
+        relay = CuttingRelay(averagers[victim].data_port, limit=3000)
+        averagers[victim].data_port = await s.nursery.start(relay.serve)
+        vectors = [np.full(SIZE, float(i), np.float32) for i in range(5)]
+        gather_until = time.time() + 1.5
+        results: dict[int, AveragingResult] = {}
+
+        async def one(i: int) -> None:
+            results[i] = await averagers[i].average(
+                vectors[i], weight=1.0, epoch=1, fingerprint=MODEL, gather_until=gather_until
+            )
+
+        with trio.fail_after(60):
+            async with trio.open_nursery() as nursery:
+                for i in range(5):
+                    if i != victim:
+                        nursery.start_soon(one, i)
+                async with trio.open_nursery() as doomed:
+                    doomed.start_soon(one, victim)
+                    await relay.cut.wait()
+                    doomed.cancel_scope.cancel()  # killed
+    assert relay.returned == 3000  # it did return some averages before it died
+    for i, r in results.items():
+        assert i != victim and r.average is None
+        assert (vectors[i] == float(i)).all()
+    first_group = [r for r in results.values() if any("incomplete" in x for x in r.skipped)]
+    assert len(first_group) == 2  # the victim's two partners saw its round fail

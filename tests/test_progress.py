@@ -73,10 +73,29 @@ def test_global_step_samples_and_eta_count_only_trainers_at_the_step():
 
 
 def test_a_step_is_called_when_the_projected_samples_reach_the_target():
-    view = CollaborationView([rec(0, samples=80, samples_per_second=10.0)])
-    assert not should_call(view, 3, target_batch=101, window=2.0)
-    assert should_call(view, 3, target_batch=100, window=2.0)
-    assert not should_call(view, 4, target_batch=1, window=2.0)  # nobody at step 4
+    view = CollaborationView([rec(0, samples=80, samples_per_second=10.0)])  # published at 1.0
+
+    def call(target: int, *, now: float = 1.0, window: float = 2.0) -> bool:
+        return should_call(view, 3, target_batch=target, window=window, now=now, horizon=4.0)
+
+    assert not call(101) and call(100)
+    assert not call(121, now=3.0) and call(120, now=3.0)  # 2 s since its record: 20 more
+    assert not call(141, now=9.0) and call(140, now=9.0)  # projected at most `horizon` on
+    assert not should_call(view, 4, target_batch=1, window=2.0, now=1.0, horizon=4.0)
+
+
+def test_a_holding_peer_counts_as_it_stands_and_adds_no_throughput():
+    """A peer whose part of the step is done stops computing: projecting its rate on would
+    make the others stop short of the target."""
+    view = CollaborationView(
+        [
+            rec(0, samples=80, samples_per_second=10.0, holding=True),
+            rec(1, samples=30, samples_per_second=5.0),
+            rec(2, samples=500, samples_per_second=50.0, downloading=True, step=3),
+        ]
+    )
+    assert view.projected_samples(3, now=3.0, horizon=4.0) == 80 + 30 + 10 + 500
+    assert view.computing_throughput(3) == 55.0 and view.throughput(3) == 65.0
 
 
 def test_a_peer_that_missed_a_call_looks_for_the_next_one():

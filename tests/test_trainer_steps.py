@@ -4,6 +4,7 @@ a result it is handed)."""
 from __future__ import annotations
 
 import math
+import time
 from types import SimpleNamespace
 
 import msgspec
@@ -20,14 +21,16 @@ from peer.averaging.reduce import ChunkResult
 from peer.config import PeerConfig, TaskConfig, TrainingConfig
 from peer.errors import RemoteError
 from peer.training import state as states
-from peer.training.progress import CollaborationView
+from peer.training.progress import CollaborationView, ProgressRecord
 from peer.training.state import StateMismatch
 from peer.training.task import TinyTask
-from peer.training.trainer import MAX_DOWNLOAD_BACKOFF, STORES_PER_WINDOW, Trainer
+from peer.training.trainer import MAX_DOWNLOAD_BACKOFF, STORES_PER_WINDOW, Trainer, data_seed
 from tests.test_progress import rec
 
 
-def make_trainer(tmp_path, task=None, mode: str = "dedloc", max_steps: int = 0) -> Trainer:
+def make_trainer(
+    tmp_path, task=None, mode: str = "dedloc", max_steps: int = 0, **training
+) -> Trainer:
     peer_id = ID.from_pubkey(create_new_key_pair().public_key)
     return Trainer(
         dht=SimpleNamespace(  # type: ignore[arg-type]
@@ -36,7 +39,9 @@ def make_trainer(tmp_path, task=None, mode: str = "dedloc", max_steps: int = 0) 
         averager=None,  # type: ignore[arg-type]
         config=PeerConfig(
             task=TaskConfig(name="tiny", micro_batch=8, target_batch=64),
-            training=TrainingConfig(checkpoint_dir=str(tmp_path), mode=mode, max_steps=max_steps),
+            training=TrainingConfig(
+                checkpoint_dir=str(tmp_path), mode=mode, max_steps=max_steps, **training
+            ),
         ),
         task=task or TinyTask(),
         device=torch.device("cpu"),
@@ -181,11 +186,14 @@ async def test_a_finished_peer_waits_for_one_behind_it_up_to_a_download_deadline
     assert trio.current_time() - started == pytest.approx(bound, abs=1.0)
 
 
-def group_result(size: int, senders: int, *, complete: bool = True) -> AveragingResult:
-    report = RoundReport(chunks=[ChunkResult(0, size, senders)])
+def group_result(size: int, weight: float, *, complete: bool = True) -> AveragingResult:
+    """What the averager returns: the exact average of `weight` samples, or nothing."""
+    report = RoundReport(chunks=[ChunkResult(0, size, 3)])
     if not complete:
         report.dropped_senders["someone"] = "timed out"
-    return AveragingResult(peers_seen=3, rounds=[report])
+        return AveragingResult(peers_seen=3, rounds=[report], skipped=["round 0: incomplete"])
+    average = np.full(size, 0.25, dtype=np.float32)
+    return AveragingResult(peers_seen=3, rounds=[report], average=average, weight=weight, members=3)
 
 
 def test_failed_averagings_warn_only_once_they_persist(tmp_path, caplog):
@@ -204,26 +212,36 @@ def test_failed_averagings_warn_only_once_they_persist(tmp_path, caplog):
 
 
 @pytest.mark.parametrize(
-    ("samples", "senders", "complete", "steps"),
+    ("samples", "weight", "complete", "steps"),
     [
-        (8, 3, True, True),  # an ordinary step
-        (0, 3, True, True),  # we had nothing, others did: the group's average still applies
-        (0, 0, True, False),  # nobody had samples: every chunk kept its zeros
-        (8, 3, False, False),  # a member failed: our work waits for the next try
+        (8, 24, True, True),  # an ordinary step
+        (0, 16, True, True),  # we had nothing, others did: the group's average still applies
+        (0, 0, True, False),  # nobody had samples: nothing was averaged
+        (8, 24, False, False),  # a member failed: our work waits for the next try
     ],
 )
-def test_a_group_result_is_a_step_only_if_complete_and_someone_contributed(
-    tmp_path, samples, senders, complete, steps
+def test_a_group_result_is_a_step_only_if_exact_and_someone_contributed(
+    tmp_path, samples, weight, complete, steps
 ):
     trainer = make_trainer(tmp_path)
     before = states.parameters_digest(trainer.model)
     size = sum(p.numel() for p in trainer.model.parameters())
-    average = np.full(size, 0.5, dtype=np.float32)
-    trainer._finish_step(average, samples, group_result(size, senders, complete=complete), 1.0)
+    ours = np.full(size, 0.5, dtype=np.float32)
+    result = group_result(size, weight, complete=complete)
+    trainer._finish_step(ours, samples, result, 1.0)
     assert trainer.step == (1 if steps else 0)
     assert (states.parameters_digest(trainer.model) != before) == steps
-    if not steps:
-        assert trainer.strategy.samples == samples  # the work is kept for the next try
+    if steps:  # the step took the average, not our own contribution
+        expected = TinyTask().build_model()
+        optimizer = TinyTask().make_optimizer(expected.parameters())
+        for p in expected.parameters():
+            p.grad = torch.full_like(p, 0.25)
+        optimizer.step()
+        assert states.parameters_digest(trainer.model) == states.parameters_digest(expected)
+    else:  # our own work, exactly, is kept for the next try
+        assert trainer.strategy.samples == samples
+        kept = torch.cat([t.reshape(-1) for t in trainer.strategy.sums]) / max(samples, 1)
+        assert torch.equal(kept, torch.from_numpy(ours)) or samples == 0
 
 
 class ScheduledTiny(TinyTask):
@@ -233,13 +251,21 @@ class ScheduledTiny(TinyTask):
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5**step)
 
 
+INNER_STEPS = 2
+
+
 def make_scheduled(tmp_path, mode: str = "dedloc") -> Trainer:
-    return make_trainer(tmp_path, task=ScheduledTiny(), mode=mode)
+    return make_trainer(tmp_path, task=ScheduledTiny(), mode=mode, inner_steps=INNER_STEPS)
 
 
 def take_steps(trainer: Trainer, count: int) -> None:
+    """`count` global steps, each with the local work of the mode (diloco: H inner steps)."""
     size = sum(p.numel() for p in trainer.model.parameters())
-    for _ in range(count):
+    for step in range(count):
+        if trainer.training.mode == "diloco":
+            generator = torch.Generator().manual_seed(step)
+            for _ in range(INNER_STEPS):
+                trainer.strategy.accumulate(TinyTask().sample_batch(8, generator), 8)
         average = np.full(size, 0.5, dtype=np.float32)
         trainer._finish_step(average, 8, group_result(size, 3), 1.0)
 
@@ -250,11 +276,15 @@ def learning_rate(trainer: Trainer) -> float:
     return optimizer.param_groups[0]["lr"]
 
 
-@pytest.mark.parametrize("mode", ["dedloc", "diloco"])
-def test_the_scheduler_steps_once_per_global_step_and_travels_with_the_state(tmp_path, mode):
+@pytest.mark.parametrize(("mode", "per_step"), [("dedloc", 1), ("diloco", INNER_STEPS)])
+def test_the_scheduler_steps_with_its_optimizer_and_travels_with_the_state(
+    tmp_path, mode, per_step
+):
+    """dedloc: once per global step; diloco: once per inner step (the paper's schedule; it
+    stepped once per outer step before), H per outer step on every peer."""
     donor = make_scheduled(tmp_path / "a", mode)
     take_steps(donor, 3)
-    assert learning_rate(donor) == pytest.approx(1e-2 * 0.5**3)
+    assert learning_rate(donor) == pytest.approx(1e-2 * 0.5 ** (3 * per_step))
     blob = states.to_bytes(donor._captured)
 
     joiner = make_scheduled(tmp_path / "b", mode)
@@ -262,7 +292,8 @@ def test_the_scheduler_steps_once_per_global_step_and_travels_with_the_state(tmp
     assert joiner.step == 3 and learning_rate(joiner) == learning_rate(donor)
     take_steps(donor, 1)
     take_steps(joiner, 1)
-    assert learning_rate(joiner) == learning_rate(donor) == pytest.approx(1e-2 * 0.5**4)
+    assert learning_rate(joiner) == learning_rate(donor)
+    assert learning_rate(donor) == pytest.approx(1e-2 * 0.5 ** (4 * per_step))
     assert states.parameters_digest(joiner.model) == states.parameters_digest(donor.model)
 
 
@@ -380,3 +411,143 @@ async def test_a_store_cut_short_by_its_deadline_still_widens_the_window(tmp_pat
     deadline = max(trainer.training.progress_interval, trainer.config.net.rpc_timeout)
     assert trainer._store_seconds >= deadline
     assert trainer._gather_window() >= STORES_PER_WINDOW * deadline
+
+
+def test_every_peer_draws_its_own_micro_batches_for_any_seed(tmp_path):
+    """A non-zero `training.seed` gave every peer the same data (10 of 10 micro-batches
+    compared were identical)."""
+    assert data_seed(7, "peer-a") != data_seed(7, "peer-b")
+    assert data_seed(7, "peer-a") == data_seed(7, "peer-a")  # reproducible
+    assert data_seed(0, "peer-a") != data_seed(7, "peer-a")
+    first = [make_trainer(tmp_path / str(i), seed=7).next_batch()[0][0] for i in range(3)]
+    assert not torch.equal(first[0], first[1]) and not torch.equal(first[1], first[2])
+
+
+def other(peer_id: str, **fields) -> ProgressRecord:
+    """Another trainer's record at step 0 (peer ids sort: "0" < "12D3KooW..." < "z")."""
+    return msgspec.structs.replace(rec(0, step=0), peer_id=peer_id, **fields)
+
+
+def dedloc_trainer(tmp_path, *others: ProgressRecord, rate: float = 10.0) -> Trainer:
+    trainer = make_trainer(tmp_path)  # target batch 64, micro-batch 8
+    trainer._rate_ema = rate
+    trainer.clock = lambda: 1.0  # the records' updated_at: nothing to project yet
+    trainer._note_view(CollaborationView(list(others)))
+    return trainer
+
+
+def work(trainer: Trainer, micro_batches: int) -> None:
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(micro_batches):
+        trainer.strategy.accumulate(TinyTask().sample_batch(8, generator), 8)
+
+
+def test_a_dedloc_peer_stops_at_its_share_of_the_target_batch(tmp_path):
+    """Each peer computes its share (by speed) of the target and holds: the global batch is
+    the target, give or take a micro-batch per peer, however stale the records are (target
+    256 gave 160-704 before)."""
+    trainer = dedloc_trainer(tmp_path, *(other(f"z{i}", samples_per_second=10.0) for i in range(3)))
+    assert trainer._share(trainer.view()) == 16  # 64 among four equally fast peers
+    work(trainer, 1)
+    assert not trainer._batch_is_full(trainer.view())  # 8 < 16 - 4
+    work(trainer, 1)
+    assert trainer._batch_is_full(trainer.view()) and trainer.record().holding is False
+    # Three times faster than the others: three times their share.
+    fast = dedloc_trainer(
+        tmp_path / "fast", *(other(f"z{i}", samples_per_second=10.0) for i in range(3)), rate=30
+    )
+    assert fast._share(fast.view()) == pytest.approx(64 * 30 / 60)
+    # A peer at another step, or downloading, takes no part in this step.
+    apart = dedloc_trainer(
+        tmp_path / "apart",
+        other("z1", samples_per_second=10.0, step=5),
+        other("z2", samples_per_second=10.0, downloading=True),
+    )
+    assert apart._share(apart.view()) == 64
+
+
+def test_a_dedloc_peer_stops_when_the_others_already_hold_the_batch(tmp_path):
+    trainer = dedloc_trainer(
+        tmp_path, other("z1", samples=40, holding=True), other("z2", samples=20, holding=True)
+    )
+    assert trainer._batch_is_full(trainer.view())  # 60 >= 64 - 4: one more would overshoot
+    # Their counts move on at their speed until they hold (projected at most 2 intervals on).
+    moving = dedloc_trainer(tmp_path / "m", other("z1", samples=40, samples_per_second=10.0))
+    assert not moving._batch_is_full(moving.view())  # 40, and our share is 32
+    moving.clock = lambda: 1.0 + 2 * moving.training.progress_interval
+    assert moving._batch_is_full(moving.view())  # 40 + 10/s x 2 s
+    stale = CollaborationView([other("z1", samples=40, samples_per_second=10.0)])
+    assert stale.projected_samples(0, now=100.0, horizon=2.0) == 60  # not 1030
+
+
+def test_only_the_lowest_trainer_calls_a_step_unless_it_stays_silent(tmp_path):
+    """Two calls of a step made at nearly the same moment split it (8 peers in one process
+    split 5-3): one caller, with a fallback in case it is gone."""
+    low = dedloc_trainer(tmp_path / "low", other("z1", samples=40, holding=True))
+    high = dedloc_trainer(tmp_path / "high", other("0", samples=40, holding=True))
+    for trainer in (low, high):
+        work(trainer, 3)
+        assert trainer._ready(trainer.view())
+        trainer._ready_since = time.monotonic()
+    assert low._may_call(low.view()) and not high._may_call(high.view())
+    high._ready_since -= 10.0  # the lowest stayed silent
+    assert high._may_call(high.view())
+
+
+def test_after_a_failed_averaging_nobody_calls_while_others_are_still_in_it(tmp_path):
+    trainer = dedloc_trainer(tmp_path, other("z1", call_step=0, gather_until=0.5))
+    work(trainer, 8)
+    trainer._ready_since = time.monotonic()
+    assert trainer._may_call(trainer.view())  # nothing failed for us: their call is theirs
+    trainer._failed_before = 0.5  # we failed (or missed) that gathering; they are still in it
+    assert not trainer._may_call(trainer.view())
+    trainer._note_view(CollaborationView([other("z1")]))  # done with it
+    assert trainer._may_call(trainer.view())
+
+
+def test_a_group_of_a_minority_of_the_trainers_does_not_step(tmp_path):
+    """Two groups that averaged one step apart cannot both step: before, both did, and the
+    smaller one downloaded the other's state and lost its samples."""
+    trainer = dedloc_trainer(tmp_path, *(other(f"z{i}") for i in range(4)))  # 5 trainers
+    size = sum(p.numel() for p in trainer.model.parameters())
+    ours = np.full(size, 0.5, dtype=np.float32)
+    minority = group_result(size, 16)
+    minority.members = 2
+    trainer._finish_step(ours, 8, minority, 1.0)
+    assert trainer.step == 0 and trainer.strategy.samples == 8
+    assert "not a majority" in " ".join(minority.skipped)
+    majority = group_result(size, 24)  # 3 of 5
+    trainer._finish_step(ours, 8, majority, 2.0)
+    assert trainer.step == 1 and trainer.status.global_batches[-1] == 24
+
+
+def test_a_diloco_peer_takes_exactly_its_inner_steps_and_calls_once_everyone_did(tmp_path):
+    """H was a minimum: peers kept taking inner steps until the gathering (29-31 with H = 10)."""
+    trainer = make_trainer(tmp_path, mode="diloco", inner_steps=3)
+    trainer._note_view(CollaborationView([other("z1", samples=8)]))
+    work(trainer, 2)
+    assert not trainer._batch_is_full(trainer.view())
+    work(trainer, 1)
+    assert trainer._batch_is_full(trainer.view())  # exactly H: no more inner steps
+    assert not trainer._ready(trainer.view())  # the other is not done yet
+    trainer._note_view(CollaborationView([other("z1", samples=24, holding=True)]))
+    assert trainer._ready(trainer.view())
+
+
+@pytest.mark.parametrize(("weighting", "expected"), [("samples", 24.0), ("uniform", 1.0)])
+async def test_diloco_pseudo_gradients_are_weighted_by_samples_or_uniformly(
+    tmp_path, weighting, expected
+):
+    weights = []
+
+    class Averager:
+        async def average(self, vector, *, weight, **_):
+            weights.append(weight)
+            return AveragingResult(peers_seen=1)
+
+    trainer = make_trainer(tmp_path, mode="diloco", outer_weighting=weighting)
+    trainer.averager = Averager()  # type: ignore[assignment]
+    vector, samples = np.zeros(4, np.float32), 24
+    await trainer._run_averaging(vector, samples, 0, 1.0)
+    await trainer._run_averaging(vector, 0, 0, 1.0)
+    assert weights == [expected, 0.0]

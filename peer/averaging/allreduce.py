@@ -53,6 +53,7 @@ log = logging.getLogger("peertrain.allreduce")
 MAX_EARLY_CONNECTIONS = 256  # connections waiting for their round to open, at most
 MAX_EARLY_PER_ROUND = 32
 MAX_PENDING_PER_SENDER = 4  # connections claiming one sender, not yet authenticated
+MAX_QUEUED_CHUNKS = 8  # a sender's chunks waiting for their turn before we stop reading it
 CHALLENGE_BYTES = 16
 # Errors of a data-plane connection that end it (and drop its peer from the round).
 CONNECTION_ERRORS = (ProtocolError, OSError, trio.BrokenResourceError, trio.ClosedResourceError)
@@ -67,6 +68,9 @@ class Member:
     share: float
     weight: float
     key: KeyAnnouncement
+    block: int = 0
+    """Contributions are added in the order of (block, peer id): the same order in every group
+    that holds the same blocks, so their averages are bit-identical (`moshpit.py`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,6 +82,8 @@ class RoundSpec:
     """Elements of the flat float32 vector."""
     codec: str
     chunk_elements: int
+    view: bytes = b""
+    """The digest of the tickets the group planned from (`group.view_digest`)."""
 
     def parts(self) -> list[tuple[int, int]]:
         return part_ranges(self.size, [m.share for m in self.members])
@@ -379,12 +385,16 @@ class _PartService:
         lo, hi = round_.parts[round_.index]
         self.lo = lo
         self.members = {m.peer_id: m for m in spec.members}
-        senders = {m.peer_id: m.weight for m in spec.members if m.computes}
+        computing = sorted(
+            (m for m in spec.members if m.computes), key=lambda m: (m.block, m.peer_id)
+        )
+        senders = {m.peer_id: m.weight for m in computing}
         self.reducer = PartReducer(
             lo,
             hi,
             chunk_elements=spec.chunk_elements,
             weights=senders,
+            order=[m.peer_id for m in computing],
             norm_factor=round_.norm_factor,
         )
         self.remote = set(senders) - {me.peer_id}
@@ -395,12 +405,15 @@ class _PartService:
         self.idle.set()
         self.active = 0
         self.authenticating: dict[str, int] = {}  # unauthenticated connections per claimed sender
+        self.progressed = trio.Event()  # set (and renewed) whenever contributions were added
 
     async def run(self, inbox: trio.MemoryReceiveChannel) -> None:
         round_, reducer = self.round, self.reducer
-        if round_.me.computes:  # our own contribution, straight from memory
+        if round_.me.computes:  # our own contribution, from memory but through the codec
+            codec = round_.codec  # as if sent: then every group adds the same bits for it
             for index, (a, b) in enumerate(reducer.chunks):
-                reducer.add(round_.me.peer_id, index, round_.vector[self.lo + a : self.lo + b])
+                own = codec.decode(codec.encode(round_.vector[self.lo + a : self.lo + b]), b - a)
+                reducer.add(round_.me.peer_id, index, own)
         started = trio.current_time()
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._accept, inbox, nursery)
@@ -462,6 +475,8 @@ class _PartService:
             for sender in list(self.outboxes):
                 self._close_outbox(sender)
             self.all_averaged.set()
+        self.progressed.set()
+        self.progressed = trio.Event()
 
     async def _serve(self, handoff: Handoff) -> None:
         sender, stream = handoff.sender, handoff.stream
@@ -518,6 +533,10 @@ class _PartService:
         round_, reducer = self.round, self.reducer
         max_payload = round_.codec.wire_bytes(round_.spec.chunk_elements)
         while True:
+            # Far ahead of a sender added before it: read on once those chunks were added (the
+            # first sender in order is never held back, so this cannot deadlock).
+            while reducer.queued[sender] >= MAX_QUEUED_CHUNKS:
+                await self.progressed.wait()
             with trio.fail_after(round_.stall_timeout):
                 frame = await channel.receive(max_payload=max_payload)
             if frame is None:

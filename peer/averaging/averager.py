@@ -1,19 +1,29 @@
 """Averaging a vector with the collaboration: gather, then Moshpit rounds of grouped all-reduce.
 
-    averager.average(vector, weight=..., epoch=..., fingerprint=..., gather_until=...)
+    result = await averager.average(vector, weight=..., epoch=..., fingerprint=...,
+                                    gather_until=...)
+    if result.average is not None: ...  # the exact weighted mean, the same bits on every peer
 
-declares this peer's ticket, waits until `gather_until` (a wall-clock time every peer of the
+declares this peer's ticket, waits until just after `gather_until` (a wall-clock time every peer of the
 epoch uses, read on the DHT's clock: the backbones' time, peer.measure.clock), reads every
-ticket, and runs k = ceil(log_m N) rounds: in each, the Moshpit group forms (`matchmaking.py`) and runs one all-reduce (`allreduce.py`) with deadlines derived from
-the bytes each member moves and its measured bandwidth (`group.round_timeouts`). A round whose
-group is too small, or that fails, is reported and skipped: the vector keeps what the earlier
-rounds made of it.
+ticket declared by then (its view), and follows the Moshpit plan of that view (`moshpit.py`):
+in each round its group forms (`matchmaking.py`) and runs one all-reduce (`allreduce.py`) with
+deadlines derived from the bytes each member moves and its measured bandwidth
+(`group.round_timeouts`), each member weighted by the samples its value stands for.
+
+The result is all or nothing. `average` is set only when every round of ours was complete:
+every planned member took part from the same view, every reducer returned every chunk with
+every member's contribution in it. Otherwise it is None and `skipped` says why; the caller's
+vector is never touched (the rounds work on a copy), so a failed averaging leaves exactly the
+peer's own contribution. Peers whose last group completed hold the same bits; a peer whose
+group failed applies nothing and catches up by download.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -23,14 +33,16 @@ import trio
 from peer.averaging.allreduce import DataServer, RoundReport, RoundSpec, allreduce
 from peer.averaging.compression import CODECS
 from peer.averaging.crypto import RoundKey
-from peer.averaging.group import Joined, Ticket, round_timeouts
-from peer.averaging.matchmaking import Matchmaker, RoundShape, TooFewPeers
-from peer.averaging.moshpit import rounds_for
+from peer.averaging.group import Joined, Ticket, longest_round, round_timeouts, view_digest
+from peer.averaging.matchmaking import GroupPlan, Matchmaker, NotExact, RoundShape, TooFewPeers
+from peer.averaging.moshpit import plan
 from peer.config import AveragingConfig
 from peer.dht.node import DHT
 from peer.measure.capabilities import Capabilities
 
 log = logging.getLogger("peertrain.averager")
+#: Seconds past the close of a gathering before the tickets are read, at least.
+READ_GRACE = 0.1
 
 
 def fingerprint(tensors: Sequence[tuple[str, Sequence[int], str]]) -> str:
@@ -49,7 +61,13 @@ class AveragingResult:
     rounds: list[RoundReport] = field(default_factory=list)
     groups: list[list[str]] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
-    """Why rounds were skipped (group too small, ...)."""
+    """Why the result is not exact, round by round (a group too small, a member missing, ...)."""
+    average: np.ndarray | None = None
+    """The exact weighted mean over every peer of the plan; None when not every round was."""
+    weight: float = 0.0
+    """The total weight (samples) behind `average`."""
+    members: int = 0
+    """How many peers' contributions `average` holds (the view's, or a single group's)."""
 
 
 class Averager:
@@ -70,6 +88,7 @@ class Averager:
         self.data_host = data_host
         self.data_port = data_port
         self.me = dht.node.peer_id.to_base58()
+        self._store_seconds = 0.0  # recent ticket stores: the slowest, decaying
         self.matchmaker = Matchmaker(
             dht,
             group_size=config.group_size,
@@ -86,78 +105,166 @@ class Averager:
         fingerprint: str,
         gather_until: float,
         capabilities: Capabilities | None = None,
-        computes: bool | None = None,
-        on_round: Callable[[int, RoundReport], None] = lambda index, report: None,
+        on_round: Callable[[int, RoundReport, np.ndarray], None] = lambda i, report, values: None,
     ) -> AveragingResult:
-        """Average `vector` (float32, updated in place) with every peer of the epoch.
+        """Average `vector` (float32; left as it is) with every peer of the epoch.
 
-        `weight` is the samples behind it. `computes` (default: weight > 0) makes this member
-        send its vector and receive the average; weight 0 with computes=True receives the
-        average and adds nothing to it (a trainer that has no samples yet), weight 0 with
-        computes=False only reduces its share for the others (an aggregator).
+        `weight` is the samples behind it; with weight 0 this member adds nothing and still
+        gets the average (a trainer that has no samples yet). `on_round` sees each round's
+        report and our values after it.
         """
         namespace = f"{self.collaboration}/avg/{fingerprint}/{epoch}"
+        declared_at = self.dht.clock()
+        if declared_at > gather_until:  # every reader leaves such a ticket out: so do we
+            return AveragingResult(0, skipped=["the gathering closed before we declared"])
         ticket = Ticket(
             peer_id=self.me,
             rpc_addrs=self.dht.node.public_addrs(),
             data_host=self.data_host,
             data_port=self.data_port,
-            computes=weight > 0 if computes is None else computes,
+            computes=True,  # every member of a plan holds a value and gets the average
             weight=weight,
             capabilities=capabilities,
+            declared_at=declared_at,
         )
+        started = trio.current_time()
         await self.matchmaker.declare(namespace, ticket, expiration=gather_until + 600)
+        stored = trio.current_time() - started
+        self._store_seconds = max(stored, 0.8 * self._store_seconds)
         if self.dht.clock() > gather_until:
-            log.warning(
-                "our ticket for epoch %d was stored %.1fs after the gathering closed: other "
-                "peers may not have seen it (a longer gathering window helps)",
+            log.info(
+                "our ticket for epoch %d was stored %.1fs after the gathering closed (a longer "
+                "gathering window helps)",
                 epoch,
                 self.dht.clock() - gather_until,
             )
-        await trio.sleep(max(0.0, gather_until - self.dht.clock()))
-        view = await self.matchmaker.read_tickets(namespace)
-        if self.me not in {t.peer_id for t in view}:
-            view.append(ticket)  # our own store may not be readable yet
+        # Read once the tickets declared before the close have landed: a store takes about
+        # what ours took. Tickets declared after the close are left out by every reader (and
+        # their declarer), so a late ticket cannot make views differ; one still in flight can.
+        grace = min(max(READ_GRACE, 2 * self._store_seconds), self.config.join_timeout / 2)
+        await trio.sleep(max(0.0, gather_until + grace - self.dht.clock()))
+        view = [
+            t
+            for t in await self.matchmaker.read_tickets(namespace)
+            if t.declared_at <= gather_until and t.peer_id != self.me
+        ]
+        view = sorted([*view, ticket], key=lambda t: t.peer_id)
         result = AveragingResult(peers_seen=len(view))
+        try:
+            if len(view) > 1:
+                await self._follow_plan(namespace, epoch, view, ticket, vector, result, on_round)
+        finally:
+            self.matchmaker.forget(namespace)
+        return result
+
+    def _wire_bytes_per_element(self) -> float:
+        return CODECS[self.config.codec].wire_bytes(1 << 20) / (1 << 20)
+
+    async def _follow_plan(
+        self,
+        namespace: str,
+        epoch: int,
+        view: list[Ticket],
+        ticket: Ticket,
+        vector: np.ndarray,
+        result: AveragingResult,
+        on_round: Callable[[int, RoundReport, np.ndarray], None],
+    ) -> None:
+        """Our rounds of the view's Moshpit plan, on a copy of `vector`; sets `result.average`
+        only if every one of them was exact."""
+        ids = [t.peer_id for t in view]
+        number = ids.index(self.me)
+        weights = [t.weight if t.computes else 0.0 for t in view]
+        moshpit = plan(len(view), self.config.group_size)
+        several = len(moshpit.rounds) > 1
+        bandwidth = {
+            t.peer_id: min(t.capabilities.upload_bps, t.capabilities.download_bps)
+            for t in view
+            if t.capabilities is not None
+        }
+        patience = longest_round(
+            len(vector),
+            list(bandwidth.values()),
+            wire_bytes_per_element=self._wire_bytes_per_element(),
+            floor=self.config.timeout_floor,
+            multiplier=self.config.timeout_multiplier,
+        )
+        self.matchmaker.expect_rounds(namespace, patience)
         shape = RoundShape(
             epoch=epoch,
             size=len(vector),
             codec=self.config.codec,
             chunk_elements=self.config.chunk_elements,
+            view=view_digest(epoch, view) if several else b"",
         )
-        try:
-            for index in range(rounds_for(len(view), self.config.group_size)):
-                report = await self._round(namespace, index, view, ticket, vector, shape, result)
-                if report is not None:
-                    on_round(index, report)
-        finally:
-            self.matchmaker.forget(namespace)
-        return result
+        values = vector.copy()  # never the caller's: a failed round must leave it whole
+        exact, total, covered = True, weights[number], len(view)
+        for index in range(len(moshpit.rounds)):
+            members = moshpit.group(index, number)
+            if len(members) == 1:
+                continue  # nobody to meet this round: our value stands as it is
+            group = GroupPlan(
+                members=tuple(ids[i] for i in members),
+                seats=(
+                    {
+                        ids[s.member]: (s.block, s.weight)
+                        for s in moshpit.seats(index, number, weights)
+                    }
+                    if several
+                    else None
+                ),
+                patience=patience if index > 0 else 0.0,
+            )
+            reports = len(result.rounds)
+            weight = await self._round(
+                namespace, index, group, view, ticket, values, shape, result, exact=exact
+            )
+            if weight is None:
+                exact = False
+                continue
+            total = weight
+            if not several:  # a single group: whoever joined it
+                covered = len(result.groups[-1])
+            if len(result.rounds) > reports:  # an all-reduce ran
+                on_round(index, result.rounds[-1], values)
+        if exact:
+            result.average, result.weight, result.members = values, total, covered
 
     async def _round(
         self,
         namespace: str,
         index: int,
+        group: GroupPlan,
         view: list[Ticket],
         ticket: Ticket,
-        vector: np.ndarray,
+        values: np.ndarray,
         shape: RoundShape,
         result: AveragingResult,
-    ) -> RoundReport | None:
+        *,
+        exact: bool,
+    ) -> float | None:
+        """One round on `values`: the total weight they stand for afterwards, or None if the
+        round was not exact (why: in `result.skipped`)."""
         key = RoundKey(
             f"{namespace}|{index}".encode(), self.me, self.dht.node.identity.key_pair.private_key
         )
         try:
             spec = await self.matchmaker.form_group(
-                namespace, index, view, Joined(ticket, key.announcement), shape
+                namespace, index, group, view, Joined(ticket, key.announcement), shape, exact=exact
             )
-        except TooFewPeers as error:
+        except (TooFewPeers, NotExact) as error:
             result.skipped.append(f"round {index}: {error}")
             return None
-        problem = _spec_problem(spec, shape, self.me)
+        problem = _spec_problem(spec, shape, group, self.me)
         if problem:
             result.skipped.append(f"round {index}: the leader's spec {problem}")
             return None
+        result.groups.append([m.peer_id for m in spec.members])
+        total = math.fsum(m.weight for m in spec.members if m.computes)
+        if not exact or total <= 0:
+            # Off the plan already (we only joined to say so), or nobody here stands for any
+            # sample: there is nothing to average.
+            return total if exact else None
         bandwidth = {
             t.peer_id: min(t.capabilities.upload_bps, t.capabilities.download_bps)
             for t in view
@@ -166,14 +273,14 @@ class Averager:
         duration, stall = round_timeouts(
             spec,
             bandwidth,
-            wire_bytes_per_element=CODECS[shape.codec].wire_bytes(1 << 20) / (1 << 20),
+            wire_bytes_per_element=self._wire_bytes_per_element(),
             floor=self.config.timeout_floor,
             multiplier=self.config.timeout_multiplier,
         )
         report = await allreduce(
             spec,
             key,
-            vector,
+            values,
             self.data_server,
             deadline=trio.current_time() + duration,
             stall_timeout=stall,
@@ -182,15 +289,34 @@ class Averager:
             ),
         )
         result.rounds.append(report)
-        result.groups.append([m.peer_id for m in spec.members])
-        return report
+        senders = sum(m.computes for m in spec.members)
+        if not report.complete:
+            failed = {**report.dropped_senders, **report.failed_reducers}
+            result.skipped.append(f"round {index}: incomplete ({_first_reasons(failed)})")
+            return None
+        if any(chunk.senders != senders for chunk in report.chunks):
+            result.skipped.append(
+                f"round {index}: a reducer averaged a chunk without every member's contribution"
+            )
+            return None
+        return total
 
 
-def _spec_problem(spec: RoundSpec, shape: RoundShape, me: str) -> str | None:
+def _spec_problem(spec: RoundSpec, shape: RoundShape, group: GroupPlan, me: str) -> str | None:
     """What is wrong with a leader's spec for us, or None."""
     ours = (shape.size, shape.codec, shape.chunk_elements)
     if (spec.size, spec.codec, spec.chunk_elements) != ours:
         return f"does not match our vector: {spec.size} values, {spec.codec}, {spec.chunk_elements}"
     if me not in [m.peer_id for m in spec.members]:
         return "leaves us out"
+    if group.seats is not None:
+        seats = {m.peer_id: (m.block, m.weight) for m in spec.members}
+        if spec.view != shape.view or seats != group.seats:
+            return "is not our plan's (another view of the tickets, or other weights)"
     return None
+
+
+def _first_reasons(failed: dict[str, str]) -> str:
+    shown = [f"{who}: {why}" for who, why in sorted(failed.items())[:2]]
+    more = len(failed) - len(shown)
+    return "; ".join(shown) + (f"; {more} more" if more > 0 else "")

@@ -2,10 +2,13 @@
 
 A `Ticket` is what a peer declares when it is ready to average (in the DHT, for everyone) and
 hands the group's leader when it joins: where its data server listens, whether it has a
-contribution and its weight, and its measured capabilities. The leader turns the tickets of
-the members that joined into a `RoundSpec` (`build_spec`): members sorted by peer id, shares
-from the role solver when every member's capabilities are known (else equal shares among the
-reachable members), a round id that names exactly this group.
+contribution and its weight, its measured capabilities, and when it was declared. The tickets
+a peer reads when the gathering closes are its *view*; `view_digest` names it, so members can
+tell whether they planned from the same one. The leader turns the tickets of the members that
+joined into a `RoundSpec` (`build_spec`): members sorted by peer id, each with the weight and
+block the Moshpit plan gives it (or, in a single group, its own weight), shares from the role
+solver when every member's capabilities are known (else equal shares among the reachable
+members), a round id that names exactly this group and view.
 
 `round_timeouts` replaces magic timeouts: the round may take `floor + multiplier x` the time
 the cost model predicts from the bytes each member moves and its measured bandwidth, and a
@@ -15,7 +18,8 @@ wait for one peer `floor + multiplier x` one chunk at the slowest member's bandw
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+import struct
+from collections.abc import Mapping, Sequence
 from typing import Annotated
 
 import msgspec
@@ -43,6 +47,20 @@ class Ticket(msgspec.Struct, frozen=True):
     weight: Annotated[float, msgspec.Meta(ge=0, le=1e15)]
     """Samples behind its contribution."""
     capabilities: Capabilities | None = None
+    declared_at: float = 0.0
+    """The collaboration's clock when it was declared: every reader leaves out the tickets
+    declared after the gathering closed (the declarer too), so late tickets split no views."""
+
+
+def view_digest(epoch: int, tickets: Sequence[Ticket]) -> bytes:
+    """What a Moshpit plan is made of: who averages (in peer-id order) with what weight."""
+    digest = hashlib.blake2b(b"peertrain/view/1", digest_size=16)
+    digest.update(str(epoch).encode())
+    for t in sorted(tickets, key=lambda t: t.peer_id):
+        name = t.peer_id.encode()
+        digest.update(len(name).to_bytes(4, "big") + name)
+        digest.update(struct.pack(">?d", t.computes, t.weight))
+    return digest.digest()
 
 
 class Joined(msgspec.Struct, frozen=True):
@@ -52,10 +70,12 @@ class Joined(msgspec.Struct, frozen=True):
     key: KeyAnnouncement
 
 
-def round_id_of(epoch: int, round_index: int, leader: str, members: Sequence[str]) -> bytes:
+def round_id_of(
+    epoch: int, round_index: int, leader: str, members: Sequence[str], view: bytes = b""
+) -> bytes:
     digest = hashlib.blake2b(digest_size=16)
     for part in (b"peertrain/round/1", str(epoch).encode(), str(round_index).encode(),
-                 leader.encode(), *(m.encode() for m in sorted(members))):  # fmt: skip
+                 leader.encode(), view, *(m.encode() for m in sorted(members))):  # fmt: skip
         digest.update(len(part).to_bytes(4, "big") + part)
     return digest.digest()
 
@@ -92,10 +112,16 @@ def build_spec(
     size: int,
     codec: str,
     chunk_elements: int,
+    seats: Mapping[str, tuple[int, float]] | None = None,
+    view: bytes = b"",
 ) -> RoundSpec:
+    """`seats`: each member's (block, weight) from the Moshpit plan; without them every member
+    stands for itself (a single group): its own weight, blocks in peer-id order."""
     ordered = sorted(joined, key=lambda j: j.ticket.peer_id)
     tickets = [j.ticket for j in ordered]
     shares = shares_for(tickets, size=size)
+    if seats is None:
+        seats = {t.peer_id: (i, t.weight if t.computes else 0.0) for i, t in enumerate(tickets)}
     members = tuple(
         Member(
             peer_id=t.peer_id,
@@ -103,18 +129,36 @@ def build_spec(
             port=t.data_port,
             computes=t.computes,
             share=share,
-            weight=t.weight if t.computes else 0.0,
+            weight=seats[t.peer_id][1],
             key=j.key,
+            block=seats[t.peer_id][0],
         )
         for j, t, share in zip(ordered, tickets, shares, strict=True)
     )
     return RoundSpec(
-        round_id=round_id_of(epoch, round_index, leader, [t.peer_id for t in tickets]),
+        round_id=round_id_of(epoch, round_index, leader, [t.peer_id for t in tickets], view),
         members=members,
         size=size,
         codec=codec,
         chunk_elements=chunk_elements,
+        view=view,
     )
+
+
+def longest_round(
+    size: int,
+    bandwidth: Sequence[float],
+    *,
+    wire_bytes_per_element: float,
+    floor: float,
+    multiplier: float,
+) -> float:
+    """A bound on any group's round deadline in one averaging: each member moves about twice
+    the vector (`round_timeouts` with equal shares), the slowest known member sets the pace."""
+    known = [b for b in bandwidth if b > 0]
+    if not known:
+        return floor
+    return floor + multiplier * 2 * size * wire_bytes_per_element / min(known)
 
 
 def round_timeouts(

@@ -3,15 +3,22 @@
 1. **Gather.** Every peer stores its `Ticket` under the DHT key of the averaging epoch (the key
    names the collaboration, the model fingerprint and the epoch, so incompatible models never
    meet), waits for the gathering to close, then reads every ticket afresh: its *view*.
-2. **Group.** From its view each peer computes its Moshpit group for the round (`moshpit.py`).
+2. **Group.** From its view each peer computes the Moshpit plan and its group in the round
+   (`moshpit.py`); the averager hands `form_group` the group and, when the plan takes more
+   than one round, every member's *seat* (block and weight).
 3. **Leader.** The group's leader is its lowest peer id that answers. Each member calls
    `join` on the members below it, lowest first (after a quick `alive` check, so a dead
    candidate costs a quarter of `join_timeout`, not a join's long wait), and leads only if none
-   of them answers (or it is the lowest). A leader waits until every member of its view joined, or `join_timeout`,
-   then answers every joiner with the same `Begin{spec}`: the members that actually joined,
-   so a dead or partitioned peer is out before the all-reduce starts, and a member missing
-   from the leader's view but joining anyway is in. Fewer than `min_group_size` members:
-   `TooFew`, a clear error for all of them.
+   of them answers (or it is the lowest). A leader waits until every member of its group
+   joined, or its patience runs out, then answers every joiner with the same outcome:
+   - a single group (the plan has one round): `Begin{spec}` with the members that actually
+     joined, so a dead or partitioned peer is out before the all-reduce starts and a member
+     missing from the leader's view but joining anyway is in; fewer than `min_group_size`:
+     `TooFew`.
+   - a planned round of several: `Begin{spec}` only if every planned member joined, from the
+     same view (`Join.view`), still holding the exact value the plan expects (`Join.exact`);
+     else `Inexact{reason}` at once, and nobody of the group applies this averaging (a round
+     with a member missing would leave its block out of some groups' averages but not others').
 
 Waits only ever go from higher peer ids to lower ones and every wait has a deadline, so
 concurrent matchmakers cannot deadlock. A join is accepted only from the peer it names (the
@@ -30,7 +37,6 @@ from libp2p.peer.id import ID
 
 from peer.averaging.allreduce import RoundSpec
 from peer.averaging.group import Joined, Ticket, build_spec
-from peer.averaging.moshpit import group_of
 from peer.dht.node import DHT
 from peer.dht.records import owner_key
 from peer.errors import DECODE_ERRORS, PeertrainError, RemoteError, RpcError
@@ -47,10 +53,19 @@ class TooFewPeers(PeertrainError):
     """A group had fewer members than the configured minimum: this round is skipped."""
 
 
+class NotExact(PeertrainError):
+    """A planned round cannot give the exact average (a member missing, another view, a member
+    already off the plan): nobody in the group applies this averaging."""
+
+
 class Join(msgspec.Struct, frozen=True):
     namespace: Annotated[str, msgspec.Meta(max_length=512)]
     round_index: Annotated[int, msgspec.Meta(ge=0, le=64)]
     joined: Joined
+    view: Annotated[bytes, msgspec.Meta(max_length=32)] = b""
+    """The digest of the tickets the joiner planned from (`group.view_digest`)."""
+    exact: bool = True
+    """Whether the joiner still holds the exact value the plan expects of it."""
 
 
 class Alive(msgspec.Struct, frozen=True):
@@ -70,14 +85,18 @@ class TooFew(msgspec.Struct, frozen=True, tag=True):
     needed: int
 
 
-JoinReply = Begin | Redirect | TooFew
+class Inexact(msgspec.Struct, frozen=True, tag=True):
+    reason: Annotated[str, msgspec.Meta(max_length=1024)]
+
+
+JoinReply = Begin | Redirect | TooFew | Inexact
 
 
 @dataclass
 class _Gathering:
     """One (namespace, round) as this peer sees it: who joined us, and what we decided."""
 
-    joined: dict[str, Joined] = field(default_factory=dict)
+    joined: dict[str, Join] = field(default_factory=dict)
     arrived: trio.Event = field(default_factory=trio.Event)
     outcome: JoinReply | None = None
     decided: trio.Event = field(default_factory=trio.Event)
@@ -95,6 +114,19 @@ class RoundShape:
     size: int
     codec: str
     chunk_elements: int
+    view: bytes = b""
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupPlan:
+    """Our group in one round, as our view's plan has it."""
+
+    members: tuple[str, ...]
+    """Peer ids, sorted."""
+    seats: dict[str, tuple[int, float]] | None = None
+    """Each member's (block, weight) when the plan takes several rounds; None in one group."""
+    patience: float = 0.0
+    """Seconds beyond `join_timeout` a leader waits for its members (still in the last round)."""
 
 
 class Matchmaker:
@@ -112,7 +144,9 @@ class Matchmaker:
         self.min_group_size = min_group_size
         self.join_timeout = join_timeout
         self._gatherings: dict[tuple[str, int], _Gathering] = {}
-        self._namespaces: set[str] = set()  # the gatherings we declared in: joins are for these
+        # The gatherings we declared in (joins are for these), with how long a joiner may
+        # wait for our decision beyond 2 join_timeouts (members may still be in a round).
+        self._namespaces: dict[str, float] = {}
         server = RpcServer(dht.node.host, SERVICE, max_message_bytes=dht.node.rpc.max_message_bytes)
         server.add_unary("join", Join, self._on_join)
         server.add_unary("alive", Alive, self._on_alive)
@@ -122,10 +156,16 @@ class Matchmaker:
     async def declare(self, namespace: str, ticket: Ticket, *, expiration: float) -> None:
         if ticket.peer_id != self.me:
             raise ValueError("a peer declares its own ticket only")
-        self._namespaces.add(namespace)
+        self._namespaces[namespace] = 0.0
         await self.dht.store(
             namespace, self.me, msgspec.msgpack.encode(ticket), expiration=expiration
         )
+
+    def expect_rounds(self, namespace: str, patience: float) -> None:
+        """Our averaging in `namespace` takes several rounds of up to `patience` seconds: a
+        member of a later round may join us that much later."""
+        if namespace in self._namespaces:
+            self._namespaces[namespace] = patience
 
     async def read_tickets(self, namespace: str) -> list[Ticket]:
         """Every owner-signed ticket under `namespace` that names its own signer."""
@@ -144,32 +184,43 @@ class Matchmaker:
     # ------------------------------------------------------------------ form a group
 
     async def form_group(
-        self, namespace: str, round_index: int, view: list[Ticket], me: Joined, shape: RoundShape
+        self,
+        namespace: str,
+        round_index: int,
+        group: GroupPlan,
+        view: list[Ticket],
+        me: Joined,
+        shape: RoundShape,
+        *,
+        exact: bool = True,
     ) -> RoundSpec:
-        """This round's spec for our group; raises TooFewPeers if it is too small.
+        """This round's spec for our group. Raises TooFewPeers (a single group too small) or
+        NotExact (a planned round that cannot be exact; `exact=False`: we already are not).
 
         `view` are the tickets we read (ours included); `me` our ticket and round key.
         """
-        ids = sorted({t.peer_id for t in view} | {self.me})
-        group = group_of(ids, self.me, group_size=self.group_size, round_index=round_index)
         tickets = {t.peer_id: t for t in view}
         gathering = self._gathering(namespace, round_index)
-        gathering.joined[self.me] = me
+        request = Join(namespace, round_index, me, shape.view, exact)
+        gathering.joined[self.me] = request
         gathering.arrived.set()
-        for candidate in group:
+        for candidate in group.members:
             if candidate == self.me:
-                return await self._lead(gathering, set(group), namespace, round_index, shape)
-            reply = await self._join(candidate, tickets.get(candidate), namespace, round_index, me)
+                return await self._lead(gathering, group, round_index, shape)
+            reply = await self._join(candidate, tickets.get(candidate), request, group.patience)
             if isinstance(reply, Begin):
                 gathering.decide(Redirect(f"{self.me} joined {candidate}'s group"))
                 return reply.spec
             if isinstance(reply, TooFew):
                 gathering.decide(reply)
                 raise TooFewPeers(_too_few(reply))
+            if isinstance(reply, Inexact):
+                gathering.decide(reply)
+                raise NotExact(reply.reason)
         raise AssertionError("unreachable: we are in our own group")
 
     async def _join(
-        self, leader: str, ticket: Ticket | None, namespace: str, round_index: int, me: Joined
+        self, leader: str, ticket: Ticket | None, request: Join, patience: float
     ) -> JoinReply | None:
         """Ask `leader` to take us; None if it cannot (dead, partitioned, redirecting)."""
         try:
@@ -185,9 +236,10 @@ class Matchmaker:
                 peer_id,
                 SERVICE,
                 "join",
-                Join(namespace, round_index, me),
+                request,
                 JoinReply,
-                timeout=3 * self.join_timeout,  # its own leader search + gathering + slack
+                # its own leader search + gathering (+ members still in the last round) + slack
+                timeout=3 * self.join_timeout + patience,
             )
         except (RemoteError, ValueError) as error:
             log.debug("candidate leader %s did not take us: %s", leader, error)
@@ -197,22 +249,28 @@ class Matchmaker:
         return None if isinstance(reply, Redirect) else reply
 
     async def _lead(
-        self,
-        gathering: _Gathering,
-        expected: set[str],
-        namespace: str,
-        round_index: int,
-        shape: RoundShape,
+        self, gathering: _Gathering, group: GroupPlan, round_index: int, shape: RoundShape
     ) -> RoundSpec:
-        with trio.move_on_after(self.join_timeout):
+        expected = set(group.members)
+        planned = group.seats is not None
+        with trio.move_on_after(self.join_timeout + group.patience):
             while not expected <= set(gathering.joined):
+                if planned and _off_plan(gathering, expected, shape.view):
+                    break  # no need to wait: this round cannot be exact
                 gathering.arrived = trio.Event()
                 await gathering.arrived.wait()
-        members = list(gathering.joined.values())
-        if len(members) < self.min_group_size:
-            outcome = TooFew(len(members), self.min_group_size)
-            gathering.decide(outcome)
-            raise TooFewPeers(_too_few(outcome))
+        if planned:
+            problem = _off_plan(gathering, expected, shape.view) or _missing(expected, gathering)
+            if problem:
+                gathering.decide(Inexact(problem))
+                raise NotExact(problem)
+            members = [gathering.joined[p].joined for p in group.members]
+        else:
+            members = [join.joined for join in gathering.joined.values()]
+            if len(members) < self.min_group_size:
+                outcome = TooFew(len(members), self.min_group_size)
+                gathering.decide(outcome)
+                raise TooFewPeers(_too_few(outcome))
         spec = build_spec(
             members,
             epoch=shape.epoch,
@@ -221,6 +279,8 @@ class Matchmaker:
             size=shape.size,
             codec=shape.codec,
             chunk_elements=shape.chunk_elements,
+            seats=group.seats,
+            view=shape.view,
         )
         gathering.decide(Begin(spec))
         return spec
@@ -239,17 +299,18 @@ class Matchmaker:
         who = caller.to_base58()
         if request.joined.ticket.peer_id != who or request.joined.key.peer_id != who:
             raise RpcError("forbidden", "a peer may only join as itself")
-        if request.namespace not in self._namespaces:
+        patience = self._namespaces.get(request.namespace)
+        if patience is None:
             return Redirect("not gathering for that epoch")
         gathering = self._gathering(request.namespace, request.round_index)
         if gathering.decided.is_set():
             return gathering.outcome or Redirect("decided")
         if len(gathering.joined) >= MAX_JOINERS:
             raise RpcError("unavailable", f"more than {MAX_JOINERS} peers joined this gathering")
-        gathering.joined[who] = request.joined
+        gathering.joined[who] = request
         gathering.arrived.set()
         try:
-            with trio.move_on_after(2 * self.join_timeout):
+            with trio.move_on_after(2 * self.join_timeout + patience):
                 await gathering.decided.wait()
         finally:
             if not gathering.decided.is_set():  # it gave up (or hung up): not in the group
@@ -258,9 +319,29 @@ class Matchmaker:
 
     def forget(self, namespace: str) -> None:
         """Drop the gatherings of a finished averaging call."""
-        self._namespaces.discard(namespace)
+        self._namespaces.pop(namespace, None)
         for key in [k for k in self._gatherings if k[0] == namespace]:
             del self._gatherings[key]
+
+
+def _off_plan(gathering: _Gathering, expected: set[str], view: bytes) -> str | None:
+    """Why a planned member that joined (or we) cannot take part in an exact round, or None.
+    (Joiners outside the plan are simply not in the spec: a stray join changes nothing.)"""
+    for who, join in sorted(gathering.joined.items()):
+        if who not in expected:
+            continue
+        if join.view != view:
+            return f"{who} planned from another view of the tickets (a ticket seen late)"
+        if not join.exact:
+            return f"{who} no longer holds the exact value of its block (an earlier round failed)"
+    return None
+
+
+def _missing(expected: set[str], gathering: _Gathering) -> str | None:
+    missing = sorted(expected - set(gathering.joined))
+    if not missing:
+        return None
+    return f"{len(missing)} planned member(s) did not join: {', '.join(missing[:3])}"
 
 
 def _too_few(reply: TooFew) -> str:

@@ -1,10 +1,16 @@
 """The arithmetic of one butterfly round, pure: reducing a part, and assembling the result.
 
 A reducer owns one part of the flat vector. `PartReducer` adds each sender's chunks, weighted,
-into one float32 sum as they arrive (nothing is buffered per sender), and counts per chunk the
-weight and the senders that made it. A sender that fails is dropped: the chunks it already
-delivered keep its contribution, the rest are averaged without it (each chunk is normalised by
-its own total weight). A chunk that fails validation is never added, and its sender is dropped.
+into one float32 sum and counts per chunk the weight and the senders that made it. It adds the
+contributions of a chunk in a fixed order (`order`: by the block each sender's value stands
+for, `moshpit.py`), not as they arrive: float addition is not associative, and the groups of
+a Moshpit round that hold the same blocks must compute bit-identical averages. A chunk that
+arrives before its turn waits (`queued`; the shell stops reading from a sender that is far
+ahead, so this stays a few chunks per sender). Senders of weight 0 (a member that only needs
+the average) are checked and counted but add nothing. A sender that fails is dropped: the
+chunks it already delivered keep its contribution, the rest are averaged without it (each
+chunk is normalised by its own total weight; the round is then incomplete, and its result is
+not applied). A chunk that fails validation is never added, and its sender is dropped.
 
 With a `norm_factor` the reducer is robust instead (`peer.averaging.robust`): it keeps every
 sender's chunks (memory: senders x part) and averages each complete chunk with CenteredClip.
@@ -16,7 +22,7 @@ averaged over how many senders.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,11 +51,17 @@ class PartReducer:
         *,
         chunk_elements: int,
         weights: Mapping[str, float],
+        order: Sequence[str] | None = None,
         norm_factor: float | None = None,
     ) -> None:
+        """`weights`: every sender's weight; `order`: the senders in the order their
+        contributions are added (default: sorted)."""
         for sender, weight in weights.items():
             if not (np.isfinite(weight) and weight >= 0):
                 raise ValueError(f"weight of {sender} is {weight!r}; expected a number >= 0")
+        order = sorted(weights) if order is None else list(order)
+        if sorted(order) != sorted(weights):
+            raise ValueError("the order must list every sender exactly once")
         self.start, self.end = start, end
         self.chunks = chunk_ranges(0, end - start, chunk_elements)
         self.weights = dict(weights)
@@ -59,6 +71,10 @@ class PartReducer:
         self.pending = {sender: set(range(len(self.chunks))) for sender in weights}
         self.dropped: dict[str, str] = {}
         self.taken: set[int] = set()  # chunks already averaged (or given up)
+        self.order = [sender for sender in order if weights[sender] > 0]
+        self.turn = [0] * len(self.chunks)  # per chunk: the position in `order` to add next
+        self.early: list[dict[str, np.ndarray]] = [{} for _ in self.chunks]  # before their turn
+        self.queued: dict[str, int] = dict.fromkeys(weights, 0)  # chunks waiting, per sender
         self.norm_factor = norm_factor
         # Robust mode: every sender's values of each chunk, until the chunk is averaged.
         self.kept: list[dict[str, np.ndarray]] | None = (
@@ -87,19 +103,42 @@ class PartReducer:
         if not np.isfinite(values).all():
             raise BadPart(f"chunk {index} from {sender} holds NaN or Inf")
         weight = self.weights[sender]
-        if self.kept is not None:
-            self.kept[index][sender] = values.copy()
-        elif weight > 0:
-            with np.errstate(over="ignore"):  # an overflowing chunk is caught when averaged
-                self.sum[lo:hi] += values if weight == 1.0 else values * np.float32(weight)
         self.chunk_weight[index] += weight
         self.chunk_senders[index] += 1
         pending.discard(index)
+        if weight > 0:
+            self.early[index][sender] = values
+            self.queued[sender] += 1
+            self._advance(index)
+
+    def _advance(self, index: int) -> None:
+        """Add chunk `index`'s contributions whose turn has come, in `order`."""
+        early, turn = self.early[index], self.turn[index]
+        while turn < len(self.order):
+            sender = self.order[turn]
+            if sender in early:
+                self.queued[sender] -= 1
+                self._add(index, sender, early.pop(sender))
+            elif sender not in self.dropped:
+                break  # still owed: later contributions wait for it
+            turn += 1
+        self.turn[index] = turn
+
+    def _add(self, index: int, sender: str, values: np.ndarray) -> None:
+        if self.kept is not None:
+            self.kept[index][sender] = values.copy()
+            return
+        lo, hi = self.chunks[index]
+        weight = self.weights[sender]
+        with np.errstate(over="ignore"):  # an overflowing chunk is caught when averaged
+            self.sum[lo:hi] += values if weight == 1.0 else values * np.float32(weight)
 
     def drop(self, sender: str, reason: str) -> None:
         """Stop waiting for `sender`: what it delivered stays, the rest goes on without it."""
         if sender in self.pending and sender not in self.dropped:
             self.dropped[sender] = reason
+            for index in range(len(self.chunks)):
+                self._advance(index)
 
     @property
     def done(self) -> bool:
@@ -115,6 +154,7 @@ class PartReducer:
         """Chunks that no sender still in the round owes, each returned once."""
         owed = set().union(*(p for s, p in self.pending.items() if s not in self.dropped))
         ready = [i for i in range(len(self.chunks)) if i not in owed and i not in self.taken]
+        assert not any(self.early[i] for i in ready), "a complete chunk has nothing waiting"
         self.taken.update(ready)
         return ready
 
@@ -130,7 +170,7 @@ class PartReducer:
             assert self.norm_factor is not None
             self.sum[lo:hi] = robust_average(
                 list(kept.values()), [self.weights[s] for s in kept], norm_factor=self.norm_factor
-            )
+            )  # `kept` holds them in `order`: the same input everywhere
         else:
             with np.errstate(over="ignore", invalid="ignore"):
                 self.sum[lo:hi] /= np.float32(total)

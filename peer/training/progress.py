@@ -10,7 +10,8 @@ Every peer reads the same records and applies the same rules:
 - the global step is the highest step any live record reports (`global_step`);
 - a step is called when the samples accumulated at it, projected over the gathering window,
   reach the target batch; the earliest `gather_until` among the calls for a step wins, so two
-  peers that call at nearly the same moment still average together;
+  peers that call at nearly the same moment still average together; a peer stops computing
+  once the samples it projects for the collaboration fill the batch, and says so (`holding`);
 - the parameters of a step are those of the most common digest at it (ties: smallest digest),
   and a peer holding another digest downloads the state instead of training on;
 - a peer steps with its own samples alone only when nobody is left to average with
@@ -67,6 +68,9 @@ class ProgressRecord(msgspec.Struct, frozen=True):
     """Bytes this peer sent and received averaging its last step."""
     downloading: bool = False
     """Fetching another state: its step and digest are about to change."""
+    holding: bool = False
+    """Its part of the next step is done (dedloc: the collaboration has the target batch as it
+    projects it; diloco: its inner steps): `samples` stays as it is until it averages."""
 
     def problem(self) -> str | None:
         """Why the record is unusable (non-finite numbers), or None."""
@@ -135,6 +139,21 @@ class CollaborationView:
 
     def throughput(self, step: int) -> float:
         return sum(r.samples_per_second for r in self.trainers(step))
+
+    def computing_throughput(self, step: int) -> float:
+        """Samples/s of the peers at `step` still computing toward step + 1 (not holding)."""
+        return sum(r.samples_per_second for r in self.trainers(step) if not r.holding)
+
+    def projected_samples(self, step: int, *, now: float, horizon: float) -> float:
+        """Samples toward step + 1 by the peers at `step` as of `now`: each record's count plus
+        its rate over the time since it was published (at most `horizon`: a silent peer is not
+        projected on and on), except where the count is final (`holding`, `downloading`)."""
+        total = 0.0
+        for r in self.trainers(step):
+            total += r.samples
+            if not (r.holding or r.downloading):
+                total += r.samples_per_second * min(max(0.0, now - r.updated_at), horizon)
+        return total
 
     def eta(self, step: int, target_batch: int) -> float:
         """Seconds until the peers at `step` accumulate `target_batch` (inf when idle)."""
@@ -217,7 +236,17 @@ def company(
     ]
 
 
-def should_call(view: CollaborationView, step: int, *, target_batch: int, window: float) -> bool:
-    """DeDLOC: call `step` once its samples, projected over the gathering window, reach the
-    target batch (the window is spent computing, so the batch comes out close to the target)."""
-    return view.samples(step) + view.throughput(step) * window >= target_batch
+def should_call(
+    view: CollaborationView,
+    step: int,
+    *,
+    target_batch: int,
+    window: float,
+    now: float,
+    horizon: float,
+) -> bool:
+    """DeDLOC: call `step` once its samples, projected to the end of the gathering window,
+    reach the target batch (the window is spent computing; each peer then stops where the
+    projection says the batch is full, `Trainer._batch_is_full`)."""
+    projected = view.projected_samples(step, now=now, horizon=horizon)
+    return projected + view.computing_throughput(step) * window >= target_batch

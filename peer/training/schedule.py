@@ -1,8 +1,10 @@
-"""The task's learning-rate scheduler, if it has one: stepped once per global step, so every peer
-holds the same learning rate at the same step, and carried in the training state.
+"""The task's learning-rate scheduler, if it has one: stepped with every step of the optimizer it
+drives, so every peer holds the same learning rate at the same global step, and carried in the
+training state.
 
 A task opts in with `make_scheduler(optimizer) -> torch.optim.lr_scheduler.LRScheduler | None`
-(DeDLOC: on the optimizer; DiLoCo: on the inner optimizer). A scheduler's state arrives from
+(DeDLOC: on the optimizer, one step per global step; DiLoCo: on the inner optimizer, one step
+per inner step, H per outer step on every peer). A scheduler's state arrives from
 other peers as JSON: it is loaded only if it has exactly the structure of ours (same keys, same
 kinds of values, same list lengths), because `load_state_dict` writes whatever it is given into
 the scheduler's attributes.

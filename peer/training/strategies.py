@@ -54,7 +54,8 @@ class Strategy(Protocol):
     samples: int
     """Samples of local work not yet taken."""
     schedule: Schedule
-    """The task's learning-rate scheduler (if any), stepped by `apply`."""
+    """The task's learning-rate scheduler (if any): LargeBatch steps it in `apply` (once per
+    global step), LocalSGD in `accumulate` (once per inner step)."""
 
     def optimizers(self) -> dict[str, torch.optim.Optimizer]: ...
     def accumulate(self, batch: Any, size: int) -> float: ...
@@ -127,7 +128,9 @@ class LocalSGD:
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.inner = task.make_optimizer(self.params)
-        self.schedule = Schedule(task, self.inner)  # the inner learning rate, per outer step
+        # The inner learning rate, stepped with every inner step (as in the DiLoCo paper):
+        # every peer takes exactly H of them per outer step, so all hold the same schedule.
+        self.schedule = Schedule(task, self.inner)
         # The shared parameters as of the last outer step; the outer optimizer moves these.
         self.anchor = [p.detach().clone() for p in self.params]
         # Nesterov needs momentum; outer_momentum = 0 is plain averaging (lr 1) or SGD on it.
@@ -145,6 +148,7 @@ class LocalSGD:
         self.inner.zero_grad(set_to_none=True)
         loss.backward()
         self.inner.step()
+        self.schedule.step()
         self.samples += size
         return float(loss.detach())
 
@@ -161,7 +165,6 @@ class LocalSGD:
         for a, grad in _pieces(average, self.anchor):
             a.grad = grad
         self.outer.step()
-        self.schedule.step()
         with torch.no_grad():
             for a, p in zip(self.anchor, self.params, strict=True):
                 a.grad = None

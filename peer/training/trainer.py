@@ -19,6 +19,7 @@ between two micro-batches.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import math
 import time
@@ -100,6 +101,8 @@ class TrainerStatus:
     first_step: tuple[float, float] | None = None
     ended_at: float | None = None
     """When the last step was reached (before settling with the others)."""
+    global_batches: deque[float] = field(default_factory=lambda: deque(maxlen=1024))
+    """The samples behind each step this peer applied (its averaging's total weight)."""
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
@@ -108,6 +111,14 @@ def to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, tuple | list):
         return type(batch)(to_device(item, device) for item in batch)
     return batch
+
+
+def data_seed(seed: int, peer_id: str) -> int:
+    """The seed of a peer's micro-batches: `training.seed` mixed with its peer id, so that every
+    peer draws its own samples whatever the seed (before, a non-zero seed gave every peer the
+    same micro-batches: 10 of 10 compared were identical)."""
+    digest = hashlib.blake2b(f"peertrain/data/{seed}/{peer_id}".encode(), digest_size=8)
+    return int.from_bytes(digest.digest(), "big") >> 1  # torch takes up to 2^63 - 1
 
 
 def task_batches(task: Task, micro_batch: int, seed: int) -> Iterator[tuple[Any, int]]:
@@ -157,8 +168,9 @@ class Trainer:
         self.fingerprint = fingerprint(
             [(name, tuple(t.shape), str(t.dtype)) for name, t in model.named_parameters()]
         )
-        seed = self.training.seed or int.from_bytes(self.me.encode()[-8:], "big")
-        samples = task_batches(task, config.task.micro_batch, seed)
+        samples = task_batches(
+            task, config.task.micro_batch, data_seed(self.training.seed, self.me)
+        )
         self.next_batch: BatchSource = batches or (lambda: next(samples))
         self.status = TrainerStatus()
         self.step = 0
@@ -177,6 +189,8 @@ class Trainer:
         self._store_seconds = 0.0  # moving average of how long our progress store takes
         self._download_failures = 0  # in a row
         self._downloading = False
+        self._holding = False  # our part of the next step is done: we compute no more for it
+        self._ready_since: float | None = None  # (monotonic) when the step could first be called
         self._pending: trio.Event | None = None  # delayed averaging in flight
         self._pending_result: tuple[np.ndarray, int, AveragingResult, float] | None = None
         self._validate_due = False
@@ -221,6 +235,7 @@ class Trainer:
         states.restore(state, self.model, self.strategy.optimizers())
         self.strategy.schedule.load(state.scheduler_state)
         self.strategy.drop_local_work()
+        self._holding = False
         self.step = state.step
         self._capture()
 
@@ -249,6 +264,7 @@ class Trainer:
             recent_validation=list(self._recent_validation),
             step_bytes=self._step_bytes,
             downloading=self._downloading,
+            holding=self._holding,
         )
 
     def view(self) -> CollaborationView:
@@ -435,10 +451,19 @@ class Trainer:
             return
         call = self._current_call(view)
         if call is None and self._pending is None and self._ready(view):
+            if self._ready_since is None:
+                self._ready_since = time.monotonic()
+        else:
+            self._ready_since = None
+        if self._may_call(view):
             self._call = (self.step, self.clock() + self._gather_window())
             self._publish_now.set()
             call = self._call[1]
             log.info("calling step %d: averaging at +%.1fs", self.step + 1, call - self.clock())
+        full = self._pending is None and self._batch_is_full(view)
+        if full != self._holding:
+            self._holding = full
+            self._publish_now.set()  # the others' projections take our count as final
         if call is not None and self._pending is None:
             now, margin = self.clock(), self._declare_margin()
             if now > call - margin / 2:
@@ -447,14 +472,19 @@ class Trainer:
                 log.info("missed the gathering of step %d; joining the next", self.step + 1)
                 self._failed_before = call
             elif now + self._batch_seconds >= call - margin:
-                await self._average(call, nursery)
+                if not await self._earlier_call_appeared(call, margin):
+                    await self._average(call, nursery)
                 return
-            elif self._batch_is_full(view):
-                # Enough samples for this step: wait for the gathering rather than overshoot.
-                # (Declaring early would pin us to this call before a possibly earlier one
-                # that a simultaneous caller made becomes visible.)
+            elif full:
+                # Our part is done: wait for the gathering rather than overshoot. (Declaring
+                # early would pin us to this call before a possibly earlier one that a
+                # simultaneous caller made becomes visible.)
                 await trio.sleep(min(call - margin - now, self.training.progress_interval))
                 return
+        if full:  # done, and the step not called yet: wait for the call (ours or another's)
+            with trio.move_on_after(self.training.progress_interval / 2):
+                await self._view_changed.wait()
+            return
         await self._compute()
 
     def _left_behind(self) -> bool:
@@ -464,10 +494,46 @@ class Trainer:
         return bool(last) and self.step < last <= self._highest_seen and self._on_our_own()
 
     def _batch_is_full(self, view: CollaborationView) -> bool:
-        return (
-            self.training.mode == "dedloc"
-            and view.samples(self.step) >= self.config.task.target_batch
+        """Our part of the next step is done. diloco: our `inner_steps` (each peer takes
+        exactly H). dedloc: our share of the target batch (`_share`), or the samples of the
+        collaboration as we project them (ours exactly), is within half a micro-batch of it,
+        so one more would overshoot by more than it would fall short. The share bounds the
+        batch whatever the records' staleness (each peer adds at most its share and half a
+        micro-batch); the projection stops us early where others did more than their share."""
+        micro_batch = self.config.task.micro_batch
+        if self.training.mode == "diloco":
+            return self.strategy.samples >= self.training.inner_steps * micro_batch
+        target = self.config.task.target_batch
+        if self.strategy.samples >= self._share(view) - micro_batch / 2:
+            return True
+        projected = view.projected_samples(
+            self.step, now=self.clock(), horizon=self._projection_horizon()
         )
+        return projected >= target - micro_batch / 2
+
+    def _share(self, view: CollaborationView) -> float:
+        """Our share of the target batch: in proportion to our samples/s among the trainers
+        about to take the step (at our step, or one behind and not downloading: just stepped
+        records lag); equal shares while anyone's speed is unknown."""
+        others = [r for r in self._step_company(view) if r.peer_id != self.me]
+        rates = [r.samples_per_second for r in others]
+        target = self.config.task.target_batch
+        if self._rate_ema <= 0 or not all(rate > 0 for rate in rates):
+            return target / (len(others) + 1)
+        return target * self._rate_ema / (self._rate_ema + sum(rates))
+
+    def _step_company(self, view: CollaborationView) -> list[ProgressRecord]:
+        """The trainers about to take our next step with us: at our step, or one behind (a
+        record published just before its step), not downloading."""
+        return [
+            r
+            for r in view.records
+            if r.role == "trainer" and r.step in (self.step, self.step - 1) and not r.downloading
+        ]
+
+    def _projection_horizon(self) -> float:
+        """How far a peer's count is projected past its record: about one publication."""
+        return 2 * self.training.progress_interval
 
     def _current_call(self, view: CollaborationView) -> float | None:
         # Not the call we missed: with it still earliest in view, a peer that missed it would
@@ -475,14 +541,87 @@ class Trainer:
         return view.call(self.step, after=self._failed_before)
 
     def _ready(self, view: CollaborationView) -> bool:
-        if self.training.mode == "diloco":
-            return self.strategy.samples >= self.training.inner_steps * self.config.task.micro_batch
-        return should_call(
+        if self.training.mode == "diloco":  # a barrier: everyone at our step did its H steps
+            return self._batch_is_full(view) and all(
+                r.holding for r in view.trainers(self.step) if r.peer_id != self.me
+            )
+        return self._batch_is_full(view) or should_call(
             view,
             self.step,
             target_batch=self.config.task.target_batch,
             window=self._gather_window(),
+            now=self.clock(),
+            horizon=self._projection_horizon(),
         )
+
+    def _may_call(self, view: CollaborationView) -> bool:
+        """Whether we call the step now. One caller, so that two calls of a step made at
+        nearly the same moment do not split it (each call's peers averaging apart, one part
+        downloading the other's state: 8 peers in one process split 5-3 that way): the trainer
+        at our step with the lowest peer id calls; another only if no call came for a while
+        after it was ready (the lowest may be gone)."""
+        if self._ready_since is None or self._others_still_averaging(view):
+            return False
+        lowest = min((r.peer_id for r in self._step_company(view)), default=self.me)
+        waited = time.monotonic() - self._ready_since
+        return self.me <= lowest or waited >= 2 * self.training.progress_interval + (
+            4 * self._store_seconds
+        )
+
+    async def _earlier_call_appeared(self, call: float, margin: float) -> bool:
+        """Read the progress records once more before declaring for `call`: a call of the step
+        that gathers earlier wins, and declaring in ours would leave us out of it."""
+        with trio.move_on_after(margin / 4), contextlib.suppress(RemoteError):
+            entries = await self.dht.get(progress_key(self.config.collaboration.name))
+            self._note_view(CollaborationView(decode_progress(entries)))
+        earliest = self._current_call(self.view())
+        return earliest is not None and earliest < call
+
+    def _majority(self, result: AveragingResult) -> bool:
+        """Whether the peers behind `result` are more than half of the trainers at this step
+        (or one step around it: a record lags its peer's step). Two groups that averaged the
+        same step apart (a call seen too late by some) cannot both hold a majority, so at most
+        one of them steps; without this both did, and the smaller downloaded the other's state
+        and lost its samples. (A peer killed without withdrawing its record counts until the
+        record expires.)"""
+        around = [
+            r
+            for r in self.status.view.records
+            if r.role == "trainer"
+            and abs(r.step - self.step) <= 1
+            and not r.downloading
+            and r.peer_id != self.me
+        ]
+        if 2 * result.members > len(around) + 1:
+            return True
+        result.skipped.append(
+            f"it holds {result.members} of the {len(around) + 1} trainers at this step, not a "
+            "majority: another group may step without us"
+        )
+        return False
+
+    def _others_still_averaging(self, view: CollaborationView) -> bool:
+        """After an averaging that failed (or that we missed), others at our step may still be
+        in it, waiting out a dead member: a call of ours now would close before they are free,
+        they would miss it, and the step would split (each part stepping with fewer peers, the
+        rest downloading). Wait until they are done (their record shows no call at or before
+        it), at most as long as an averaging may take."""
+        if self._failed_before == -math.inf:
+            return False
+        now, longest = self.clock(), self._longest_averaging()
+        return any(
+            r.call_step == self.step
+            and r.gather_until <= self._failed_before
+            and now - r.gather_until < longest
+            for r in view.trainers(self.step)
+            if r.peer_id != self.me
+        )
+
+    def _longest_averaging(self) -> float:
+        """A bound on an averaging's length after its gathering: its rounds' joins and
+        transfers (k rounds of them; a failed one ends sooner: its members learn it at once)."""
+        averaging = self.config.averaging
+        return 4 * averaging.join_timeout + 2 * averaging.timeout_floor
 
     def note_store_time(self, seconds: float) -> None:
         """How long a DHT store of ours took (the progress loop times each one)."""
@@ -537,6 +676,8 @@ class Trainer:
     async def _average(self, gather_until: float, nursery: trio.Nursery) -> None:
         vector, samples = self.strategy.take()
         step = self.step
+        self._call = (step, gather_until)  # our record shows the call we are in
+        self._publish_now.set()
         if self.training.delayed_updates and self.training.mode == "dedloc":
             done = self._pending = trio.Event()
 
@@ -564,16 +705,16 @@ class Trainer:
             gather_until,
             gather_until - self.clock(),
         )
+        uniform = self.training.mode == "diloco" and self.training.outer_weighting == "uniform"
         result = await self.averager.average(
             vector,
-            weight=float(samples),
+            weight=float(samples > 0) if uniform else float(samples),
             # Unique per call, shared by everyone who answers it: a retried step never meets
             # the tickets of an earlier, failed attempt.
             epoch=int(gather_until * 1000),
             fingerprint=self.fingerprint,
             gather_until=gather_until,
             capabilities=self.capabilities(),
-            computes=True,  # with 0 samples too: we need the average to take the step
         )
         self.status.last_step_seconds = time.monotonic() - started
         self.status.averaging_seconds += self.status.last_step_seconds
@@ -596,14 +737,14 @@ class Trainer:
         # our read of the tickets missed theirs (or we missed their gathering), and a step of
         # our own would part from theirs.
         alone = result.peers_seen == 1 and not result.rounds and self._on_our_own()
-        complete = alone or (bool(result.rounds) and all(r.complete for r in result.rounds))
-        # A group whose members all had 0 samples averages nothing (every chunk keeps its
-        # local zeros): an optimizer step on that would still move the weights (momentum,
-        # weight decay), so it is no step.
-        contributed = (
-            samples > 0 if alone else any(c.senders for r in result.rounds for c in r.chunks)
-        )
+        # Only the exact average of everyone in the plan is a step (`Averager`): then every
+        # peer that steps applies the same bits. `vector` is still our own contribution.
+        complete = alone or (result.average is not None and self._majority(result))
+        # Peers that all had 0 samples average nothing: an optimizer step on that would still
+        # move the weights (momentum, weight decay), so it is no step.
+        contributed = samples > 0 if alone else result.weight > 0
         self._call = None
+        self._publish_now.set()  # others wait for us to be done with this gathering
         if not complete or not contributed:
             self._failed_before = gather_until
             self.strategy.give_back(vector, samples)
@@ -630,7 +771,11 @@ class Trainer:
                 )
             return
         self._failed_in_a_row = 0
-        self.strategy.apply(vector)
+        average = vector if alone else result.average
+        assert average is not None  # complete
+        self.strategy.apply(average)
+        self.status.global_batches.append(float(samples) if alone else result.weight)
+        self._holding = False
         self.step += 1
         self.status.steps_applied += 1
         if self.status.first_step is None:
@@ -641,10 +786,11 @@ class Trainer:
             self._recent_losses.append(self._loss_ema)
         self._publish_now.set()
         log.info(
-            "step %d: %d peers, %d local samples, loss %.4f",
+            "step %d: %d peers, %d local samples of %d, loss %.4f",
             self.step,
             result.peers_seen,
             samples,
+            self.status.global_batches[-1],
             self._loss_ema or math.nan,
         )
         interval = self.training.validation_interval
