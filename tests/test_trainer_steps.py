@@ -442,28 +442,44 @@ def work(trainer: Trainer, micro_batches: int) -> None:
         trainer.strategy.accumulate(TinyTask().sample_batch(8, generator), 8)
 
 
-def test_a_dedloc_peer_stops_at_its_share_of_the_target_batch(tmp_path):
-    """Each peer computes its share (by speed) of the target and holds: the global batch is
-    the target, give or take a micro-batch per peer, however stale the records are (target
-    256 gave 160-704 before)."""
+def test_a_dedloc_peer_stops_at_its_quota_of_the_target_batch(tmp_path):
+    """Each peer computes its quota (by speed) of the target's micro-batches and holds: the
+    global batch is the target, give or take a micro-batch per peer, however stale the
+    records are (target 256 gave 160-704 before)."""
     trainer = dedloc_trainer(tmp_path, *(other(f"z{i}", samples_per_second=10.0) for i in range(3)))
-    assert trainer._share(trainer.view()) == 16  # 64 among four equally fast peers
+    assert trainer._quota(trainer.view()) == 2  # 8 micro-batches among four equally fast peers
     work(trainer, 1)
-    assert not trainer._batch_is_full(trainer.view())  # 8 < 16 - 4
+    assert not trainer._batch_is_full(trainer.view())
     work(trainer, 1)
-    assert trainer._batch_is_full(trainer.view()) and trainer.record().holding is False
-    # Three times faster than the others: three times their share.
+    assert trainer._batch_is_full(trainer.view())
+    # Three times faster than the others: 8 x 30/60 = 4 micro-batches.
     fast = dedloc_trainer(
         tmp_path / "fast", *(other(f"z{i}", samples_per_second=10.0) for i in range(3)), rate=30
     )
-    assert fast._share(fast.view()) == pytest.approx(64 * 30 / 60)
+    assert fast._quota(fast.view()) == 4
     # A peer at another step, or downloading, takes no part in this step.
     apart = dedloc_trainer(
         tmp_path / "apart",
         other("z1", samples_per_second=10.0, step=5),
         other("z2", samples_per_second=10.0, downloading=True),
     )
-    assert apart._share(apart.view()) == 64
+    assert apart._quota(apart.view()) == 8
+
+
+def test_the_quotas_of_every_peer_add_up_to_the_target(tmp_path):
+    """16 peers and a target of 8 micro-batches: half of them compute one, the others none
+    and only receive the average (a share of half a micro-batch each, rounded, made every peer
+    hold with nothing: 16 peers averaged zero samples again and again)."""
+    peers = [f"p{i:02d}" for i in range(16)]
+    rates = {peer: 10.0 + i for i, peer in enumerate(peers)}
+    quotas = []
+    for me in peers:
+        records = [other(p, samples_per_second=rates[p]) for p in peers if p != me]
+        trainer = dedloc_trainer(tmp_path / me, *records, rate=rates[me])
+        trainer.me = me
+        quotas.append(trainer._quota(trainer.view()))
+    assert sum(quotas) == 8 and set(quotas) == {0, 1}
+    assert quotas[-1] == 1  # the fastest gets one
 
 
 def test_a_dedloc_peer_stops_when_the_others_already_hold_the_batch(tmp_path):

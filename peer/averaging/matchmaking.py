@@ -204,10 +204,16 @@ class Matchmaker:
         request = Join(namespace, round_index, me, shape.view, exact)
         gathering.joined[self.me] = request
         gathering.arrived.set()
-        for candidate in group.members:
+        planned = group.seats is not None
+        # A planned round is exact only with every member, its lowest included: there is no
+        # one to pass over to (and passing over a slow one made two leaders of one group).
+        candidates = group.members[:1] if planned else group.members
+        for candidate in candidates:
             if candidate == self.me:
                 return await self._lead(gathering, group, round_index, shape)
-            reply = await self._join(candidate, tickets.get(candidate), request, group.patience)
+            reply = await self._join(
+                candidate, tickets.get(candidate), request, group.patience, quick_check=not planned
+            )
             if isinstance(reply, Begin):
                 gathering.decide(Redirect(f"{self.me} joined {candidate}'s group"))
                 return reply.spec
@@ -217,21 +223,32 @@ class Matchmaker:
             if isinstance(reply, Inexact):
                 gathering.decide(reply)
                 raise NotExact(reply.reason)
+        if planned:
+            reason = f"the group's leader {candidates[0]} did not take us"
+            gathering.decide(Inexact(reason))
+            raise NotExact(reason)
         raise AssertionError("unreachable: we are in our own group")
 
     async def _join(
-        self, leader: str, ticket: Ticket | None, request: Join, patience: float
+        self,
+        leader: str,
+        ticket: Ticket | None,
+        request: Join,
+        patience: float,
+        *,
+        quick_check: bool = True,
     ) -> JoinReply | None:
         """Ask `leader` to take us; None if it cannot (dead, partitioned, redirecting)."""
         try:
             peer_id = ID.from_base58(leader)
             if ticket is not None:
                 self.dht.node.remember_addrs(peer_id, parse_addrs(ticket.rpc_addrs))
-            # A quick check first: a dead candidate must not cost the long wait of a join,
-            # or the real leader would begin without us.
-            await self.dht.node.rpc.call(
-                peer_id, SERVICE, "alive", Alive(), Alive, timeout=self.join_timeout / 4
-            )
+            if quick_check:
+                # A dead candidate must not cost the long wait of a join, or the real leader
+                # would begin without us.
+                await self.dht.node.rpc.call(
+                    peer_id, SERVICE, "alive", Alive(), Alive, timeout=self.join_timeout / 4
+                )
             reply = await self.dht.node.rpc.call(
                 peer_id,
                 SERVICE,

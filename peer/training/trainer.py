@@ -450,8 +450,9 @@ class Trainer:
             await self._catch_up(donors, view)
             return
         call = self._current_call(view)
-        if call is None and self._pending is None and self._ready(view):
-            if self._ready_since is None:
+        free = call is None and self._pending is None and not self._others_still_averaging(view)
+        if free and self._ready(view):
+            if self._ready_since is None:  # the fallback caller's wait starts now
                 self._ready_since = time.monotonic()
         else:
             self._ready_since = None
@@ -471,18 +472,20 @@ class Trainer:
                 # catch up on the next (one that arrives mid-step waits for the next step).
                 log.info("missed the gathering of step %d; joining the next", self.step + 1)
                 self._failed_before = call
-            elif now + self._batch_seconds >= call - margin:
+            elif (full and now >= call - self._gather_window() / 2) or (
+                now + self._batch_seconds >= call - margin
+            ):
+                # Our part is done, half the window is left (time for an earlier call of the
+                # step to show: it wins, and a ticket in ours would pin us here), and our
+                # ticket lands well before the close; or the gathering is about to close.
                 if not await self._earlier_call_appeared(call, margin):
                     await self._average(call, nursery)
                 return
-            elif full:
-                # Our part is done: wait for the gathering rather than overshoot. (Declaring
-                # early would pin us to this call before a possibly earlier one that a
-                # simultaneous caller made becomes visible.)
-                await trio.sleep(min(call - margin - now, self.training.progress_interval))
-                return
-        if full:  # done, and the step not called yet: wait for the call (ours or another's)
-            with trio.move_on_after(self.training.progress_interval / 2):
+        if full:  # done: wait for the call, or for its time to declare
+            wait = self.training.progress_interval / 2
+            if call is not None:
+                wait = min(wait, max(0.0, call - self._gather_window() / 2 - self.clock()))
+            with trio.move_on_after(wait):
                 await self._view_changed.wait()
             return
         await self._compute()
@@ -495,32 +498,42 @@ class Trainer:
 
     def _batch_is_full(self, view: CollaborationView) -> bool:
         """Our part of the next step is done. diloco: our `inner_steps` (each peer takes
-        exactly H). dedloc: our share of the target batch (`_share`), or the samples of the
-        collaboration as we project them (ours exactly), is within half a micro-batch of it,
-        so one more would overshoot by more than it would fall short. The share bounds the
-        batch whatever the records' staleness (each peer adds at most its share and half a
-        micro-batch); the projection stops us early where others did more than their share."""
+        exactly H). dedloc: our quota of the target batch (`_quota`), or the samples of the
+        collaboration as we project them (ours exactly) are within half a micro-batch of the
+        target, so one more would overshoot by more than it would fall short. The quotas bound
+        the batch whatever the records' staleness; the projection stops us early where others
+        did more than their quota."""
         micro_batch = self.config.task.micro_batch
         if self.training.mode == "diloco":
             return self.strategy.samples >= self.training.inner_steps * micro_batch
-        target = self.config.task.target_batch
-        if self.strategy.samples >= self._share(view) - micro_batch / 2:
+        if self.strategy.samples >= self._quota(view) * micro_batch:
             return True
         projected = view.projected_samples(
             self.step, now=self.clock(), horizon=self._projection_horizon()
         )
-        return projected >= target - micro_batch / 2
+        return projected >= self.config.task.target_batch - micro_batch / 2
 
-    def _share(self, view: CollaborationView) -> float:
-        """Our share of the target batch: in proportion to our samples/s among the trainers
-        about to take the step (at our step, or one behind and not downloading: just stepped
-        records lag); equal shares while anyone's speed is unknown."""
-        others = [r for r in self._step_company(view) if r.peer_id != self.me]
-        rates = [r.samples_per_second for r in others]
-        target = self.config.task.target_batch
-        if self._rate_ema <= 0 or not all(rate > 0 for rate in rates):
-            return target / (len(others) + 1)
-        return target * self._rate_ema / (self._rate_ema + sum(rates))
+    def _quota(self, view: CollaborationView) -> int:
+        """Our micro-batches of the next step: the target's micro-batches dealt out among the
+        trainers about to take the step in proportion to their samples/s (equally while a
+        speed is unknown), by largest remainder, ties by peer id. Every peer with the same
+        view deals the same way, so the quotas add up to the target (to a micro-batch: peers
+        with other micro-batch sizes count in ours); with more peers than micro-batches some
+        get none and only receive the average."""
+        micro_batch = self.config.task.micro_batch
+        units = max(1, round(self.config.task.target_batch / micro_batch))
+        rates = {r.peer_id: r.samples_per_second for r in self._step_company(view)}
+        rates[self.me] = self._rate_ema
+        if not all(rate > 0 for rate in rates.values()):
+            rates = dict.fromkeys(rates, 1.0)
+        total = sum(rates.values())
+        exact = {peer: units * rate / total for peer, rate in rates.items()}
+        quota = {peer: int(share) for peer, share in exact.items()}
+        left = units - sum(quota.values())
+        by_remainder = sorted(exact, key=lambda peer: (quota[peer] - exact[peer], peer))
+        for peer in by_remainder[:left]:
+            quota[peer] += 1
+        return quota[self.me]
 
     def _step_company(self, view: CollaborationView) -> list[ProgressRecord]:
         """The trainers about to take our next step with us: at our step, or one behind (a
@@ -788,10 +801,18 @@ class Trainer:
         log.info(
             "step %d: %d peers, %d local samples of %d, loss %.4f",
             self.step,
-            result.peers_seen,
+            result.members if not alone else 1,
             samples,
             self.status.global_batches[-1],
             self._loss_ema or math.nan,
+            extra={
+                "applied": {
+                    "step": self.step,
+                    "peers": result.members if not alone else 1,
+                    "samples": samples,
+                    "global_batch": self.status.global_batches[-1],
+                }
+            },
         )
         interval = self.training.validation_interval
         self._validate_due = bool(interval) and self.step % interval == 0
