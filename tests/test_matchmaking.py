@@ -276,3 +276,107 @@ async def test_a_member_killed_mid_round_leaves_every_vector_whole_and_no_averag
         assert (vectors[i] == float(i)).all()
     first_group = [r for r in results.values() if any("incomplete" in x for x in r.skipped)]
     assert len(first_group) == 2  # the victim's two partners saw its round fail
+
+
+def test_a_members_own_check_of_the_leaders_spec():
+    """A leader cannot reweight a planned round, leave a member's value out (computes=False
+    made that member keep its own value and the others miss its block: three different
+    averages applied), list a member twice, or send shares that cannot cut the vector (NaN
+    shares crashed the trainer)."""
+    from peer.averaging.averager import _spec_problem
+    from peer.averaging.matchmaking import GroupPlan, RoundShape
+    from tests.test_group import joined, spec_of
+
+    members = [joined(weight=w) for w in (2.0, 3.0, 4.0)]
+    spec = spec_of(members, size=1000)
+    ids = [m.peer_id for m in spec.members]
+    me = ids[0]
+    shape = RoundShape(epoch=3, size=1000, codec="none", chunk_elements=100, view=spec.view)
+    planned = GroupPlan(
+        members=tuple(ids), seats={m.peer_id: (m.block, m.weight) for m in spec.members}
+    )
+    single = GroupPlan(members=tuple(ids))
+    assert _spec_problem(spec, shape, planned, me) is None
+    assert _spec_problem(spec, shape, single, me) is None
+
+    def tampered(index: int, **fields):
+        members = list(spec.members)
+        members[index] = dataclasses.replace(members[index], **fields)
+        return dataclasses.replace(spec, members=tuple(members))
+
+    assert "not our plan's" in _spec_problem(tampered(1, weight=30.0), shape, planned, me)
+    assert "leaves a member's value out" in _spec_problem(
+        tampered(2, computes=False), shape, planned, me
+    )
+    for bad in (float("nan"), -1.0, float("inf")):
+        assert "not finite" in _spec_problem(tampered(1, share=bad), shape, single, me)
+        assert "not finite" in _spec_problem(tampered(1, weight=bad), shape, single, me)
+    no_reducer = dataclasses.replace(
+        spec, members=tuple(dataclasses.replace(m, share=0.0) for m in spec.members)
+    )
+    assert "no reducer" in _spec_problem(no_reducer, shape, single, me)
+    twice = dataclasses.replace(spec, members=(*spec.members, spec.members[1]))
+    assert "twice" in _spec_problem(twice, shape, single, me)
+    assert "leaves us out" in _spec_problem(spec, shape, single, "someone else")
+
+
+async def test_a_member_gone_between_rounds_is_found_out_without_waiting_a_rounds_length():
+    """5 peers in groups of 4: peer 3 leaves after round 0. Its round-1 leader could wait for
+    it as long as a round may take (here the 300 s floor, or far longer where a ticket claims
+    a crawling link); it asks the missing member `alive` every join_timeout instead, and its
+    group refuses within seconds. The other group of round 1 holds every block: exact."""
+    config = AveragingConfig(group_size=4, join_timeout=2.0, timeout_floor=300.0)
+    async with averaging_swarm(5, config) as (s, averagers):
+        order = sorted(range(5), key=lambda i: averagers[i].me)
+        victim = order[3]
+        weights = [1.0, 2.0, 3.0, 4.0, 5.0]
+        vectors = [np.full(SIZE, float(i), np.float32) for i in range(5)]
+
+        def leave(i: int, round_index: int, values) -> None:
+            if i == victim and round_index == 0:
+                s.kill(s.dhts.index(averagers[victim].dht))
+
+        # (average_all gives up after 60 s: without the check this waits out the 300 s floor)
+        results = await average_all(averagers, vectors, weights=weights, on_round=leave)
+    exact = np.average([float(i) for i in range(5)], weights=weights)
+    for number in (1, 4):  # the group {1, 4}
+        np.testing.assert_allclose(results[order[number]].average, exact, rtol=1e-6)
+    for number in (0, 2):  # the group {0, 2, 3}
+        assert results[order[number]].average is None
+        assert "not answering" in " ".join(results[order[number]].skipped)
+
+
+@pytest.mark.parametrize(
+    ("count", "group_size", "changes"),
+    [(5, 4, {"codec": "int8"}), (7, 3, {"aggregation": "centered_clip"})],
+    ids=["int8", "centered_clip"],
+)
+async def test_chunk_wise_codecs_and_reducers_give_every_group_the_same_bits(
+    count, group_size, changes
+):
+    """int8 quantises in blocks and CenteredClip clips per chunk: with parts cut anywhere, two
+    groups of the last round quantised or clipped the same block means differently and peers
+    ended on two results (0.065-0.071 off with int8). Parts are whole chunks now."""
+    config = AveragingConfig(
+        group_size=group_size, join_timeout=3.0, timeout_floor=5.0, chunk_elements=256, **changes
+    )
+    async with averaging_swarm(count, config) as (_, averagers):
+        rng = np.random.default_rng(3)
+        vectors = [(rng.standard_normal(SIZE) + i).astype(np.float32) for i in range(count)]
+        results = await average_all(averagers, vectors)
+    assert all(r.average is not None and not r.skipped for r in results)
+    assert len({r.average.tobytes() for r in results}) == 1
+    if "codec" in changes:  # the mean, to the codec's error
+        mean = np.mean(np.stack(vectors).astype(np.float64), axis=0)
+        np.testing.assert_allclose(results[0].average, mean, atol=0.1)
+
+
+async def test_peers_that_reduce_differently_refuse_a_plan_of_several_rounds():
+    config = AveragingConfig(group_size=2, join_timeout=2.0, timeout_floor=5.0)
+    async with averaging_swarm(3, config) as (_, averagers):
+        averagers[0].config = dataclasses.replace(config, aggregation="centered_clip")
+        vectors = [np.full(SIZE, float(i), np.float32) for i in range(3)]
+        results = await average_all(averagers, vectors)
+    for r in results:
+        assert r.average is None
+        assert "1 centered_clip, 2 mean" in r.skipped[0] and "aggregation" in r.skipped[0]

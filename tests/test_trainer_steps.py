@@ -567,3 +567,31 @@ async def test_diloco_pseudo_gradients_are_weighted_by_samples_or_uniformly(
     await trainer._run_averaging(vector, samples, 0, 1.0)
     await trainer._run_averaging(vector, 0, 0, 1.0)
     assert weights == [expected, 0.0]
+
+
+def test_a_caller_done_with_its_own_quota_waits_for_the_collaboration(tmp_path):
+    """Being done with one's own quota is not the batch being full: a step called then made
+    the others declare half-way through theirs. Nor does a peer with nothing to do take over
+    the call from a lowest peer that is still computing."""
+    trainer = dedloc_trainer(tmp_path, other("z1", samples=8, samples_per_second=10.0))
+    work(trainer, 4)  # our quota: 4 of 8 micro-batches
+    assert trainer._batch_is_full(trainer.view())
+    trainer._holding = True  # (as its loop sets it)
+    assert not trainer._ready(trainer.view())  # 40 of 64, and 20 more in the 2 s window
+    trainer._note_view(CollaborationView([other("z1", samples=32, holding=True)]))
+    assert trainer._ready(trainer.view())  # everyone holds
+    # One that computes nothing (its micro-batches count no samples) never holds: it must not
+    # keep the step from being called (3 peers, one of them idle, waited forever).
+    trainer._note_view(CollaborationView([other("z1", samples=0, samples_per_second=0.0)]))
+    assert trainer._ready(trainer.view())
+    # A peer whose quota is nothing, while the lowest computes and publishes: no call of its
+    # own, until a long wait says the lowest will not call.
+    idle = dedloc_trainer(
+        tmp_path / "idle", other("0", samples=40, samples_per_second=10.0, updated_at=1.0)
+    )
+    idle.clock = lambda: 1.0 + 0.5  # the lowest's record is fresh
+    idle._ready_since = time.monotonic() - 5.0  # past the fallback wait (2 s), not the long one
+    assert idle._ready(idle.view())  # 40 + 10/s over the window: the batch will be full
+    assert not idle._may_call(idle.view())
+    idle._ready_since = time.monotonic() - 100.0
+    assert idle._may_call(idle.view())

@@ -86,7 +86,8 @@ class RoundSpec:
     """The digest of the tickets the group planned from (`group.view_digest`)."""
 
     def parts(self) -> list[tuple[int, int]]:
-        return part_ranges(self.size, [m.share for m in self.members])
+        """Member k's part, in whole chunks (the same chunk boundaries in every group)."""
+        return part_ranges(self.size, [m.share for m in self.members], unit=self.chunk_elements)
 
 
 @dataclass

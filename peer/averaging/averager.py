@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -36,6 +37,7 @@ from peer.averaging.crypto import RoundKey
 from peer.averaging.group import Joined, Ticket, longest_round, round_timeouts, view_digest
 from peer.averaging.matchmaking import GroupPlan, Matchmaker, NotExact, RoundShape, TooFewPeers
 from peer.averaging.moshpit import plan
+from peer.averaging.partition import valid_shares
 from peer.config import AveragingConfig
 from peer.dht.node import DHT
 from peer.measure.capabilities import Capabilities
@@ -126,6 +128,7 @@ class Averager:
             weight=weight,
             capabilities=capabilities,
             declared_at=declared_at,
+            aggregation="centered_clip" if self.config.aggregation == "centered_clip" else "mean",
         )
         started = trio.current_time()
         await self.matchmaker.declare(namespace, ticket, expiration=gather_until + 600)
@@ -157,6 +160,26 @@ class Averager:
             self.matchmaker.forget(namespace)
         return result
 
+    def _patience(self, size: int, bandwidth: list[float]) -> float:
+        """How long a leader of a later round waits for members still in the previous one: a
+        round's length at the slowest member's measured bandwidth, but at most 4 times its
+        length at the median's (a single ticket claiming a crawl cannot stretch every wait;
+        a member that died meanwhile is found out sooner, `Matchmaker`)."""
+
+        def longest(rates: list[float]) -> float:
+            return longest_round(
+                size,
+                rates,
+                wire_bytes_per_element=self._wire_bytes_per_element(),
+                floor=self.config.timeout_floor,
+                multiplier=self.config.timeout_multiplier,
+            )
+
+        known = sorted(b for b in bandwidth if b > 0)
+        if not known:
+            return longest([])
+        return min(longest(known), 4 * longest([known[len(known) // 2]]))
+
     def _wire_bytes_per_element(self) -> float:
         return CODECS[self.config.codec].wire_bytes(1 << 20) / (1 << 20)
 
@@ -177,18 +200,21 @@ class Averager:
         weights = [t.weight if t.computes else 0.0 for t in view]
         moshpit = plan(len(view), self.config.group_size)
         several = len(moshpit.rounds) > 1
+        rules = Counter(t.aggregation for t in view)
+        if several and len(rules) > 1:
+            result.skipped.append(
+                "the peers reduce differently ("
+                + ", ".join(f"{n} {rule}" for rule, n in sorted(rules.items()))
+                + "): over several rounds that gives different values in different groups; "
+                "set the same averaging.aggregation on every peer"
+            )
+            return
         bandwidth = {
             t.peer_id: min(t.capabilities.upload_bps, t.capabilities.download_bps)
             for t in view
             if t.capabilities is not None
         }
-        patience = longest_round(
-            len(vector),
-            list(bandwidth.values()),
-            wire_bytes_per_element=self._wire_bytes_per_element(),
-            floor=self.config.timeout_floor,
-            multiplier=self.config.timeout_multiplier,
-        )
+        patience = self._patience(len(vector), list(bandwidth.values()))
         self.matchmaker.expect_rounds(namespace, patience)
         shape = RoundShape(
             epoch=epoch,
@@ -307,12 +333,21 @@ def _spec_problem(spec: RoundSpec, shape: RoundShape, group: GroupPlan, me: str)
     ours = (shape.size, shape.codec, shape.chunk_elements)
     if (spec.size, spec.codec, spec.chunk_elements) != ours:
         return f"does not match our vector: {spec.size} values, {spec.codec}, {spec.chunk_elements}"
-    if me not in [m.peer_id for m in spec.members]:
+    ids = [m.peer_id for m in spec.members]
+    if me not in ids:
         return "leaves us out"
+    if len(set(ids)) != len(ids):
+        return "lists a member twice"
+    if not valid_shares([m.share for m in spec.members]) or not all(
+        math.isfinite(m.weight) and m.weight >= 0 for m in spec.members
+    ):
+        return "has shares or weights that are not finite and >= 0, or no reducer"
     if group.seats is not None:
         seats = {m.peer_id: (m.block, m.weight) for m in spec.members}
         if spec.view != shape.view or seats != group.seats:
             return "is not our plan's (another view of the tickets, or other weights)"
+        if not all(m.computes for m in spec.members):
+            return "leaves a member's value out (every member of a plan contributes)"
     return None
 
 

@@ -20,13 +20,12 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Mapping, Sequence
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
 from peer.averaging.allreduce import Member, RoundSpec
 from peer.averaging.crypto import KeyAnnouncement
-from peer.averaging.partition import part_sizes
 from peer.errors import RoleAssignmentError
 from peer.measure.capabilities import Capabilities, to_capacity
 from peer.roles import assign_roles
@@ -50,6 +49,9 @@ class Ticket(msgspec.Struct, frozen=True):
     declared_at: float = 0.0
     """The collaboration's clock when it was declared: every reader leaves out the tickets
     declared after the gathering closed (the declarer too), so late tickets split no views."""
+    aggregation: Literal["mean", "centered_clip"] = "mean"
+    """How it reduces its parts: over several Moshpit rounds every member must reduce alike,
+    or the groups of the last round would compute different values."""
 
 
 def view_digest(epoch: int, tickets: Sequence[Ticket]) -> bytes:
@@ -59,7 +61,7 @@ def view_digest(epoch: int, tickets: Sequence[Ticket]) -> bytes:
     for t in sorted(tickets, key=lambda t: t.peer_id):
         name = t.peer_id.encode()
         digest.update(len(name).to_bytes(4, "big") + name)
-        digest.update(struct.pack(">?d", t.computes, t.weight))
+        digest.update(struct.pack(">?d", t.computes, t.weight) + t.aggregation.encode())
     return digest.digest()
 
 
@@ -176,7 +178,7 @@ def round_timeouts(
     """
     known = [b for b in bandwidth.values() if b > 0]
     slowest = min(known) if known else 0.0
-    sizes = part_sizes(spec.size, [m.share for m in spec.members])
+    sizes = [end - start for start, end in spec.parts()]
     computing = sum(m.computes for m in spec.members)
     longest = 0.0
     for member, part in zip(spec.members, sizes, strict=True):

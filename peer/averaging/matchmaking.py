@@ -210,7 +210,7 @@ class Matchmaker:
         candidates = group.members[:1] if planned else group.members
         for candidate in candidates:
             if candidate == self.me:
-                return await self._lead(gathering, group, round_index, shape)
+                return await self._lead(gathering, group, round_index, shape, tickets)
             reply = await self._join(
                 candidate, tickets.get(candidate), request, group.patience, quick_check=not planned
             )
@@ -266,18 +266,29 @@ class Matchmaker:
         return None if isinstance(reply, Redirect) else reply
 
     async def _lead(
-        self, gathering: _Gathering, group: GroupPlan, round_index: int, shape: RoundShape
+        self,
+        gathering: _Gathering,
+        group: GroupPlan,
+        round_index: int,
+        shape: RoundShape,
+        tickets: dict[str, Ticket],
     ) -> RoundSpec:
         expected = set(group.members)
         planned = group.seats is not None
-        with trio.move_on_after(self.join_timeout + group.patience):
-            while not expected <= set(gathering.joined):
-                if planned and _off_plan(gathering, expected, shape.view):
-                    break  # no need to wait: this round cannot be exact
-                gathering.arrived = trio.Event()
-                await gathering.arrived.wait()
+        silent = None
         if planned:
-            problem = _off_plan(gathering, expected, shape.view) or _missing(expected, gathering)
+            silent = await self._wait_for_plan(gathering, group, shape, tickets)
+        else:
+            with trio.move_on_after(self.join_timeout):
+                while not expected <= set(gathering.joined):
+                    gathering.arrived = trio.Event()
+                    await gathering.arrived.wait()
+        if planned:
+            problem = (
+                _off_plan(gathering, expected, shape.view)
+                or silent
+                or _missing(expected, gathering)
+            )
             if problem:
                 gathering.decide(Inexact(problem))
                 raise NotExact(problem)
@@ -301,6 +312,56 @@ class Matchmaker:
         )
         gathering.decide(Begin(spec))
         return spec
+
+    async def _wait_for_plan(
+        self,
+        gathering: _Gathering,
+        group: GroupPlan,
+        shape: RoundShape,
+        tickets: dict[str, Ticket],
+    ) -> str | None:
+        """Wait for every planned member: until all joined, one is off the plan, or the
+        patience a round's length allows runs out. Members may still be in the previous round,
+        which can be long; every `join_timeout` the missing ones are asked `alive` (their RPC
+        answers meanwhile), and one that does not answer ends the wait: it is gone. Returns
+        that reason, or None."""
+        expected = set(group.members)
+        give_up = trio.current_time() + self.join_timeout + group.patience
+        while not expected <= set(gathering.joined):
+            if _off_plan(gathering, expected, shape.view):
+                return None  # no need to wait: this round cannot be exact
+            gathering.arrived = trio.Event()
+            with trio.move_on_at(min(give_up, trio.current_time() + self.join_timeout)) as wait:
+                await gathering.arrived.wait()
+            if not wait.cancelled_caught:
+                continue
+            if trio.current_time() >= give_up:
+                return None
+            missing = sorted(expected - set(gathering.joined))
+            gone = await self._unanswered(missing, tickets)
+            if gone:
+                return f"planned member(s) not answering: {', '.join(gone[:3])}"
+        return None
+
+    async def _unanswered(self, peers: list[str], tickets: dict[str, Ticket]) -> list[str]:
+        """Those of `peers` that do not answer `alive` within half a join_timeout."""
+        gone: list[str] = []
+
+        async def ask(peer: str) -> None:
+            try:
+                peer_id = ID.from_base58(peer)
+                if (ticket := tickets.get(peer)) is not None:
+                    self.dht.node.remember_addrs(peer_id, parse_addrs(ticket.rpc_addrs))
+                await self.dht.node.rpc.call(
+                    peer_id, SERVICE, "alive", Alive(), Alive, timeout=self.join_timeout / 2
+                )
+            except (RemoteError, ValueError):
+                gone.append(peer)
+
+        async with trio.open_nursery() as nursery:
+            for peer in peers:
+                nursery.start_soon(ask, peer)
+        return sorted(gone)
 
     # ------------------------------------------------------------------ as a candidate leader
 

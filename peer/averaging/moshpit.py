@@ -23,10 +23,13 @@ over all N peers. The contributions are added in a fixed order (by the lowest pe
 their basis), so every group does the same float32 operations on the same bits: all peers end
 bit-identical, which is what lets them apply one optimizer step and compare parameter digests.
 
-Groups have m members, at most m + 1 where N is not a power of m (property-tested for
-N <= 1000, m <= 8); with N = m^k this is the classic Moshpit grid: every round mixes a
-different axis. The plan is exact only if every planned member takes part in every round with
-the value the plan says; `matchmaking` and `averager` refuse the step otherwise.
+Groups have at most m + 1 members (checked for N < 400, m <= 8), fewer where N is not a power of
+m (a peer may even be alone in a round and wait it out); with N = m^k this is the classic
+Moshpit grid: every round mixes a different axis. The plan is exact only if every planned
+member takes part in every round with the value the plan says; `matchmaking` and `averager`
+refuse the step otherwise. A failed round taints the groups of later rounds that hold one of
+its members: after a failure in round 0 every peer refuses, later on only those groups (the
+others still hold every block, from members whose rounds completed).
 """
 
 from __future__ import annotations

@@ -3,14 +3,23 @@
 Every member computes the same cut from the same (sorted) shares: sizes are the largest-
 remainder rounding of share * total, ties broken by position, so the parts are contiguous,
 cover the vector exactly once, and need no float agreement beyond the shares themselves
-(which the solver produces bit-identically everywhere). Parts are streamed in chunks of
-`chunk_elements`.
+(which the solver produces bit-identically everywhere). A round cuts in whole chunks of
+`chunk_elements` (`unit`), so chunk boundaries sit at the same absolute offsets in every group
+whatever its members and shares: whatever a codec or a robust reducer does per chunk (int8
+blocks, CenteredClip norms) is then the same computation in every group of a Moshpit round.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+
+
+def valid_shares(shares: Sequence[float]) -> bool:
+    """Shares a vector can be cut by: finite, >= 0, not all 0."""
+    return (
+        bool(shares) and all(math.isfinite(g) and g >= 0 for g in shares) and math.fsum(shares) > 0
+    )
 
 
 def part_sizes(total: int, shares: Sequence[float]) -> list[int]:
@@ -29,12 +38,16 @@ def part_sizes(total: int, shares: Sequence[float]) -> list[int]:
     return sizes
 
 
-def part_ranges(total: int, shares: Sequence[float]) -> list[tuple[int, int]]:
-    """Contiguous [start, end) ranges, one per share, in order."""
+def part_ranges(total: int, shares: Sequence[float], *, unit: int = 1) -> list[tuple[int, int]]:
+    """Contiguous [start, end) ranges, one per share, in order, cut at multiples of `unit`
+    elements (the last range ends at `total`)."""
+    if unit <= 0:
+        raise ValueError(f"unit must be > 0, got {unit}")
     ranges, start = [], 0
-    for size in part_sizes(total, shares):
-        ranges.append((start, start + size))
-        start += size
+    for units in part_sizes(-(-total // unit), shares):
+        end = min(total, start + units * unit)
+        ranges.append((start, end))
+        start = end
     return ranges
 
 

@@ -103,7 +103,6 @@ class PartReducer:
         if not np.isfinite(values).all():
             raise BadPart(f"chunk {index} from {sender} holds NaN or Inf")
         weight = self.weights[sender]
-        self.chunk_weight[index] += weight
         self.chunk_senders[index] += 1
         pending.discard(index)
         if weight > 0:
@@ -125,6 +124,8 @@ class PartReducer:
         self.turn[index] = turn
 
     def _add(self, index: int, sender: str, values: np.ndarray) -> None:
+        # The total weight too, in order: any float sum must be the same in every group.
+        self.chunk_weight[index] += self.weights[sender]
         if self.kept is not None:
             self.kept[index][sender] = values.copy()
             return

@@ -473,12 +473,13 @@ class Trainer:
                 log.info("missed the gathering of step %d; joining the next", self.step + 1)
                 self._failed_before = call
             elif (full and now >= call - self._gather_window() / 2) or (
-                now + self._batch_seconds >= call - margin
+                self.training.mode == "dedloc" and now + self._batch_seconds >= call - margin
             ):
                 # Our part is done, half the window is left (time for an earlier call of the
                 # step to show: it wins, and a ticket in ours would pin us here), and our
-                # ticket lands well before the close; or the gathering is about to close.
-                if not await self._earlier_call_appeared(call, margin):
+                # ticket lands well before the close; or (dedloc) the gathering is about to
+                # close. A diloco peer averages only with exactly its H inner steps.
+                if not await self._call_overtaken(call, margin):
                     await self._average(call, nursery)
                 return
         if full:  # done: wait for the call, or for its time to declare
@@ -516,7 +517,7 @@ class Trainer:
     def _quota(self, view: CollaborationView) -> int:
         """Our micro-batches of the next step: the target's micro-batches dealt out among the
         trainers about to take the step in proportion to their samples/s (equally while a
-        speed is unknown), by largest remainder, ties by peer id. Every peer with the same
+        speed is unknown: a peer just started), by largest remainder, ties by peer id. Every peer with the same
         view deals the same way, so the quotas add up to the target (to a micro-batch: peers
         with other micro-batch sizes count in ours); with more peers than micro-batches some
         get none and only receive the average."""
@@ -554,11 +555,21 @@ class Trainer:
         return view.call(self.step, after=self._failed_before)
 
     def _ready(self, view: CollaborationView) -> bool:
-        if self.training.mode == "diloco":  # a barrier: everyone at our step did its H steps
+        """The step can be called: everyone about to take it holds (diloco: a barrier, each
+        peer did its H steps; dedloc: or computes nothing), or (dedloc) the samples projected
+        to the end of the gathering window reach the target (a caller done with its own part
+        is not enough: the others would declare half-way through their quotas)."""
+        if self.training.mode == "diloco":
             return self._batch_is_full(view) and all(
                 r.holding for r in view.trainers(self.step) if r.peer_id != self.me
             )
-        return self._batch_is_full(view) or should_call(
+        # Nobody computes more: all hold, or compute nothing (a peer at 0 samples/s).
+        done = all(
+            r.holding or r.samples_per_second <= 0
+            for r in self._step_company(view)
+            if r.peer_id != self.me
+        )
+        return (done and self._batch_is_full(view)) or should_call(
             view,
             self.step,
             target_batch=self.config.task.target_batch,
@@ -575,20 +586,31 @@ class Trainer:
         after it was ready (the lowest may be gone)."""
         if self._ready_since is None or self._others_still_averaging(view):
             return False
-        lowest = min((r.peer_id for r in self._step_company(view)), default=self.me)
+        company = {r.peer_id: r for r in self._step_company(view)}
+        lowest = min(company, default=self.me)
+        if self.me <= lowest:
+            return True
+        # Another calls only where the lowest looks silent: its record is stale, or it is done
+        # and no call came; or, whatever its record says, after a long wait.
         waited = time.monotonic() - self._ready_since
-        return self.me <= lowest or waited >= 2 * self.training.progress_interval + (
-            4 * self._store_seconds
+        fallback = 2 * self.training.progress_interval + 4 * self._store_seconds
+        record = company[lowest]
+        stale = self.clock() - record.updated_at > 3 * self.training.progress_interval
+        return waited >= fallback and (
+            stale or record.holding or waited >= fallback + 4 * self._gather_window()
         )
 
-    async def _earlier_call_appeared(self, call: float, margin: float) -> bool:
+    async def _call_overtaken(self, call: float, margin: float) -> bool:
         """Read the progress records once more before declaring for `call`: a call of the step
-        that gathers earlier wins, and declaring in ours would leave us out of it."""
+        that gathers earlier wins (declaring in ours would leave us out of it), and a peer
+        already past our step took it without us (we download instead: averaging it again
+        would make a second version of the step)."""
         with trio.move_on_after(margin / 4), contextlib.suppress(RemoteError):
             entries = await self.dht.get(progress_key(self.config.collaboration.name))
             self._note_view(CollaborationView(decode_progress(entries)))
-        earliest = self._current_call(self.view())
-        return earliest is not None and earliest < call
+        view = self.view()
+        earliest = self._current_call(view)
+        return view.global_step > self.step or (earliest is not None and earliest < call)
 
     def _majority(self, result: AveragingResult) -> bool:
         """Whether the peers behind `result` are more than half of the trainers at this step
