@@ -482,6 +482,23 @@ def test_the_quotas_of_every_peer_add_up_to_the_target(tmp_path):
     assert quotas[-1] == 1  # the fastest gets one
 
 
+def test_warming_up_peers_deal_quotas_from_the_rates_they_published(tmp_path):
+    """Each peer deals from the records everyone reads, its own included: two peers whose
+    first (slow) micro-batches were published at 10/s and who run at 30/s now each took
+    themselves for the faster one (6 + 6 of 8 micro-batches: a global batch of 96)."""
+    quotas = []
+    for me, peer in (("a", "b"), ("b", "a")):
+        trainer = dedloc_trainer(
+            tmp_path / me,
+            other(me, samples_per_second=10.0),
+            other(peer, samples_per_second=10.0),
+            rate=30.0,
+        )
+        trainer.me = me
+        quotas.append(trainer._quota(trainer.view()))
+    assert quotas == [4, 4]
+
+
 def test_a_dedloc_peer_stops_when_the_others_already_hold_the_batch(tmp_path):
     trainer = dedloc_trainer(
         tmp_path, other("z1", samples=40, holding=True), other("z2", samples=20, holding=True)

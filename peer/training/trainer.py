@@ -524,7 +524,11 @@ class Trainer:
         micro_batch = self.config.task.micro_batch
         units = max(1, round(self.config.task.target_batch / micro_batch))
         rates = {r.peer_id: r.samples_per_second for r in self._step_company(view)}
-        rates[self.me] = self._rate_ema
+        # Our rate as the others read it (our last stored record), not as it is now: with our
+        # fresh rate against their published ones, each peer of a warming-up collaboration
+        # took itself for the faster one and the quotas added up to more than the target.
+        published = [r for r in self.status.view.records if r.peer_id == self.me]
+        rates[self.me] = published[0].samples_per_second if published else self._rate_ema
         if not all(rate > 0 for rate in rates.values()):
             rates = dict.fromkeys(rates, 1.0)
         total = sum(rates.values())
