@@ -21,6 +21,7 @@ import trio
 
 from benchmarks.common import quiet_logs
 from peer.training import state as states
+from peer.training.task import TinyTask
 from tests.test_training_collab import Recorder, collaboration, make_config
 
 TARGET = 64  # tests/test_training_collab.py: tiny task, micro-batch 8
@@ -44,7 +45,7 @@ def moments(optimizer: torch.optim.Optimizer, params) -> tuple[torch.Tensor, tor
 
 async def run(count: int, steps: int, workdir: Path) -> dict:
     config = make_config(workdir, max_steps=steps, gather_window=max(0.6, 0.25 * count))
-    recorder = Recorder()
+    recorder = Recorder(TinyTask())  # the task as users get it: AdamW eps 1e-8
     started = time.perf_counter()
     with trio.fail_after(120 + 30 * count):
         async with collaboration(count, config, recorder=recorder) as (s, trainers):

@@ -7,6 +7,7 @@ in the same run, is one process training alone with the same settings: its sampl
 throughput the collaboration's 4 processes share the machine's cores with.
 
     .venv/bin/python -m benchmarks.training [--steps-diloco 6] [--steps-dedloc 12]
+        [--modes diloco dedloc]
 """
 
 from __future__ import annotations
@@ -95,10 +96,13 @@ def main() -> None:
     parser.add_argument("--steps-diloco", type=int, default=6)
     parser.add_argument("--steps-dedloc", type=int, default=12)
     parser.add_argument("--inner-steps", type=int, default=50)
+    parser.add_argument(
+        "--modes", nargs="+", choices=["diloco", "dedloc"], default=["diloco", "dedloc"]
+    )
     args = parser.parse_args()
     baseline = single_process_rate()
     print(f"baseline: one process, one thread: {baseline:.0f} samples/s")
-    for codec in ("none", "fp16"):
+    for codec in ("none", "fp16") if "diloco" in args.modes else ():
         diloco = run(
             "diloco",
             {
@@ -110,6 +114,8 @@ def main() -> None:
             timeout=900,
         )
         report(f"diloco H={args.inner_steps} {codec}", diloco, baseline)
+    if "dedloc" not in args.modes:
+        return
     dedloc = run(
         "dedloc",
         {

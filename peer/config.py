@@ -177,9 +177,10 @@ class AveragingConfig(_Section):
     }
     MINIMUM: ClassVar[dict[str, int]] = {"data_port": 0}
     group_size: int = 4
-    """Moshpit group size m: N = m^k peers reach the exact average in k rounds."""
+    """Moshpit group size m: any N peers reach the exact average in ceil(log_m N) rounds."""
     min_group_size: int = 2
-    """Smaller groups skip the round (the vector keeps its value)."""
+    """With a single group (N <= group_size): fewer joiners refuse the averaging, each keeping
+    its contribution. Planned rounds (N > group_size) ignore it."""
     codec: str = "none"
     """Wire compression: none, fp16 or int8 (blockwise)."""
     chunk_elements: int = 262144
@@ -189,12 +190,14 @@ class AveragingConfig(_Section):
     timeout_multiplier: float = 3.0
     """Deadlines allow this many times the predicted transfer time."""
     join_timeout: float = 5.0
-    """Seconds a group's leader waits for its members to join."""
+    """Seconds a group's leader waits for its members to join (a later round's leader: this
+    plus up to a round's length, asking missing members every join_timeout if they are alive)."""
     data_port: int = 0
     """TCP port of the all-reduce data plane (0: any free port)."""
     aggregation: str = "mean"
     """How this peer reduces its part: mean (weighted by samples) or centered_clip (robust to
-    poisoned contributions while fewer than half of a group's senders are malicious)."""
+    poisoned contributions while fewer than half of a group's senders are malicious). With more
+    peers than group_size all must use the same, or the averaging is refused."""
     norm_factor: float = 2.0
     """centered_clip: contributions are scaled to at most this times their median norm."""
 
@@ -224,7 +227,8 @@ class TrainingConfig(_Section):
     outer_momentum: float = 0.9
     """diloco: outer Nesterov SGD momentum (0: plain SGD; with outer_lr 1, parameter averaging)."""
     gather_window: float = 2.0
-    """Seconds between a step being called and its averaging (peers keep computing meanwhile)."""
+    """Seconds between a step being called and its averaging (peers short of their part of the
+    step keep computing meanwhile)."""
     progress_interval: float = 1.0
     """Seconds between progress publications and reads of the collaboration's progress."""
     solo_after: float = 60.0

@@ -10,7 +10,7 @@ import trio
 from peer.config import DhtConfig
 from peer.dht import protocol as dht
 from peer.dht.records import Entry, make_entry
-from peer.errors import RpcError
+from peer.errors import RpcError, Unreachable
 from tests.helpers import FakeClock, swarm
 
 CONFIG = dataclasses.replace(
@@ -181,3 +181,24 @@ async def test_a_call_that_times_out_closes_the_connection_so_the_next_one_dials
 
 async def hang(stream) -> None:
     await trio.sleep_forever()
+
+
+async def test_a_node_that_dropped_every_contact_joins_again_through_them():
+    """A burst of failed calls (py-libp2p closing a connection under several streams) can drop
+    every contact at once; such a node read only itself from then on, and a trainer on it
+    called steps alone forever while the others trained on (1 run in ~15 of a 3-peer test).
+    It joins again through the contacts it dropped, within `REJOIN_INTERVAL`, with no
+    backbone configured and a purge interval of an hour."""
+    async with swarm(3, CONFIG) as s:
+        lonely = s.dhts[2]
+        others = {d.node.peer_id for d in s.dhts[:2]}
+        assert {c.peer_id for c in lonely.table.contacts()} == others
+        for contact in lonely.table.contacts():
+            lonely._forget(contact, Unreachable("connection closed"))
+        assert len(lonely.table) == 0
+        with trio.fail_after(20):
+            while {c.peer_id for c in lonely.table.contacts()} != others:
+                await trio.sleep(0.1)
+        now = time.time()
+        await s.dhts[0].store("k", "a", b"one", expiration=now + 60)
+        assert (await lonely.get("k"))["a"].value == b"one"

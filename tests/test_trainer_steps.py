@@ -3,6 +3,7 @@ a result it is handed)."""
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from types import SimpleNamespace
@@ -538,6 +539,27 @@ def test_after_a_failed_averaging_nobody_calls_while_others_are_still_in_it(tmp_
     assert trainer._may_call(trainer.view())
 
 
+def test_how_long_others_may_still_be_averaging_grows_with_the_vector(tmp_path):
+    """The wait for peers still in a failed averaging covers its rounds' transfers of the
+    vector at the measured bandwidth: a fixed 30 s was shorter than one round of a 400 MB
+    vector at 50 MB/s, and a peer called the step while the others were still in it."""
+    trainer = dedloc_trainer(tmp_path, other("z1"))
+    averaging = trainer.config.averaging
+    fixed = 4 * averaging.join_timeout + 2 * averaging.timeout_floor
+    assert trainer._longest_averaging(trainer.view()) == fixed  # tiny vector, unmeasured
+    trainer._vector_size = 100_000_000  # 400 MB of float32
+    trainer.capabilities = lambda: SimpleNamespace(upload_bps=50e6, download_bps=50e6)
+    longest = trainer._longest_averaging(trainer.view())
+    assert longest > 2 * 400e6 / 50e6 * averaging.timeout_multiplier > fixed
+    # Until then a peer still in our failed gathering holds our call; past it, no longer.
+    trainer._failed_before = 0.5
+    trainer._note_view(CollaborationView([other("z1", call_step=0, gather_until=0.5)]))
+    trainer.clock = lambda: 0.5 + (fixed + longest) / 2
+    assert trainer._others_still_averaging(trainer.view())
+    trainer.clock = lambda: 0.5 + longest + 1.0
+    assert not trainer._others_still_averaging(trainer.view())
+
+
 def test_a_group_of_a_minority_of_the_trainers_does_not_step(tmp_path):
     """Two groups that averaged one step apart cannot both step: before, both did, and the
     smaller one downloaded the other's state and lost its samples."""
@@ -584,6 +606,22 @@ async def test_diloco_pseudo_gradients_are_weighted_by_samples_or_uniformly(
     await trainer._run_averaging(vector, samples, 0, 1.0)
     await trainer._run_averaging(vector, 0, 0, 1.0)
     assert weights == [expected, 0.0]
+
+
+@pytest.mark.parametrize(("weighting", "recorded"), [("samples", [3.0]), ("uniform", [])])
+def test_a_uniformly_weighted_step_records_no_global_batch(tmp_path, caplog, weighting, recorded):
+    """With peers weighted equally the average's weight counts peers: it was logged and kept as
+    the step's global batch ("8 local samples of 3")."""
+    trainer = make_trainer(tmp_path, mode="diloco", outer_weighting=weighting)
+    trainer._note_view(CollaborationView([other("z1"), other("z2")]))
+    size = sum(p.numel() for p in trainer.model.parameters())
+    with caplog.at_level(logging.INFO, logger="peertrain.trainer"):
+        trainer._finish_step(np.zeros(size, np.float32), 8, group_result(size, 3.0), 1.0)
+    assert trainer.step == 1
+    assert list(trainer.status.global_batches) == recorded
+    applied = [r.applied for r in caplog.records if hasattr(r, "applied")]
+    assert applied[-1]["global_batch"] == (recorded[0] if recorded else None)
+    assert ("of 3" in caplog.text) == bool(recorded)
 
 
 def test_a_caller_done_with_its_own_quota_waits_for_the_collaboration(tmp_path):

@@ -36,7 +36,7 @@ from peer.averaging.compression import CODECS
 from peer.averaging.crypto import RoundKey
 from peer.averaging.group import Joined, Ticket, longest_round, round_timeouts, view_digest
 from peer.averaging.matchmaking import GroupPlan, Matchmaker, NotExact, RoundShape, TooFewPeers
-from peer.averaging.moshpit import plan
+from peer.averaging.moshpit import plan, rounds_for
 from peer.averaging.partition import valid_shares
 from peer.config import AveragingConfig
 from peer.dht.node import DHT
@@ -70,6 +70,41 @@ class AveragingResult:
     """The total weight (samples) behind `average`."""
     members: int = 0
     """How many peers' contributions `average` holds (the view's, or a single group's)."""
+
+
+def wire_bytes_per_element(config: AveragingConfig) -> float:
+    return CODECS[config.codec].wire_bytes(1 << 20) / (1 << 20)
+
+
+def patience(size: int, bandwidth: Sequence[float], config: AveragingConfig) -> float:
+    """How long a leader of a later round waits for members still in the previous one: a
+    round's length at the slowest member's measured bandwidth, but at most 4 times its
+    length at the median's (a single ticket claiming a crawl cannot stretch every wait;
+    a member that died meanwhile is found out sooner, `Matchmaker`)."""
+
+    def longest(rates: list[float]) -> float:
+        return longest_round(
+            size,
+            rates,
+            wire_bytes_per_element=wire_bytes_per_element(config),
+            floor=config.timeout_floor,
+            multiplier=config.timeout_multiplier,
+        )
+
+    known = sorted(b for b in bandwidth if b > 0)
+    if not known:
+        return longest([])
+    return min(longest(known), 4 * longest([known[len(known) // 2]]))
+
+
+def longest_averaging(
+    size: int, peers: int, bandwidth: Sequence[float], config: AveragingConfig
+) -> float:
+    """A bound on one averaging of `size` elements among `peers` after its gathering: per
+    round of the plan, the join, a later round's leader's patience and the round itself
+    (both at most `patience`)."""
+    rounds = rounds_for(max(peers, 2), config.group_size)
+    return rounds * (config.join_timeout + 2 * patience(size, bandwidth, config))
 
 
 class Averager:
@@ -160,29 +195,6 @@ class Averager:
             self.matchmaker.forget(namespace)
         return result
 
-    def _patience(self, size: int, bandwidth: list[float]) -> float:
-        """How long a leader of a later round waits for members still in the previous one: a
-        round's length at the slowest member's measured bandwidth, but at most 4 times its
-        length at the median's (a single ticket claiming a crawl cannot stretch every wait;
-        a member that died meanwhile is found out sooner, `Matchmaker`)."""
-
-        def longest(rates: list[float]) -> float:
-            return longest_round(
-                size,
-                rates,
-                wire_bytes_per_element=self._wire_bytes_per_element(),
-                floor=self.config.timeout_floor,
-                multiplier=self.config.timeout_multiplier,
-            )
-
-        known = sorted(b for b in bandwidth if b > 0)
-        if not known:
-            return longest([])
-        return min(longest(known), 4 * longest([known[len(known) // 2]]))
-
-    def _wire_bytes_per_element(self) -> float:
-        return CODECS[self.config.codec].wire_bytes(1 << 20) / (1 << 20)
-
     async def _follow_plan(
         self,
         namespace: str,
@@ -214,8 +226,8 @@ class Averager:
             for t in view
             if t.capabilities is not None
         }
-        patience = self._patience(len(vector), list(bandwidth.values()))
-        self.matchmaker.expect_rounds(namespace, patience)
+        wait = patience(len(vector), list(bandwidth.values()), self.config)
+        self.matchmaker.expect_rounds(namespace, wait)
         shape = RoundShape(
             epoch=epoch,
             size=len(vector),
@@ -239,7 +251,7 @@ class Averager:
                     if several
                     else None
                 ),
-                patience=patience if index > 0 else 0.0,
+                patience=wait if index > 0 else 0.0,
             )
             reports = len(result.rounds)
             weight = await self._round(
@@ -299,7 +311,7 @@ class Averager:
         duration, stall = round_timeouts(
             spec,
             bandwidth,
-            wire_bytes_per_element=self._wire_bytes_per_element(),
+            wire_bytes_per_element=wire_bytes_per_element(self.config),
             floor=self.config.timeout_floor,
             multiplier=self.config.timeout_multiplier,
         )

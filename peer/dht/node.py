@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -84,6 +84,8 @@ class DHT:
             capacity=config.caller_store_bytes, window=config.store_window
         )
         self.seeds: list[tuple[ID, Multiaddr]] = []  # backbones to fall back on
+        # The table's contacts we dropped last (bounded): to join again through if we lose all.
+        self._forgotten: deque[Contact] = deque(maxlen=config.bucket_size)
         self._stores_received = 0
         self._gets_served = 0
         self._calls: Counter[tuple[str, str]] = Counter()
@@ -95,25 +97,37 @@ class DHT:
     # ------------------------------------------------------------------ lifecycle
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Background upkeep: purge expired entries, refresh the routing table."""
+        """Background upkeep: purge expired entries, refresh the routing table, and join again
+        when we lost touch (checked every REJOIN_INTERVAL, whatever the purge interval)."""
         task_status.started()
+        next_purge = trio.current_time() + self.config.purge_interval
         next_refresh = trio.current_time() + self.config.refresh_interval
         while True:
-            # Lost every backbone: try them again soon, they may be back (a restart, a healed
-            # partition); until then our reads see only ourselves.
-            await trio.sleep(
-                min(self.config.purge_interval, REJOIN_INTERVAL)
-                if self._lost_backbones()
-                else self.config.purge_interval
-            )
-            purged = self.records.purge(now=self.clock())
-            if purged:
-                log.debug("purged %d expired entries", purged)
-            if self._lost_backbones():
-                await self.bootstrap(self.seeds)
+            await trio.sleep(min(self.config.purge_interval, REJOIN_INTERVAL))
+            if trio.current_time() >= next_purge:
+                next_purge = trio.current_time() + self.config.purge_interval
+                purged = self.records.purge(now=self.clock())
+                if purged:
+                    log.debug("purged %d expired entries", purged)
+            if rejoin := self._rejoin_candidates():
+                await self.bootstrap(rejoin)
             elif trio.current_time() >= next_refresh:
                 next_refresh = trio.current_time() + self.config.refresh_interval
                 await self.find_nodes(random.getrandbits(256))
+
+    def _rejoin_candidates(self) -> list[tuple[ID, Multiaddr]]:
+        """Whom to bootstrap from again, if we lost touch: every backbone once none is left in
+        our table (they may be back: a restart, a healed partition), and the contacts we dropped
+        last once the table is empty (a burst of failed calls, e.g. a connection py-libp2p
+        closed under several streams, dropped them all at once; until then our reads see only
+        ourselves and we would never hear of the others again)."""
+        candidates = list(self.seeds) if self._lost_backbones() else []
+        if len(self.table) == 0:
+            for contact in self._forgotten:
+                addrs = parse_addrs(contact.addrs)
+                if addrs and all(peer_id != contact.peer_id for peer_id, _ in candidates):
+                    candidates.append((contact.peer_id, addrs[0]))
+        return candidates
 
     def _lost_backbones(self) -> bool:
         return bool(self.seeds) and not any(peer_id in self.table for peer_id, _ in self.seeds)
@@ -359,6 +373,10 @@ class DHT:
 
     def _forget(self, contact: Contact, error: Exception) -> None:
         log.debug("dropping contact %s: %s", contact.peer_id, error)
+        # Only contacts that answered or called us: not addresses others told us about.
+        known = self.table.get(contact.peer_id)
+        if known is not None and all(c.peer_id != known.peer_id for c in self._forgotten):
+            self._forgotten.append(known)
         self.table.remove(contact.peer_id)
         self.node.rpc.forget(contact.peer_id)
 

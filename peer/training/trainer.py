@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import trio
 
-from peer.averaging.averager import Averager, AveragingResult, fingerprint
+from peer.averaging.averager import Averager, AveragingResult, fingerprint, longest_averaging
 from peer.config import PeerConfig
 from peer.dht.node import DHT
 from peer.errors import RemoteError
@@ -165,6 +165,7 @@ class Trainer:
             else LargeBatch(task, model)
         )
         self.model = model
+        self._vector_size = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.fingerprint = fingerprint(
             [(name, tuple(t.shape), str(t.dtype)) for name, t in model.named_parameters()]
         )
@@ -461,7 +462,10 @@ class Trainer:
             self._publish_now.set()
             call = self._call[1]
             log.info("calling step %d: averaging at +%.1fs", self.step + 1, call - self.clock())
-        full = self._pending is None and self._batch_is_full(view)
+        # With delayed updates too: the micro-batches computed while our averaging runs are our
+        # part of the step after it, so they stop at our quota (before, they did not: 3 peers
+        # applied 3,280 samples a step for a target of 64).
+        full = self._batch_is_full(view)
         if full != self._holding:
             self._holding = full
             self._publish_now.set()  # the others' projections take our count as final
@@ -482,8 +486,12 @@ class Trainer:
                 if not await self._call_overtaken(call, margin):
                     await self._average(call, nursery)
                 return
-        if full:  # done: wait for the call, or for its time to declare
+        if full:  # done: wait for the call, for its time to declare, or for our averaging
             wait = self.training.progress_interval / 2
+            if self._pending is not None:
+                with trio.move_on_after(wait):
+                    await self._pending.wait()
+                return
             if call is not None:
                 wait = min(wait, max(0.0, call - self._gather_window() / 2 - self.clock()))
             with trio.move_on_after(wait):
@@ -647,7 +655,7 @@ class Trainer:
         it), at most as long as an averaging may take."""
         if self._failed_before == -math.inf:
             return False
-        now, longest = self.clock(), self._longest_averaging()
+        now, longest = self.clock(), self._longest_averaging(view)
         return any(
             r.call_step == self.step
             and r.gather_until <= self._failed_before
@@ -656,11 +664,19 @@ class Trainer:
             if r.peer_id != self.me
         )
 
-    def _longest_averaging(self) -> float:
-        """A bound on an averaging's length after its gathering: its rounds' joins and
-        transfers (k rounds of them; a failed one ends sooner: its members learn it at once)."""
+    def _longest_averaging(self, view: CollaborationView) -> float:
+        """A bound on an averaging's length after its gathering (`longest_averaging`: its
+        rounds' joins, waits and transfers of our vector at our measured bandwidth; at least
+        the fixed bound it replaces, 30 s by default, which was shorter than one round of a
+        400 MB vector at 50 MB/s). A failed one ends sooner: its members learn it at once."""
+        capabilities = self.capabilities()
+        bandwidth = (
+            [min(capabilities.upload_bps, capabilities.download_bps)] if capabilities else []
+        )
+        peers = len(view.trainers(self.step))
         averaging = self.config.averaging
-        return 4 * averaging.join_timeout + 2 * averaging.timeout_floor
+        floor = 4 * averaging.join_timeout + 2 * averaging.timeout_floor
+        return max(floor, longest_averaging(self._vector_size, peers, bandwidth, averaging))
 
     def note_store_time(self, seconds: float) -> None:
         """How long a DHT store of ours took (the progress loop times each one)."""
@@ -744,10 +760,9 @@ class Trainer:
             gather_until,
             gather_until - self.clock(),
         )
-        uniform = self.training.mode == "diloco" and self.training.outer_weighting == "uniform"
         result = await self.averager.average(
             vector,
-            weight=float(samples > 0) if uniform else float(samples),
+            weight=float(samples > 0) if self._uniform() else float(samples),
             # Unique per call, shared by everyone who answers it: a retried step never meets
             # the tickets of an earlier, failed attempt.
             epoch=int(gather_until * 1000),
@@ -761,6 +776,10 @@ class Trainer:
         self._step_bytes = sum(r.bytes_sent + r.bytes_received for r in result.rounds)
         self.status.averaged_bytes += self._step_bytes
         return result
+
+    def _uniform(self) -> bool:
+        """Peers weighted equally in the average (the DiLoCo paper's), not by samples."""
+        return self.training.mode == "diloco" and self.training.outer_weighting == "uniform"
 
     def _apply_pending(self) -> None:
         assert self._pending_result is not None
@@ -813,7 +832,11 @@ class Trainer:
         average = vector if alone else result.average
         assert average is not None  # complete
         self.strategy.apply(average)
-        self.status.global_batches.append(float(samples) if alone else result.weight)
+        # The average's total weight is the global batch, unless the peers were weighted
+        # equally (diloco, outer_weighting = "uniform"): then it counts peers, not samples.
+        global_batch = float(samples) if alone else None if self._uniform() else result.weight
+        if global_batch is not None:
+            self.status.global_batches.append(global_batch)
         self._holding = False
         self.step += 1
         self.status.steps_applied += 1
@@ -825,18 +848,18 @@ class Trainer:
             self._recent_losses.append(self._loss_ema)
         self._publish_now.set()
         log.info(
-            "step %d: %d peers, %d local samples of %d, loss %.4f",
+            "step %d: %d peers, %d local samples %s, loss %.4f",
             self.step,
             result.members if not alone else 1,
             samples,
-            self.status.global_batches[-1],
+            "(peers weighted equally)" if global_batch is None else f"of {global_batch:.0f}",
             self._loss_ema or math.nan,
             extra={
                 "applied": {
                     "step": self.step,
                     "peers": result.members if not alone else 1,
                     "samples": samples,
-                    "global_batch": self.status.global_batches[-1],
+                    "global_batch": global_batch,
                 }
             },
         )
