@@ -213,9 +213,9 @@ class TrainingConfig(_Section):
     mode: str = "dedloc"
     """dedloc (synchronous large batches of task.target_batch samples) or diloco (local steps)."""
     delayed_updates: bool = False
-    """dedloc: average step t's gradients while computing step t+1. Not the exact large-batch
-    algorithm: part of each step's micro-batches see the previous parameters (slower to a
-    target per step, docs/benchmarks.md), in exchange for no idle time while averaging."""
+    """dedloc: average step t's gradients while computing our part of step t+1. Not the exact
+    large-batch algorithm: part of each step's micro-batches see the previous parameters
+    (slower to a target per step, docs/benchmarks.md), in exchange for less idle time."""
     inner_steps: int = 50
     """diloco: local AdamW steps H every peer takes before each outer step (exactly H: a peer
     that is done waits for the others at its step, as in the DiLoCo paper)."""

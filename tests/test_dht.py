@@ -6,9 +6,11 @@ import dataclasses
 import time
 
 import trio
+from libp2p.peer.id import ID
 
 from peer.config import DhtConfig
 from peer.dht import protocol as dht
+from peer.dht.node import REJOIN_ATTEMPTS
 from peer.dht.records import Entry, make_entry
 from peer.errors import RpcError, Unreachable
 from tests.helpers import FakeClock, swarm
@@ -202,3 +204,26 @@ async def test_a_node_that_dropped_every_contact_joins_again_through_them():
         now = time.time()
         await s.dhts[0].store("k", "a", b"one", expiration=now + 60)
         assert (await lonely.get("k"))["a"].value == b"one"
+
+
+async def test_a_dropped_contact_that_never_answers_is_tried_a_few_times_then_given_up():
+    """A dropped contact's addresses are its own claim: an isolated node tries them
+    `REJOIN_ATTEMPTS` times, not every 2 s for as long as it stays alone."""
+    async with swarm(2, CONFIG) as s:
+        lonely = s.dhts[0]
+        s.kill(1)
+        (gone,) = lonely.table.contacts()
+        lonely._forget(gone, Unreachable("connection closed"))
+        tried: list[list[ID]] = []
+        bootstrap = lonely.bootstrap
+
+        async def counting(seeds):
+            tried.append([peer_id for peer_id, _ in seeds])
+            return await bootstrap(seeds)
+
+        lonely.bootstrap = counting  # type: ignore[method-assign]
+        with trio.fail_after(60):
+            while lonely._forgotten:
+                await trio.sleep(0.1)
+        assert tried == [[gone.peer_id]] * REJOIN_ATTEMPTS
+        assert lonely._rejoin_candidates() == []  # nothing left to dial

@@ -25,7 +25,13 @@ from peer.training import state as states
 from peer.training.progress import CollaborationView, ProgressRecord
 from peer.training.state import StateMismatch
 from peer.training.task import TinyTask
-from peer.training.trainer import MAX_DOWNLOAD_BACKOFF, STORES_PER_WINDOW, Trainer, data_seed
+from peer.training.trainer import (
+    MAX_DOWNLOAD_BACKOFF,
+    MAX_WAIT_FOR_OTHERS,
+    STORES_PER_WINDOW,
+    Trainer,
+    data_seed,
+)
 from tests.test_progress import rec
 
 
@@ -558,6 +564,11 @@ def test_how_long_others_may_still_be_averaging_grows_with_the_vector(tmp_path):
     assert trainer._others_still_averaging(trainer.view())
     trainer.clock = lambda: 0.5 + longest + 1.0
     assert not trainer._others_still_averaging(trainer.view())
+    # A record that goes on claiming to be in the averaging holds calls 10 minutes at most,
+    # however large the model and slow our link (a billion parameters at 10 kB/s: days).
+    trainer._vector_size = 1_000_000_000
+    trainer.capabilities = lambda: SimpleNamespace(upload_bps=1e4, download_bps=1e4)
+    assert trainer._longest_averaging(trainer.view()) == MAX_WAIT_FOR_OTHERS == 600.0
 
 
 def test_a_group_of_a_minority_of_the_trainers_does_not_step(tmp_path):

@@ -267,9 +267,10 @@ async def test_every_peer_holds_the_same_parameters_after_each_step(tmp_path, tr
     assert len({states.parameters_digest(t.model) for t in trainers}) == 1
     assert not torch.equal(parameters(trainers[0].model), start)
     assert all(t.status.downloads == 0 for t in trainers)
-    if training["mode"] == "dedloc":  # the target batch, give or take a micro-batch a peer
-        # (before, delayed updates computed on through every averaging: 3,280 for 64)
-        assert all(abs(b - 64) <= 8 * 3 for t in trainers for b in t.status.global_batches)
+    if training["mode"] == "dedloc":  # the target batch, give or take a micro-batch a peer,
+        # twice that after a failed or missed gathering (its samples are kept for the next);
+        # before, delayed updates computed on through every averaging: 3,280 for 64.
+        assert all(b <= 2 * 64 + 8 * 3 for t in trainers for b in t.status.global_batches)
 
 
 async def test_a_late_joiner_downloads_the_state_and_then_steps_in_lockstep(tmp_path):

@@ -101,10 +101,11 @@ def longest_averaging(
     size: int, peers: int, bandwidth: Sequence[float], config: AveragingConfig
 ) -> float:
     """A bound on one averaging of `size` elements among `peers` after its gathering: per
-    round of the plan, the join, a later round's leader's patience and the round itself
-    (both at most `patience`)."""
+    round of the plan, a member's join (its leader search, the gathering and a later round's
+    leader's patience: 3 `join_timeout` + `patience`, `Matchmaker`) and the round itself (at
+    most `patience` at these bandwidths)."""
     rounds = rounds_for(max(peers, 2), config.group_size)
-    return rounds * (config.join_timeout + 2 * patience(size, bandwidth, config))
+    return rounds * (3 * config.join_timeout + 2 * patience(size, bandwidth, config))
 
 
 class Averager:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -40,6 +40,9 @@ from peer.net.rpc import RpcServer
 log = logging.getLogger("peertrain.dht")
 #: Seconds between attempts to bootstrap again while no backbone is in our routing table.
 REJOIN_INTERVAL = 2.0
+#: Attempts to join again through a dropped contact before it is given up on: its addresses
+#: are its own claim, and an isolated node must not dial them every 2 s for ever.
+REJOIN_ATTEMPTS = 3
 
 Clock = Callable[[], float]
 
@@ -84,8 +87,9 @@ class DHT:
             capacity=config.caller_store_bytes, window=config.store_window
         )
         self.seeds: list[tuple[ID, Multiaddr]] = []  # backbones to fall back on
-        # The table's contacts we dropped last (bounded): to join again through if we lose all.
-        self._forgotten: deque[Contact] = deque(maxlen=config.bucket_size)
+        # The table's contacts we dropped last (bounded), each with the attempts left to join
+        # again through it if we lose them all.
+        self._forgotten: OrderedDict[ID, tuple[Contact, int]] = OrderedDict()
         self._stores_received = 0
         self._gets_served = 0
         self._calls: Counter[tuple[str, str]] = Counter()
@@ -110,7 +114,8 @@ class DHT:
                 if purged:
                     log.debug("purged %d expired entries", purged)
             if rejoin := self._rejoin_candidates():
-                await self.bootstrap(rejoin)
+                reached = await self.bootstrap(rejoin)
+                self._count_rejoin_attempts(rejoin, reached)
             elif trio.current_time() >= next_refresh:
                 next_refresh = trio.current_time() + self.config.refresh_interval
                 await self.find_nodes(random.getrandbits(256))
@@ -123,11 +128,23 @@ class DHT:
         ourselves and we would never hear of the others again)."""
         candidates = list(self.seeds) if self._lost_backbones() else []
         if len(self.table) == 0:
-            for contact in self._forgotten:
+            for contact, _ in self._forgotten.values():
                 addrs = parse_addrs(contact.addrs)
                 if addrs and all(peer_id != contact.peer_id for peer_id, _ in candidates):
                     candidates.append((contact.peer_id, addrs[0]))
         return candidates
+
+    def _count_rejoin_attempts(
+        self, tried: Sequence[tuple[ID, Multiaddr]], reached: Sequence[ID]
+    ) -> None:
+        """Dropped contacts that answered are back in the table; one that did not has one
+        attempt less, and none left: it is given up on."""
+        for peer_id, _ in tried:
+            if peer_id not in self._forgotten:
+                continue
+            contact, left = self._forgotten.pop(peer_id)
+            if peer_id not in reached and left > 1:
+                self._forgotten[peer_id] = (contact, left - 1)
 
     def _lost_backbones(self) -> bool:
         return bool(self.seeds) and not any(peer_id in self.table for peer_id, _ in self.seeds)
@@ -373,10 +390,14 @@ class DHT:
 
     def _forget(self, contact: Contact, error: Exception) -> None:
         log.debug("dropping contact %s: %s", contact.peer_id, error)
-        # Only contacts that answered or called us: not addresses others told us about.
+        # Only table contacts (they answered us, or called us giving these addresses), not
+        # addresses others told us about; the newest drop replaces an older one.
         known = self.table.get(contact.peer_id)
-        if known is not None and all(c.peer_id != known.peer_id for c in self._forgotten):
-            self._forgotten.append(known)
+        if known is not None:
+            self._forgotten.pop(known.peer_id, None)
+            self._forgotten[known.peer_id] = (known, REJOIN_ATTEMPTS)
+            while len(self._forgotten) > self.config.bucket_size:
+                self._forgotten.popitem(last=False)
         self.table.remove(contact.peer_id)
         self.node.rpc.forget(contact.peer_id)
 

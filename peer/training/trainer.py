@@ -66,6 +66,8 @@ WARN_AFTER_FAILURES = 3
 STORES_PER_WINDOW = 4
 #: Longest wait between two failed state downloads (the wait doubles from progress_interval).
 MAX_DOWNLOAD_BACKOFF = 30.0
+#: Seconds at most that a peer holds its calls for others still in a failed averaging.
+MAX_WAIT_FOR_OTHERS = 600.0
 
 #: Fetches the state of `step` (or newer) from the given holders.
 Download = Callable[[list[ProgressRecord], int], Awaitable["Snapshot"]]
@@ -668,7 +670,11 @@ class Trainer:
         """A bound on an averaging's length after its gathering (`longest_averaging`: its
         rounds' joins, waits and transfers of our vector at our measured bandwidth; at least
         the fixed bound it replaces, 30 s by default, which was shorter than one round of a
-        400 MB vector at 50 MB/s). A failed one ends sooner: its members learn it at once."""
+        400 MB vector at 50 MB/s). A failed one ends sooner: its members learn it at once.
+        At most MAX_WAIT_FOR_OTHERS: a record that goes on claiming to be in the failed
+        averaging holds every call only that long. A slower member's transfers are not in the
+        bound (records carry no bandwidth): a call made while it is still in the averaging can
+        go on without it (it then downloads the state)."""
         capabilities = self.capabilities()
         bandwidth = (
             [min(capabilities.upload_bps, capabilities.download_bps)] if capabilities else []
@@ -676,7 +682,8 @@ class Trainer:
         peers = len(view.trainers(self.step))
         averaging = self.config.averaging
         floor = 4 * averaging.join_timeout + 2 * averaging.timeout_floor
-        return max(floor, longest_averaging(self._vector_size, peers, bandwidth, averaging))
+        bound = longest_averaging(self._vector_size, peers, bandwidth, averaging)
+        return min(MAX_WAIT_FOR_OTHERS, max(floor, bound))
 
     def note_store_time(self, seconds: float) -> None:
         """How long a DHT store of ours took (the progress loop times each one)."""
