@@ -548,26 +548,28 @@ def test_after_a_failed_averaging_nobody_calls_while_others_are_still_in_it(tmp_
 def test_how_long_others_may_still_be_averaging_grows_with_the_vector(tmp_path):
     """The wait for peers still in a failed averaging covers its rounds' transfers of the
     vector at the measured bandwidth: a fixed 30 s was shorter than one round of a 400 MB
-    vector at 50 MB/s, and a peer called the step while the others were still in it."""
+    vector at 50 MB/s, and a peer called the step while the others were still in it. Here
+    the tiny model's vector takes 40 s to send at the bandwidth we measured."""
     trainer = dedloc_trainer(tmp_path, other("z1"))
     averaging = trainer.config.averaging
     fixed = 4 * averaging.join_timeout + 2 * averaging.timeout_floor
-    assert trainer._longest_averaging(trainer.view()) == fixed  # tiny vector, unmeasured
-    trainer._vector_size = 100_000_000  # 400 MB of float32
-    trainer.capabilities = lambda: SimpleNamespace(upload_bps=50e6, download_bps=50e6)
+    assert trainer._longest_averaging(trainer.view()) == fixed  # unmeasured: the old bound
+    size = sum(p.numel() for p in trainer.model.parameters())
+    rate = 4 * size / 40.0  # bytes/s: float32, 40 s
+    trainer.capabilities = lambda: SimpleNamespace(upload_bps=rate, download_bps=rate)
     longest = trainer._longest_averaging(trainer.view())
-    assert longest > 2 * 400e6 / 50e6 * averaging.timeout_multiplier > fixed
-    # Until then a peer still in our failed gathering holds our call; past it, no longer.
-    trainer._failed_before = 0.5
+    assert longest > 2 * 40.0 * averaging.timeout_multiplier > fixed
+    # Our averaging of the gathering that closed at 0.5 failed; a peer still in it holds our
+    # call until then, no longer.
+    trainer._finish_step(np.zeros(size, np.float32), 8, group_result(size, 0, complete=False), 0.5)
     trainer._note_view(CollaborationView([other("z1", call_step=0, gather_until=0.5)]))
     trainer.clock = lambda: 0.5 + (fixed + longest) / 2
     assert trainer._others_still_averaging(trainer.view())
     trainer.clock = lambda: 0.5 + longest + 1.0
     assert not trainer._others_still_averaging(trainer.view())
     # A record that goes on claiming to be in the averaging holds calls 10 minutes at most,
-    # however large the model and slow our link (a billion parameters at 10 kB/s: days).
-    trainer._vector_size = 1_000_000_000
-    trainer.capabilities = lambda: SimpleNamespace(upload_bps=1e4, download_bps=1e4)
+    # however large the model and slow our link (here: 11 hours a transfer).
+    trainer.capabilities = lambda: SimpleNamespace(upload_bps=1.0, download_bps=1.0)
     assert trainer._longest_averaging(trainer.view()) == MAX_WAIT_FOR_OTHERS == 600.0
 
 

@@ -128,10 +128,11 @@ class DHT:
         ourselves and we would never hear of the others again)."""
         candidates = list(self.seeds) if self._lost_backbones() else []
         if len(self.table) == 0:
-            for contact, _ in self._forgotten.values():
+            chosen = {peer_id for peer_id, _ in candidates}
+            for peer_id, (contact, _) in self._forgotten.items():
                 addrs = parse_addrs(contact.addrs)
-                if addrs and all(peer_id != contact.peer_id for peer_id, _ in candidates):
-                    candidates.append((contact.peer_id, addrs[0]))
+                if addrs and peer_id not in chosen:
+                    candidates.append((peer_id, addrs[0]))
         return candidates
 
     def _count_rejoin_attempts(
