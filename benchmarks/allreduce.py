@@ -27,8 +27,8 @@ import trio
 
 from benchmarks.common import quiet_logs
 from peer.averaging.allreduce import DataServer, Member, RoundSpec, allreduce
-from peer.averaging.crypto import KeyAnnouncement, RoundKey
 from peer.net.identity import ephemeral_identity
+from peer.net.tls import DataIdentity
 
 CHUNK_ELEMENTS = 1 << 18  # 1 MiB of float32 per frame
 START_DELAY = 0.3  # seconds between "go" and the common start
@@ -69,7 +69,7 @@ async def _worker(pipe: Connection) -> None:
     quiet_logs()
     identity = ephemeral_identity()
     peer_id = identity.peer_id.to_base58()
-    server = DataServer()
+    server = DataServer(DataIdentity(identity.key_pair.private_key, peer_id))
     floor_part = [0]  # bytes each floor connection carries, set per run
     async with trio.open_nursery() as nursery:
         port = await nursery.start(server.serve, "127.0.0.1", 0)
@@ -79,13 +79,12 @@ async def _worker(pipe: Connection) -> None:
             0,
         )
         pipe.send(("hello", peer_id, port, listeners[0].socket.getsockname()[1]))
-        key, vector = None, None
+        vector = None
         while True:
             message = await trio.to_thread.run_sync(pipe.recv)
             if message[0] == "key":  # also make the vector now: it takes longer than START_DELAY
-                key = RoundKey(message[1], peer_id, identity.key_pair.private_key)
                 vector = np.random.default_rng().standard_normal(message[2]).astype(np.float32)
-                pipe.send(("announce", msgspec.msgpack.encode(key.announcement)))
+                pipe.send(("announce", server.identity.certificate))
             elif message[0] == "floor":
                 _, peers, part_bytes, start_at = message
                 floor_part[0] = part_bytes
@@ -99,7 +98,6 @@ async def _worker(pipe: Connection) -> None:
                 cpu = time.process_time()
                 report = await allreduce(
                     spec,
-                    key,
                     vector,
                     server,
                     deadline=trio.current_time() + 120,
@@ -151,14 +149,12 @@ def run_case(n: int, megabytes: int, rounds: int, codec: str) -> dict:
             round_id = f"bench-{n}-{megabytes}-{round_number}".encode()
             for pipe in pipes:
                 pipe.send(("key", round_id, size))
-            announcements = [
-                msgspec.msgpack.decode(r[1], type=KeyAnnouncement) for r in collect(pipes)
-            ]
+            certificates = [r[1] for r in collect(pipes)]
             members = sorted(
                 (
                     Member(peer_id=h[1], host="127.0.0.1", port=h[2], computes=True, share=1.0,
-                           weight=1.0, key=a)
-                    for h, a in zip(hellos, announcements, strict=True)
+                           weight=1.0, cert=c)
+                    for h, c in zip(hellos, certificates, strict=True)
                 ),
                 key=lambda m: m.peer_id,
             )  # fmt: skip

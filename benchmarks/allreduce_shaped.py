@@ -29,8 +29,8 @@ import trio
 
 from benchmarks.common import quiet_logs
 from peer.averaging.allreduce import DataServer, Member, RoundSpec, allreduce
-from peer.averaging.crypto import KeyAnnouncement, RoundKey
 from peer.net.identity import ephemeral_identity
+from peer.net.tls import DataIdentity
 from peer.roles import PeerCapacity, optimal_shares
 
 MBIT = {0: 400, 1: 100, 2: 20, 3: 20}  # each member's up and down link
@@ -83,7 +83,7 @@ async def _worker(pipe: Connection, index: int) -> None:
     quiet_logs()
     identity = ephemeral_identity()
     peer_id = identity.peer_id.to_base58()
-    server = DataServer()
+    server = DataServer(DataIdentity(identity.key_pair.private_key, peer_id))
     host = f"10.78.0.{index + 1}"
     async with trio.open_nursery() as nursery:
         port = await nursery.start(server.serve, host, 0)
@@ -91,14 +91,13 @@ async def _worker(pipe: Connection, index: int) -> None:
         while True:
             message = await trio.to_thread.run_sync(pipe.recv)
             if message[0] == "key":
-                key = RoundKey(message[1], peer_id, identity.key_pair.private_key)
                 vector = np.ones(message[2], np.float32)
-                pipe.send(msgspec.msgpack.encode(key.announcement))
+                pipe.send(server.identity.certificate)
             elif message[0] == "round":
                 spec = msgspec.msgpack.decode(message[1], type=RoundSpec)
                 await trio.sleep(max(0.0, message[2] - time.time()))
                 report = await allreduce(
-                    spec, key, vector, server, deadline=trio.current_time() + 120, stall_timeout=60
+                    spec, vector, server, deadline=trio.current_time() + 120, stall_timeout=60
                 )
                 pipe.send((time.time() - message[2], report.complete))
             else:
@@ -154,11 +153,11 @@ def main() -> None:
                 round_id = f"{name}-{r}".encode()
                 for pipe in pipes:
                     pipe.send(("key", round_id, size))
-                keys = [msgspec.msgpack.decode(p.recv(), type=KeyAnnouncement) for p in pipes]
+                certs = [p.recv() for p in pipes]
                 members = sorted(
                     (
                         Member(peer_id=h[0], host=h[1], port=h[2], computes=computes[i],
-                               share=shares[i], weight=1.0 if computes[i] else 0.0, key=keys[i])
+                               share=shares[i], weight=1.0 if computes[i] else 0.0, cert=certs[i])
                         for i, h in enumerate(hellos)
                     ),
                     key=lambda m: m.peer_id,

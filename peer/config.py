@@ -79,6 +79,14 @@ class NetConfig(_Section):
     """Default deadline of one RPC, in seconds."""
     max_message_bytes: int = 4194304
     """Largest frame accepted from a peer."""
+    inbound_max_pending: int = 64
+    """Inbound libp2p connections still in their handshake, at most (peer.net.inbound)."""
+    inbound_max_pending_per_source: int = 16
+    """Of those, from one IPv4 address or IPv6 /64."""
+    inbound_handshake_seconds: float = 5.0
+    """Seconds an inbound connection has to finish its handshake."""
+    inbound_max_established: int = 160
+    """Authenticated inbound connections kept; past it a newcomer prunes the least useful."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -200,6 +208,13 @@ class AveragingConfig(_Section):
     peers than group_size all must use the same, or the averaging is refused."""
     norm_factor: float = 2.0
     """centered_clip: contributions are scaled to at most this times their median norm."""
+    min_bandwidth: float = 1_000_000.0
+    """Bytes/s: a peer's measured (or claimed) bandwidth below this counts as this in every
+    deadline, so one ticket claiming a crawl cannot stretch the group's waits; slower peers
+    time out of averaging."""
+    max_averaging_seconds: float = 1800.0
+    """Every averaging call ends within this many seconds after its gathering, whatever the
+    peers' figures (within twice the bound computed from them, if that is shorter)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,7 +24,7 @@ from multiaddr import Multiaddr
 from peer import __version__
 from peer.config import PeerConfig
 from peer.dht.node import DHT
-from peer.errors import Unreachable
+from peer.errors import ConfigError, Unreachable
 from peer.measure.clock import CollaborationClock, keep_clock
 from peer.measure.probe import ProbeServer
 from peer.measure.reachability import DialBackServer, open_dialer
@@ -32,6 +32,7 @@ from peer.measure.service import Measurements
 from peer.metrics import Sources, registry_for, serve_metrics
 from peer.net.host import Node, open_node, parse_addrs, split_peer_addr
 from peer.net.identity import ephemeral_identity, hold_identity, load_or_create_identity
+from peer.net.inbound import InboundLimits
 from peer.net.network_key import load_network_key
 from peer.presence import PresenceRecord, Role, decode_presence, keep_present, presence_key
 
@@ -93,6 +94,7 @@ async def run_daemon(
     workload = load_workload(config) if role == "peer" else None  # config errors come first
     identity = load_or_create_identity(Path(config.identity.path).expanduser())
     network_key = load_network_key(config.collaboration.network_key)
+    inbound = inbound_limits(config)
     with hold_identity(identity):
         async with open_node(
             identity,
@@ -100,6 +102,7 @@ async def run_daemon(
             announce=config.net.announce,
             max_message_bytes=config.net.max_message_bytes,
             network_key=network_key,
+            inbound=inbound,
         ) as node:
             # A peer reads the time as the backbones do (peer.measure.clock); a backbone is
             # the reference and keeps its own.
@@ -250,3 +253,17 @@ async def open_backbone_services(
     async with open_dialer(ephemeral_identity(), node.network_key) as dialer:
         DialBackServer(node.host, dialer)
         yield probe_server
+
+
+def inbound_limits(config: PeerConfig) -> InboundLimits:
+    """The libp2p inbound limits of `config.net`; ConfigError if they contradict each other."""
+    net = config.net
+    try:
+        return InboundLimits(
+            max_pending=net.inbound_max_pending,
+            max_pending_per_source=net.inbound_max_pending_per_source,
+            handshake_seconds=net.inbound_handshake_seconds,
+            max_established=net.inbound_max_established,
+        )
+    except ValueError as error:
+        raise ConfigError(f"net.inbound_*: {error}") from None

@@ -8,12 +8,28 @@ Anything else is our own bug and crashes loudly.
 
 from __future__ import annotations
 
+import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import msgspec
 
 #: What decoding a peer's msgpack may raise: msgspec's errors (ValidationError included), and
 #: UnicodeDecodeError, which msgspec 0.22 lets out as is when a str field holds invalid UTF-8
 #: (found by tests/test_fuzz_decoders.py).
 DECODE_ERRORS = (msgspec.DecodeError, UnicodeDecodeError)
+
+#: What libraries raise on values they cannot use (UnicodeError and msgspec's errors are
+#: ValueErrors too): on a peer's data, that peer's fault.
+PEER_DATA_ERRORS = (
+    ValueError,
+    KeyError,
+    IndexError,
+    OverflowError,
+    ZeroDivisionError,
+    struct.error,
+    *DECODE_ERRORS,
+)
 
 
 class PeertrainError(Exception):
@@ -70,3 +86,13 @@ class RpcError(RemoteError):
 
 class RoleAssignmentError(PeertrainError):
     """The collaboration's capabilities admit no role assignment (no compute, no aggregator)."""
+
+
+@contextmanager
+def peer_fault(what: str) -> Iterator[None]:
+    """Work on values a peer sent: what a library raises on them becomes a `ProtocolError`
+    naming `what`, which drops that peer, instead of an exception that ends the daemon."""
+    try:
+        yield
+    except PEER_DATA_ERRORS as error:
+        raise ProtocolError(f"{what}: {error!r}"[:300]) from error

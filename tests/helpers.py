@@ -13,7 +13,8 @@ from peer.config import DhtConfig
 from peer.dht.node import DHT
 from peer.dht.routing import node_id
 from peer.net.host import Node, open_node
-from peer.net.identity import ephemeral_identity
+from peer.net.identity import Identity, ephemeral_identity
+from peer.net.tls import DataIdentity
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 
@@ -170,3 +171,8 @@ class CuttingRelay:
             if back and self.returned >= self.limit:
                 self.cut.set()
                 return
+
+
+def data_identity(identity: Identity) -> DataIdentity:
+    """The data-plane TLS certificate (and contexts) of `identity`."""
+    return DataIdentity(identity.key_pair.private_key, identity.peer_id.to_base58())

@@ -1,30 +1,38 @@
-"""Butterfly all-reduce over the real data plane (TCP on loopback, AES-GCM frames), in process.
+"""Butterfly all-reduce over the real data plane (TLS 1.3 on loopback TCP), in process.
 
 Honest members run `allreduce`; misbehaving ones are small test doubles speaking the wire
-protocol through the public `wire` helpers (a sender that stalls, dies, sends NaN, the wrong
-size or forged frames; a reducer that says nothing or dies half-way).
+protocol through the public helpers (`dial_reducer`, `wire.Channel`): a sender that stalls,
+dies, sends NaN or the wrong size; one that claims to be another member; a reducer that says
+nothing or dies half-way.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import copy
 import itertools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-import msgspec
 import numpy as np
 import pytest
 import trio
 
-from peer.averaging.allreduce import DataServer, Member, RoundReport, RoundSpec, allreduce
+from peer.averaging.allreduce import (
+    DataServer,
+    Member,
+    RoundReport,
+    RoundSpec,
+    allreduce,
+    check_spec,
+    dial_reducer,
+)
 from peer.averaging.compression import CODECS
-from peer.averaging.crypto import RoundKey
 from peer.averaging.partition import chunk_ranges
-from peer.averaging.wire import DONE, Hello, SealedChannel, receive_frame, send_frame
+from peer.averaging.wire import DONE, Channel
+from peer.errors import ProtocolError
 from peer.net.identity import Identity
-from tests.helpers import new_identity
+from tests.helpers import data_identity, new_identity
 
 ROUND = b"test-round"
 SIZE = 10_007  # not a multiple of anything: uneven parts and a short last chunk
@@ -36,10 +44,9 @@ HOLD = 4.0  # how long a misbehaving double keeps its connections: past every ho
 
 @dataclass
 class Player:
-    """One member: its identity, round key, data server, role and vector."""
+    """One member: its identity, data server (with its TLS certificate), role and vector."""
 
     identity: Identity
-    key: RoundKey
     server: DataServer
     port: int
     computes: bool
@@ -59,7 +66,7 @@ class Player:
             computes=self.computes,
             share=self.share,
             weight=self.weight,
-            key=self.key.announcement,
+            cert=self.server.identity.certificate,
         )
 
 
@@ -74,9 +81,8 @@ Behaviour = Callable[[Player, RoundSpec], Awaitable[RoundReport | None]]
 
 async def honest(player: Player, spec: RoundSpec) -> RoundReport:
     return await allreduce(
-        spec, player.key, player.vector, player.server, deadline=trio.current_time() + 30,
-        stall_timeout=STALL,
-    )  # fmt: skip
+        spec, player.vector, player.server, deadline=trio.current_time() + 30, stall_timeout=STALL
+    )
 
 
 async def run_group(
@@ -85,13 +91,11 @@ async def run_group(
     codec: str = "none",
     behaviours: dict[int, Behaviour] | None = None,
     seed: int = 0,
-    forge: int | None = None,
     size: int = SIZE,
     tweak: Callable[[list[np.ndarray]], None] = lambda vectors: None,
 ) -> tuple[list[Player], list[np.ndarray], list[RoundReport | None]]:
-    """`forge`: that member's announced key is signed by a stranger's identity;
+    """Run one round; returns players (sorted as in the spec), original vectors, reports.
     `tweak` may change the members' vectors before the round."""
-    """Run one round; returns players (sorted as in the spec), original vectors, reports."""
     rng = np.random.default_rng(seed)
     identities = sorted((new_identity() for _ in roles), key=lambda i: i.peer_id.to_base58())
     behaviours = behaviours or {}
@@ -99,19 +103,14 @@ async def run_group(
         players = []
         for identity, role in zip(identities, roles, strict=True):
             computes, share = ROLES[role]
-            server = DataServer(hello_timeout=1.0)
+            server = DataServer(data_identity(identity))
             port = await nursery.start(server.serve, "127.0.0.1", 0)
-            key = RoundKey(ROUND, identity.peer_id.to_base58(), identity.key_pair.private_key)
             vector = rng.standard_normal(size).astype(np.float32) * 3
             weight = float(rng.integers(1, 5)) if computes else 0.0
-            players.append(Player(identity, key, server, port, computes, share, weight, vector))
+            players.append(Player(identity, server, port, computes, share, weight, vector))
         tweak([p.vector for p in players])
         originals = [p.vector.copy() for p in players]
         members = [p.member() for p in players]
-        if forge is not None:
-            stranger = new_identity()
-            forged = RoundKey(ROUND, players[forge].peer_id, stranger.key_pair.private_key)
-            members[forge] = dataclasses.replace(members[forge], key=forged.announcement)
         spec = RoundSpec(
             round_id=ROUND,
             members=tuple(members),
@@ -217,17 +216,20 @@ def faulty_sender(mode: str) -> Behaviour:
 
 
 async def send_faultily(player: Player, spec: RoundSpec, reducer: Member, part, mode: str) -> None:
-    keys = player.key.connection_keys(reducer.key, we_dial=True)
-    send_key = bytes(32) if mode == "forged" else keys.contributions  # forged: no real key
     codec = CODECS[spec.codec]
-    with trio.move_on_after(HOLD), contextlib.suppress(trio.BrokenResourceError, OSError):
-        stream = await trio.open_tcp_stream(reducer.host, reducer.port)
+    player.server.identity.trust([reducer.cert])
+    with (
+        trio.move_on_after(HOLD),
+        contextlib.suppress(ProtocolError, OSError, trio.BrokenResourceError),
+    ):
+        while True:  # as an honest sender does: dial until the reducer has opened the round
+            try:
+                stream = await dial_reducer(player.server, spec.round_id, reducer)
+                break
+            except (ProtocolError, OSError):
+                await trio.sleep(0.01)
         async with stream:
-            hello = msgspec.msgpack.encode(Hello(spec.round_id, player.peer_id))
-            await send_frame(stream, hello)
-            challenge = await receive_frame(stream, max_bytes=64)
-            channel = SealedChannel(stream, send_key=send_key, receive_key=keys.averages)
-            await channel.send(DONE, 0, hello + bytes(challenge))
+            channel = Channel(stream)
             chunks = chunk_ranges(*part, spec.chunk_elements)
             for index, (lo, hi) in enumerate(chunks):
                 values = player.vector[lo:hi].copy()
@@ -244,7 +246,7 @@ async def send_faultily(player: Player, spec: RoundSpec, reducer: Member, part, 
             await trio.sleep(HOLD)  # keep the connection open; the reducer decides
 
 
-@pytest.mark.parametrize("mode", ["absent", "nan", "wrong size", "forged", "stall", "die"])
+@pytest.mark.parametrize("mode", ["absent", "nan", "wrong size", "stall", "die"])
 async def test_a_misbehaving_sender_is_dropped_and_the_rest_agree(mode):
     roles = ["normal", "normal", "normal", "client"]
     players, originals, reports = await run_group(
@@ -262,7 +264,7 @@ async def test_a_misbehaving_sender_is_dropped_and_the_rest_agree(mode):
     for chunk in reports[0].chunks:
         counts[chunk.start] = chunk.senders
         values = players[0].vector[chunk.start : chunk.end]
-        if mode in ("absent", "nan", "wrong size", "forged"):  # never averaged in
+        if mode in ("absent", "nan", "wrong size"):  # never averaged in
             assert chunk.senders == 3
             np.testing.assert_allclose(values, without[chunk.start : chunk.end], atol=1e-5)
         elif chunk.senders == 4:  # delivered before it stalled or died
@@ -281,7 +283,8 @@ def faulty_reducer(mode: str) -> Behaviour:
     """An aggregator-only member that takes contributions and then fails its part."""
 
     async def behave(player: Player, spec: RoundSpec) -> None:
-        inbox = player.server.open_inbox(spec.round_id)
+        computing = {m.peer_id: m.cert for m in spec.members if m.computes}
+        inbox = player.server.open_inbox(spec.round_id, computing)
         part = spec.parts()[[m.peer_id for m in spec.members].index(player.peer_id)]
         chunks = chunk_ranges(*part, spec.chunk_elements)
         codec = CODECS[spec.codec]
@@ -297,12 +300,8 @@ def faulty_reducer(mode: str) -> Behaviour:
 
 
 async def serve(handoff, player, spec, chunks, codec, mode) -> None:
-    member = next(m for m in spec.members if m.peer_id == handoff.sender)
-    keys = player.key.connection_keys(member.key, we_dial=False)
-    channel = SealedChannel(handoff.stream, send_key=keys.averages, receive_key=keys.contributions)
+    channel = Channel(handoff.stream)
     try:
-        await send_frame(handoff.stream, bytes(16))  # the challenge
-        await channel.receive(max_payload=1024)  # the greeting
         for _ in itertools.count():
             frame = await channel.receive(max_payload=codec.wire_bytes(spec.chunk_elements))
             if frame is None or frame[0] == DONE:
@@ -350,8 +349,8 @@ async def test_a_failing_reducer_leaves_local_values_and_the_rest_agree(mode):
 async def test_a_round_never_outlives_its_deadline():
     async def impatient(player: Player, spec: RoundSpec) -> RoundReport:
         return await allreduce(
-            spec, player.key, player.vector, player.server,
-            deadline=trio.current_time() + 0.5, stall_timeout=30.0,
+            spec, player.vector, player.server, deadline=trio.current_time() + 0.5,
+            stall_timeout=30.0,
         )  # fmt: skip
 
     roles = ["normal", "normal", "aggregator"]
@@ -365,29 +364,55 @@ async def test_a_round_never_outlives_its_deadline():
         assert reports[i].failed_reducers.get(players[2].peer_id) == "the deadline passed"
 
 
-async def test_a_member_whose_round_key_is_not_signed_by_it_takes_no_part():
-    """Its announcement carries another identity's signature: nobody derives keys with it."""
+async def test_a_spec_listing_a_member_with_another_peers_certificate_is_refused():
+    """A leader that substitutes its own certificate for a member's (to read that member's
+    contribution and forge its averages) is caught before anyone dials."""
+    identities = [new_identity() for _ in range(3)]
+    certs = [data_identity(i).certificate for i in identities]
+    names = [i.peer_id.to_base58() for i in identities]
 
-    async def impostor(player: Player, spec: RoundSpec) -> None:
-        await trio.sleep(HOLD)  # it could not decrypt or forge anything anyway
+    def spec(listed: list[bytes]) -> RoundSpec:
+        members = tuple(
+            Member(peer_id=n, host="127.0.0.1", port=9000 + k, computes=True, share=1.0,
+                   weight=1.0, cert=c)
+            for k, (n, c) in enumerate(zip(names, listed, strict=True))
+        )  # fmt: skip
+        return RoundSpec(round_id=ROUND, members=members, size=SIZE, codec="none",
+                         chunk_elements=CHUNK)  # fmt: skip
 
-    players, _, reports = await run_group(
-        ["normal", "normal", "normal"], behaviours={2: impostor}, forge=2
+    check_spec(spec(certs), names[1])  # the honest spec passes
+    with pytest.raises(ProtocolError, match="another peer's"):
+        check_spec(spec([certs[0], certs[0], certs[2]]), names[2])  # member 1 gets 0's cert
+    with pytest.raises(ProtocolError, match="does not check out"):
+        check_spec(spec([certs[0], b"\x30" * 40, certs[2]]), names[2])
+
+
+async def test_a_connection_claiming_another_member_is_refused_and_the_round_completes():
+    """A member dials a reducer with its own certificate but names another member in its
+    hello: the reducer hangs up, and the member it named still delivers its contribution."""
+
+    async def impostor_then_honest(player: Player, spec: RoundSpec) -> RoundReport:
+        target, victim = spec.members[0], spec.members[1]
+        player.server.identity.trust([target.cert])
+        posing = copy.copy(player.server)  # same certificate, another name in the hello
+        posing.identity = copy.copy(player.server.identity)
+        posing.identity.peer_id = victim.peer_id
+        await trio.sleep(0.2)  # the reducer has opened the round by now
+        with pytest.raises(ProtocolError, match="hung up"):
+            await dial_reducer(posing, spec.round_id, target)
+        return await honest(player, spec)
+
+    players, originals, reports = await run_group(
+        ["normal", "normal", "normal"], behaviours={2: impostor_then_honest}
     )
-    bad = players[2].peer_id
-    for i in (0, 1):
-        assert "not signed by it" in reports[i].dropped_senders[bad]
-        assert "not signed by it" in reports[i].failed_reducers[bad]
-    averaged = [c for c in reports[0].chunks if c.senders]
-    assert averaged and {c.senders for c in averaged} == {2}  # the impostor never counted
-    for c in averaged:
-        assert np.array_equal(
-            players[0].vector[c.start : c.end], players[1].vector[c.start : c.end]
-        )
+    expected = weighted_average(players, originals, lambda p: True)
+    for i in range(3):
+        assert reports[i].complete, reports[i]
+        np.testing.assert_allclose(players[i].vector, expected, atol=1e-5)
 
 
 async def test_a_stray_connection_does_not_cut_a_reducer_short():
-    """An unauthenticated connection that ends before the real senders arrive must not make
+    """A connection that sends junk and ends before the real senders arrive must not make
     the reducer think its last averages have left."""
     size = 2_000_000
 
@@ -395,9 +420,7 @@ async def test_a_stray_connection_does_not_cut_a_reducer_short():
         target = spec.members[0]
         with contextlib.suppress(trio.BrokenResourceError, OSError):
             async with await trio.open_tcp_stream(target.host, target.port) as stream:
-                claim = msgspec.msgpack.encode(Hello(spec.round_id, spec.members[1].peer_id))
-                await send_frame(stream, claim)
-                await send_frame(stream, b"not a sealed frame")
+                await stream.send_all(b"\x16\x03\x01 not a TLS hello" * 10)
         await trio.sleep(0.2)
         return await honest(player, spec)
 

@@ -21,9 +21,9 @@ import numpy as np
 import trio
 
 from peer.averaging.allreduce import DataServer, Member, RoundSpec, allreduce
-from peer.averaging.crypto import KeyAnnouncement, RoundKey
 from peer.averaging.partition import chunk_ranges
 from peer.net.identity import ephemeral_identity
+from peer.net.tls import DataIdentity
 
 SIZE = 10_000_000  # 40 MB of float32
 CHUNK = 1 << 18
@@ -37,17 +37,16 @@ def values_of(seed: int) -> np.ndarray:
 async def _member(pipe: Connection, seed: int) -> None:
     identity = ephemeral_identity()
     peer_id = identity.peer_id.to_base58()
-    server = DataServer()
+    server = DataServer(DataIdentity(identity.key_pair.private_key, peer_id))
     vector = values_of(seed)
     async with trio.open_nursery() as nursery:
         port = await nursery.start(server.serve, "127.0.0.1", 0)
-        key = RoundKey(ROUND, peer_id, identity.key_pair.private_key)
-        pipe.send((peer_id, port, msgspec.msgpack.encode(key.announcement), os.getpid()))
+        pipe.send((peer_id, port, server.identity.certificate, os.getpid()))
         spec_bytes, start_at = await trio.to_thread.run_sync(pipe.recv)
         spec = msgspec.msgpack.decode(spec_bytes, type=RoundSpec)
         await trio.sleep(max(0.0, start_at - time.time()))
         report = await allreduce(
-            spec, key, vector, server, deadline=trio.current_time() + 20, stall_timeout=2.0
+            spec, vector, server, deadline=trio.current_time() + 20, stall_timeout=2.0
         )
         chunks = [
             (
@@ -82,7 +81,7 @@ def test_survivors_of_a_sigkilled_member_finish_agree_and_average_correctly():
             sorted(
                 (
                     Member(peer_id=h[0], host="127.0.0.1", port=h[1], computes=True, share=1.0,
-                           weight=1.0, key=msgspec.msgpack.decode(h[2], type=KeyAnnouncement))
+                           weight=1.0, cert=h[2])
                     for h in hellos
                 ),
                 key=lambda m: m.peer_id,

@@ -8,10 +8,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from peer.averaging.compression import BLOCK, CODECS, BadPart
-from peer.averaging.crypto import KeyAnnouncement, RoundKey, verify_announcement
 from peer.averaging.partition import chunk_ranges, part_ranges, part_sizes
 from peer.averaging.reduce import PartReducer, ResultAssembler
-from tests.helpers import new_identity
 
 # ---------------------------------------------------------------------------- partition
 
@@ -146,21 +144,6 @@ def test_the_assembler_keeps_local_values_where_nothing_arrived():
     assert not assembler.part_complete(0)
 
 
-def test_the_four_keys_between_two_members_are_distinct_and_agree():
-    from peer.averaging.crypto import RoundKey
-    from tests.helpers import new_identity
-
-    a, b = new_identity(), new_identity()
-    ka = RoundKey(b"r", a.peer_id.to_base58(), a.key_pair.private_key)
-    kb = RoundKey(b"r", b.peer_id.to_base58(), b.key_pair.private_key)
-    a_dials = ka.connection_keys(kb.announcement, we_dial=True)
-    assert a_dials == kb.connection_keys(ka.announcement, we_dial=False)
-    b_dials = kb.connection_keys(ka.announcement, we_dial=True)
-    assert b_dials == ka.connection_keys(kb.announcement, we_dial=False)
-    keys = {a_dials.contributions, a_dials.averages, b_dials.contributions, b_dials.averages}
-    assert len(keys) == 4  # no (key, nonce) pair is ever used on two streams
-
-
 def test_fp16_keeps_inf_so_the_receiver_rejects_it():
     decoded = CODECS["fp16"].decode(CODECS["fp16"].encode(np.array([np.inf, 1.0], np.float32)), 2)
     assert decoded[0] == np.inf
@@ -169,14 +152,3 @@ def test_fp16_keeps_inf_so_the_receiver_rejects_it():
 def test_int8_quantises_denormal_blocks_to_zero():
     values = np.full(10, 1e-40, np.float32)
     assert (CODECS["int8"].decode(CODECS["int8"].encode(values), 10) == 0).all()
-
-
-@pytest.mark.parametrize("cut", [1, 63, 65])
-def test_a_key_announcement_with_a_signature_of_the_wrong_length_is_a_bad_part(cut):
-    identity = new_identity()
-    key = RoundKey(b"round", identity.peer_id.to_base58(), identity.key_pair.private_key)
-    good = key.announcement
-    verify_announcement(b"round", good)
-    signature = (good.signature + b"\x00")[:cut]
-    with pytest.raises(BadPart, match="not signed by it"):
-        verify_announcement(b"round", KeyAnnouncement(good.peer_id, good.public_key, signature))

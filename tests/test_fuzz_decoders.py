@@ -201,6 +201,7 @@ CASES = [
                 "127.0.0.1",
                 4003,
                 bytes(32),
+                bytes(600),
             )
         ),
         names_of(chunks.Manifest, chunks.ManifestRequest, chunks.Release),

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from peer.averaging.crypto import RoundKey
 from peer.averaging.group import Joined, Ticket, build_spec, round_id_of, round_timeouts
 from peer.measure.capabilities import Capabilities
-from tests.helpers import new_identity
+from tests.helpers import data_identity, new_identity
 
 
 def caps(bw: float, *, reachable: bool = True, speed: float = 10.0) -> Capabilities:
@@ -25,7 +24,7 @@ def joined(capabilities=None, *, weight: float = 1.0) -> Joined:
         peer_id=peer_id, rpc_addrs=[], data_host="127.0.0.1", data_port=4000,
         computes=weight > 0, weight=weight, capabilities=capabilities,
     )  # fmt: skip
-    return Joined(ticket, RoundKey(b"k", peer_id, identity.key_pair.private_key).announcement)
+    return Joined(ticket, data_identity(identity).certificate)
 
 
 def spec_of(members, size=1000, leader=None):

@@ -93,17 +93,40 @@ async def test_a_closed_inbound_connection_frees_its_slot_and_newcomers_are_serv
     """py-libp2p 0.8.1 kept each inbound slot until the swarm stopped: after 250 connections in
     its lifetime a node refused everyone (a backbone in the soak)."""
     async with nodes(1) as (server,):
-        limiter = server.host.get_network()._inbound_limiter
         for _ in range(5):
             async with nodes(1) as (client,):
                 await client.connect(server.peer_id, server.announce, timeout=5)
-                assert limiter.borrowed_tokens >= 1
+                assert server.inbound.statistics().established >= 1
         with trio.fail_after(10):
-            while limiter.borrowed_tokens:  # the server notices each close
+            while server.inbound.statistics().established:  # the server notices each close
                 await trio.sleep(0.05)
-        limiter.total_tokens = 1  # one slot: a leaked one would refuse the next client
+        assert server.inbound.statistics().pruned == 0
         async with nodes(1) as (client,):
             await client.connect(server.peer_id, server.announce, timeout=5)
+
+
+async def test_idle_tcp_connections_from_many_addresses_do_not_keep_a_newcomer_out():
+    """py-libp2p gave each accepted TCP connection one of 250 inbound slots before any
+    handshake and held it up to 10 s: 300 connections that never send a byte (from 8
+    addresses; Linux routes all of 127/8 to lo) refused every newcomer."""
+    async with nodes(1) as (server,):
+        port = int(str(server.announce[0]).split("/tcp/")[1])
+        idle = []
+        try:
+            with trio.fail_after(60):
+                for i in range(300):
+                    sock = trio.socket.socket()
+                    idle.append(sock)
+                    await sock.bind((f"127.0.0.{2 + i % 8}", 0))
+                    await sock.connect(("127.0.0.1", port))
+                async with nodes(1) as (newcomer,):
+                    await newcomer.connect(server.peer_id, server.announce, timeout=10)
+                    assert server.host.get_network().connections.get(newcomer.peer_id)
+            # What they cost us meanwhile: a bounded number of sockets in the handshake.
+            assert server.inbound.statistics().pending <= server.inbound.limits.max_pending
+        finally:
+            for sock in idle:
+                sock.close()
 
 
 async def test_a_redial_skips_the_unspecified_listen_address_identify_stored():

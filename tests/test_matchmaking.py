@@ -6,6 +6,7 @@ import dataclasses
 import time
 from contextlib import asynccontextmanager
 
+import msgspec
 import numpy as np
 import pytest
 import trio
@@ -13,7 +14,7 @@ import trio
 from peer.averaging.allreduce import DataServer
 from peer.averaging.averager import Averager, AveragingResult, fingerprint
 from peer.config import AveragingConfig, DhtConfig
-from tests.helpers import CuttingRelay, swarm
+from tests.helpers import CuttingRelay, data_identity, swarm
 
 DHT_CONFIG = dataclasses.replace(DhtConfig(), replicas=5, alpha=3, purge_interval=3600.0)
 SIZE = 4099
@@ -26,7 +27,7 @@ async def averaging_swarm(count: int, config: AveragingConfig):
     async with swarm(count, DHT_CONFIG) as s:
         averagers = []
         for dht in s.dhts:
-            server = DataServer()
+            server = DataServer(data_identity(dht.node.identity))
             port = await s.nursery.start(server.serve, "127.0.0.1", 0)
             averagers.append(
                 Averager(
@@ -164,15 +165,13 @@ def _ticket(averager: Averager):
 
 
 async def test_joins_for_other_epochs_and_abandoned_joins_leave_no_trace():
-    from peer.averaging.crypto import RoundKey
     from peer.averaging.group import Joined
     from peer.averaging.matchmaking import SERVICE, Join, JoinReply, Redirect
     from peer.errors import DeadlineExceeded
 
     async with averaging_swarm(2, AveragingConfig(join_timeout=2.0)) as (_, (leader, joiner)):
         namespace = f"test/avg/{MODEL}/9"
-        key = RoundKey(b"k", joiner.me, joiner.dht.node.identity.key_pair.private_key)
-        me = Joined(_ticket(joiner), key.announcement)
+        me = Joined(_ticket(joiner), joiner.data_server.identity.certificate)
 
         async def join(ns: str, timeout: float):
             return await joiner.dht.node.rpc.call(
@@ -380,3 +379,89 @@ async def test_peers_that_reduce_differently_refuse_a_plan_of_several_rounds():
     for r in results:
         assert r.average is None
         assert "1 centered_clip, 2 mean" in r.skipped[0] and "aggregation" in r.skipped[0]
+
+
+def test_a_spec_whose_members_cannot_be_used_safely_is_refused():
+    """What a leader lists reaches every member: a certificate of another peer (the leader
+    reading a member's contribution), an address that is not an IP or aims a member at its own
+    machine, values out of range. Each is refused as the leader's fault, never raised."""
+    from peer.averaging.allreduce import RoundSpec
+    from peer.averaging.averager import _spec_problem
+    from peer.averaging.matchmaking import GroupPlan, RoundShape
+    from tests.test_group import joined, spec_of
+
+    spec = spec_of([joined() for _ in range(3)], size=1000)
+    ids = [m.peer_id for m in spec.members]
+    shape = RoundShape(epoch=3, size=1000, codec="none", chunk_elements=100, view=spec.view)
+    single = GroupPlan(members=tuple(ids))
+
+    def tampered(index: int, **fields):
+        members = list(spec.members)
+        members[index] = dataclasses.replace(members[index], **fields)
+        return dataclasses.replace(spec, members=tuple(members))
+
+    stolen = tampered(1, cert=spec.members[0].cert)
+    assert "another peer's" in _spec_problem(stolen, shape, single, ids[2])
+    assert "check out" in _spec_problem(tampered(1, cert=b"junk"), shape, single, ids[2])
+    assert "not an IP" in _spec_problem(tampered(1, host="localhost"), shape, single, ids[2])
+    # A member on a real address is never sent to a loopback or link-local one.
+    public = dataclasses.replace(
+        spec, members=tuple(dataclasses.replace(m, host="192.0.2.7") for m in spec.members)
+    )
+    aimed = dataclasses.replace(
+        public,
+        members=(public.members[0], dataclasses.replace(public.members[1], host="127.0.0.1"),
+                 public.members[2]),
+    )  # fmt: skip
+    assert _spec_problem(public, shape, single, ids[2]) is None
+    assert "loopback" in _spec_problem(aimed, shape, single, ids[2])
+    metadata = tampered(1, host="169.254.169.254")
+    assert "link-local" in _spec_problem(
+        dataclasses.replace(metadata, members=(
+            dataclasses.replace(metadata.members[0], host="192.0.2.7"), metadata.members[1],
+            dataclasses.replace(metadata.members[2], host="192.0.2.8"))),
+        shape, single, ids[2],
+    )  # fmt: skip
+    # Out-of-range values never decode (the RPC layer turns that into a RemoteError).
+    for field, bad in (("port", 70000), ("share", float("nan")), ("weight", 1e308)):
+        wire = msgspec.msgpack.encode(tampered(1, **{field: bad}))
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.msgpack.decode(wire, type=RoundSpec)
+
+
+def test_a_ticket_claiming_a_crawl_cannot_stretch_a_groups_deadlines():
+    """One ticket claiming 1 B/s made every stall timeout and round deadline ~10^6 times
+    longer (the group trained 0 steps until restart): claims count at min_bandwidth at least."""
+    from peer.averaging.averager import bandwidths, patience
+    from peer.averaging.group import round_timeouts
+    from tests.test_group import caps, joined, spec_of
+
+    members = [joined(caps(50e6)), joined(caps(50e6)), joined(caps(1.0))]
+    spec = spec_of(members, size=10_000_000)
+    config = AveragingConfig()
+    rates = bandwidths([j.ticket for j in members], config)
+    assert sorted(rates.values()) == [config.min_bandwidth, 50e6, 50e6]
+    duration, stall = round_timeouts(
+        spec, rates, wire_bytes_per_element=4.0, floor=5.0, multiplier=3.0
+    )
+    # 40 MB at 1 MB/s, three times over, plus the floor: minutes, not 10^8 seconds.
+    assert duration <= 5.0 + 3.0 * 2 * 40e6 / config.min_bandwidth
+    assert stall <= 5.0 + 3.0 * 100 * 4 / config.min_bandwidth
+    assert patience(10_000_000, list(rates.values()), config) < 1000
+
+
+async def test_every_averaging_call_ends_by_its_outer_deadline():
+    """A peer that declared a ticket and then never leads nor joins holds its group's members
+    for join timeouts (here 30 s each); max_averaging_seconds ends the call regardless."""
+    config = AveragingConfig(join_timeout=30.0, max_averaging_seconds=3.0)
+    async with averaging_swarm(2, config) as (_, (a, silent)):
+        gather_until = time.time() + 1.0
+        namespace = f"test/avg/{MODEL}/1"
+        await silent.matchmaker.declare(namespace, _ticket(silent), expiration=gather_until + 60)
+        with trio.fail_after(20):  # far below the 30 s joins it would otherwise wait out
+            result = await a.average(
+                np.ones(SIZE, np.float32), weight=1.0, epoch=1, fingerprint=MODEL,
+                gather_until=gather_until,
+            )  # fmt: skip
+        assert result.average is None
+        assert any("longer than its limit" in s for s in result.skipped), result.skipped

@@ -22,7 +22,6 @@ from hypothesis import strategies as st
 
 from peer.averaging.allreduce import DataServer, Member, RoundSpec, allreduce
 from peer.averaging.compression import BadPart
-from peer.averaging.crypto import RoundKey
 from peer.averaging.partition import part_ranges
 from peer.averaging.reduce import PartReducer
 from peer.averaging.robust import (
@@ -35,7 +34,7 @@ from peer.averaging.robust import (
 from peer.net.identity import Identity
 from peer.training.strategies import LargeBatch
 from peer.training.task import TinyTask
-from tests.helpers import new_identity
+from tests.helpers import data_identity, new_identity
 
 # ---------------------------------------------------------------------------- pure rules
 
@@ -175,7 +174,6 @@ class Group:
         """Average `vectors` (in place, one per member in `self.peers` order)."""
         self.rounds += 1
         round_id = f"round-{self.rounds}".encode()
-        keys = [RoundKey(round_id, p.peer_id, p.identity.key_pair.private_key) for p in self.peers]
         members = tuple(
             Member(
                 peer_id=p.peer_id,
@@ -184,9 +182,9 @@ class Group:
                 computes=True,
                 share=1.0,
                 weight=w,
-                key=k.announcement,
+                cert=p.server.identity.certificate,
             )
-            for p, k, w in zip(self.peers, keys, weights, strict=True)
+            for p, w in zip(self.peers, weights, strict=True)
         )
         spec = RoundSpec(
             round_id=round_id, members=members, size=len(vectors[0]), codec="none",
@@ -195,7 +193,7 @@ class Group:
 
         async def one(i: int) -> None:
             report = await allreduce(
-                spec, keys[i], vectors[i], self.peers[i].server,
+                spec, vectors[i], self.peers[i].server,
                 deadline=trio.current_time() + 30, stall_timeout=5.0, norm_factor=norm_factor,
             )  # fmt: skip
             assert report.complete, report
@@ -208,9 +206,10 @@ class Group:
 async def open_group(nursery: trio.Nursery, n: int) -> Group:
     peers = []
     for _ in range(n):
-        server = DataServer(hello_timeout=2.0)
+        identity = new_identity()
+        server = DataServer(data_identity(identity))
         port = await nursery.start(server.serve, "127.0.0.1", 0)
-        peers.append(Peer(new_identity(), server, port))
+        peers.append(Peer(identity, server, port))
     return Group(peers)
 
 

@@ -18,6 +18,7 @@ import trio
 
 from peer.errors import RemoteError
 from peer.net.host import Node, open_node
+from peer.net.tls import TlsStream, pinned_client_context
 from peer.training.chunks import (
     MAX_CHUNK_BYTES,
     MIN_CHUNK_BYTES,
@@ -73,6 +74,7 @@ def manifest(
         data_host="127.0.0.1",
         data_port=1,
         ticket=bytes(32),
+        data_cert=b"",
     )
 
 
@@ -572,8 +574,10 @@ async def test_asking_for_chunks_over_and_over_on_one_ticket_runs_out_of_budget(
             manifest = await greedy.rpc.call(
                 peer, SERVICE, "manifest", ManifestRequest(0), Manifest, timeout=5
             )
-            stream = await trio.open_tcp_stream(manifest.data_host, manifest.data_port)
+            raw = await trio.open_tcp_stream(manifest.data_host, manifest.data_port)
+            stream = TlsStream(raw, pinned_client_context([manifest.data_cert]), server_side=False)
             async with stream:
+                await stream.handshake()
                 await stream.send_all(MAGIC + manifest.ticket)
                 received, served = bytearray(), 0
                 for _ in range(4 * len(manifest.hashes)):  # four states' worth of requests

@@ -21,7 +21,7 @@ from peer.training import state as states
 from peer.training.statesync import StateDonor, StateDownload
 from peer.training.task import TinyTask
 from peer.training.trainer import Trainer
-from tests.helpers import CuttingRelay, swarm
+from tests.helpers import CuttingRelay, data_identity, swarm
 
 DHT_CONFIG = dataclasses.replace(DhtConfig(), replicas=5, alpha=3, purge_interval=3600.0)
 
@@ -112,7 +112,7 @@ class Joinable:
         """A trainer on `dht`; `relay`: its data port is a CuttingRelay that cuts after that
         many bytes back (kept in `relays` by the trainer's index)."""
         index = len(self.trainers)
-        server = DataServer()
+        server = DataServer(data_identity(dht.node.identity))
         port = await self.s.nursery.start(server.serve, "127.0.0.1", 0)
         if relay is not None and relays is not None:
             relays[index] = CuttingRelay(port, limit=relay)

@@ -26,63 +26,68 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import secrets
 from contextlib import suppress
 from dataclasses import dataclass, field
+from typing import Annotated
 
 import msgspec
 import numpy as np
 import trio
 
 from peer.averaging.compression import CODECS, BadPart
-from peer.averaging.crypto import ConnectionKeys, KeyAnnouncement, RoundKey
-from peer.averaging.partition import chunk_ranges, part_ranges
+from peer.averaging.partition import chunk_ranges, part_ranges, valid_shares
 from peer.averaging.reduce import ChunkResult, PartReducer, ResultAssembler
 from peer.averaging.wire import (
+    ACCEPT,
     DONE,
     MAX_HELLO_BYTES,
+    Channel,
     Hello,
-    SealedChannel,
+    receive_exactly,
     receive_frame,
     send_frame,
 )
 from peer.errors import DECODE_ERRORS, ProtocolError
+from peer.net.admission import Admission, AdmissionLimits, check_dial_address, prove_network_key
+from peer.net.tls import MAX_CERT_BYTES, DataIdentity, TlsStream, certificate_peer_id
 
 log = logging.getLogger("peertrain.allreduce")
 
-MAX_EARLY_CONNECTIONS = 256  # connections waiting for their round to open, at most
-MAX_EARLY_PER_ROUND = 32
-MAX_PENDING_PER_SENDER = 4  # connections claiming one sender, not yet authenticated
+MAX_MEMBERS = 256  # what a leader may list, whatever it claims (matchmaking's MAX_JOINERS)
 MAX_QUEUED_CHUNKS = 8  # a sender's chunks waiting for their turn before we stop reading it
-CHALLENGE_BYTES = 16
+REDIAL_FIRST, REDIAL_MAX = 0.01, 0.25  # a reducer that has not opened the round: dial again
 # Errors of a data-plane connection that end it (and drop its peer from the round).
 CONNECTION_ERRORS = (ProtocolError, OSError, trio.BrokenResourceError, trio.ClosedResourceError)
+
+PeerId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+Share = Annotated[float, msgspec.Meta(ge=0, le=1e15)]  # msgspec rejects NaN against bounds
 
 
 @dataclass(frozen=True, kw_only=True)
 class Member:
-    peer_id: str
-    host: str
-    port: int
+    peer_id: PeerId
+    host: Annotated[str, msgspec.Meta(max_length=64)]
+    port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
     computes: bool
-    share: float
-    weight: float
-    key: KeyAnnouncement
-    block: int = 0
+    share: Share
+    weight: Share
+    cert: Annotated[bytes, msgspec.Meta(max_length=MAX_CERT_BYTES)]
+    """Its data-plane TLS certificate (`peer.net.tls`): it names `peer_id`, checked before use."""
+    block: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0
     """Contributions are added in the order of (block, peer id): the same order in every group
     that holds the same blocks, so their averages are bit-identical (`moshpit.py`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class RoundSpec:
-    round_id: bytes
-    members: tuple[Member, ...]
+    round_id: Annotated[bytes, msgspec.Meta(min_length=1, max_length=64)]
+    members: Annotated[tuple[Member, ...], msgspec.Meta(min_length=1, max_length=MAX_MEMBERS)]
     """Sorted by peer id."""
-    size: int
+    size: Annotated[int, msgspec.Meta(ge=0, le=2**40)]
     """Elements of the flat float32 vector."""
-    codec: str
-    chunk_elements: int
-    view: bytes = b""
+    codec: Annotated[str, msgspec.Meta(max_length=32)]
+    chunk_elements: Annotated[int, msgspec.Meta(ge=1, le=2**28)]
+    view: Annotated[bytes, msgspec.Meta(max_length=64)] = b""
     """The digest of the tickets the group planned from (`group.view_digest`)."""
 
     def parts(self) -> list[tuple[int, int]]:
@@ -99,7 +104,7 @@ class RoundReport:
     failed_reducers: dict[str, str] = field(default_factory=dict)
     """As a sender: reducers whose part it did not fully get back, and why."""
     bytes_sent: int = 0
-    """Data-plane bytes this member put on the wire (frames, headers and tags included)."""
+    """Data-plane bytes this member put on the wire (frame headers included, TLS not)."""
     bytes_received: int = 0
 
     @property
@@ -113,21 +118,38 @@ class Handoff:
     it (trio closes a served stream when its handler returns, so the handler waits)."""
 
     sender: str
-    stream: trio.SocketStream
-    hello: bytes
+    stream: TlsStream
     released: trio.Event = field(default_factory=trio.Event)
 
 
-class DataServer:
-    """Accepts data-plane connections and hands each to the round it belongs to."""
+@dataclass(frozen=True)
+class _Inbox:
+    send: trio.MemorySendChannel[Handoff]
+    receive: trio.MemoryReceiveChannel[Handoff]
+    certificates: dict[str, bytes]
+    """The senders this round takes, by peer id, and the certificate each must present."""
 
-    def __init__(self, *, hello_timeout: float = 5.0) -> None:
-        self.hello_timeout = hello_timeout
-        self._rounds: dict[bytes, tuple[trio.MemorySendChannel, trio.MemoryReceiveChannel]] = {}
-        # A fast member may connect before we have opened the round: it waits a little.
-        self._opening: dict[bytes, trio.Event] = {}
-        self._early = 0
-        self._early_per_round: dict[bytes, int] = {}
+
+class DataServer:
+    """Accepts data-plane connections and hands each to the round it belongs to.
+
+    A connection holds an admission slot (`peer.net.admission`) until it has proved the network
+    key, finished TLS with a certificate we trust and said which round and member it is; one
+    for a round that is not open (yet) is closed, and its member dials again. Nothing waits
+    here for a round to open, so no stranger can fill a queue that members need.
+    """
+
+    def __init__(
+        self,
+        identity: DataIdentity,
+        *,
+        network_key: bytes | None = None,
+        limits: AdmissionLimits | None = None,
+    ) -> None:
+        self.identity = identity
+        self.network_key = network_key
+        self.admission = Admission(network_key, limits)
+        self._rounds: dict[bytes, _Inbox] = {}
 
     async def serve(
         self, host: str, port: int, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
@@ -139,67 +161,98 @@ class DataServer:
             )
             task_status.started(listeners[0].socket.getsockname()[1])
 
-    def open_inbox(self, round_id: bytes) -> trio.MemoryReceiveChannel[Handoff]:
+    def open_inbox(
+        self, round_id: bytes, certificates: dict[str, bytes]
+    ) -> trio.MemoryReceiveChannel[Handoff]:
+        """Take connections of this round from the senders in `certificates` (checked ones)."""
+        self.identity.trust(list(certificates.values()))
         send, receive = trio.open_memory_channel[Handoff](math.inf)
-        self._rounds[round_id] = (send, receive)
-        opened = self._opening.pop(round_id, None)
-        if opened is not None:
-            opened.set()
+        self._rounds[round_id] = _Inbox(send, receive, certificates)
         return receive
 
     def close_inbox(self, round_id: bytes) -> None:
         """The round is over: release what it never took."""
-        channels = self._rounds.pop(round_id, None)
-        if channels is None:
+        inbox = self._rounds.pop(round_id, None)
+        if inbox is None:
             return
-        send, receive = channels
-        send.close()
+        inbox.send.close()
         while True:
             try:
-                receive.receive_nowait().released.set()
+                inbox.receive.receive_nowait().released.set()
             except (trio.WouldBlock, trio.EndOfChannel, trio.ClosedResourceError):
                 return
 
     async def _handle(self, stream: trio.SocketStream) -> None:
-        try:
-            with trio.fail_after(self.hello_timeout):
-                frame = await receive_frame(stream, max_bytes=MAX_HELLO_BYTES)
-            hello = msgspec.msgpack.decode(bytes(frame or b""), type=Hello)
-        except (trio.TooSlowError, *DECODE_ERRORS, *CONNECTION_ERRORS):
-            await stream.aclose()
-            return
-        channels = self._rounds.get(hello.round_id)
-        rid = hello.round_id
-        if (
-            channels is None
-            and self._early < MAX_EARLY_CONNECTIONS
-            and self._early_per_round.get(rid, 0) < MAX_EARLY_PER_ROUND
-        ):
-            self._early += 1
-            self._early_per_round[rid] = self._early_per_round.get(rid, 0) + 1
-            opened = self._opening.setdefault(rid, trio.Event())
+        with self.admission.slot(stream) as admission:
+            if admission is None:
+                return  # over a cap: closed before we read a byte
             try:
-                with trio.move_on_after(self.hello_timeout):
-                    await opened.wait()
-            finally:
-                self._early -= 1
-                self._early_per_round[rid] -= 1
-                if not self._early_per_round[rid]:
-                    del self._early_per_round[rid]
-                if not opened.is_set():  # a round that never opened leaves nothing behind
-                    self._opening.pop(rid, None)
-            channels = self._rounds.get(hello.round_id)
-        if channels is None:
-            await stream.aclose()  # not a round we take part in (or it is over)
+                with admission:  # the deadline, or an eviction by a fairer newcomer
+                    await self.admission.check_network_key(stream)
+                    tls = TlsStream(stream, self.identity.server, server_side=True)
+                    await tls.handshake()
+                    frame = await receive_frame(tls, max_bytes=MAX_HELLO_BYTES)
+                if admission.cancelled_caught:
+                    return
+                hello = msgspec.msgpack.decode(bytes(frame or b""), type=Hello)
+            except (*DECODE_ERRORS, *CONNECTION_ERRORS) as error:
+                log.debug("data connection not admitted: %r", error)
+                return
+        inbox = self._rounds.get(hello.round_id)
+        if inbox is None or inbox.certificates.get(hello.sender) != tls.peer_certificate():
+            return  # not (yet) a round of ours, or not that member's certificate: hang up
+        handoff = Handoff(hello.sender, tls)
+        try:
+            await tls.send_all(ACCEPT)
+        except CONNECTION_ERRORS:
             return
-        handoff = Handoff(hello.sender, stream, bytes(frame))
-        channels[0].send_nowait(handoff)
+        inbox.send.send_nowait(handoff)
         await handoff.released.wait()
+
+
+def check_spec(spec: RoundSpec, me: str) -> None:
+    """ProtocolError unless every member of a leader's spec is usable by us: listed once, its
+    certificate names it, its shares and weights make a partition, its address is dialable."""
+    ids = [m.peer_id for m in spec.members]
+    if me not in ids:
+        raise ProtocolError("the spec leaves us out")
+    if len(set(ids)) != len(ids):
+        raise ProtocolError("the spec lists a member twice")
+    if spec.codec not in CODECS:
+        raise ProtocolError(f"unknown codec {spec.codec!r}")
+    own = next(m for m in spec.members if m.peer_id == me)
+    for member in spec.members:
+        if certificate_peer_id(member.cert) != member.peer_id:
+            raise ProtocolError(f"the certificate listed for {member.peer_id} is another peer's")
+        if member.peer_id != me:
+            check_dial_address(member.host, member.port, own_host=own.host)
+    if not valid_shares([m.share for m in spec.members]):
+        raise ProtocolError("the spec's shares leave no reducer")
+
+
+async def dial_reducer(server: DataServer, round_id: bytes, reducer: Member) -> TlsStream:
+    """One try at a connection to `reducer` for our part in round `round_id`: admission, TLS
+    pinned to the reducer's certificate, our hello, its accept. ProtocolError if it hangs up
+    (a round it has not opened) or presents another certificate; OSError if unreachable."""
+    stream = await trio.open_tcp_stream(reducer.host, reducer.port)
+    try:
+        await prove_network_key(stream, server.network_key)
+        tls = TlsStream(stream, server.identity.client, server_side=False)
+        await tls.handshake()
+        if tls.peer_certificate() != reducer.cert:
+            raise ProtocolError("the reducer presented another certificate")
+        await send_frame(tls, msgspec.msgpack.encode(Hello(round_id, server.identity.peer_id)))
+        answer = bytearray(len(ACCEPT))
+        if not await receive_exactly(tls, memoryview(answer)) or answer != ACCEPT:
+            raise ProtocolError("the reducer hung up on our hello")
+    except BaseException:
+        await stream.aclose()
+        raise
+    return tls
 
 
 async def allreduce(
     spec: RoundSpec,
-    round_key: RoundKey,
     vector: np.ndarray,
     server: DataServer,
     *,
@@ -209,15 +262,17 @@ async def allreduce(
 ) -> RoundReport:
     """Average `vector` (float32, flat, updated in place) with the group; see the module doc.
 
-    `deadline` is a `trio.current_time()` value; `stall_timeout` bounds each wait for a peer.
-    With a `norm_factor` the part this member reduces is averaged robustly
-    (`peer.averaging.robust`): the choice is each reducer's own, not the group's.
+    `spec` must have passed `check_spec`. `deadline` is a `trio.current_time()` value;
+    `stall_timeout` bounds each wait for a peer. With a `norm_factor` the part this member
+    reduces is averaged robustly (`peer.averaging.robust`): the choice is each reducer's own.
     """
-    me = round_key.peer_id
+    me = server.identity.peer_id
     index = next(i for i, m in enumerate(spec.members) if m.peer_id == me)
-    inbox = server.open_inbox(spec.round_id)
+    senders = {m.peer_id: m.cert for m in spec.members if m.computes and m.peer_id != me}
+    server.identity.trust([m.cert for m in spec.members if m.peer_id != me])
+    inbox = server.open_inbox(spec.round_id, senders)
     try:
-        round_ = _Round(spec, index, round_key, vector, stall_timeout, norm_factor)
+        round_ = _Round(spec, index, server, vector, stall_timeout, norm_factor)
         return await round_.run(inbox, deadline)
     finally:
         server.close_inbox(spec.round_id)
@@ -228,7 +283,7 @@ class _Round:
         self,
         spec: RoundSpec,
         index: int,
-        round_key: RoundKey,
+        server: DataServer,
         vector: np.ndarray,
         stall_timeout: float,
         norm_factor: float | None,
@@ -240,7 +295,7 @@ class _Round:
         self.spec = spec
         self.me = spec.members[index]
         self.index = index
-        self.round_key = round_key
+        self.server = server
         self.vector = vector
         self.stall_timeout = stall_timeout
         self.norm_factor = norm_factor
@@ -252,46 +307,22 @@ class _Round:
             if self.me.computes
             else None
         )
-        self.keys: dict[tuple[str, bool], ConnectionKeys] = {}  # (other, we dial) -> keys
         self.part: _PartService | None = None
-        self.channels: list[SealedChannel] = []
-
-    def _derive_keys(self) -> dict[str, str]:
-        """Connection keys with every other member, both ways; returns the members whose
-        signed round key does not check out (nobody can talk to them this round)."""
-        unusable = {}
-        for other in self.spec.members:
-            if other.peer_id != self.me.peer_id:
-                try:
-                    for we_dial in (True, False):
-                        self.keys[(other.peer_id, we_dial)] = self.round_key.connection_keys(
-                            other.key, we_dial=we_dial
-                        )
-                except BadPart as error:
-                    unusable[other.peer_id] = str(error)
-        return unusable
+        self.channels: list[Channel] = []
 
     async def run(self, inbox: trio.MemoryReceiveChannel, deadline: float) -> RoundReport:
         lo, hi = self.parts[self.index]
         if self.me.computes and not np.isfinite(self.vector).all():
             raise ValueError("the local vector holds NaN or Inf: it cannot be averaged")
-        unusable = self._derive_keys()
         with trio.move_on_at(deadline):
             async with trio.open_nursery() as nursery:
                 if hi > lo:
                     self.part = _PartService(self)
-                    for peer_id, reason in unusable.items():
-                        if peer_id in self.part.remote:
-                            self.part.drop(peer_id, reason)
                     nursery.start_soon(self.part.run, inbox)
                 if self.me.computes:
                     for j, member in enumerate(self.spec.members):
                         start, end = self.parts[j]
-                        if j == self.index or end == start:
-                            continue
-                        if member.peer_id in unusable:
-                            self.report.failed_reducers[member.peer_id] = unusable[member.peer_id]
-                        else:
+                        if j != self.index and end > start:
                             nursery.start_soon(self._send_to, j, member)
         for j, member in enumerate(self.spec.members):
             if self._owes_me(j):
@@ -321,23 +352,11 @@ class _Round:
         """Stream our chunks of part j to its reducer and take the averages back."""
         assert self.assembler is not None
         try:
-            keys = self.keys[(reducer.peer_id, True)]
             with trio.fail_after(self.stall_timeout):
-                stream = await trio.open_tcp_stream(reducer.host, reducer.port)
+                stream = await self._connect(reducer)
             async with stream:
-                hello = msgspec.msgpack.encode(Hello(self.spec.round_id, self.me.peer_id))
-                await send_frame(stream, hello)
-                with trio.fail_after(self.stall_timeout):
-                    challenge = await receive_frame(stream, max_bytes=CHALLENGE_BYTES)
-                if challenge is None or len(challenge) != CHALLENGE_BYTES:
-                    raise BadPart("the reducer sent no challenge")
-                channel = SealedChannel(
-                    stream, send_key=keys.contributions, receive_key=keys.averages
-                )
+                channel = Channel(stream)
                 self.channels.append(channel)
-                self.report.bytes_sent += 4 + len(hello)
-                self.report.bytes_received += 4 + CHALLENGE_BYTES
-                await channel.send(DONE, 0, hello + challenge)  # it is us, on this connection
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._send_chunks, channel, j)
                     await self._receive_averages(channel, j)
@@ -346,13 +365,30 @@ class _Round:
             self.report.failed_reducers[reducer.peer_id] = _reason(error)
             log.debug("reducer %s failed: %r", reducer.peer_id, error)
 
-    async def _send_chunks(self, channel: SealedChannel, j: int) -> None:
+    async def _connect(self, reducer: Member) -> TlsStream:
+        """A connection the reducer accepted for this round. It hangs up on a round it has
+        not opened yet (it may not have the spec): dial again, backing off, until the caller's
+        deadline."""
+        delay = REDIAL_FIRST
+        while True:
+            try:
+                stream = await dial_reducer(self.server, self.spec.round_id, reducer)
+                hello = Hello(self.spec.round_id, self.me.peer_id)
+                self.report.bytes_sent += 4 + len(msgspec.msgpack.encode(hello))
+                self.report.bytes_received += len(ACCEPT)
+                return stream
+            except CONNECTION_ERRORS as error:
+                log.debug("dialing reducer %s again: %r", reducer.peer_id, error)
+            await trio.sleep(delay)
+            delay = min(2 * delay, REDIAL_MAX)
+
+    async def _send_chunks(self, channel: Channel, j: int) -> None:
         start, end = self.parts[j]
         for index, (lo, hi) in enumerate(chunk_ranges(start, end, self.spec.chunk_elements)):
             await channel.send(index, 0, self.codec.encode(self.vector[lo:hi]))
         await channel.send(DONE, 0, b"")
 
-    async def _receive_averages(self, channel: SealedChannel, j: int) -> None:
+    async def _receive_averages(self, channel: Channel, j: int) -> None:
         assert self.assembler is not None
         max_payload = self.codec.wire_bytes(self.spec.chunk_elements)
         while not self.assembler.part_complete(j):
@@ -405,7 +441,6 @@ class _PartService:
         self.idle = trio.Event()  # no connection is being served (renewed when one starts)
         self.idle.set()
         self.active = 0
-        self.authenticating: dict[str, int] = {}  # unauthenticated connections per claimed sender
         self.progressed = trio.Event()  # set (and renewed) whenever contributions were added
 
     async def run(self, inbox: trio.MemoryReceiveChannel) -> None:
@@ -440,7 +475,6 @@ class _PartService:
                 sender not in self.remote
                 or sender in self.connected
                 or sender in self.reducer.dropped
-                or self.authenticating.get(sender, 0) >= MAX_PENDING_PER_SENDER
             ):
                 handoff.released.set()
                 continue
@@ -483,9 +517,8 @@ class _PartService:
         sender, stream = handoff.sender, handoff.stream
         try:
             async with stream:
-                channel = await self._authenticate(handoff)
-                if channel is None or sender in self.connected or sender in self.reducer.dropped:
-                    return  # a stranger's bytes never count against the member it names
+                channel = Channel(stream)
+                self.round.channels.append(channel)  # counted in the report from here on
                 self.connected.add(sender)
                 outbox, outgoing = trio.open_memory_channel(math.inf)
                 self.outboxes[sender] = outbox
@@ -506,31 +539,7 @@ class _PartService:
             if not self.active:
                 self.idle.set()
 
-    async def _authenticate(self, handoff: Handoff) -> SealedChannel | None:
-        """The connection's channel if its first sealed frame proves the hello and our fresh
-        challenge (so a recorded greeting cannot be replayed); else None."""
-        sender = handoff.sender
-        keys = self.round.keys[(sender, False)]
-        channel = SealedChannel(
-            handoff.stream, send_key=keys.averages, receive_key=keys.contributions
-        )
-        challenge = secrets.token_bytes(CHALLENGE_BYTES)
-        self.authenticating[sender] = self.authenticating.get(sender, 0) + 1
-        try:
-            await send_frame(handoff.stream, challenge)
-            with trio.fail_after(self.round.stall_timeout):
-                first = await channel.receive(max_payload=MAX_HELLO_BYTES + CHALLENGE_BYTES)
-        except (trio.TooSlowError, *CONNECTION_ERRORS) as error:
-            log.debug("unauthenticated connection claiming %s: %r", sender, error)
-            return None
-        finally:
-            self.authenticating[sender] -= 1
-        if first is None or first[2] != handoff.hello + challenge:
-            return None
-        self.round.channels.append(channel)  # counted in the report from here on
-        return channel
-
-    async def _take_chunks(self, channel: SealedChannel, sender: str) -> None:
+    async def _take_chunks(self, channel: Channel, sender: str) -> None:
         round_, reducer = self.round, self.reducer
         max_payload = round_.codec.wire_bytes(round_.spec.chunk_elements)
         while True:
@@ -553,7 +562,7 @@ class _PartService:
             self.publish()
 
 
-async def _forward(channel: SealedChannel, outgoing: trio.MemoryReceiveChannel) -> None:
+async def _forward(channel: Channel, outgoing: trio.MemoryReceiveChannel) -> None:
     """Send the averages queued for one sender, then the end marker."""
     async for index, count, payload in outgoing:
         await channel.send(index, count, payload)

@@ -31,15 +31,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import trio
 
-from peer.averaging.allreduce import DataServer, RoundReport, RoundSpec, allreduce
+from peer.averaging.allreduce import DataServer, RoundReport, RoundSpec, allreduce, check_spec
 from peer.averaging.compression import CODECS
-from peer.averaging.crypto import RoundKey
 from peer.averaging.group import Joined, Ticket, longest_round, round_timeouts, view_digest
 from peer.averaging.matchmaking import GroupPlan, Matchmaker, NotExact, RoundShape, TooFewPeers
 from peer.averaging.moshpit import plan, rounds_for
 from peer.averaging.partition import valid_shares
 from peer.config import AveragingConfig
 from peer.dht.node import DHT
+from peer.errors import ProtocolError, peer_fault
 from peer.measure.capabilities import Capabilities
 
 log = logging.getLogger("peertrain.averager")
@@ -74,6 +74,18 @@ class AveragingResult:
 
 def wire_bytes_per_element(config: AveragingConfig) -> float:
     return CODECS[config.codec].wire_bytes(1 << 20) / (1 << 20)
+
+
+def bandwidths(view: Sequence[Ticket], config: AveragingConfig) -> dict[str, float]:
+    """Each ticket's bandwidth (bytes/s, the lower of up and down) for deadlines: its claim,
+    but never below `averaging.min_bandwidth`. Tickets without figures are left out."""
+    return {
+        t.peer_id: max(
+            config.min_bandwidth, min(t.capabilities.upload_bps, t.capabilities.download_bps)
+        )
+        for t in view
+        if t.capabilities is not None
+    }
 
 
 def patience(size: int, bandwidth: Sequence[float], config: AveragingConfig) -> float:
@@ -189,11 +201,24 @@ class Averager:
         ]
         view = sorted([*view, ticket], key=lambda t: t.peer_id)
         result = AveragingResult(peers_seen=len(view))
+        # The outer deadline: twice the bound from the peers' (floored) bandwidths, and never
+        # more than max_averaging_seconds, whatever a peer does.
+        rates = list(bandwidths(view, self.config).values())
+        limit = min(
+            self.config.max_averaging_seconds,
+            2 * longest_averaging(len(vector), len(view), rates, self.config),
+        )
         try:
-            if len(view) > 1:
-                await self._follow_plan(namespace, epoch, view, ticket, vector, result, on_round)
+            with trio.move_on_after(limit) as scope:
+                if len(view) > 1:
+                    await self._follow_plan(
+                        namespace, epoch, view, ticket, vector, result, on_round
+                    )
         finally:
             self.matchmaker.forget(namespace)
+        if scope.cancelled_caught:
+            result.average = None
+            result.skipped.append(f"the averaging took longer than its limit of {limit:.0f} s")
         return result
 
     async def _follow_plan(
@@ -222,11 +247,7 @@ class Averager:
                 "set the same averaging.aggregation on every peer"
             )
             return
-        bandwidth = {
-            t.peer_id: min(t.capabilities.upload_bps, t.capabilities.download_bps)
-            for t in view
-            if t.capabilities is not None
-        }
+        bandwidth = bandwidths(view, self.config)
         wait = patience(len(vector), list(bandwidth.values()), self.config)
         self.matchmaker.expect_rounds(namespace, wait)
         shape = RoundShape(
@@ -284,12 +305,10 @@ class Averager:
     ) -> float | None:
         """One round on `values`: the total weight they stand for afterwards, or None if the
         round was not exact (why: in `result.skipped`)."""
-        key = RoundKey(
-            f"{namespace}|{index}".encode(), self.me, self.dht.node.identity.key_pair.private_key
-        )
+        certificate = self.data_server.identity.certificate
         try:
             spec = await self.matchmaker.form_group(
-                namespace, index, group, view, Joined(ticket, key.announcement), shape, exact=exact
+                namespace, index, group, view, Joined(ticket, certificate), shape, exact=exact
             )
         except (TooFewPeers, NotExact) as error:
             result.skipped.append(f"round {index}: {error}")
@@ -304,11 +323,7 @@ class Averager:
             # Off the plan already (we only joined to say so), or nobody here stands for any
             # sample: there is nothing to average.
             return total if exact else None
-        bandwidth = {
-            t.peer_id: min(t.capabilities.upload_bps, t.capabilities.download_bps)
-            for t in view
-            if t.capabilities is not None
-        }
+        bandwidth = bandwidths(view, self.config)
         duration, stall = round_timeouts(
             spec,
             bandwidth,
@@ -318,7 +333,6 @@ class Averager:
         )
         report = await allreduce(
             spec,
-            key,
             values,
             self.data_server,
             deadline=trio.current_time() + duration,
@@ -355,6 +369,11 @@ def _spec_problem(spec: RoundSpec, shape: RoundShape, group: GroupPlan, me: str)
         math.isfinite(m.weight) and m.weight >= 0 for m in spec.members
     ):
         return "has shares or weights that are not finite and >= 0, or no reducer"
+    try:
+        with peer_fault("the leader's spec"):
+            check_spec(spec, me)
+    except ProtocolError as error:
+        return str(error)
     if group.seats is not None:
         seats = {m.peer_id: (m.block, m.weight) for m in spec.members}
         if spec.view != shape.view or seats != group.seats:

@@ -25,9 +25,9 @@ from typing import Annotated, Literal
 import msgspec
 
 from peer.averaging.allreduce import Member, RoundSpec
-from peer.averaging.crypto import KeyAnnouncement
 from peer.errors import RoleAssignmentError
 from peer.measure.capabilities import Capabilities, to_capacity
+from peer.net.tls import MAX_CERT_BYTES
 from peer.roles import assign_roles
 from peer.roles.model import bytes_per_round
 
@@ -66,10 +66,11 @@ def view_digest(epoch: int, tickets: Sequence[Ticket]) -> bytes:
 
 
 class Joined(msgspec.Struct, frozen=True):
-    """A member as the leader saw it join: its ticket and its signed key for the round."""
+    """A member as the leader saw it join: its ticket and its data-plane certificate (which
+    names its peer id, `peer.net.tls`)."""
 
     ticket: Ticket
-    key: KeyAnnouncement
+    cert: Annotated[bytes, msgspec.Meta(max_length=MAX_CERT_BYTES)]
 
 
 def round_id_of(
@@ -132,7 +133,7 @@ def build_spec(
             computes=t.computes,
             share=share,
             weight=seats[t.peer_id][1],
-            key=j.key,
+            cert=j.cert,
             block=seats[t.peer_id][0],
         )
         for j, t, share in zip(ordered, tickets, shares, strict=True)

@@ -39,9 +39,10 @@ from peer.averaging.allreduce import RoundSpec
 from peer.averaging.group import Joined, Ticket, build_spec
 from peer.dht.node import DHT
 from peer.dht.records import owner_key
-from peer.errors import DECODE_ERRORS, PeertrainError, RemoteError, RpcError
+from peer.errors import DECODE_ERRORS, PeertrainError, ProtocolError, RemoteError, RpcError
 from peer.net.host import parse_addrs
 from peer.net.rpc import RpcServer
+from peer.net.tls import certificate_peer_id
 
 log = logging.getLogger("peertrain.matchmaking")
 
@@ -375,8 +376,13 @@ class Matchmaker:
 
     async def _on_join(self, caller: ID, request: Join) -> JoinReply:
         who = caller.to_base58()
-        if request.joined.ticket.peer_id != who or request.joined.key.peer_id != who:
+        if request.joined.ticket.peer_id != who:
             raise RpcError("forbidden", "a peer may only join as itself")
+        try:
+            if certificate_peer_id(request.joined.cert) != who:
+                raise RpcError("forbidden", "a peer may only join with its own certificate")
+        except ProtocolError as error:
+            raise RpcError("bad_request", str(error)) from None
         patience = self._namespaces.get(request.namespace)
         if patience is None:
             return Redirect("not gathering for that epoch")

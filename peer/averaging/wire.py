@@ -1,13 +1,15 @@
-"""Frames on a data-plane TCP connection: the thin I/O shell of the all-reduce.
+"""Frames on a data-plane connection: the thin I/O shell of the all-reduce.
 
-    frame = length (4 bytes, big endian) | associated data (8 bytes) | AES-GCM ciphertext + tag
+A connection is TCP, then admission (`peer.net.admission`: the network key, if any), then
+TLS 1.3 with both members' pinned certificates (`peer.net.tls`). Inside TLS the dialing member
+sends one `Hello{round_id, sender}` frame; the reducer checks the round is open, that `sender`
+is one of its members, and that the certificate of this connection is that member's, and
+answers `ACCEPT`. A reducer that has not opened the round yet hangs up and the sender dials
+again. Then both directions carry data frames:
 
-The associated data (chunk index, sender count) is authenticated but not encrypted, so the
-payload is sealed and opened without being copied into a bigger buffer first. A connection
-opens with one cleartext `Hello{round_id, sender}` frame that lets the reducer find the
-connection's keys; the reducer answers with a fresh random challenge (cleartext), and the
-sender's first sealed frame must hold hello + challenge, so a forged, altered or replayed hello
-is caught before any data is read.
+    frame = length (4 bytes, big endian) | chunk index (4) | senders averaged (4) | payload
+
+TLS authenticates and orders every byte, so a frame needs no tag or counter of its own.
 """
 
 from __future__ import annotations
@@ -15,15 +17,15 @@ from __future__ import annotations
 import struct
 
 import msgspec
-import trio
 
-from peer.averaging.compression import BadPart
-from peer.averaging.crypto import TAG_BYTES, Opener, Sealer
+from peer.errors import ProtocolError
+from peer.net.tls import TlsStream
 
 LENGTH = struct.Struct(">I")
-META = struct.Struct(">II")  # chunk index, senders averaged (0 in contributions)
+HEADER = struct.Struct(">III")  # payload length, chunk index, senders averaged (0 in contributions)
 DONE = 0xFFFFFFFF  # chunk index of the frame that ends a direction
 MAX_HELLO_BYTES = 512
+ACCEPT = b"\x01"
 
 
 class Hello(msgspec.Struct, frozen=True):
@@ -31,65 +33,64 @@ class Hello(msgspec.Struct, frozen=True):
     sender: str
 
 
-async def receive_exactly(stream: trio.SocketStream, view: memoryview) -> bool:
-    """Fill `view` from the socket; False on a clean EOF before the first byte."""
+async def receive_exactly(stream: TlsStream, view: memoryview) -> bool:
+    """Fill `view`; False on a clean end of the stream before the first byte."""
     got = 0
     while got < len(view):
-        count = await stream.socket.recv_into(view[got:])
+        count = await stream.receive_into(view[got:])
         if count == 0:
             if got == 0:
                 return False
-            raise BadPart(f"connection ended {got} bytes into a {len(view)}-byte frame")
+            raise ProtocolError(f"connection ended {got} bytes into a {len(view)}-byte frame")
         got += count
     return True
 
 
-async def receive_frame(stream: trio.SocketStream, *, max_bytes: int) -> bytearray | None:
-    """The next frame's body, or None at a clean end of the connection."""
+async def receive_frame(stream: TlsStream, *, max_bytes: int) -> bytearray | None:
+    """The next length-prefixed frame's body, or None at a clean end of the connection."""
     header = bytearray(LENGTH.size)
     if not await receive_exactly(stream, memoryview(header)):
         return None
     (length,) = LENGTH.unpack(header)
     if length > max_bytes:
-        raise BadPart(f"a frame of {length} bytes was announced; the limit is {max_bytes}")
+        raise ProtocolError(f"a frame of {length} bytes was announced; the limit is {max_bytes}")
     body = bytearray(length)
     if length and not await receive_exactly(stream, memoryview(body)):
-        raise BadPart("connection ended after a frame header")
+        raise ProtocolError("connection ended after a frame header")
     return body
 
 
-async def send_frame(stream: trio.SocketStream, *pieces: bytes | memoryview) -> None:
-    await stream.send_all(LENGTH.pack(sum(len(p) for p in pieces)))
-    for piece in pieces:
-        await stream.send_all(piece)
+async def send_frame(stream: TlsStream, body: bytes) -> None:
+    await stream.send_all(LENGTH.pack(len(body)) + body)
 
 
-class SealedChannel:
-    """One data-plane connection seen from one end: seal what we send, open what we get."""
+class Channel:
+    """One all-reduce connection seen from one end, after the hello: data frames both ways."""
 
-    def __init__(self, stream: trio.SocketStream, *, send_key: bytes, receive_key: bytes) -> None:
+    def __init__(self, stream: TlsStream) -> None:
         self.stream = stream
-        self.sealer = Sealer(send_key)
-        self.opener = Opener(receive_key)
         self.bytes_sent = 0
         self.bytes_received = 0
 
     async def send(self, index: int, senders: int, payload: bytes | memoryview) -> None:
-        meta = META.pack(index, senders)
-        sealed = self.sealer.seal(payload, meta)
-        await send_frame(self.stream, meta, sealed)
-        self.bytes_sent += LENGTH.size + len(meta) + len(sealed)
+        # Header and payload go as two writes: no copy of the payload into a bigger buffer.
+        await self.stream.send_all(HEADER.pack(len(payload), index, senders))
+        if len(payload):
+            await self.stream.send_all(payload)
+        self.bytes_sent += HEADER.size + len(payload)
 
-    async def receive(self, *, max_payload: int) -> tuple[int, int, bytes] | None:
+    async def receive(self, *, max_payload: int) -> tuple[int, int, bytearray] | None:
         """(index, senders, payload) of the next frame; None at a clean end of the connection."""
-        body = await receive_frame(self.stream, max_bytes=META.size + max_payload + TAG_BYTES)
-        if body is None:
+        header = bytearray(HEADER.size)
+        if not await receive_exactly(self.stream, memoryview(header)):
             return None
-        self.bytes_received += LENGTH.size + len(body)
-        if len(body) < META.size + TAG_BYTES:
-            raise BadPart(f"a data frame of {len(body)} bytes is too short")
-        view = memoryview(body)
-        meta = bytes(view[: META.size])
-        payload = self.opener.open(view[META.size :], meta)
-        index, senders = META.unpack(meta)
+        length, index, senders = HEADER.unpack(header)
+        if length > max_payload:
+            raise ProtocolError(
+                f"a frame of {length} bytes was announced; the limit is {max_payload}"
+            )
+        payload = bytearray(length)
+        if length and not await receive_exactly(self.stream, memoryview(payload)):
+            raise ProtocolError("connection ended after a frame header")
+        self.bytes_received += HEADER.size + length
         return index, senders, payload

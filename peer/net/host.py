@@ -16,11 +16,13 @@ py-libp2p 0.8.1 defaults that we override, and why (see docs/ARCHITECTURE.md):
   check fixed ports with a plain bind first.
 - the resource manager refuses connections when the process uses > 80 % of RAM, which a
   training process may well do; memory limits are off (our own caps bound what peers send).
-- each accepted connection's handler holds one of 250 inbound slots until the *swarm* stops,
-  not until the connection closes, so after 250 inbound connections in its lifetime a node
-  refuses every newcomer (a backbone stopped answering joiners after ~10 minutes of churn and
-  `peer status` calls in the soak). Our handler (`_serve_inbound`) returns when its
-  connection closes, which frees the slot and the handler's task.
+- inbound connections: it takes one of 250 inbound slots at TCP accept, before the pnet/Noise
+  handshake, holds it up to 10 s for a connection that sends nothing, and (once authenticated)
+  until the *swarm* stops, not until the connection closes: a few hundred idle TCP connections
+  kept newcomers out, and after 250 inbound connections in its lifetime a node refused
+  everyone (a backbone in the soak). `peer.net.inbound` replaces that handler: per-source and
+  total caps on handshakes, a short handshake deadline, pruning of authenticated connections
+  well below py-libp2p's caps, and a task that ends when its connection closes.
 - a dial tries ONE address per transport class (for TCP: the first the peerstore lists), and
   identify fills the peerstore with the remote's *listen* addresses, 0.0.0.0 included: after a
   partition cut a backbone's connection, its peers redialled 0.0.0.0 and failed for minutes.
@@ -30,7 +32,6 @@ py-libp2p 0.8.1 defaults that we override, and why (see docs/ARCHITECTURE.md):
 
 from __future__ import annotations
 
-import functools
 import ipaddress
 import logging
 import socket
@@ -45,7 +46,6 @@ from libp2p import new_host
 from libp2p.abc import IHost
 from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
 from libp2p.network.config import ConnectionConfig, RetryConfig
-from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 from libp2p.rcmgr import new_resource_manager
@@ -55,11 +55,14 @@ from multiaddr import Multiaddr
 
 from peer.errors import ConfigError, Unreachable
 from peer.net.identity import Identity
+from peer.net.inbound import InboundGate, InboundLimits
+from peer.net.inbound import install as install_inbound_gate
 from peer.net.rpc import TRANSPORT_ERRORS, RpcClient
 
 log = logging.getLogger("peertrain.host")
 
 NEGATIVE_DIAL_CACHE_SECONDS = 1.0
+DEFAULT_INBOUND = InboundLimits()
 PEERSTORE_ADDR_TTL = 3600
 
 
@@ -98,20 +101,27 @@ def split_peer_addr(text: str, *, what: str) -> tuple[ID, Multiaddr]:
     return ID.from_base58(peer_b58), maddr.decapsulate(Multiaddr(f"/p2p/{peer_b58}"))
 
 
-def create_host(identity: Identity, network_key: str | None = None) -> IHost:
-    """`network_key` (64 hex digits): a private network, see `peer.net.network_key`."""
+def create_host(
+    identity: Identity, network_key: str | None = None, *, inbound: InboundGate | None = None
+) -> IHost:
+    """`network_key` (64 hex digits): a private network, see `peer.net.network_key`.
+    `inbound`: the gate for inbound connections (default: one with the default limits)."""
+    gate = inbound if inbound is not None else InboundGate(DEFAULT_INBOUND)
     noise = NoiseTransport(identity.key_pair, noise_privkey=create_x25519_key_pair().private_key)
     host = new_host(
         key_pair=identity.key_pair,
         sec_opt={NOISE_PROTOCOL_ID: noise},
         muxer_preference="YAMUX",
-        connection_config=ConnectionConfig(max_connections_per_peer=1, dial_timeout=5.0),
+        connection_config=ConnectionConfig(
+            max_connections_per_peer=1,
+            dial_timeout=5.0,
+            inbound_upgrade_timeout=gate.limits.handshake_seconds,
+        ),
         resource_manager=new_resource_manager(enable_memory_limits=False),
         psk=network_key,
     )
     network = host.get_network()
-    # Private method of the pinned py-libp2p version; see the module docstring.
-    network._do_handle_inbound_connection = functools.partial(_serve_inbound, network)  # type: ignore[attr-defined]
+    install_inbound_gate(network, gate)
     # One dial attempt: retries belong to callers that know whether they are worth it.
     network.retry_config = RetryConfig(max_retries=0)  # type: ignore[attr-defined]
     # Private attribute of the pinned py-libp2p version; see the module docstring.
@@ -140,25 +150,6 @@ def _unspecified(addr: Multiaddr) -> bool:
         if value and ipaddress.ip_address(value).is_unspecified:
             return True
     return False
-
-
-async def _serve_inbound(swarm: Any, read_write_closer: Any, maddr: Multiaddr, _event: Any) -> None:
-    """py-libp2p's inbound path for TCP (connection gate, Noise, yamux), ending when the
-    connection closes instead of when the swarm stops."""
-    remote = swarm._build_remote_multiaddr(read_write_closer)
-    if remote is not None and not await swarm.connection_gate.is_allowed(remote):
-        with suppress(Exception):
-            await read_write_closer.close()
-        return
-    raw = RawConnection(read_write_closer, False)
-    try:
-        muxed = await swarm.upgrade_inbound_raw_conn(raw, maddr)
-        closed = getattr(muxed, "event_closed", None)
-        await (closed.wait() if closed is not None else swarm.manager.wait_finished())
-    except Exception as error:  # what py-libp2p's own handler does: a failed peer, not a bug
-        log.debug("inbound connection from %s failed: %r", maddr, error)
-        with suppress(Exception):
-            await raw.close()
 
 
 def _interface_ips() -> list[str]:
@@ -197,6 +188,8 @@ class Node:
     announce: list[Multiaddr]
     network_key: str | None = None
     """The private network's key, if any (a second host, e.g. for dial-backs, needs it too)."""
+    inbound: InboundGate | None = None
+    """The gate in front of inbound connections (its `statistics()` for status views)."""
 
     @property
     def peer_id(self) -> ID:
@@ -242,11 +235,14 @@ async def open_node(
     announce: Sequence[str],
     max_message_bytes: int,
     network_key: str | None = None,
+    inbound: InboundLimits = DEFAULT_INBOUND,
 ) -> AsyncIterator[Node]:
+    """`inbound`: limits on inbound connections, see `peer.net.inbound`."""
     listen_addrs = [parse_multiaddr(text, what="listen address") for text in listen]
     announce_addrs = [parse_multiaddr(text, what="announce address") for text in announce]
     _check_ports_free(listen_addrs)
-    host = create_host(identity, network_key)
+    gate = InboundGate(inbound)
+    host = create_host(identity, network_key, inbound=gate)
     started = False
     try:
         async with host.run(listen_addrs=listen_addrs):
@@ -260,6 +256,7 @@ async def open_node(
                 RpcClient(host, max_message_bytes=max_message_bytes),
                 announce_addrs or dialable_addrs(bound),
                 network_key,
+                gate,
             )
             try:
                 yield node

@@ -41,6 +41,7 @@ from typing import Annotated, Generic, TypeVar
 import msgspec
 
 from peer.errors import ProtocolError
+from peer.net.tls import MAX_CERT_BYTES
 
 SERVICE = "state"
 HASH_BYTES = 32  # SHA-256
@@ -73,6 +74,8 @@ class Manifest(msgspec.Struct, frozen=True):
     data_host: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_HOST_CHARS)]
     data_port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
     ticket: Annotated[bytes, msgspec.Meta(min_length=TICKET_BYTES, max_length=TICKET_BYTES)]
+    data_cert: Annotated[bytes, msgspec.Meta(max_length=MAX_CERT_BYTES)]
+    """The donor's data-plane TLS certificate (`peer.net.tls`); it must name the donor."""
 
 
 class Release(msgspec.Struct, frozen=True):

@@ -19,6 +19,7 @@ from peer.config import PeerConfig
 from peer.dht.node import DHT
 from peer.measure.service import Measurements
 from peer.net.host import Node, data_plane_hosts
+from peer.net.tls import DataIdentity
 from peer.training.progress import ProgressRecord
 from peer.training.statesync import Snapshot, StateDonor, download_state
 from peer.training.task import Task
@@ -39,7 +40,9 @@ async def run_training(
     """Train until the trainer finishes (max_steps or the validation target) or is cancelled."""
     bind, advertised = data_plane_hosts(node, config.net.listen)
     async with trio.open_nursery() as nursery:
-        data_server = DataServer()
+        identity = DataIdentity(node.identity.key_pair.private_key, node.peer_id.to_base58())
+        network_key = bytes.fromhex(node.network_key) if node.network_key else None
+        data_server = DataServer(identity, network_key=network_key)
         data_port = await nursery.start(data_server.serve, bind, config.averaging.data_port)
         averager = Averager(
             dht,
@@ -57,6 +60,7 @@ async def run_training(
                 min_step=step,
                 parallel=config.state.parallel_donors,
                 deadline=trio.current_time() + config.state.download_timeout,
+                max_total_bytes=state_bytes_limit(trainer.model),
             )
 
         trainer = Trainer(
@@ -73,6 +77,7 @@ async def run_training(
         donor = StateDonor(
             node,
             trainer.snapshot,
+            identity=identity,
             max_downloads=config.state.max_uploads,
             chunk_bytes=config.state.chunk_bytes,
             advertised_host=advertised,
@@ -85,3 +90,11 @@ async def run_training(
         task_status.started(trainer)
         await trainer.finished.wait()
         nursery.cancel_scope.cancel()
+
+
+def state_bytes_limit(model: torch.nn.Module) -> int:
+    """The largest state we accept from a donor for `model`: its parameters, an optimizer's
+    state of up to 3 times their size (AdamW holds 2), and 64 MiB for the rest. A donor that
+    offered more made every downloader set aside its figure (up to 64 GiB) for a tiny model."""
+    parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    return 4 * parameter_bytes + (64 << 20)

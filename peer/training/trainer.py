@@ -676,11 +676,13 @@ class Trainer:
         bound (records carry no bandwidth): a call made while it is still in the averaging can
         go on without it (it then downloads the state)."""
         capabilities = self.capabilities()
+        averaging = self.config.averaging
         bandwidth = (
-            [min(capabilities.upload_bps, capabilities.download_bps)] if capabilities else []
+            [max(averaging.min_bandwidth, min(capabilities.upload_bps, capabilities.download_bps))]
+            if capabilities
+            else []
         )
         peers = len(view.trainers(self.step))
-        averaging = self.config.averaging
         floor = 4 * averaging.join_timeout + 2 * averaging.timeout_floor
         bound = longest_averaging(self._vector_size, peers, bandwidth, averaging)
         return min(MAX_WAIT_FOR_OTHERS, max(floor, bound))

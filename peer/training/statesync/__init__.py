@@ -1,24 +1,25 @@
 """State download: a late or lagging peer fetches the training state from up-to-date peers.
 
-Control over libp2p, bulk bytes over plain TCP. A py-libp2p Noise + yamux stream tops out near
-0.3 GB/s and keeps a core busy (docs/benchmarks.md), a tenth of loopback TCP, so:
+Control over libp2p, bulk bytes over TLS 1.3 on TCP. A py-libp2p Noise + yamux stream tops out
+near 0.3 GB/s and keeps a core busy (docs/benchmarks.md), a tenth of loopback TCP, so:
 
     /peertrain/state/1 (RPC)  manifest{min_step} -> Manifest{step, total_bytes, chunk_bytes,
-                                                   hashes, data_host, data_port, ticket}
+                                                   hashes, data_host, data_port, data_cert,
+                                                   ticket}
                                                 | Err{unavailable}   nothing new enough / busy
                               release{ticket}   -> Released{}        the download is over
-    data port (TCP)           client: MAGIC | ticket, then chunk indices (4 bytes each, pipelined)
+    data port (TCP)           admission (the network key, if any: `peer.net.admission`), then
+                              TLS 1.3: the client pins the manifest's `data_cert`, which names
+                              the donor's peer id (`peer.net.tls`); inside TLS:
+                              client: MAGIC | ticket, then chunk indices (4 bytes each, pipelined)
                               donor:  per index, in order: kind | index | length, then `length`
                                       bytes (the chunk, or a UTF-8 error that ends the connection)
 
-Integrity comes from the manifest, which travels over the Noise-authenticated RPC: every chunk
-is checked against its SHA-256 before it is accepted, so the TCP bytes need no authentication
-of their own. The ticket (32 random bytes) is only an admission token that bounds how many
-downloads a donor serves at once (`max_downloads`); it travels in clear, which in an open
-collaboration gives an eavesdropper nothing that a fresh libp2p identity could not get by
-asking. The state itself is not secret from any peer that joins; the data plane does not
-encrypt it. (In a private collaboration an on-path eavesdropper can read it, and replay a live
-ticket: docs/SECURITY.md.)
+The manifest travels over the Noise-authenticated RPC, so the donor's certificate is the one
+its libp2p identity vouches for, and every chunk is also checked against its SHA-256 before it
+is accepted. The ticket (32 random bytes) is the admission token that bounds how many downloads
+a donor serves at once (`max_downloads`); it travels inside TLS, so no eavesdropper can replay
+it or read the state.
 
 A donor pins, per ticket, the exact `Snapshot` its manifest describes, so a step that ends
 mid-download does not change the bytes under the downloader. Chunk hashes are computed once

@@ -14,9 +14,11 @@ from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
 from peer.errors import ProtocolError, RpcError
+from peer.net.admission import Admission, AdmissionLimits
 from peer.net.host import Node
 from peer.net.ratelimit import ByteBudgets
 from peer.net.rpc import RpcServer
+from peer.net.tls import DataIdentity, TlsStream
 from peer.training.chunks import (
     HASH_BYTES,
     MAX_CHUNKS,
@@ -113,8 +115,10 @@ class StateDonor:
     `ticket_idle` seconds without a connection or request). One caller gets at most
     `caller_states` manifests per `caller_window` seconds (a token bucket), and a ticket serves
     at most TICKET_STATES times the state's bytes: a peer that downloads again and again, or
-    asks for the same chunks over and over, degrades only its own service. `wrap_stream`
-    wraps each accepted data connection (tests inject faults there).
+    asks for the same chunks over and over, degrades only its own service. A data connection
+    holds an admission slot (`peer.net.admission`) until it has proved the network key, finished
+    TLS and shown a live ticket. `wrap_stream` wraps each data connection's plaintext stream
+    (tests inject faults there: a donor that lies, stalls or dies).
     """
 
     def __init__(
@@ -122,6 +126,8 @@ class StateDonor:
         node: Node,
         snapshot: Callable[[], Snapshot | None],
         *,
+        identity: DataIdentity | None = None,
+        admission_limits: AdmissionLimits | None = None,
         max_downloads: int = 4,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         advertised_host: str | None = None,
@@ -129,7 +135,7 @@ class StateDonor:
         stall_timeout: float = 10.0,
         caller_states: float = 20.0,
         caller_window: float = 300.0,
-        wrap_stream: Callable[[trio.SocketStream], trio.abc.Stream] | None = None,
+        wrap_stream: Callable[[trio.abc.Stream], trio.abc.Stream] | None = None,
     ) -> None:
         self.node = node
         self.snapshot = snapshot
@@ -139,6 +145,12 @@ class StateDonor:
         self.ticket_idle = ticket_idle
         self.stall_timeout = stall_timeout
         self.wrap_stream = wrap_stream
+        # The data plane's TLS certificate; a daemon shares one with its all-reduce server.
+        self.identity = identity or DataIdentity(
+            node.identity.key_pair.private_key, node.peer_id.to_base58()
+        )
+        network_key = bytes.fromhex(node.network_key) if node.network_key else None
+        self.admission = Admission(network_key, admission_limits)
         # Manifests per caller, in thousandths so that caller_states may be fractional.
         self.budgets = ByteBudgets(capacity=round(caller_states * 1000), window=caller_window)
         # The manifest must fit one RPC message: 34 bytes per msgpack'd hash, plus slack.
@@ -148,7 +160,6 @@ class StateDonor:
         self._hash_lock = trio.Lock()
         self._tickets: dict[bytes, _Ticket] = {}
         self._by_caller: dict[ID, bytes] = {}
-        self._connections = 0
         self._chunks_served = 0
         self._bytes_served = 0
         self._refused = 0
@@ -196,7 +207,7 @@ class StateDonor:
         return DonorStatistics(
             step=self._hashed.snapshot.step if self._hashed else None,
             downloads=self._live_tickets(),
-            connections=self._connections,
+            connections=sum(t.connections for t in self._tickets.values()),
             chunks_served=self._chunks_served,
             bytes_served=self._bytes_served,
             refused=self._refused,
@@ -231,6 +242,7 @@ class StateDonor:
             hashes=hashed.hashes,
             data_host=host,
             data_port=port,
+            data_cert=self.identity.certificate,
             ticket=token,
         )
 
@@ -305,26 +317,32 @@ class StateDonor:
     # ------------------------------------------------------------ data (TCP)
 
     async def _handle(self, raw: trio.SocketStream) -> None:
-        # Unauthenticated connections cost a task and a socket each: bounded, and each gets
-        # `stall_timeout` to present its ticket.
-        if self._connections >= MAX_CONNECTIONS_PER_TICKET * self.max_downloads + 16:
-            return
-        self._connections += 1
-        try:
-            stream = self.wrap_stream(raw) if self.wrap_stream else raw
-            await self._serve_connection(stream)
-        except CONNECTION_ERRORS as error:
-            log.debug("state data connection ended: %r", error)
-        finally:
-            self._connections -= 1
-
-    async def _serve_connection(self, stream: trio.abc.Stream) -> None:
-        reader = _Reader(stream)
-        hello = None
-        with trio.move_on_after(self.stall_timeout):
-            hello = await reader.exactly(len(MAGIC) + TICKET_BYTES)
+        with self.admission.slot(raw) as admission:
+            if admission is None:
+                return  # over a cap: closed before we read a byte
+            try:
+                with admission:  # the deadline, or an eviction by a fairer newcomer
+                    await self.admission.check_network_key(raw)
+                    tls = TlsStream(raw, self.identity.open_server, server_side=True)
+                    await tls.handshake()
+                    stream = self.wrap_stream(tls) if self.wrap_stream else tls
+                    reader = _Reader(stream)
+                    hello = await reader.exactly(len(MAGIC) + TICKET_BYTES)
+                if admission.cancelled_caught:
+                    return
+            except CONNECTION_ERRORS as error:
+                log.debug("state data connection not admitted: %r", error)
+                return
         if hello is None or not hello.startswith(MAGIC):
             return
+        try:
+            await self._serve_connection(stream, reader, hello)
+        except CONNECTION_ERRORS as error:
+            log.debug("state data connection ended: %r", error)
+
+    async def _serve_connection(
+        self, stream: trio.abc.Stream, reader: _Reader, hello: bytes
+    ) -> None:
         ticket = self._tickets.get(bytes(hello[len(MAGIC) :]))
         if ticket is None or (
             not ticket.connections and trio.current_time() - ticket.last_used > self.ticket_idle

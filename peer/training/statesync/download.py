@@ -13,9 +13,12 @@ from dataclasses import dataclass
 
 import trio
 from libp2p.peer.id import ID
+from multiaddr import Multiaddr
 
 from peer.errors import DeadlineExceeded, ProtocolError, RemoteError
+from peer.net.admission import check_dial_address, prove_network_key
 from peer.net.host import Node
+from peer.net.tls import TlsStream, certificate_peer_id, pinned_client_context
 from peer.training.chunks import (
     SERVICE,
     BadManifest,
@@ -160,6 +163,8 @@ class StateDownload:
         self._changed = trio.Event()
         self._hashers = trio.CapacityLimiter(HASH_WORKERS)
         self._view = memoryview(b"")
+        self._network_key = bytes.fromhex(node.network_key) if node.network_key else None
+        self._own_host = _own_host(node)
 
     async def run(self, *, deadline: float) -> Snapshot:
         """The state, bit for bit the chosen donor's; StateDownloadFailed if no donor can finish
@@ -283,7 +288,10 @@ class StateDownload:
         self._tickets[donor] = manifest.ticket
         try:
             check_manifest(manifest, min_step=self.min_step, max_total_bytes=self.max_total_bytes)
-        except BadManifest as error:
+            if certificate_peer_id(manifest.data_cert) != donor.to_base58():
+                raise BadManifest("its data certificate names another peer")
+            check_dial_address(manifest.data_host, manifest.data_port, own_host=self._own_host)
+        except ProtocolError as error:
             self._refused[donor] = str(error)
             return
         self._offers[donor] = manifest
@@ -318,8 +326,16 @@ class StateDownload:
         with pull:
             try:
                 with trio.fail_after(self.stall_timeout):
-                    stream = await trio.open_tcp_stream(offer.data_host, offer.data_port)
+                    raw = await trio.open_tcp_stream(offer.data_host, offer.data_port)
+                    stream = TlsStream(
+                        raw, pinned_client_context([offer.data_cert]), server_side=False
+                    )
                 async with stream:
+                    with trio.fail_after(self.stall_timeout):
+                        await prove_network_key(raw, self._network_key)
+                        await stream.handshake()
+                    if stream.peer_certificate() != offer.data_cert:
+                        raise ProtocolError("the donor presented another certificate")
                     await self._pull(nursery, donor, offer, stream)
             except CONNECTION_ERRORS as error:
                 reason = _reason(error, self.stall_timeout)
@@ -330,7 +346,7 @@ class StateDownload:
         self._wake()
 
     async def _pull(
-        self, nursery: trio.Nursery, donor: ID, offer: Manifest, stream: trio.SocketStream
+        self, nursery: trio.Nursery, donor: ID, offer: Manifest, stream: TlsStream
     ) -> None:
         plan = self._plan
         assert plan is not None
@@ -365,13 +381,13 @@ class StateDownload:
             plan.received(donor, index)
             nursery.start_soon(self._check, donor, index)
 
-    async def _receive_into(self, stream: trio.SocketStream, view: memoryview) -> None:
+    async def _receive_into(self, stream: TlsStream, view: memoryview) -> None:
         """Fill `view`; DeadlineExceeded after `stall_timeout` without a byte."""
         got = 0
         with trio.CancelScope() as scope:
             while got < len(view):
                 scope.deadline = trio.current_time() + self.stall_timeout
-                count = await stream.socket.recv_into(view[got:])
+                count = await stream.receive_into(view[got:])
                 if not count:
                     raise ProtocolError(
                         f"connection closed {got} bytes into a {len(view)}-byte read"
@@ -428,6 +444,16 @@ async def download_state(
         max_total_bytes=max_total_bytes,
     )
     return await download.run(deadline=deadline)
+
+
+def _own_host(node: Node) -> str:
+    """The IPv4 others reach us at (a loopback one for a collaboration on one machine)."""
+    for text in node.public_addrs():
+        with suppress(Exception):  # an /ip6 or /dns address
+            host = Multiaddr(text).value_for_protocol("ip4")
+            if host:
+                return str(host)
+    return "127.0.0.1"
 
 
 def _reason(error: BaseException, stall_timeout: float) -> str:

@@ -1,0 +1,372 @@
+"""The gate in front of py-libp2p's inbound connections: who may start a handshake, and which
+authenticated connections make room for a newcomer.
+
+Theory of operation
+-------------------
+py-libp2p 0.8.1 (`Swarm._handle_inbound_connection`) takes one of its 250 inbound slots (a
+`trio.CapacityLimiter` of `max_connections - min_connections`) at TCP accept, before the pnet
+nonce and the Noise handshake, and holds it for up to `inbound_upgrade_timeout` (10 s) even if
+the other side never sends a byte. 250 idle TCP connections, which cost an attacker no key and
+no identity, kept every newcomer out; 250 throw-away identities that authenticate and then sit
+idle would keep them out for good. We replace that handler (`serve_inbound`); its slot limiter
+is no longer used on TCP, these limits take its place:
+
+    accept --admit--> PENDING --authenticate--> ESTABLISHED --release--> (gone)
+       \\--> refused     \\--> evicted: socket closed   \\--> pruned: connection closed
+
+- PENDING (TCP accepted; pnet, Noise and yamux negotiation running): at most
+  `max_pending_per_source` from one source (an IPv4 address, or an IPv6 /64: one host's share)
+  and `max_pending` in all, each for `handshake_seconds`. When all are taken, a newcomer from a
+  source with fewer pending connections than the fullest source takes that source's oldest
+  slot: to keep out a newcomer from one more address, an attacker needs as many addresses as
+  there are slots, and a refused connection costs us one accept and one close.
+- ESTABLISHED (authenticated and registered by the swarm): when one more than `max_established`
+  are held, or py-libp2p's `max_connections` (inbound and outbound together; it refuses a
+  handshake at the cap) has less room left than the handshakes that may still finish, the
+  newcomer's arrival prunes the least useful others: from the source holding the most
+  connections first, then one with no stream of ours open, then the one idle longest (libp2p's
+  own identify and ping streams do not count). Pruning starts well below py-libp2p's caps, so
+  a newcomer always finds a slot.
+
+`InboundGate` is the bookkeeping alone (synchronous, clock passed in); `serve_inbound` moves
+the bytes and owns the waits. Evicting a pending connection closes its socket rather than
+cancelling its handshake: py-libp2p's upgrade then fails like any broken connection and frees
+its resource-manager scope, which a cancellation in its cleanup would skip (after 1,000 such
+leaks its resource manager refuses every connection).
+"""
+
+from __future__ import annotations
+
+import enum
+import ipaddress
+import logging
+from collections import Counter
+from collections.abc import Callable
+from contextlib import suppress
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+from libp2p.abc import IMuxedConn, INotifee
+from libp2p.network.connection.raw_connection import RawConnection
+from libp2p.peer.id import ID
+from multiaddr import Multiaddr
+
+log = logging.getLogger("peertrain.inbound")
+
+LIBP2P_OWN_PROTOCOLS = ("/ipfs/", "/libp2p/")
+"""Protocol prefixes of libp2p's housekeeping (identify, ping, relay ...); ours are /peertrain/."""
+
+PRUNE_CLOSE_SECONDS = 2.0
+"""How long a pruned connection's close may take (yamux GoAway, stream resets, a 0.1 s sleep
+in py-libp2p's SwarmConn.close); its socket goes with the task either way."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class InboundLimits:
+    """Limits on inbound libp2p connections (see the module docstring)."""
+
+    max_pending: int = 64
+    """Inbound connections still in the handshake, in all."""
+    max_pending_per_source: int = 16
+    """Of those, from one IPv4 address or IPv6 /64 (room for a NAT'd site's burst of joins)."""
+    handshake_seconds: float = 5.0
+    """Seconds from TCP accept to an authenticated, multiplexed connection (our dials: 5 s)."""
+    max_established: int = 160
+    """Authenticated inbound connections kept; beyond it a newcomer prunes the least useful."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_pending_per_source <= self.max_pending:
+            raise ValueError(
+                f"max_pending_per_source={self.max_pending_per_source!r} must be between 1 "
+                f"and max_pending={self.max_pending!r}"
+            )
+        if not self.handshake_seconds > 0:
+            raise ValueError(f"handshake_seconds={self.handshake_seconds!r} must be positive")
+        if self.max_established < 1:
+            raise ValueError(f"max_established={self.max_established!r} must be at least 1")
+
+
+class Phase(enum.Enum):
+    PENDING = "pending"
+    ESTABLISHED = "established"
+    GONE = "gone"
+
+
+def _nothing() -> None:
+    pass
+
+
+def _no_streams() -> int:
+    return 0
+
+
+@dataclass(eq=False)
+class Admission:
+    """One inbound connection the gate let in."""
+
+    source: str
+    since: float
+    """When it was accepted (then: when it authenticated)."""
+    phase: Phase = Phase.PENDING
+    peer_id: ID | None = None
+    last_active: float = 0.0
+    """When a useful stream on it last closed (authentication counts)."""
+    close: Callable[[], None] = field(default=_nothing, repr=False)
+    """Set by the I/O shell: stops this connection; callable from any task, never blocks."""
+    open_streams: Callable[[], int] = field(default=_no_streams, repr=False)
+    """Set by the I/O shell: how many useful streams the connection has open now."""
+
+
+@dataclass(frozen=True)
+class InboundStatistics:
+    pending: int
+    established: int
+    refused: int
+    """Connections closed at accept (their source's or every pending slot taken)."""
+    evicted: int
+    """Pending connections closed to let a newcomer from a less busy source in."""
+    pruned: int
+    """Authenticated connections closed to make room."""
+
+
+def source_of(ip: str) -> str:
+    """What a per-source cap counts: the IPv4 address, or the /64 of an IPv6 one (one host
+    or site usually holds a whole /64)."""
+    try:
+        address = ipaddress.ip_address(ip)
+    except ValueError:
+        return ip
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address)
+
+
+class InboundGate:
+    """The bookkeeping of inbound connections: `admit` at accept, `authenticate` when the
+    handshake is done, `release` when the connection's task ends. The victims these return
+    are already off the books; the caller closes them (`Admission.close`)."""
+
+    def __init__(self, limits: InboundLimits) -> None:
+        self.limits = limits
+        self._pending: dict[str, list[Admission]] = {}  # by source, oldest first
+        self._established: set[Admission] = set()
+        self._by_peer: dict[ID, set[Admission]] = {}
+        self._refused = self._evicted = self._pruned = 0
+
+    def admit(self, ip: str, *, now: float) -> tuple[Admission | None, list[Admission]]:
+        """A TCP connection from `ip` was accepted: its admission (None: close it now) and the
+        pending connections to close to make room for it."""
+        source = source_of(ip)
+        mine = self._pending.get(source, [])
+        if len(mine) >= self.limits.max_pending_per_source:
+            self._refused += 1
+            return None, []
+        evicted = []
+        if self.pending_count() >= self.limits.max_pending:
+            fullest = max(self._pending.values(), key=lambda q: (len(q), -q[0].since))
+            if len(fullest) <= len(mine):  # we are (among) the fullest ourselves
+                self._refused += 1
+                return None, []
+            victim = fullest[0]
+            self._drop(victim)
+            self._evicted += 1
+            evicted.append(victim)
+        admission = Admission(source, now)
+        self._pending.setdefault(source, []).append(admission)
+        return admission, evicted
+
+    def authenticate(
+        self, admission: Admission, *, peer_id: ID, now: float, room: int
+    ) -> list[Admission]:
+        """`admission` finished its handshake as `peer_id`. `room`: how many more connections
+        py-libp2p would register (its max_connections less all it holds, this one included).
+        Returns the established connections to close to make room."""
+        if admission.phase is not Phase.PENDING:  # evicted meanwhile: its socket is closed
+            return []
+        self._drop(admission)
+        admission.phase = Phase.ESTABLISHED
+        admission.peer_id = peer_id
+        admission.since = admission.last_active = now
+        self._established.add(admission)
+        self._by_peer.setdefault(peer_id, set()).add(admission)
+        excess = max(
+            len(self._established) - self.limits.max_established,
+            self.limits.max_pending - room,  # room for every handshake now running to finish
+        )
+        victims = choose_prunable(self._established - {admission}, excess)
+        for victim in victims:
+            self._drop(victim)
+        self._pruned += len(victims)
+        return victims
+
+    def note_activity(self, peer_id: ID, *, now: float) -> None:
+        """A useful stream to or from `peer_id` closed."""
+        for admission in self._by_peer.get(peer_id, ()):
+            admission.last_active = now
+
+    def release(self, admission: Admission) -> None:
+        """The connection's task ended (closed, failed or refused); idempotent."""
+        self._drop(admission)
+
+    def pending_count(self) -> int:
+        return sum(len(q) for q in self._pending.values())
+
+    def statistics(self) -> InboundStatistics:
+        return InboundStatistics(
+            pending=self.pending_count(),
+            established=len(self._established),
+            refused=self._refused,
+            evicted=self._evicted,
+            pruned=self._pruned,
+        )
+
+    def _drop(self, admission: Admission) -> None:
+        if admission.phase is Phase.PENDING:
+            queue = self._pending.get(admission.source, [])
+            with suppress(ValueError):
+                queue.remove(admission)
+            if not queue:
+                self._pending.pop(admission.source, None)
+        elif admission.phase is Phase.ESTABLISHED:
+            self._established.discard(admission)
+            assert admission.peer_id is not None
+            peers = self._by_peer.get(admission.peer_id, set())
+            peers.discard(admission)
+            if not peers:
+                self._by_peer.pop(admission.peer_id, None)
+        admission.phase = Phase.GONE
+
+
+def choose_prunable(candidates: set[Admission], count: int) -> list[Admission]:
+    """The `count` least useful of `candidates`: from the source holding the most of them
+    first (one host's many identities go before many hosts' one each), then those with no open
+    stream (a stream in use is work in flight), then the longest idle."""
+    if count <= 0 or not candidates:
+        return []
+    per_source = Counter(a.source for a in candidates)
+
+    def usefulness(admission: Admission) -> tuple[int, bool, float]:
+        return (-per_source[admission.source], admission.open_streams() > 0, admission.last_active)
+
+    return sorted(candidates, key=usefulness)[:count]
+
+
+def useful(stream: Any) -> bool:
+    """Whether a stream is work: any of ours, not libp2p's own identify or ping (every new
+    connection opens those, a throw-away identity's included) nor one still negotiating."""
+    protocol = stream.get_protocol()
+    return protocol is not None and not str(protocol).startswith(LIBP2P_OWN_PROTOCOLS)
+
+
+class ActivityNotifee(INotifee):
+    """Tells the gate when a useful stream closes, in either direction (its protocol is not
+    known yet when it opens; while it is open it counts through `Admission.open_streams`)."""
+
+    def __init__(self, gate: InboundGate) -> None:
+        self.gate = gate
+
+    async def opened_stream(self, network: Any, stream: Any) -> None:
+        pass
+
+    async def closed_stream(self, network: Any, stream: Any) -> None:
+        peer_id = getattr(getattr(stream, "muxed_conn", None), "peer_id", None)
+        if peer_id is not None and useful(stream):
+            self.gate.note_activity(peer_id, now=trio.current_time())
+
+    async def connected(self, network: Any, conn: Any) -> None:
+        pass
+
+    async def disconnected(self, network: Any, conn: Any) -> None:
+        pass
+
+    async def listen(self, network: Any, multiaddr: Multiaddr) -> None:
+        pass
+
+    async def listen_close(self, network: Any, multiaddr: Multiaddr) -> None:
+        pass
+
+
+def install(swarm: Any, gate: InboundGate) -> None:
+    """Put the gate in front of `swarm`'s inbound connections. The handshake deadline is the
+    swarm's own `inbound_upgrade_timeout`, set from the limits when the swarm is made."""
+
+    async def handle(read_write_closer: Any, maddr: Multiaddr) -> None:
+        await serve_inbound(swarm, gate, read_write_closer, maddr)
+
+    # Private method of the pinned py-libp2p version; see the module docstring.
+    swarm._handle_inbound_connection = handle
+    swarm.register_notifee(ActivityNotifee(gate))
+
+
+async def serve_inbound(
+    swarm: Any, gate: InboundGate, read_write_closer: Any, maddr: Multiaddr
+) -> None:
+    """One inbound connection from accept to close, instead of py-libp2p's handler."""
+    if isinstance(read_write_closer, IMuxedConn):  # QUIC-like, already secured: not ours
+        await type(swarm)._handle_inbound_connection(swarm, read_write_closer, maddr)
+        return
+    address = read_write_closer.get_remote_address()
+    admission, evicted = gate.admit(address[0] if address else "", now=trio.current_time())
+    for victim in evicted:
+        victim.close()
+    if admission is None:
+        log.debug("inbound connection from %s refused: its pending slots are taken", address)
+        with suppress(Exception):
+            await read_write_closer.close()
+        return
+    admission.close = lambda: _abort(read_write_closer)
+    try:
+        await _serve_admitted(swarm, gate, admission, read_write_closer, maddr)
+    finally:
+        gate.release(admission)
+
+
+async def _serve_admitted(
+    swarm: Any, gate: InboundGate, admission: Admission, read_write_closer: Any, maddr: Multiaddr
+) -> None:
+    remote = swarm._build_remote_multiaddr(read_write_closer)
+    if remote is not None and not await swarm.connection_gate.is_allowed(remote):
+        with suppress(Exception):
+            await read_write_closer.close()
+        return
+    raw = RawConnection(read_write_closer, False)
+    try:
+        # Bounded by inbound_upgrade_timeout (InboundLimits.handshake_seconds).
+        muxed = await swarm.upgrade_inbound_raw_conn(raw, maddr)
+    except Exception as error:  # what py-libp2p's own handler does: a failed peer, not a bug
+        log.debug("inbound connection from %s failed: %r", maddr, error)
+        with suppress(Exception):
+            await raw.close()
+        return
+    conn = next(
+        (c for c in swarm.connections.get(muxed.peer_id, ()) if c.muxed_conn is muxed), None
+    )
+    with trio.CancelScope() as pruned:
+        admission.close = pruned.cancel
+        if conn is not None:
+            admission.open_streams = lambda: sum(map(useful, conn.get_streams()))
+        room = swarm.connection_config.max_connections - len(swarm.get_connections())
+        victims = gate.authenticate(
+            admission, peer_id=muxed.peer_id, now=trio.current_time(), room=room
+        )
+        for victim in victims:
+            victim.close()
+        # Returning frees this task when the connection closes (py-libp2p's handler waited
+        # for the swarm to stop).
+        closed = getattr(muxed, "event_closed", None)
+        await (closed.wait() if closed is not None else swarm.manager.wait_finished())
+    if pruned.cancelled_caught:
+        log.debug("pruned the inbound connection from %s (%s)", muxed.peer_id, maddr)
+        with trio.move_on_after(PRUNE_CLOSE_SECONDS), suppress(Exception):
+            await (conn.close() if conn is not None else muxed.close())
+
+
+def _abort(read_write_closer: Any) -> None:
+    """Close a pending connection's socket at once, from any task: the handshake's blocked
+    read raises and py-libp2p cleans up as for any broken connection."""
+    socket = getattr(getattr(read_write_closer, "stream", None), "socket", None)
+    if socket is not None:
+        socket.close()
