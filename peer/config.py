@@ -109,7 +109,7 @@ class DhtConfig(_Section):
     """Bytes of records one peer may store on this node per store_window (16 MiB)."""
     store_window: float = 60.0
     """Seconds for a peer's spent store budget to refill."""
-    max_ttl: float = 86400.0
+    max_ttl: float = 3600.0
     """Longest record lifetime accepted, in seconds."""
     max_clock_skew: float = 10.0
     """Seconds a record's timestamp may lie in the future."""

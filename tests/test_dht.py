@@ -1,19 +1,31 @@
-"""The DHT over real libp2p on loopback: 16 server nodes in one process, a hand-moved clock."""
+"""The DHT over real libp2p on loopback: 16 server nodes in one process, a hand-moved clock;
+and the attacks of issue 16 on it (flooding a key, pinning reply memory, filling a node,
+replies full of bad signatures)."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 
+import msgspec
+import pytest
 import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
 from peer.config import DhtConfig
+from peer.dht import node as dht_node
 from peer.dht import protocol as dht
-from peer.dht.node import REJOIN_ATTEMPTS
+from peer.dht import records
+from peer.dht.node import DHT, REJOIN_ATTEMPTS
 from peer.dht.records import Entry, make_entry
 from peer.errors import RpcError, Unreachable
-from tests.helpers import FakeClock, swarm
+from peer.net.framing import encode_frame
+from peer.net.rpc import Request, RpcServer, protocol_id
+from tests.helpers import FakeClock, nodes, swarm
 
 CONFIG = dataclasses.replace(
     DhtConfig(), replicas=5, bucket_size=20, alpha=3, purge_interval=3600.0
@@ -100,12 +112,17 @@ async def test_forged_owner_entries_are_rejected_by_every_node():
         unsigned = Entry(b"forged", clock.now + 60)
         assert await mallory.store_entries("presence", {subkey: unsigned}) == 0
         assert (await s.dhts[0].get("presence"))[subkey].value == b"genuine"
-        # A malicious replica that serves a forged entry anyway is not believed by readers.
-        for dht in s.dhts:
-            dht.records._records.setdefault("presence", {})[subkey] = forged
+
+        # Malicious replicas that serve a forged entry anyway are not believed by readers.
+        async def lie(caller: ID, request: dht.Get) -> dht.GetReply:
+            return dht.GetReply({subkey: forged}, [])
+
         reader = s.dhts[14]
-        reader.records._records.clear()
-        assert subkey not in await reader.get("presence")
+        for replica in s.dhts:
+            if replica is not reader:
+                answer_gets(replica, lie)
+        got = await reader.get("presence")
+        assert subkey not in got or got[subkey].value == b"genuine"  # its own copy, if any
 
 
 async def test_values_survive_a_quarter_of_nodes_dying():
@@ -227,3 +244,214 @@ async def test_a_dropped_contact_that_never_answers_is_tried_a_few_times_then_gi
                 await trio.sleep(0.1)
         assert tried == [[gone.peer_id]] * REJOIN_ATTEMPTS
         assert lonely._rejoin_candidates() == []  # nothing left to dial
+
+
+# ---------------------------------------------------------------------------- issue 16
+
+
+def answer_gets(replica: DHT, answer: Callable[[ID, dht.Get], Awaitable[dht.GetReply]]) -> None:
+    """Make `replica` answer gets with `answer` (a lying replica, an older version); it finds
+    nodes and stores as before. The new server takes over the DHT's protocol on its host."""
+    server = RpcServer(
+        replica.node.host, dht.SERVICE, max_message_bytes=replica.node.rpc.max_message_bytes
+    )
+    server.add_unary("find_node", dht.FindNode, replica._on_find_node)
+    server.add_unary("store", dht.Store, replica._on_store)
+    server.add_unary("get", dht.Get, answer)
+
+
+@asynccontextmanager
+async def client(s, config: DhtConfig = CONFIG) -> AsyncIterator[DHT]:
+    """A client-mode DHT (a reader holding no copies of its own), joined to the swarm."""
+    async with nodes(1) as (node,):
+        reader = DHT(node, config, server=False, rpc_timeout=5.0)
+        first = s.dhts[0].node
+        assert await reader.bootstrap([(first.peer_id, first.announce[0])])
+        yield reader
+
+
+def identities(count: int) -> list[tuple[object, str]]:
+    """(key pair, peer id) of `count` fresh Ed25519 identities: a flooder's throw-away ones."""
+    out = []
+    for _ in range(count):
+        key_pair = create_new_key_pair()
+        out.append((key_pair, ID.from_pubkey(key_pair.public_key).to_base58()))
+    return out
+
+
+async def store_on(caller: DHT, target: DHT, key: str, entries: dict[str, Entry]) -> dict:
+    """One store RPC, straight to `target`: its verdicts, or the error it answered."""
+    request = dht.Store(key, entries)
+    caller.node.remember_addrs(target.node.peer_id, list(target.node.announce))
+    try:
+        reply = await caller.node.rpc.call(
+            target.node.peer_id, dht.SERVICE, "store", request, dht.StoreReply, timeout=10
+        )
+    except RpcError as error:
+        return {"error": str(error)}
+    return reply.verdicts
+
+
+async def test_flooding_a_key_with_junk_hides_none_of_its_records_nor_its_replicas():
+    """Class 6: 3 flooders write every node all the subkeys and bytes they can under the key
+    (64 KiB values, their own subkey and 20 open ones each); an honest record stays readable and
+    the reader drops no replica. Before: ~4 MB per replica, every reply over the reader's 1 MiB
+    limit, so the reader saw nothing and dropped every replica from its table."""
+    now = time.time()
+    config = dataclasses.replace(CONFIG, caller_store_bytes=64 << 20)
+    async with swarm(8, config) as s:
+        honest, flooders = s.dhts[0], s.dhts[1:4]
+        own = honest.node.peer_id.to_base58()
+        assert await honest.store("presence", own, b"honest", expiration=now + 30) > 0
+        junk = b"j" * (60 * 1024)
+        for flooder in flooders:
+            me = flooder.node.peer_id.to_base58()
+            signer = flooder.node.identity.key_pair.private_key
+            subkeys = [me, *(f"junk-{i}" for i in range(20))]
+            for target in s.dhts:
+                if target is flooder:
+                    continue
+                for subkey in subkeys:
+                    entry = make_entry(
+                        "presence",
+                        subkey,
+                        junk,
+                        now + 3000,
+                        signer=signer if subkey == me else None,
+                    )
+                    await store_on(flooder, target, "presence", {subkey: entry})
+        async with client(s) as reader:
+            contacts = {c.peer_id for c in reader.table.contacts()}
+            got = await reader.get("presence")
+            assert own in got and got[own].value == b"honest"
+            assert {c.peer_id for c in reader.table.contacts()} >= contacts
+        for target in s.dhts:  # the flooders hold their own id and 4 open subkeys at most
+            assert len(target.records.get("presence", now=time.time())) <= 1 + 3 * 5
+
+
+async def test_a_reader_keeps_a_replica_that_sent_too_much_and_takes_what_fits():
+    """Class 6: a replica that answers more than the reader takes (an older version, or a
+    liar) stays in the reader's table, and the reader takes the entries that fit its own
+    budget. (Past the reader's message limit nothing of a reply can be read: py-libp2p then
+    often breaks the connection, see the report of issue 16.)"""
+    now = time.time()
+    async with swarm(2, CONFIG) as s:
+        honest, big = s.dhts
+        own = honest.node.peer_id.to_base58()
+        await honest.store("k", own, b"honest", expiration=now + 30)
+        filling = {f"s{i}": Entry(b"x" * 60_000, now + 30) for i in range(12)}  # 720 kB
+
+        async def much(caller: ID, request: dht.Get) -> dht.GetReply:
+            return dht.GetReply(filling, [])
+
+        answer_gets(big, much)
+        async with client(s) as reader:
+            got = await reader.get("k")
+            assert got[own].value == b"honest"
+            assert big.node.peer_id in reader.table
+            taken = [subkey for subkey in got if subkey.startswith("s")]
+            assert 0 < len(taken) < len(filling)
+            assert len(taken) * 60_000 <= dht_node.REPLY_BYTES
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+async def test_unread_gets_of_a_large_key_pin_little_of_the_callees_memory():
+    """Class 7: 32 gets of a ~7.5 MB key (written by 32 writers), never read. Before, each
+    reply was encoded whole and held while yamux waited for the caller to read: 32 x 7.5 MB
+    x 3 copies, ~700 MB more RSS. A reply now fits the stream's send window, so the callee
+    writes it at once and keeps nothing."""
+    now = time.time()
+    config = dataclasses.replace(CONFIG, caller_store_bytes=64 << 20, max_subkeys=4096)
+    async with swarm(2, config) as s:
+        target, caller = s.dhts
+        value = b"v" * (58 * 1024)
+        for _, writer in identities(32):  # four open subkeys each: within a writer's share
+            entries = {f"{writer[-8:]}-{i}": Entry(value, now + 600) for i in range(4)}
+            verdicts = await target._on_store(ID.from_base58(writer), dht.Store("big", entries))
+            assert set(verdicts.verdicts.values()) == {"stored"}
+        assert sum(len(e.value or b"") for e in target.records.get("big", now=now).values()) > 7e6
+
+        get = msgspec.msgpack.encode(Request("get", msgspec.Raw(msgspec.msgpack.encode(
+            dht.Get("big")))))  # fmt: skip
+        streams = []
+        baseline, peak = rss_bytes(), 0
+        for _ in range(32):  # 58 bytes each, and never a byte read back
+            stream = await caller.node.host.new_stream(target.node.peer_id, [protocol_id("dht")])
+            await stream.write(encode_frame(get))
+            streams.append(stream)
+        for _ in range(20):
+            await trio.sleep(0.1)
+            peak = max(peak, rss_bytes() - baseline)
+        assert peak < 100e6, f"{peak / 1e6:.0f} MB more resident while 32 gets went unread"
+        reply = await target._on_get(caller.node.peer_id, dht.Get("big"))
+        assert len(msgspec.msgpack.encode(reply)) <= dht_node.REPLY_BYTES
+        for stream in streams:
+            await stream.reset()
+
+
+async def test_one_writer_cannot_fill_a_node_with_day_long_keys():
+    """Class 8: one caller writing key after key (24 h TTLs were accepted) filled the node's
+    key limit, and every honest store after it was refused for a day. A writer now holds
+    `MAX_WRITER_ENTRIES` entries per node, its oldest giving way, for an hour at most."""
+    now = time.time()
+    config = dataclasses.replace(CONFIG, max_keys=300, caller_store_bytes=64 << 20)
+    async with swarm(3, config) as s:
+        target, flooder, honest = s.dhts
+        for i in range(400):
+            await store_on(flooder, target, f"junk/{i}", {"s": Entry(b"x", now + 3000)})
+        verdicts = await store_on(honest, target, "honest", {"s": Entry(b"hello", now + 60)})
+        assert verdicts == {"s": "stored"}
+        flooded = target.records.held_by(flooder.node.peer_id.to_base58())
+        assert flooded[0] == records.MAX_WRITER_ENTRIES
+        day = await store_on(flooder, target, "day", {"s": Entry(b"x", now + 86_000)})
+        assert day["s"].startswith("rejected: expiration")
+
+
+async def test_a_replica_answering_thousands_of_bad_signatures_costs_a_reader_a_few_checks(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """Class 8: a replica answers a get with 4,000 owner subkeys whose signatures are junk.
+    Before, the reader checked every one (~0.5 s of its event loop per reply); it now stops
+    at `MAX_INVALID_ENTRIES`, drops that reply and that replica, and reads the honest record."""
+    now = time.time()
+    bad = {peer: Entry(b"x", now + 30, b"\x00" * 64) for _, peer in identities(4000)}
+    checks = 0
+    signed_by = records.signed_by
+
+    def counting(*args: object) -> bool:
+        nonlocal checks
+        checks += 1
+        return signed_by(*args)  # type: ignore[arg-type]
+
+    async def liar(caller: ID, request: dht.Get) -> dht.GetReply:
+        return dht.GetReply(bad, [])
+
+    async with swarm(3, CONFIG) as s:
+        honest, lying = s.dhts[0], s.dhts[1]
+        own = honest.node.peer_id.to_base58()
+        await honest.store("k", own, b"honest", expiration=now + 30)
+        answer_gets(lying, liar)
+        async with client(s) as reader:
+            monkeypatch.setattr(records, "signed_by", counting)
+            got = await reader.get("k")
+            assert got[own].value == b"honest"
+            assert checks <= 16, f"{checks} signatures checked for one get"
+            assert lying.node.peer_id not in reader.table
+
+
+async def test_a_store_of_another_peers_signed_subkey_is_refused_even_with_its_signature():
+    """Class 6: only a subkey's owner may store it, so a flooder cannot bring the signed
+    records of thousands of throw-away identities over one connection."""
+    now = time.time()
+    async with swarm(2, CONFIG) as s:
+        target, mallory = s.dhts
+        ((key_pair, other),) = identities(1)
+        entry = make_entry("presence", other, b"v", now + 30, signer=key_pair.private_key)
+        verdicts = await store_on(mallory, target, "presence", {other: entry})
+        assert verdicts[other].startswith("rejected: ") and "may not write" in verdicts[other]
+        too_many = {f"s{i}": Entry(b"v", now + 30) for i in range(dht.MAX_STORE_ENTRIES + 1)}
+        assert "bad_request" in (await store_on(mallory, target, "k", too_many))["error"]

@@ -465,3 +465,43 @@ async def test_every_averaging_call_ends_by_its_outer_deadline():
             )  # fmt: skip
         assert result.average is None
         assert any("longer than its limit" in s for s in result.skipped), result.skipped
+
+
+async def test_a_leader_whose_spec_is_refused_is_banned_and_the_others_average_without_it(
+    monkeypatch,
+):
+    """The lowest peer id leads a single group and lists itself with another member's
+    certificate (to read that member's contribution). Its members refuse the spec, ban it, and
+    form the group again under the next leader: they still reach their exact average, and in
+    the next call they neither join it nor take it in."""
+    from peer.averaging import matchmaking
+
+    config = AveragingConfig(group_size=4, join_timeout=2.0)
+    async with averaging_swarm(3, config) as (_, averagers):
+        order = sorted(averagers, key=lambda a: a.me)
+        liar, honest = order[0], order[1:]
+        original = matchmaking.build_spec
+
+        def lying_build_spec(members, **kwargs):
+            spec = original(members, **kwargs)
+            if kwargs["leader"] != liar.me:
+                return spec
+            victim = next(m for m in spec.members if m.peer_id != liar.me)
+            forged = tuple(
+                dataclasses.replace(m, cert=victim.cert) if m.peer_id == liar.me else m
+                for m in spec.members
+            )
+            return dataclasses.replace(spec, members=forged)
+
+        monkeypatch.setattr(matchmaking, "build_spec", lying_build_spec)
+        vectors = [np.full(SIZE, float(i + 1), np.float32) for i in range(3)]
+        index = {a.me: i for i, a in enumerate(averagers)}
+        for call in range(2):
+            results = await average_all(averagers, vectors, gather=1.0 + call)
+            expected = np.mean([vectors[index[a.me]] for a in honest], axis=0)
+            for a in honest:
+                result = results[index[a.me]]
+                assert result.average is not None, result.skipped
+                np.testing.assert_allclose(result.average, expected, atol=1e-6)
+                assert result.members == 2
+                assert a.matchmaker.banned(liar.me)

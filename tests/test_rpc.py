@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from libp2p.peer.id import ID
 
-from peer.errors import DeadlineExceeded, RpcError
+from peer.errors import DeadlineExceeded, RemoteError, RpcError
 from peer.net.framing import encode_frame, encode_varint
 from peer.net.host import Node
 from peer.net.rpc import (
@@ -116,6 +116,18 @@ async def test_deadline_raises_and_cancels_the_remote_handler():
             await client.rpc.call(server.peer_id, "test", "slow", Slow(), Slow, timeout=0.3)
         with trio.fail_after(5):
             await service.cancelled.wait()  # the reset reached the server and stopped its handler
+        await good_call(client, server)
+
+
+async def test_a_server_call_deadline_ends_a_handler_the_caller_would_wait_on():
+    """A server's `call_deadline` bounds each call whatever the caller's own deadline (a DHT
+    node must not hold a reply for a caller that never reads it)."""
+    async with nodes(2, max_message_bytes=LIMIT) as (client, server):
+        service = Service(server, call_deadline=0.5)
+        await connected(client, server)
+        with trio.fail_after(20), pytest.raises(RemoteError):
+            await client.rpc.call(server.peer_id, "test", "slow", Slow(), Slow, timeout=60)
+        assert service.cancelled.is_set()
         await good_call(client, server)
 
 

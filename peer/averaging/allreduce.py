@@ -186,18 +186,38 @@ class DataServer:
         with self.admission.slot(stream) as admission:
             if admission is None:
                 return  # over a cap: closed before we read a byte
-            try:
-                with admission:  # the deadline, or an eviction by a fairer newcomer
-                    await self.admission.check_network_key(stream)
-                    tls = TlsStream(stream, self.identity.server, server_side=True)
-                    await tls.handshake()
-                    frame = await receive_frame(tls, max_bytes=MAX_HELLO_BYTES)
-                if admission.cancelled_caught:
-                    return
-                hello = msgspec.msgpack.decode(bytes(frame or b""), type=Hello)
-            except (*DECODE_ERRORS, *CONNECTION_ERRORS) as error:
-                log.debug("data connection not admitted: %r", error)
-                return
+            admitted = None
+            with admission:  # the deadline, or an eviction by a fairer newcomer
+                admitted = await self._admit(stream)
+        if admitted is None:
+            return
+        tls, hello = admitted
+        async with tls:
+            await self._hand_off(tls, hello)
+
+    async def _admit(self, stream: trio.SocketStream) -> tuple[TlsStream, Hello] | None:
+        """The network key, the TLS handshake and the hello; None (all closed) if any fails."""
+        try:
+            await self.admission.check_network_key(stream)
+        except CONNECTION_ERRORS as error:
+            log.debug("data connection not admitted: %r", error)
+            return None
+        tls = TlsStream(stream, self.identity.server, server_side=True)
+        try:
+            await tls.handshake()
+            frame = await receive_frame(tls, max_bytes=MAX_HELLO_BYTES)
+            hello = msgspec.msgpack.decode(bytes(frame or b""), type=Hello)
+        except (*DECODE_ERRORS, *CONNECTION_ERRORS) as error:
+            log.debug("data connection not admitted: %r", error)
+            await tls.aclose()
+            return None
+        except BaseException:  # the deadline or an eviction: the descriptor still closes
+            with trio.CancelScope(shield=True):
+                await tls.aclose()
+            raise
+        return tls, hello
+
+    async def _hand_off(self, tls: TlsStream, hello: Hello) -> None:
         inbox = self._rounds.get(hello.round_id)
         if inbox is None or inbox.certificates.get(hello.sender) != tls.peer_certificate():
             return  # not (yet) a round of ours, or not that member's certificate: hang up
@@ -235,9 +255,9 @@ async def dial_reducer(server: DataServer, round_id: bytes, reducer: Member) -> 
     pinned to the reducer's certificate, our hello, its accept. ProtocolError if it hangs up
     (a round it has not opened) or presents another certificate; OSError if unreachable."""
     stream = await trio.open_tcp_stream(reducer.host, reducer.port)
+    tls = TlsStream(stream, server.identity.client, server_side=False)
     try:
         await prove_network_key(stream, server.network_key)
-        tls = TlsStream(stream, server.identity.client, server_side=False)
         await tls.handshake()
         if tls.peer_certificate() != reducer.cert:
             raise ProtocolError("the reducer presented another certificate")
@@ -246,7 +266,7 @@ async def dial_reducer(server: DataServer, round_id: bytes, reducer: Member) -> 
         if not await receive_exactly(tls, memoryview(answer)) or answer != ACCEPT:
             raise ProtocolError("the reducer hung up on our hello")
     except BaseException:
-        await stream.aclose()
+        await tls.aclose()
         raise
     return tls
 

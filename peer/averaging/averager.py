@@ -308,7 +308,14 @@ class Averager:
         certificate = self.data_server.identity.certificate
         try:
             spec = await self.matchmaker.form_group(
-                namespace, index, group, view, Joined(ticket, certificate), shape, exact=exact
+                namespace,
+                index,
+                group,
+                view,
+                Joined(ticket, certificate),
+                shape,
+                check=lambda spec: _spec_problem(spec, shape, group, self.me),
+                exact=exact,
             )
         except (TooFewPeers, NotExact) as error:
             result.skipped.append(f"round {index}: {error}")

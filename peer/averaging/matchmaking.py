@@ -27,7 +27,9 @@ libp2p connection authenticates the caller).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -48,6 +50,8 @@ log = logging.getLogger("peertrain.matchmaking")
 
 SERVICE = "avg"
 MAX_JOINERS = 256  # per gathering, whatever peers claim
+BAN_SECONDS = 600.0  # a leader whose spec we refused: neither our leader nor our member
+MAX_BANNED = 1024
 
 
 class TooFewPeers(PeertrainError):
@@ -148,6 +152,7 @@ class Matchmaker:
         # The gatherings we declared in (joins are for these), with how long a joiner may
         # wait for our decision beyond 2 join_timeouts (members may still be in a round).
         self._namespaces: dict[str, float] = {}
+        self._banned: dict[str, float] = {}  # peer id -> trio time its ban ends
         server = RpcServer(dht.node.host, SERVICE, max_message_bytes=dht.node.rpc.max_message_bytes)
         server.add_unary("join", Join, self._on_join)
         server.add_unary("alive", Alive, self._on_alive)
@@ -193,13 +198,20 @@ class Matchmaker:
         me: Joined,
         shape: RoundShape,
         *,
+        check: Callable[[RoundSpec], str | None] = lambda spec: None,
         exact: bool = True,
     ) -> RoundSpec:
         """This round's spec for our group. Raises TooFewPeers (a single group too small) or
         NotExact (a planned round that cannot be exact; `exact=False`: we already are not).
 
-        `view` are the tickets we read (ours included); `me` our ticket and round key.
+        `view` are the tickets we read (ours included); `me` our ticket and certificate.
+        `check` says what is wrong with a leader's spec, if anything: that leader is banned
+        (`BAN_SECONDS`) and, in a single group, we go on to the next candidate.
         """
+        if not group.seats:  # a single group forms without banned peers
+            group = dataclasses.replace(
+                group, members=tuple(m for m in group.members if not self.banned(m))
+            )
         tickets = {t.peer_id: t for t in view}
         gathering = self._gathering(namespace, round_index)
         request = Join(namespace, round_index, me, shape.view, exact)
@@ -216,6 +228,13 @@ class Matchmaker:
                 candidate, tickets.get(candidate), request, group.patience, quick_check=not planned
             )
             if isinstance(reply, Begin):
+                problem = check(reply.spec)
+                if problem is not None:
+                    self.ban(candidate, f"its spec {problem}")
+                    if planned:
+                        gathering.decide(Inexact(f"the leader's spec {problem}"))
+                        raise NotExact(f"the leader's spec {problem}")
+                    continue
                 gathering.decide(Redirect(f"{self.me} joined {candidate}'s group"))
                 return reply.spec
             if isinstance(reply, TooFew):
@@ -374,8 +393,24 @@ class Matchmaker:
     async def _on_alive(self, caller: ID, request: Alive) -> Alive:
         return request
 
+    def ban(self, peer_id: str, reason: str) -> None:
+        """Leave `peer_id` out of our groups for BAN_SECONDS: as our leader and as our member."""
+        log.info("not averaging with %s for %.0f s: %s", peer_id, BAN_SECONDS, reason)
+        if len(self._banned) >= MAX_BANNED:
+            self._banned.pop(min(self._banned, key=self._banned.__getitem__))
+        self._banned[peer_id] = trio.current_time() + BAN_SECONDS
+
+    def banned(self, peer_id: str) -> bool:
+        until = self._banned.get(peer_id)
+        if until is not None and trio.current_time() >= until:
+            del self._banned[peer_id]
+            return False
+        return until is not None
+
     async def _on_join(self, caller: ID, request: Join) -> JoinReply:
         who = caller.to_base58()
+        if self.banned(who):
+            return Redirect("not averaging with you for now")
         if request.joined.ticket.peer_id != who:
             raise RpcError("forbidden", "a peer may only join as itself")
         try:

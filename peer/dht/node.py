@@ -4,6 +4,12 @@ Reads are always fresh: `get` asks the `replicas` nodes closest to the key and m
 answers (latest expiration wins), so a reader never serves a copy cached from an earlier read.
 `store` writes to the `replicas` closest nodes it can reach. A server-mode node also stores and
 answers for others; a client-mode node (`peer status`) only asks.
+
+Nothing a peer sends can exhaust a node or hide a key (issue 16): a writer holds a few subkeys
+per key and a bounded share of each node (`records.RecordStore`); a get reply carries the
+entries that fit `REPLY_BYTES` (`records.select`); a reader takes from any reply only what fits
+its own budget, checks each entry once, and drops a reply (and that replica) with more than
+`MAX_INVALID_ENTRIES` invalid ones. Handlers never wait: their work is bounded by these limits.
 """
 
 from __future__ import annotations
@@ -12,9 +18,10 @@ import logging
 import random
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+import msgspec
 import trio
 from libp2p.peer.id import ID
 from multiaddr import Multiaddr
@@ -22,6 +29,10 @@ from multiaddr import Multiaddr
 from peer.config import DhtConfig
 from peer.dht import protocol as p
 from peer.dht.records import (
+    MAX_INVALID_ENTRIES,
+    MAX_REPLY_ENTRIES,
+    MAX_TTL,
+    MAX_WRITER_BYTES,
     Entry,
     Limits,
     RecordStore,
@@ -29,6 +40,7 @@ from peer.dht.records import (
     live,
     make_entry,
     merge,
+    select,
     validate_entry,
 )
 from peer.dht.routing import Contact, Lookup, RoutingTable, key_id, node_id
@@ -38,11 +50,18 @@ from peer.net.ratelimit import ByteBudgets
 from peer.net.rpc import RpcServer
 
 log = logging.getLogger("peertrain.dht")
+HANDLER_SECONDS = 10.0  # a DHT call is answered (and its reply read) within this, or reset
 #: Seconds between attempts to bootstrap again while no backbone is in our routing table.
 REJOIN_INTERVAL = 2.0
 #: Attempts to join again through a dropped contact before it is given up on: its addresses
 #: are its own claim, and an isolated node must not dial them every 2 s for ever.
 REJOIN_ATTEMPTS = 3
+#: Bytes of one get reply, entries and contacts: it fits a fresh yamux stream's 256 KiB send
+#: window, so it is written whole without waiting for the caller to read, and a caller that
+#: reads none of its 32 streams (rpc.MAX_STREAMS_PER_PEER) pins at most 6 MiB. ~200 records.
+REPLY_BYTES = 192 * 1024
+#: Signature checks between two yields to the event loop while a reader checks a reply (~7 ms).
+CHECKS_PER_YIELD = 64
 
 Clock = Callable[[], float]
 
@@ -78,11 +97,14 @@ class DHT:
                 max_value_bytes=config.max_value_bytes,
                 max_subkeys=config.max_subkeys,
                 max_keys=config.max_keys,
-                max_ttl=config.max_ttl,
+                max_ttl=min(config.max_ttl, MAX_TTL),
                 max_clock_skew=config.max_clock_skew,
                 max_total_bytes=config.max_store_bytes,
+                # Four of the largest values, whatever `max_value_bytes` is set to.
+                max_writer_bytes=max(MAX_WRITER_BYTES, 4 * (config.max_value_bytes + 1024)),
             )
         )
+        self.reply_bytes = min(REPLY_BYTES, node.rpc.max_message_bytes // 2)
         self.store_budgets = ByteBudgets(
             capacity=config.caller_store_bytes, window=config.store_window
         )
@@ -93,7 +115,12 @@ class DHT:
         self._stores_received = 0
         self._gets_served = 0
         self._calls: Counter[tuple[str, str]] = Counter()
-        rpc = RpcServer(node.host, p.SERVICE, max_message_bytes=node.rpc.max_message_bytes)
+        rpc = RpcServer(
+            node.host,
+            p.SERVICE,
+            max_message_bytes=node.rpc.max_message_bytes,
+            call_deadline=HANDLER_SECONDS,
+        )
         rpc.add_unary("find_node", p.FindNode, self._on_find_node)
         rpc.add_unary("store", p.Store, self._on_store)
         rpc.add_unary("get", p.Get, self._on_get)
@@ -218,9 +245,11 @@ class DHT:
             # We are one of the `replicas` closest: keep a copy and drop the farthest remote, so
             # the record lives on exactly the nodes a reader's lookup will ask.
             targets = targets[: self.config.replicas - 1]
+            me = self.node.peer_id.to_base58()
             try:
                 accepted += any(
-                    self.records.store(key, s, e, now=self.clock()) for s, e in entries.items()
+                    self.records.store(key, s, e, now=self.clock(), writer=me)
+                    for s, e in entries.items()
                 )
             except ProtocolError as error:
                 log.debug("local store refused %s: %s", key, error)
@@ -253,20 +282,45 @@ class DHT:
 
         async def query(contact: Contact) -> list[Contact]:
             reply = await self._call(contact.peer_id, "get", request, p.GetReply)
-            now = self.clock()
-            valid = {}
-            for subkey, entry in reply.entries.items():
-                try:  # a replica may be malicious: check every entry as if it were stored here
-                    validate_entry(key, subkey, entry, now=now, limits=self.records.limits)
-                except ProtocolError as error:
-                    log.debug("dropping invalid entry from %s: %s", contact.peer_id, error)
-                    continue
-                valid[subkey] = entry
-            merge(merged, valid)
+            merge(merged, await self._checked(key, reply.entries, known=merged))
             return p.to_contacts(reply.nodes, exclude=self.node.peer_id)
 
         await self._lookup(key_id(key), query)
         return live(merged, now=started)
+
+    async def _checked(
+        self, key: str, entries: Mapping[str, Entry], *, known: Mapping[str, Entry]
+    ) -> dict[str, Entry]:
+        """What we take from a replica's reply: the entries that fit our own reply budget (a
+        replica that sent more keeps its place; we take what fits), each validated as if stored
+        here, except those equal to one `known` (validated already, from another replica).
+
+        Raises ProtocolError at the `MAX_INVALID_ENTRIES`th invalid entry: an honest replica
+        validated all it holds, and a liar must not make us check thousands of signatures.
+        """
+        taken = select(entries, budget=self.reply_bytes, max_entries=MAX_REPLY_ENTRIES)
+        now = self.clock()
+        valid: dict[str, Entry] = {}
+        invalid = checked = 0
+        for subkey, entry in taken.items():
+            if known.get(subkey) == entry:
+                valid[subkey] = entry
+                continue
+            checked += 1
+            if checked % CHECKS_PER_YIELD == 0:
+                await trio.sleep(0)
+            try:
+                validate_entry(key, subkey, entry, now=now, limits=self.records.limits)
+            except ProtocolError as error:
+                invalid += 1
+                if invalid >= MAX_INVALID_ENTRIES:
+                    raise ProtocolError(
+                        f"{invalid} invalid entries of {key!r} in one reply; the last: {error}"
+                    ) from error
+                log.debug("dropping an invalid entry of %r: %s", key, error)
+                continue
+            valid[subkey] = entry
+        return valid
 
     async def find_nodes(self, target: int) -> Lookup:
         async def query(contact: Contact) -> list[Contact]:
@@ -329,9 +383,10 @@ class DHT:
         wait = self.store_budgets.try_spend(caller, size, now=now)
         if wait > 0:
             raise RpcError("unavailable", f"store budget spent; retry in {wait:.0f} s")
+        writer = caller.to_base58()
         for subkey, entry in request.entries.items():
             try:
-                kept = self.records.store(request.key, subkey, entry, now=now)
+                kept = self.records.store(request.key, subkey, entry, now=now, writer=writer)
                 verdicts[subkey] = "stored" if kept else "kept-newer"
             except ProtocolError as error:
                 verdicts[subkey] = f"rejected: {error}"
@@ -344,8 +399,11 @@ class DHT:
         # More contacts than the caller keeps: some may be dead, and the caller must still
         # find the `replicas` closest live ones.
         nearest = self.table.nearest(target, self.config.bucket_size, exclude=[caller])
+        nodes = [p.WireContact.of(c) for c in nearest]
+        # Contacts first (at most bucket_size x 16 addresses), entries in what is left.
+        budget = self.reply_bytes - len(msgspec.msgpack.encode(nodes))
         entries = self.records.get(request.key, now=self.clock())
-        return p.GetReply(entries, [p.WireContact.of(c) for c in nearest])
+        return p.GetReply(select(entries, budget=budget, max_entries=MAX_REPLY_ENTRIES), nodes)
 
     # ------------------------------------------------------------------ helpers
 

@@ -2,11 +2,14 @@
 
     find_node(FindNode) -> Nodes       the contacts the callee knows closest to `target`
     store(Store)        -> StoreReply   keep these entries of `key`; one verdict per subkey
-    get(Get)            -> GetReply     the entries of `key` it holds, plus closer contacts
+    get(Get)            -> GetReply     the entries of `key` it holds that fit one reply
+                                        (`records.select`), plus closer contacts
 
 A server-mode caller sends its own dialable addresses in `caller_addrs` so the callee can add
 it to its routing table; its peer id comes from the authenticated connection, never from the
-message. A client-mode caller (e.g. `peer status`) sends none and is never added.
+message. A client-mode caller (e.g. `peer status`) sends none and is never added. The same
+authenticated peer id is the writer of what it stores: only its own peer id among the
+owner-signed subkeys, so a store carries at most `MAX_STORE_ENTRIES` entries.
 """
 
 from __future__ import annotations
@@ -16,19 +19,22 @@ from typing import Annotated
 import msgspec
 from libp2p.peer.id import ID
 
-from peer.dht.records import MAX_KEY_BYTES, MAX_SUBKEY_BYTES, Entry
+from peer.dht.records import MAX_KEY_BYTES, MAX_OPEN_SUBKEYS, MAX_SUBKEY_BYTES, Entry
 from peer.dht.routing import Contact
 
 SERVICE = "dht"
 MAX_ADDRS = 16
 MAX_CONTACTS = 64
-MAX_ENTRIES = 4096
+MAX_ENTRIES = 4096  # in a get reply: more than a reader takes, which it trims (records.select)
+#: Entries one store may carry: all a writer may hold of a key (its own id and its open subkeys).
+MAX_STORE_ENTRIES = 1 + MAX_OPEN_SUBKEYS
 
 Addr = Annotated[str, msgspec.Meta(max_length=256)]
 Addrs = Annotated[list[Addr], msgspec.Meta(max_length=MAX_ADDRS)]
 Key = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_KEY_BYTES)]
 Subkey = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_SUBKEY_BYTES)]
 Entries = Annotated[dict[Subkey, Entry], msgspec.Meta(max_length=MAX_ENTRIES)]
+StoreEntries = Annotated[dict[Subkey, Entry], msgspec.Meta(max_length=MAX_STORE_ENTRIES)]
 
 
 class WireContact(msgspec.Struct, frozen=True):
@@ -51,7 +57,7 @@ class Nodes(msgspec.Struct, frozen=True):
 
 class Store(msgspec.Struct, frozen=True):
     key: Key
-    entries: Entries
+    entries: StoreEntries
     caller_addrs: Addrs | None = None
 
 

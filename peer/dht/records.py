@@ -8,19 +8,26 @@ Rules every node applies identically, so that any replica answers the same:
 - **Tombstones.** An entry whose value is None deletes: it supersedes older entries like any
   other write and is never returned to readers.
 - **Owner-signed subkeys.** A subkey that is an Ed25519 peer id (`12D3KooW...`) belongs to that
-  peer: its entry must carry that peer's signature over (key, subkey, value, expiration), and
-  every node rejects it otherwise. Other subkeys are open to any writer.
+  peer: only that peer may store it (the writer is the authenticated RPC caller), its entry must
+  carry that peer's signature over (key, subkey, value, expiration), and every node and reader
+  rejects it otherwise. Other subkeys are open: any writer may hold up to `MAX_OPEN_SUBKEYS` of
+  a key, unsigned. Every record peers read (presence, progress, tickets) is owner-signed.
 - **Expiration** is an absolute wall-clock time (seconds since the epoch). Clocks of peers differ
   by a few seconds; a node accepts an expiration up to `max_ttl + max_clock_skew` ahead of its
   own clock and never returns an entry its own clock says has expired. TTLs far above the skew
   (presence: 30 s TTL, 10 s refresh) keep records visible across skewed readers.
-- **Bounds.** Value size, subkeys per key and keys per node are capped; expired entries are
-  purged periodically and on access.
+- **Bounds.** Value size, subkeys per key, keys and bytes per node are capped, and so is what one
+  writer holds on a node (`MAX_WRITER_ENTRIES`, `MAX_WRITER_BYTES`): its oldest writes make
+  room for its newest, so a flooder crowds out only itself. Expired entries are purged
+  periodically and on access.
+- **Replies are bounded** (`select`): the owner-signed, small and freshest entries that fit a
+  byte budget, at most `MAX_REPLY_ENTRIES`; a reader applies the same rule to what it is sent.
 """
 
 from __future__ import annotations
 
 import functools
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -35,6 +42,28 @@ SIGNATURE_DOMAIN = b"peertrain/dht-entry/1"
 SIGNATURE_BYTES = 64  # Ed25519
 MAX_KEY_BYTES = 512
 MAX_SUBKEY_BYTES = 128
+#: Open subkeys one writer may hold per key: no caller writes any today (each writes its own
+#: peer id); a few serve tools and tests, and keep one identity's share of a key small.
+MAX_OPEN_SUBKEYS = 4
+#: Entries one writer may hold on a node, its oldest making room for its newest. A trainer holds
+#: a presence, a progress record and a ticket per step of the last ~10 minutes; filling a
+#: node's 100,000 keys now takes ~400 identities instead of one.
+MAX_WRITER_ENTRIES = 256
+#: Bytes one writer may hold on a node (same rule): hundreds of real records (~1 KB), or about
+#: four of the largest values (a node raises it to four whatever `dht.max_value_bytes` is);
+#: filling a node's 256 MiB takes ~1,000 identities.
+MAX_WRITER_BYTES = 256 * 1024
+#: Longest lifetime a node accepts, whatever `dht.max_ttl` says: the longest-lived record peers
+#: write is a ticket, 10 minutes past its gathering; junk stored once cannot last a day.
+MAX_TTL = 3600.0
+#: Entries in one get reply, so also the signatures a reader checks per reply: 512 x ~0.11 ms
+#: = 60 ms at most; a reply's bytes (`node.REPLY_BYTES`) hold ~200-500 real records anyway.
+MAX_REPLY_ENTRIES = 512
+#: Invalid entries after which a reader drops a replica's whole reply: an honest replica
+#: validated all it holds, so even one is a lie; a few allow for a replica's skewed clock.
+MAX_INVALID_ENTRIES = 8
+#: What msgpack adds to an entry in a reply, at most (field names, headers: 45 bytes measured).
+ENTRY_OVERHEAD = 64
 
 
 class Entry(msgspec.Struct, frozen=True):
@@ -61,11 +90,22 @@ class Limits:
     max_clock_skew: float
     max_total_bytes: int = 256 << 20
     """Bytes of keys, subkeys, values and signatures one node holds, at most."""
+    max_open_subkeys: int = MAX_OPEN_SUBKEYS
+    """Open subkeys of one key one writer may hold."""
+    max_writer_entries: int = MAX_WRITER_ENTRIES
+    """Entries one writer may hold on this node; its oldest make room for its newest."""
+    max_writer_bytes: int = MAX_WRITER_BYTES
+    """Bytes (`entry_bytes`) one writer may hold on this node; same rule."""
 
 
 def entry_bytes(key: str, subkey: str, entry: Entry) -> int:
-    """What holding an entry costs, for the store's byte limit (64 bytes of overhead)."""
+    """What holding an entry costs, for the store's byte limits (64 bytes of overhead)."""
     return len(key) + len(subkey) + len(entry.value or b"") + len(entry.signature) + 64
+
+
+def wire_bytes(subkey: str, entry: Entry) -> int:
+    """An entry's size in a reply, at most."""
+    return len(subkey.encode()) + len(entry.value or b"") + len(entry.signature) + ENTRY_OVERHEAD
 
 
 @functools.lru_cache(maxsize=4096)
@@ -123,10 +163,14 @@ def validate_entry(key: str, subkey: str, entry: Entry, *, now: float, limits: L
             f"expiration {entry.expiration!r} is more than max_ttl={limits.max_ttl}s ahead of now"
         )
     owner = owner_key(subkey)
-    if owner is not None:
-        payload = signing_payload(key, subkey, entry.value, entry.expiration)
-        if not signed_by(owner, payload, entry.signature):
-            raise ProtocolError(f"entry {key!r}/{subkey[:16]}... is not signed by its owner")
+    if owner is None:
+        # So a signature marks an owner-signed entry, which `select` serves first.
+        if entry.signature:
+            raise ProtocolError(f"entry {key!r}/{subkey[:16]!r} is open but carries a signature")
+        return
+    payload = signing_payload(key, subkey, entry.value, entry.expiration)
+    if not signed_by(owner, payload, entry.signature):
+        raise ProtocolError(f"entry {key!r}/{subkey[:16]}... is not signed by its owner")
 
 
 def merge(into: dict[str, Entry], entries: Mapping[str, Entry]) -> None:
@@ -142,73 +186,162 @@ def live(entries: Mapping[str, Entry], *, now: float) -> dict[str, Entry]:
     return {s: e for s, e in entries.items() if e.value is not None and e.expiration > now}
 
 
+def select(entries: Mapping[str, Entry], *, budget: int, max_entries: int) -> dict[str, Entry]:
+    """The entries a reply carries: at most `max_entries`, of `wire_bytes` summing to at most
+    `budget`, chosen in this order:
+
+    1. owner-signed before open (every record peers read is owner-signed: one per identity);
+    2. smaller before larger, by power-of-two size class (real records are a few hundred
+       bytes; 64 KiB of junk comes last);
+    3. the freshest (latest expiration) first, then by subkey, so every replica picks alike.
+
+    An entry that does not fit what is left of the budget is skipped: a smaller one after it
+    may still fit. So K flooding identities displace an honest record only with K signed
+    entries no larger than it, and only once the budget holds no more.
+    """
+    order = sorted(
+        entries.items(),
+        key=lambda item: (
+            not item[1].signature,
+            wire_bytes(*item).bit_length(),
+            -item[1].expiration,
+            item[0],
+        ),
+    )
+    chosen: dict[str, Entry] = {}
+    left = budget
+    for subkey, entry in order:
+        if len(chosen) >= max_entries:
+            break
+        size = wire_bytes(subkey, entry)
+        if size <= left:
+            chosen[subkey] = entry
+            left -= size
+    return chosen
+
+
+@dataclass(slots=True)
+class _Held:
+    entry: Entry
+    writer: str
+    size: int  # entry_bytes
+
+
 class RecordStore:
-    """The entries one node holds. All methods take `now` so tests control time."""
+    """The entries one node holds, each with the writer that stored it (the authenticated
+    caller, or this node). All methods take `now` so tests control time."""
 
     def __init__(self, limits: Limits) -> None:
         self.limits = limits
-        self._records: dict[str, dict[str, Entry]] = {}
+        self._records: dict[str, dict[str, _Held]] = {}
+        # writer -> (key, subkey) -> bytes, oldest write first: whose entries make room.
+        self._writes: dict[str, OrderedDict[tuple[str, str], int]] = {}
+        self._writer_bytes: dict[str, int] = {}
         self.total_bytes = 0
 
     def __len__(self) -> int:
         return len(self._records)
 
-    def store(self, key: str, subkey: str, entry: Entry, *, now: float) -> bool:
+    def store(self, key: str, subkey: str, entry: Entry, *, now: float, writer: str) -> bool:
         """Validate and keep `entry` if it supersedes what we hold. Returns whether it was kept.
 
-        Raises ProtocolError for an invalid entry or when this node is full.
+        `writer` is who sends it (a peer id in base58). Raises ProtocolError for an invalid
+        entry, a subkey `writer` may not write, or when this node is full. A writer at its
+        limits loses its own oldest entries to the new one.
         """
+        owned = owner_key(subkey) is not None
+        if owned and subkey != writer:  # checked first: it costs no signature check
+            raise ProtocolError(f"{writer[:16]}... may not write {key!r}/{subkey[:16]}...")
         validate_entry(key, subkey, entry, now=now, limits=self.limits)
         if entry.expiration <= now:
             return False
-        subkeys = self._records.get(key)
-        if subkeys is None:
-            if len(self._records) >= self.limits.max_keys:
-                self.purge(now=now)
-                if len(self._records) >= self.limits.max_keys:
-                    raise ProtocolError(f"store full: {self.limits.max_keys} keys")
-            subkeys = self._records[key] = {}
-        current = subkeys.get(subkey)
-        if current is not None and not entry.supersedes(current):
+        self._purge_key(key, now=now)
+        subkeys = self._records.get(key, {})
+        held = subkeys.get(subkey)
+        if held is not None and not entry.supersedes(held.entry):
             return False
-        if current is None and len(subkeys) >= self.limits.max_subkeys:
-            self._purge_key(key, now=now)
-            if len(subkeys) >= self.limits.max_subkeys:
-                raise ProtocolError(f"key {key!r} is full: {self.limits.max_subkeys} subkeys")
-        growth = entry_bytes(key, subkey, entry) - (
-            entry_bytes(key, subkey, current) if current is not None else 0
-        )
+        size = entry_bytes(key, subkey, entry)
+        if size > self.limits.max_writer_bytes:
+            limit = self.limits.max_writer_bytes
+            raise ProtocolError(f"entry of {size} bytes; one writer may hold {limit} at most")
+        if not owned and (held is None or held.writer != writer):
+            open_held = self._open_subkeys(writer, key)
+            if open_held >= self.limits.max_open_subkeys:
+                raise ProtocolError(
+                    f"{writer[:16]}... holds {open_held} open subkeys of {key!r} already; "
+                    f"limit is {self.limits.max_open_subkeys}"
+                )
+        if held is None:
+            self._check_room(key, subkeys, now=now)
+        growth = size - (held.size if held is not None else 0)
         if self.total_bytes + growth > self.limits.max_total_bytes:
             self.purge(now=now)
             if self.total_bytes + growth > self.limits.max_total_bytes:
-                if not subkeys:
-                    self._records.pop(key, None)
                 raise ProtocolError(f"store full: {self.limits.max_total_bytes} bytes")
-        # A purge above may have dropped the key's (emptied) dict: attach it again.
-        self._records[key] = subkeys
-        subkeys[subkey] = entry
-        self.total_bytes += growth
+        if held is not None:
+            self._drop(key, subkey)
+        self._make_room(writer, size)
+        self._records.setdefault(key, {})[subkey] = _Held(entry, writer, size)
+        self._writes.setdefault(writer, OrderedDict())[key, subkey] = size
+        self._writer_bytes[writer] = self._writer_bytes.get(writer, 0) + size
+        self.total_bytes += size
         return True
 
     def get(self, key: str, *, now: float) -> dict[str, Entry]:
         """Every unexpired entry of `key`, tombstones included (replicas must spread them)."""
         self._purge_key(key, now=now)
-        return dict(self._records.get(key, {}))
+        return {subkey: held.entry for subkey, held in self._records.get(key, {}).items()}
+
+    def held_by(self, writer: str) -> tuple[int, int]:
+        """Entries and bytes `writer` holds on this node (expired ones until purged)."""
+        return len(self._writes.get(writer, ())), self._writer_bytes.get(writer, 0)
 
     def purge(self, *, now: float) -> int:
         """Drop expired entries; returns how many."""
         return sum(self._purge_key(key, now=now) for key in list(self._records))
 
+    def keys(self) -> Iterable[str]:
+        return self._records.keys()
+
+    def _check_room(self, key: str, subkeys: dict[str, _Held], *, now: float) -> None:
+        """Raise ProtocolError unless a new subkey of `key` fits (`subkeys` is purged)."""
+        if not subkeys and len(self._records) >= self.limits.max_keys:
+            self.purge(now=now)
+            if len(self._records) >= self.limits.max_keys:
+                raise ProtocolError(f"store full: {self.limits.max_keys} keys")
+        if len(subkeys) >= self.limits.max_subkeys:
+            raise ProtocolError(f"key {key!r} is full: {self.limits.max_subkeys} subkeys")
+
+    def _open_subkeys(self, writer: str, key: str) -> int:
+        held = self._writes.get(writer, ())
+        return sum(1 for k, s in held if k == key and owner_key(s) is None)
+
+    def _make_room(self, writer: str, size: int) -> None:
+        """Drop `writer`'s oldest entries until one more of `size` bytes fits its limits."""
+        writes = self._writes.get(writer)
+        while writes and (
+            len(writes) >= self.limits.max_writer_entries
+            or self._writer_bytes[writer] + size > self.limits.max_writer_bytes
+        ):
+            self._drop(*next(iter(writes)))
+
+    def _drop(self, key: str, subkey: str) -> None:
+        subkeys = self._records[key]
+        held = subkeys.pop(subkey)
+        if not subkeys:
+            del self._records[key]
+        self.total_bytes -= held.size
+        writes = self._writes[held.writer]
+        del writes[key, subkey]
+        self._writer_bytes[held.writer] -= held.size
+        if not writes:
+            del self._writes[held.writer], self._writer_bytes[held.writer]
+
     def _purge_key(self, key: str, *, now: float) -> int:
         subkeys = self._records.get(key)
         if subkeys is None:
             return 0
-        expired = [s for s, e in subkeys.items() if e.expiration <= now]
+        expired = [s for s, held in subkeys.items() if held.entry.expiration <= now]
         for subkey in expired:
-            self.total_bytes -= entry_bytes(key, subkey, subkeys.pop(subkey))
-        if not subkeys:
-            del self._records[key]
+            self._drop(key, subkey)
         return len(expired)
-
-    def keys(self) -> Iterable[str]:
-        return self._records.keys()

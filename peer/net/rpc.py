@@ -21,6 +21,7 @@ during a call as the caller hanging up (py-libp2p reports a reset as EOF) and ca
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager, suppress
@@ -232,8 +233,10 @@ class RpcServer:
         max_buffered_per_peer: int | None = None,
         max_streams_per_peer: int = MAX_STREAMS_PER_PEER,
         idle_timeout: float = 60.0,
+        call_deadline: float = math.inf,
     ) -> None:
         self.host = host
+        self.call_deadline = call_deadline
         self.service = service
         self.max_message_bytes = max_message_bytes
         self.budget = ByteBudget(max_buffered_bytes or BUFFERED_FRAMES * max_message_bytes)
@@ -292,9 +295,14 @@ class RpcServer:
                     frame = await framed.read_frame()
                 if frame is None:
                     break
-                # No server deadline on the handler: the caller's own deadline resets the
-                # stream, which cancels it (see _cancel_on_reset).
-                await self._answer(caller, framed, frame)
+                # The caller's own deadline resets the stream, which cancels the handler (see
+                # _cancel_on_reset); `call_deadline` bounds a caller that never reads the reply.
+                with trio.move_on_after(self.call_deadline) as call:
+                    await self._answer(caller, framed, frame)
+                if call.cancelled_caught:
+                    log.debug("a %s call from %s passed its deadline", self.service, caller)
+                    await framed.reset()
+                    return
             with trio.move_on_after(1.0):
                 await stream.close()
         except MessageTooLarge as error:

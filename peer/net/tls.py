@@ -13,8 +13,9 @@ list, a donor's manifest, both over libp2p), `certificate_peer_id` checks it nam
 claims to be, `trust` adds it to our contexts' store, and after the handshake the caller checks
 the other end presented exactly the certificate it expected (`TlsStream.peer_certificate`).
 
-`TlsStream` drives an `ssl.SSLObject` over memory BIOs on a trio socket: ~1 GB/s on one core
-here, against ~0.2 GB/s for `trio.SSLStream` (which reads in small pieces).
+`TlsStream` drives a non-blocking `ssl.SSLSocket` with trio's readiness waits: OpenSSL reads
+and writes the socket itself (`trio.SSLStream` ran at ~0.2 GB/s here, an `SSLObject` over memory
+BIOs at ~1 GB/s with ~25 % more CPU per byte than this).
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
+import socket
 import ssl
 import tempfile
 from collections import OrderedDict
-from contextlib import suppress
 from pathlib import Path
 
 import trio
@@ -48,9 +49,8 @@ MAX_CERT_BYTES = 2048  # ours are ~600 bytes; a bigger one is not ours to parse
 MAX_TRUSTED = 4096  # certificates in a context's store before it is rebuilt with the recent ones
 KEEP_ON_REBUILD = 1024
 _VERIFIED_CACHE = 4096
-# Bytes per socket read and per TLS write: many 16 KiB records per Python call.
-RECEIVE_BYTES = 1 << 18
-WRITE_BYTES = 1 << 20
+WRITE_BYTES = 1 << 18  # per TLS write: many 16 KiB records per Python call
+RETRY_SECONDS = 0.01
 
 
 def _build_certificate(identity_key: PrivateKey, peer_id: str) -> tuple[bytes, bytes]:
@@ -171,21 +171,25 @@ def pinned_client_context(certificates: list[bytes]) -> ssl.SSLContext:
 
 
 class TlsStream(trio.abc.Stream):
-    """TLS over a trio stream (a TCP socket) through memory BIOs.
-
-    One task may send while another receives (a send lock keeps the records in order). `ssl.SSLError` becomes
-    `ProtocolError`: whatever the other end sends is its fault.
+    """TLS over a trio TCP stream: a non-blocking `ssl.SSLSocket` on a duplicate of its socket,
+    driven by trio's readiness waits. OpenSSL reads and writes the socket itself (two copies
+    fewer per byte than memory BIOs, ~20 % less CPU here); trio runs one call at a time, so a
+    task may send while another receives. `ssl.SSLError` becomes `ProtocolError`: whatever the
+    other end sends is its fault. Close it (`aclose`) on every path: it owns a descriptor.
     """
 
     def __init__(
-        self, stream: trio.abc.Stream, context: ssl.SSLContext, *, server_side: bool
+        self, stream: trio.SocketStream, context: ssl.SSLContext, *, server_side: bool
     ) -> None:
         self.stream = stream
-        self._incoming = ssl.MemoryBIO()
-        self._outgoing = ssl.MemoryBIO()
-        self._tls = context.wrap_bio(self._incoming, self._outgoing, server_side=server_side)
-        self._send_lock = trio.Lock()
-        self._eof = False
+        raw = stream.socket
+        duplicate = socket.socket(raw.family, raw.type, raw.proto, fileno=os.dup(raw.fileno()))
+        duplicate.setblocking(False)
+        self._tls = context.wrap_socket(
+            duplicate, server_side=server_side, do_handshake_on_connect=False
+        )
+        self._fd = self._tls.fileno()
+        self._closed = False
 
     async def handshake(self) -> None:
         while True:
@@ -193,12 +197,11 @@ class TlsStream(trio.abc.Stream):
                 self._tls.do_handshake()
                 break
             except ssl.SSLWantReadError:
-                await self._flush()
-                await self._fill()
+                await trio.lowlevel.wait_readable(self._fd)
+            except ssl.SSLWantWriteError:
+                await trio.lowlevel.wait_writable(self._fd)
             except ssl.SSLError as error:
-                await self._flush_quietly()  # the alert says why, to an honest peer
                 raise ProtocolError(f"TLS handshake failed: {error.reason or error}") from None
-        await self._flush()
         if self._tls.selected_alpn_protocol() != ALPN:
             raise ProtocolError(f"the other end does not speak {ALPN}")
 
@@ -206,31 +209,33 @@ class TlsStream(trio.abc.Stream):
         return self._tls.getpeercert(binary_form=True)
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        view = memoryview(data)
+        view = memoryview(data).cast("B")
         while view:
-            try:
-                written = self._tls.write(view[:WRITE_BYTES])
-            except ssl.SSLError as error:
-                raise ProtocolError(f"TLS: {error.reason or error}") from None
-            view = view[written:]
-            await self._flush()
+            piece = view[:WRITE_BYTES]
+            while True:
+                try:
+                    self._tls.send(piece)  # all of it, or WantWrite: retried with the same bytes
+                    break
+                except ssl.SSLWantWriteError:
+                    await trio.lowlevel.wait_writable(self._fd)
+                except ssl.SSLWantReadError:  # a renegotiation-like exchange: rare in TLS 1.3
+                    await trio.sleep(RETRY_SECONDS)
+                except ssl.SSLError as error:
+                    raise ProtocolError(f"TLS: {error.reason or error}") from None
+            view = view[len(piece) :]
+        await trio.lowlevel.checkpoint()
 
     async def receive_into(self, view: memoryview) -> int:
         """Decrypted bytes into `view` (at least one); 0 at the end of the stream."""
         while True:
             try:
-                return self._tls.read(len(view), view)
+                return self._tls.recv_into(view)
             except ssl.SSLWantReadError:
-                if self._eof:
-                    return 0  # the TCP stream ended; the framing above tells a cut frame
-                # Reading may leave a record to send (a KeyUpdate answer). Never wait for the
-                # send lock here: a writer blocked on a full socket holds it, and if both ends
-                # waited for their writers, neither would read again. The next write sends it.
-                if self._outgoing.pending and not self._send_lock.locked():
-                    await self._flush()
-                await self._fill()
+                await trio.lowlevel.wait_readable(self._fd)
+            except ssl.SSLWantWriteError:  # reading must send first (a KeyUpdate answer)
+                await trio.sleep(RETRY_SECONDS)
             except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
-                return 0
+                return 0  # the framing above tells a cut frame from a clean end
             except ssl.SSLError as error:
                 raise ProtocolError(f"TLS: {error.reason or error}") from None
 
@@ -240,28 +245,12 @@ class TlsStream(trio.abc.Stream):
         count = await self.receive_into(memoryview(buffer))
         return bytes(buffer[:count])
 
-    async def aclose(self) -> None:
-        await self.stream.aclose()
-
     async def wait_send_all_might_not_block(self) -> None:
-        await self.stream.wait_send_all_might_not_block()
+        await trio.lowlevel.wait_writable(self._fd)
 
-    async def _flush(self) -> None:
-        async with self._send_lock:  # take and send under one lock: records stay in order
-            if self._outgoing.pending:
-                await self.stream.send_all(self._outgoing.read())
-
-    async def _flush_quietly(self) -> None:
-        with (
-            trio.move_on_after(1.0),
-            suppress(OSError, trio.BrokenResourceError, trio.ClosedResourceError),
-        ):
-            await self._flush()
-
-    async def _fill(self) -> None:
-        data = await self.stream.receive_some(RECEIVE_BYTES)
-        if data:
-            self._incoming.write(data)
-        else:
-            self._eof = True
-            self._incoming.write_eof()
+    async def aclose(self) -> None:
+        if not self._closed:
+            self._closed = True
+            trio.lowlevel.notify_closing(self._fd)  # wakes our own waiters on it
+            self._tls.close()
+        await self.stream.aclose()

@@ -320,25 +320,45 @@ class StateDonor:
         with self.admission.slot(raw) as admission:
             if admission is None:
                 return  # over a cap: closed before we read a byte
-            try:
-                with admission:  # the deadline, or an eviction by a fairer newcomer
-                    await self.admission.check_network_key(raw)
-                    tls = TlsStream(raw, self.identity.open_server, server_side=True)
-                    await tls.handshake()
-                    stream = self.wrap_stream(tls) if self.wrap_stream else tls
-                    reader = _Reader(stream)
-                    hello = await reader.exactly(len(MAGIC) + TICKET_BYTES)
-                if admission.cancelled_caught:
-                    return
-            except CONNECTION_ERRORS as error:
-                log.debug("state data connection not admitted: %r", error)
-                return
-        if hello is None or not hello.startswith(MAGIC):
+            admitted = None
+            with admission:  # the deadline, or an eviction by a fairer newcomer
+                admitted = await self._admit(raw)
+        if admitted is None:
             return
+        tls, stream, reader, hello = admitted
+        async with tls:
+            try:
+                await self._serve_connection(stream, reader, hello)
+            except CONNECTION_ERRORS as error:
+                log.debug("state data connection ended: %r", error)
+
+    async def _admit(
+        self, raw: trio.SocketStream
+    ) -> tuple[TlsStream, trio.abc.Stream, _Reader, bytes] | None:
+        """The network key, the TLS handshake and the ticket's greeting; None (all closed) if
+        any fails."""
         try:
-            await self._serve_connection(stream, reader, hello)
+            await self.admission.check_network_key(raw)
         except CONNECTION_ERRORS as error:
-            log.debug("state data connection ended: %r", error)
+            log.debug("state data connection not admitted: %r", error)
+            return None
+        tls = TlsStream(raw, self.identity.open_server, server_side=True)
+        try:
+            await tls.handshake()
+            stream = self.wrap_stream(tls) if self.wrap_stream else tls
+            reader = _Reader(stream)
+            hello = await reader.exactly(len(MAGIC) + TICKET_BYTES)
+        except CONNECTION_ERRORS as error:
+            log.debug("state data connection not admitted: %r", error)
+            hello = None
+        except BaseException:  # the deadline or an eviction: the descriptor still closes
+            with trio.CancelScope(shield=True):
+                await tls.aclose()
+            raise
+        if hello is None or not hello.startswith(MAGIC):
+            await tls.aclose()
+            return None
+        return tls, stream, reader, hello
 
     async def _serve_connection(
         self, stream: trio.abc.Stream, reader: _Reader, hello: bytes

@@ -1,0 +1,74 @@
+"""A participant running modified software, for the hostile tests:
+
+    python -m tests.hostile.malicious_peer MODE join --backbone ... --identity ...
+
+It is the real `peer join` daemon with one behaviour changed (a volunteer may run anything):
+
+- `forge-certificate`: as a group's leader, it lists itself with another member's data
+  certificate, to read that member's contribution and forge its averages (issue 16, class 3).
+- `bad-shares`: as a leader, it sends all-zero shares, a NaN weight and itself twice: values
+  that cut no vector (class 2; they raised ValueError/KeyError in every member).
+- `junk-certificate`: its data certificate is 600 bytes of garbage, in its joins and in its
+  specs (class 1: unusable key material from a member crashed every honest member).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+from peer.averaging import matchmaking
+from peer.net import tls
+
+
+def forge_certificate(spec, leader: str):
+    victim = next(m for m in spec.members if m.peer_id != leader)
+    return dataclasses.replace(
+        spec,
+        members=tuple(
+            dataclasses.replace(m, cert=victim.cert) if m.peer_id == leader else m
+            for m in spec.members
+        ),
+    )
+
+
+def bad_shares(spec, leader: str):
+    members = [dataclasses.replace(m, share=0.0) for m in spec.members]
+    members[0] = dataclasses.replace(members[0], weight=float("nan"))
+    ours = next(m for m in members if m.peer_id == leader)
+    return dataclasses.replace(spec, members=(*members, ours))
+
+
+def as_leader(tamper) -> None:
+    original = matchmaking.build_spec
+
+    def build_spec(members, **kwargs):
+        spec = original(members, **kwargs)
+        return tamper(spec, kwargs["leader"])
+
+    matchmaking.build_spec = build_spec
+
+
+def junk_certificate() -> None:
+    original = tls.DataIdentity.__init__
+
+    def init(self, identity_key, peer_id: str) -> None:
+        original(self, identity_key, peer_id)
+        self.certificate = b"\x30\x82\x02\x54" + bytes(596)
+
+    tls.DataIdentity.__init__ = init
+
+
+MODES = {
+    "forge-certificate": lambda: as_leader(forge_certificate),
+    "bad-shares": lambda: as_leader(bad_shares),
+    "junk-certificate": junk_certificate,
+}
+
+
+if __name__ == "__main__":
+    mode = sys.argv.pop(1)
+    MODES[mode]()
+    from cli.peer_cli import app
+
+    app()
