@@ -11,6 +11,7 @@ collaboration and then starts alone.
 from __future__ import annotations
 
 import logging
+import resource
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from functools import partial
@@ -95,6 +96,7 @@ async def run_daemon(
     identity = load_or_create_identity(Path(config.identity.path).expanduser())
     network_key = load_network_key(config.collaboration.network_key)
     inbound = inbound_limits(config)
+    raise_descriptor_limit()
     with hold_identity(identity):
         async with open_node(
             identity,
@@ -267,3 +269,13 @@ def inbound_limits(config: PeerConfig) -> InboundLimits:
         )
     except ValueError as error:
         raise ConfigError(f"net.inbound_*: {error}") from None
+
+
+def raise_descriptor_limit(target: int = 65536) -> None:
+    """Lift the soft limit on open files toward the hard one: the connection caps (libp2p
+    inbound, two data ports, each TLS connection holding two descriptors) add up to several
+    hundred, near the common soft limit of 1024."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = target if hard == resource.RLIM_INFINITY else min(target, hard)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))

@@ -449,3 +449,50 @@ async def test_an_overflowing_sum_keeps_local_values_for_that_chunk_only():
             weighted_average(players, originals, lambda p: True)[CHUNK:],
             atol=1e-5,
         )
+
+
+async def test_hellos_racing_the_end_of_their_round_never_end_the_server():
+    """A member keeps dialing a reducer as its rounds open and close (an honest member still
+    retrying does so too): a hello answered just as its round closed made the data server's
+    task fail, and with it the daemon."""
+    reducer = DataServer(data_identity(new_identity()))
+    member = DataServer(data_identity(new_identity()))
+    member.identity.trust([reducer.identity.certificate])
+    rng = np.random.default_rng(1)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(reducer.serve, "127.0.0.1", 0)
+            target = Member(
+                peer_id=reducer.identity.peer_id, host="127.0.0.1", port=port, computes=True,
+                share=1.0, weight=1.0, cert=reducer.identity.certificate,
+            )  # fmt: skip
+            accepted = 0
+
+            async def hammer(round_id: bytes) -> None:
+                nonlocal accepted
+                while True:
+                    with contextlib.suppress(ProtocolError, OSError, trio.BrokenResourceError):
+                        stream = await dial_reducer(member, round_id, target)
+                        accepted += 1
+                        await stream.aclose()
+                    await trio.sleep(0)
+
+            async def drain(inbox) -> None:
+                async for handoff in inbox:
+                    handoff.released.set()
+
+            for number in range(40):
+                round_id = b"round-%d" % number
+                inbox = reducer.open_inbox(
+                    round_id, {member.identity.peer_id: member.identity.certificate}
+                )
+                async with trio.open_nursery() as hammers:
+                    for _ in range(6):
+                        hammers.start_soon(hammer, round_id)
+                    hammers.start_soon(drain, inbox)
+                    await trio.sleep(float(rng.uniform(0.002, 0.03)))
+                    reducer.close_inbox(round_id)
+                    await trio.sleep(0.005)
+                    hammers.cancel_scope.cancel()
+            assert accepted > 0
+            nursery.cancel_scope.cancel()

@@ -505,3 +505,23 @@ async def test_a_leader_whose_spec_is_refused_is_banned_and_the_others_average_w
                 np.testing.assert_allclose(result.average, expected, atol=1e-6)
                 assert result.members == 2
                 assert a.matchmaker.banned(liar.me)
+
+
+async def test_a_joiner_whose_address_members_cannot_use_is_refused_by_the_leader():
+    """A joiner advertising an address no member may dial would be listed, every member would
+    refuse the spec and ban the honest leader (one joiner got honest leaders banned everywhere).
+    The leader checks joiners as its members will, and refuses that one instead."""
+    config = AveragingConfig(group_size=4, join_timeout=2.0)
+    async with averaging_swarm(3, config) as (_, averagers):
+        order = sorted(averagers, key=lambda a: a.me)
+        liar, honest = order[-1], order[:-1]
+        liar.data_host = "localhost"  # not an IP address: nobody may dial it
+        vectors = [np.full(SIZE, float(i + 1), np.float32) for i in range(3)]
+        index = {a.me: i for i, a in enumerate(averagers)}
+        results = await average_all(averagers, vectors)
+        expected = np.mean([vectors[index[a.me]] for a in honest], axis=0)
+        for a in honest:
+            result = results[index[a.me]]
+            assert result.average is not None, result.skipped
+            np.testing.assert_allclose(result.average, expected, atol=1e-6)
+            assert not any(a.matchmaker.banned(b.me) for b in honest)

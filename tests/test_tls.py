@@ -83,6 +83,23 @@ async def test_mutual_tls_needs_a_trusted_certificate_on_both_ends():
         assert caught.group_contains(ProtocolError, match="handshake failed")
 
 
+async def test_a_restarted_peers_new_certificate_is_not_shadowed_by_its_old_one():
+    """OpenSSL tries only the first trusted certificate of a subject: subjects name the key,
+    so a peer restarted with the same identity (a new certificate) still gets through to a
+    peer that trusted its old one first (before, every handshake between them failed)."""
+    identity = new_identity()
+    old, new, other = (
+        data_identity(identity),
+        data_identity(identity),
+        data_identity(new_identity()),
+    )
+    other.trust([old.certificate, new.certificate])
+    new.trust([other.certificate])
+    with trio.fail_after(10):
+        server, _ = await handshake_pair(other.server, new.client)
+        assert server.peer_certificate() == new.certificate
+
+
 async def test_both_directions_stream_at_once_without_deadlock():
     """A writer blocked on a full socket must not keep a reader on the same connection from
     reading (both ends reading only after their writers finished hung a round)."""
@@ -187,6 +204,7 @@ def test_a_peer_cannot_aim_a_member_at_its_own_machine():
     check_dial_address("192.0.2.1", 4000, own_host="198.51.100.1")
     check_dial_address("127.0.0.1", 4000, own_host="127.0.0.1")  # a one-machine collaboration
     for host, port in (("127.0.0.1", 22), ("0.0.0.0", 80), ("169.254.169.254", 80),
-                       ("::1", 80), ("example.com", 80), ("192.0.2.1", 0), ("192.0.2.1", 70000)):  # fmt: skip
+                       ("::1", 80), ("::ffff:127.0.0.1", 80), ("::ffff:169.254.169.254", 80),
+                       ("224.0.0.1", 80), ("example.com", 80), ("192.0.2.1", 0), ("192.0.2.1", 70000)):  # fmt: skip
         with pytest.raises(ProtocolError):
             check_dial_address(host, port, own_host="198.51.100.1")

@@ -183,6 +183,14 @@ class DataServer:
                 return
 
     async def _handle(self, stream: trio.SocketStream) -> None:
+        # One connection's failure is that connection's: nothing may reach serve_tcp, which
+        # would end the server (out of descriptors, a round closing under a late hello, ...).
+        try:
+            await self._serve_connection(stream)
+        except (*CONNECTION_ERRORS, trio.TooSlowError) as error:
+            log.debug("data connection ended: %r", error)
+
+    async def _serve_connection(self, stream: trio.SocketStream) -> None:
         with self.admission.slot(stream) as admission:
             if admission is None:
                 return  # over a cap: closed before we read a byte
@@ -202,7 +210,11 @@ class DataServer:
         except CONNECTION_ERRORS as error:
             log.debug("data connection not admitted: %r", error)
             return None
-        tls = TlsStream(stream, self.identity.server, server_side=True)
+        try:
+            tls = TlsStream(stream, self.identity.server, server_side=True)
+        except OSError as error:  # out of descriptors: refuse this one, keep serving
+            log.warning("cannot take a data connection: %s", error)
+            return None
         try:
             await tls.handshake()
             frame = await receive_frame(tls, max_bytes=MAX_HELLO_BYTES)
@@ -222,10 +234,9 @@ class DataServer:
         if inbox is None or inbox.certificates.get(hello.sender) != tls.peer_certificate():
             return  # not (yet) a round of ours, or not that member's certificate: hang up
         handoff = Handoff(hello.sender, tls)
-        try:
-            await tls.send_all(ACCEPT)
-        except CONNECTION_ERRORS:
-            return
+        await tls.send_all(ACCEPT)
+        if self._rounds.get(hello.round_id) is not inbox:
+            return  # the round ended while we answered: its member hears a hang-up
         inbox.send.send_nowait(handoff)
         await handoff.released.wait()
 
@@ -255,7 +266,11 @@ async def dial_reducer(server: DataServer, round_id: bytes, reducer: Member) -> 
     pinned to the reducer's certificate, our hello, its accept. ProtocolError if it hangs up
     (a round it has not opened) or presents another certificate; OSError if unreachable."""
     stream = await trio.open_tcp_stream(reducer.host, reducer.port)
-    tls = TlsStream(stream, server.identity.client, server_side=False)
+    try:
+        tls = TlsStream(stream, server.identity.client, server_side=False)
+    except OSError:
+        await stream.aclose()
+        raise
     try:
         await prove_network_key(stream, server.network_key)
         await tls.handshake()

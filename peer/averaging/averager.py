@@ -141,6 +141,7 @@ class Averager:
         self._store_seconds = 0.0  # recent ticket stores: the slowest, decaying
         self.matchmaker = Matchmaker(
             dht,
+            data_host=data_host,
             group_size=config.group_size,
             min_group_size=config.min_group_size,
             join_timeout=config.join_timeout,

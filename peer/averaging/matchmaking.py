@@ -42,6 +42,7 @@ from peer.averaging.group import Joined, Ticket, build_spec
 from peer.dht.node import DHT
 from peer.dht.records import owner_key
 from peer.errors import DECODE_ERRORS, PeertrainError, ProtocolError, RemoteError, RpcError
+from peer.net.admission import check_dial_address
 from peer.net.host import parse_addrs
 from peer.net.rpc import RpcServer
 from peer.net.tls import certificate_peer_id
@@ -139,11 +140,13 @@ class Matchmaker:
         self,
         dht: DHT,
         *,
+        data_host: str,
         group_size: int,
         min_group_size: int,
         join_timeout: float,
     ) -> None:
         self.dht = dht
+        self.data_host = data_host  # ours: which joiner addresses our members may dial
         self.me = dht.node.peer_id.to_base58()
         self.group_size = group_size
         self.min_group_size = min_group_size
@@ -413,14 +416,18 @@ class Matchmaker:
             return Redirect("not averaging with you for now")
         if request.joined.ticket.peer_id != who:
             raise RpcError("forbidden", "a peer may only join as itself")
-        try:
-            if certificate_peer_id(request.joined.cert) != who:
-                raise RpcError("forbidden", "a peer may only join with its own certificate")
-        except ProtocolError as error:
-            raise RpcError("bad_request", str(error)) from None
         patience = self._namespaces.get(request.namespace)
         if patience is None:
             return Redirect("not gathering for that epoch")
+        # What we list, our members check: a joiner they cannot use would make them refuse our
+        # spec (and ban us), so it is refused here.
+        ticket = request.joined.ticket
+        try:
+            if certificate_peer_id(request.joined.cert) != who:
+                raise RpcError("forbidden", "a peer may only join with its own certificate")
+            check_dial_address(ticket.data_host, ticket.data_port, own_host=self.data_host)
+        except ProtocolError as error:
+            raise RpcError("bad_request", str(error)) from None
         gathering = self._gathering(request.namespace, request.round_index)
         if gathering.decided.is_set():
             return gathering.outcome or Redirect("decided")

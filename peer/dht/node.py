@@ -14,6 +14,7 @@ its own budget, checks each entry once, and drops a reply (and that replica) wit
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -300,6 +301,11 @@ class DHT:
         """
         taken = select(entries, budget=self.reply_bytes, max_entries=MAX_REPLY_ENTRIES)
         now = self.clock()
+        # A replica accepts expirations up to its own clock + max_ttl + skew; ours may be behind
+        # its clock by up to that skew, so we allow twice it: else eight entries stored at the
+        # edge made us drop an honest replica's whole reply.
+        limits = self.records.limits
+        limits = dataclasses.replace(limits, max_clock_skew=2 * limits.max_clock_skew)
         valid: dict[str, Entry] = {}
         invalid = checked = 0
         for subkey, entry in taken.items():
@@ -310,7 +316,7 @@ class DHT:
             if checked % CHECKS_PER_YIELD == 0:
                 await trio.sleep(0)
             try:
-                validate_entry(key, subkey, entry, now=now, limits=self.records.limits)
+                validate_entry(key, subkey, entry, now=now, limits=limits)
             except ProtocolError as error:
                 invalid += 1
                 if invalid >= MAX_INVALID_ENTRIES:

@@ -131,12 +131,21 @@ def check_dial_address(host: str, port: int, *, own_host: str) -> None:
 
 
 def _is_local(host: str) -> bool:
-    """Loopback, unspecified (0.0.0.0 reaches this machine) or link-local (cloud metadata)."""
+    """Loopback, unspecified (0.0.0.0 reaches this machine), link-local (cloud metadata),
+    multicast or reserved; an IPv4-mapped IPv6 address as the IPv4 address it maps."""
     try:
         address = ipaddress.ip_address(host)
     except ValueError:
         return False
-    return address.is_loopback or address.is_unspecified or address.is_link_local
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return (
+        address.is_loopback
+        or address.is_unspecified
+        or address.is_link_local
+        or address.is_multicast
+        or address.is_reserved
+    )
 
 
 def _mac(network_key: bytes, nonce: bytes) -> bytes:

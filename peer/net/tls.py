@@ -59,9 +59,11 @@ def _build_certificate(identity_key: PrivateKey, peer_id: str) -> tuple[bytes, b
     spki = tls_key.public_key().public_bytes(
         serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
     )
-    # A unique subject lets OpenSSL find a pinned certificate by name among thousands; the
+    # OpenSSL finds a trusted certificate by its subject and tries only the first it loaded:
+    # the subject names the key (`_subject`, checked by `certificate_peer_id`), so nobody can
+    # shadow another's certificate, and a restarted peer's new one shadows nothing. The
     # validity spans any clock a volunteer's machine may show (the key dies with the process).
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, peer_id)])
+    name = _subject(spki)
     builder = (
         x509.CertificateBuilder()
         .subject_name(name)
@@ -70,7 +72,7 @@ def _build_certificate(identity_key: PrivateKey, peer_id: str) -> tuple[bytes, b
         .serial_number(x509.random_serial_number())
         .not_valid_before(datetime.datetime(2000, 1, 1, tzinfo=datetime.UTC))
         .not_valid_after(datetime.datetime(9999, 12, 31, tzinfo=datetime.UTC))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
     )
     signature = identity_key.sign(LIBP2P_CERT_PREFIX + spki)
     builder = add_libp2p_extension(builder, identity_key.get_public_key(), signature)
@@ -79,6 +81,10 @@ def _build_certificate(identity_key: PrivateKey, peer_id: str) -> tuple[bytes, b
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
     return certificate.public_bytes(serialization.Encoding.DER), key_pem
+
+
+def _subject(spki: bytes) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hashlib.sha256(spki).hexdigest())])
 
 
 _verified: OrderedDict[bytes, str] = OrderedDict()
@@ -95,6 +101,11 @@ def certificate_peer_id(der: bytes) -> str:
         return known
     try:
         certificate = x509.load_der_x509_certificate(der)
+        spki = certificate.public_key().public_bytes(
+            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+        if certificate.subject != _subject(spki) or certificate.issuer != _subject(spki):
+            raise ValueError("its subject does not name its key")
         peer_id = ID.from_pubkey(verify_certificate_chain([certificate])).to_base58()
     except Exception as error:  # the libraries' errors on a peer's bytes: its fault, not ours
         raise ProtocolError(f"a certificate does not check out: {error!r}"[:200]) from None

@@ -317,6 +317,13 @@ class StateDonor:
     # ------------------------------------------------------------ data (TCP)
 
     async def _handle(self, raw: trio.SocketStream) -> None:
+        # One connection's failure is that connection's: nothing may reach serve_tcp.
+        try:
+            await self._serve_raw(raw)
+        except CONNECTION_ERRORS as error:
+            log.debug("state data connection ended: %r", error)
+
+    async def _serve_raw(self, raw: trio.SocketStream) -> None:
         with self.admission.slot(raw) as admission:
             if admission is None:
                 return  # over a cap: closed before we read a byte
@@ -342,7 +349,11 @@ class StateDonor:
         except CONNECTION_ERRORS as error:
             log.debug("state data connection not admitted: %r", error)
             return None
-        tls = TlsStream(raw, self.identity.open_server, server_side=True)
+        try:
+            tls = TlsStream(raw, self.identity.open_server, server_side=True)
+        except OSError as error:  # out of descriptors: refuse this one, keep serving
+            log.warning("cannot take a state data connection: %s", error)
+            return None
         try:
             await tls.handshake()
             stream = self.wrap_stream(tls) if self.wrap_stream else tls

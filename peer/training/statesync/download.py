@@ -327,9 +327,13 @@ class StateDownload:
             try:
                 with trio.fail_after(self.stall_timeout):
                     raw = await trio.open_tcp_stream(offer.data_host, offer.data_port)
+                try:
                     stream = TlsStream(
                         raw, pinned_client_context([offer.data_cert]), server_side=False
                     )
+                except OSError:  # out of descriptors
+                    await raw.aclose()
+                    raise
                 async with stream:
                     with trio.fail_after(self.stall_timeout):
                         await prove_network_key(raw, self._network_key)
