@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import psutil
+import pytest
 
 from tests.collab_processes import Collaboration, Proc
 
@@ -262,6 +263,7 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+@pytest.mark.slow  # ~90 s of real processes: CI keeps to 15 minutes (run with -m slow)
 def test_a_connection_flood_on_the_data_ports_stalls_neither_steps_nor_a_late_joiner(tmp_path):
     collab = Collaboration(tmp_path, ENV)
     try:

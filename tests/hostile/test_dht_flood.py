@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 
+import pytest
 import trio
 from libp2p.crypto.keys import PrivateKey
 
@@ -95,6 +96,7 @@ def step_at(steps: list[int]) -> tuple[float, int]:
     return time.monotonic(), steps[-1] if steps else -1
 
 
+@pytest.mark.slow  # 40-80 s of real processes: CI keeps to 15 minutes (run with -m slow)
 def test_junk_under_the_progress_and_presence_keys_does_not_stop_training(tmp_path):
     collab = Collaboration(tmp_path, ENV)
     try:
