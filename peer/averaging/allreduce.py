@@ -2,8 +2,8 @@
 
 Every member holds the same `RoundSpec` (from matchmaking): the members sorted by peer id,
 each with its data address, whether it computes (sends a contribution and wants the average),
-its share (the part it reduces) and its weight, and its signed round key. Member k reduces
-part k of the flat vector. For every computing member i and reducer j != i there is one TCP
+its share (the part it reduces) and its weight, and its TLS certificate. Member k reduces
+part k of the flat vector. For every computing member i and reducer j != i there is one TLS
 connection, opened by i: i streams its chunks of part j; j adds them as they arrive, and as
 soon as every sender still in the round has delivered a chunk, sends its average back to all
 of them on their connections (reduce-scatter and all-gather overlap, chunk by chunk).
