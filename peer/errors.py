@@ -56,6 +56,11 @@ class ProtocolError(RemoteError):
     """A peer sent bytes that break the protocol (malformed, truncated, oversized, wrong type)."""
 
 
+class MalformedReply(ProtocolError):
+    """A reply that does not decode to the type the call expects (out of bounds, wrong shape):
+    the replier sent it as such, unlike a cut stream."""
+
+
 class MessageTooLarge(ProtocolError):
     """A frame announced a length above the limit; nothing was allocated for it."""
 

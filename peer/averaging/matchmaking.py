@@ -41,7 +41,14 @@ from peer.averaging.allreduce import RoundSpec
 from peer.averaging.group import Joined, Ticket, build_spec
 from peer.dht.node import DHT
 from peer.dht.records import owner_key
-from peer.errors import DECODE_ERRORS, PeertrainError, ProtocolError, RemoteError, RpcError
+from peer.errors import (
+    DECODE_ERRORS,
+    MalformedReply,
+    PeertrainError,
+    ProtocolError,
+    RemoteError,
+    RpcError,
+)
 from peer.net.admission import check_dial_address
 from peer.net.host import parse_addrs
 from peer.net.rpc import RpcServer
@@ -281,6 +288,9 @@ class Matchmaker:
                 # its own leader search + gathering (+ members still in the last round) + slack
                 timeout=3 * self.join_timeout + patience,
             )
+        except MalformedReply as error:  # e.g. a spec with NaN weights or port 0: its doing
+            self.ban(leader, f"its reply {error}")
+            return None
         except (RemoteError, ValueError) as error:
             log.debug("candidate leader %s did not take us: %s", leader, error)
             return None

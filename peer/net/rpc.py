@@ -37,6 +37,7 @@ from libp2p.peer.id import ID
 from peer.errors import (
     DECODE_ERRORS,
     DeadlineExceeded,
+    MalformedReply,
     MessageTooLarge,
     ProtocolError,
     RemoteError,
@@ -572,7 +573,7 @@ class RpcClient:
         try:
             return _reply_decoder.decode(frame)
         except DECODE_ERRORS as error:
-            raise ProtocolError(f"{peer_id} sent a malformed reply: {error}") from None
+            raise MalformedReply(f"{peer_id} sent a malformed reply: {error}") from None
 
     async def _checkout(self, peer_id: ID, service: str, *, reuse: bool) -> FramedStream | None:
         if not reuse:
@@ -612,7 +613,7 @@ def _decode_body(body: msgspec.Raw, type_: type[T], peer_id: ID) -> T:
     try:
         return msgspec.msgpack.decode(body, type=type_)
     except DECODE_ERRORS as error:
-        raise ProtocolError(
+        raise MalformedReply(
             f"{peer_id} sent a reply that does not fit the schema: {error}"
         ) from None
 
