@@ -461,20 +461,19 @@ async def test_entries_stored_at_a_replicas_expiration_limit_pass_a_reader_a_lit
     """A replica accepts expirations up to its clock + max_ttl + skew. Eight tiny entries
     stored at that limit looked invalid to a reader 50 ms behind, which then dropped the honest
     replica's whole reply (and the replica): readers allow the skew twice."""
-    from types import SimpleNamespace
+    from peer.dht.records import MAX_REPLY_ENTRIES, RecordStore, make_entry, select
 
-    from peer.dht.records import MAX_REPLY_ENTRIES, Limits, RecordStore, make_entry, select
-
-    limits = Limits(max_value_bytes=65536, max_subkeys=4096, max_keys=100000, max_ttl=3600.0,
-                    max_clock_skew=10.0)  # fmt: skip
-    store, key, now = RecordStore(limits), "collab/progress", 1_000_000.0
-    for _ in range(9):
-        pair = create_new_key_pair()
-        owner = ID.from_pubkey(pair.public_key).to_base58()
-        expiration = now + limits.max_ttl + limits.max_clock_skew
-        entry = make_entry(key, owner, b"x", expiration, signer=pair.private_key)
-        assert store.store(key, owner, entry, now=now, writer=owner)
-    reply = select(store.get(key, now=now), budget=192 * 1024, max_entries=MAX_REPLY_ENTRIES)
-    reader = SimpleNamespace(reply_bytes=192 * 1024, records=store, clock=lambda: now - 0.05)
-    taken = await DHT._checked(reader, key, reply, known={})
+    key, now = "collab/progress", 1_000_000.0
+    async with nodes(1) as (node,):
+        reader = DHT(node, CONFIG, server=False, rpc_timeout=5.0, clock=lambda: now - 0.05)
+        limits = reader.records.limits  # the replica's rules are the reader's
+        replica = RecordStore(limits)
+        for _ in range(9):
+            pair = create_new_key_pair()
+            owner = ID.from_pubkey(pair.public_key).to_base58()
+            expiration = now + limits.max_ttl + limits.max_clock_skew
+            entry = make_entry(key, owner, b"x", expiration, signer=pair.private_key)
+            assert replica.store(key, owner, entry, now=now, writer=owner)
+        reply = select(replica.get(key, now=now), budget=192 * 1024, max_entries=MAX_REPLY_ENTRIES)
+        taken = await reader._checked(key, reply, known={})
     assert len(taken) == 9

@@ -47,8 +47,8 @@ from peer.averaging.wire import (
     receive_frame,
     send_frame,
 )
-from peer.errors import DECODE_ERRORS, ProtocolError
-from peer.net.admission import Admission, AdmissionLimits, check_dial_address, prove_network_key
+from peer.errors import ProtocolError
+from peer.net.admission import Admission, AdmissionLimits, check_dial_address, connect
 from peer.net.tls import MAX_CERT_BYTES, DataIdentity, TlsStream, certificate_peer_id
 
 log = logging.getLogger("peertrain.allreduce")
@@ -191,43 +191,12 @@ class DataServer:
             log.debug("data connection ended: %r", error)
 
     async def _serve_connection(self, stream: trio.SocketStream) -> None:
-        with self.admission.slot(stream) as admission:
-            if admission is None:
-                return  # over a cap: closed before we read a byte
-            admitted = None
-            with admission:  # the deadline, or an eviction by a fairer newcomer
-                admitted = await self._admit(stream)
+        admitted = await self.admission.accept(stream, self.identity.server, _read_hello)
         if admitted is None:
             return
         tls, hello = admitted
         async with tls:
             await self._hand_off(tls, hello)
-
-    async def _admit(self, stream: trio.SocketStream) -> tuple[TlsStream, Hello] | None:
-        """The network key, the TLS handshake and the hello; None (all closed) if any fails."""
-        try:
-            await self.admission.check_network_key(stream)
-        except CONNECTION_ERRORS as error:
-            log.debug("data connection not admitted: %r", error)
-            return None
-        try:
-            tls = TlsStream(stream, self.identity.server, server_side=True)
-        except OSError as error:  # out of descriptors: refuse this one, keep serving
-            log.warning("cannot take a data connection: %s", error)
-            return None
-        try:
-            await tls.handshake()
-            frame = await receive_frame(tls, max_bytes=MAX_HELLO_BYTES)
-            hello = msgspec.msgpack.decode(bytes(frame or b""), type=Hello)
-        except (*DECODE_ERRORS, *CONNECTION_ERRORS) as error:
-            log.debug("data connection not admitted: %r", error)
-            await tls.aclose()
-            return None
-        except BaseException:  # the deadline or an eviction: the descriptor still closes
-            with trio.CancelScope(shield=True):
-                await tls.aclose()
-            raise
-        return tls, hello
 
     async def _hand_off(self, tls: TlsStream, hello: Hello) -> None:
         inbox = self._rounds.get(hello.round_id)
@@ -241,47 +210,53 @@ class DataServer:
         await handoff.released.wait()
 
 
+async def _read_hello(tls: TlsStream) -> Hello:
+    frame = await receive_frame(tls, max_bytes=MAX_HELLO_BYTES)
+    return msgspec.msgpack.decode(bytes(frame or b""), type=Hello)
+
+
 def check_spec(spec: RoundSpec, me: str) -> None:
-    """ProtocolError unless every member of a leader's spec is usable by us: listed once, its
-    certificate names it, its shares and weights make a partition, its address is dialable."""
+    """ProtocolError (saying what the spec does wrong) unless every member of a leader's spec
+    is usable by us: listed once, us included, its certificate naming it, its address
+    dialable, and shares and weights that cut the vector."""
     ids = [m.peer_id for m in spec.members]
     if me not in ids:
-        raise ProtocolError("the spec leaves us out")
+        raise ProtocolError("leaves us out")
     if len(set(ids)) != len(ids):
-        raise ProtocolError("the spec lists a member twice")
+        raise ProtocolError("lists a member twice")
     if spec.codec not in CODECS:
-        raise ProtocolError(f"unknown codec {spec.codec!r}")
+        raise ProtocolError(f"names an unknown codec {spec.codec!r}")
+    if not valid_shares([m.share for m in spec.members]) or not all(
+        math.isfinite(m.weight) and m.weight >= 0 for m in spec.members
+    ):
+        raise ProtocolError("has shares or weights that are not finite and >= 0, or no reducer")
     own = next(m for m in spec.members if m.peer_id == me)
     for member in spec.members:
         if certificate_peer_id(member.cert) != member.peer_id:
-            raise ProtocolError(f"the certificate listed for {member.peer_id} is another peer's")
+            raise ProtocolError(f"lists another peer's certificate for {member.peer_id}")
         if member.peer_id != me:
             check_dial_address(member.host, member.port, own_host=own.host)
-    if not valid_shares([m.share for m in spec.members]):
-        raise ProtocolError("the spec's shares leave no reducer")
 
 
 async def dial_reducer(server: DataServer, round_id: bytes, reducer: Member) -> TlsStream:
     """One try at a connection to `reducer` for our part in round `round_id`: admission, TLS
     pinned to the reducer's certificate, our hello, its accept. ProtocolError if it hangs up
     (a round it has not opened) or presents another certificate; OSError if unreachable."""
-    stream = await trio.open_tcp_stream(reducer.host, reducer.port)
+    tls = await connect(
+        reducer.host,
+        reducer.port,
+        server.identity.client,
+        network_key=server.network_key,
+        certificate=reducer.cert,
+    )
     try:
-        tls = TlsStream(stream, server.identity.client, server_side=False)
-    except OSError:
-        await stream.aclose()
-        raise
-    try:
-        await prove_network_key(stream, server.network_key)
-        await tls.handshake()
-        if tls.peer_certificate() != reducer.cert:
-            raise ProtocolError("the reducer presented another certificate")
         await send_frame(tls, msgspec.msgpack.encode(Hello(round_id, server.identity.peer_id)))
         answer = bytearray(len(ACCEPT))
         if not await receive_exactly(tls, memoryview(answer)) or answer != ACCEPT:
             raise ProtocolError("the reducer hung up on our hello")
     except BaseException:
-        await tls.aclose()
+        with trio.CancelScope(shield=True):
+            await tls.aclose()
         raise
     return tls
 

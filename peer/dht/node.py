@@ -106,6 +106,9 @@ class DHT:
             )
         )
         self.reply_bytes = min(REPLY_BYTES, node.rpc.max_message_bytes // 2)
+        # What a reader accepts from a replica: twice the clock skew (see `_checked`).
+        skew = self.records.limits.max_clock_skew
+        self.read_limits = dataclasses.replace(self.records.limits, max_clock_skew=2 * skew)
         self.store_budgets = ByteBudgets(
             capacity=config.caller_store_bytes, window=config.store_window
         )
@@ -304,8 +307,7 @@ class DHT:
         # A replica accepts expirations up to its own clock + max_ttl + skew; ours may be behind
         # its clock by up to that skew, so we allow twice it: else eight entries stored at the
         # edge made us drop an honest replica's whole reply.
-        limits = self.records.limits
-        limits = dataclasses.replace(limits, max_clock_skew=2 * limits.max_clock_skew)
+        limits = self.read_limits
         valid: dict[str, Entry] = {}
         invalid = checked = 0
         for subkey, entry in taken.items():

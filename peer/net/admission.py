@@ -7,8 +7,9 @@ read a byte. In a private collaboration its first step is to prove the network k
 fresh nonce and it must answer with HMAC-SHA256(network key, domain | nonce) within the same
 deadline, so an outsider never reaches the TLS handshake (whose CPU we would pay).
 
-The dialing side (`prove_network_key`) and `check_dial_address` live here too: a member never
-dials an address that a peer chose to aim it at its own machine's other services.
+`Admission.accept` admits one connection end to end (slot, key, TLS, first message); the
+dialing side is `connect`. `check_dial_address` lives here too: a member never dials an
+address that a peer chose to aim it at its own machine's other services.
 """
 
 from __future__ import annotations
@@ -16,14 +17,29 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
+import logging
 import secrets
-from collections.abc import Iterator
+import ssl
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TypeVar
 
 import trio
 
-from peer.errors import ProtocolError
+from peer.errors import DECODE_ERRORS, ProtocolError, RemoteError
+from peer.net.tls import TlsStream
+
+log = logging.getLogger("peertrain.admission")
+T = TypeVar("T")
+# What a connection's failure to authenticate may raise: it is refused, nothing more.
+REFUSALS = (
+    RemoteError,
+    OSError,
+    trio.BrokenResourceError,
+    trio.ClosedResourceError,
+    *DECODE_ERRORS,
+)
 
 DOMAIN = b"peertrain/data-admission/1"
 NONCE_BYTES = 16
@@ -103,9 +119,85 @@ class Admission:
         if not hmac.compare_digest(answer, _mac(self.network_key, nonce)):
             raise ProtocolError("the connection did not prove the network key")
 
+    async def accept(
+        self,
+        stream: trio.SocketStream,
+        context: ssl.SSLContext,
+        greet: Callable[[TlsStream], Awaitable[T | None]],
+    ) -> tuple[TlsStream, T] | None:
+        """Admit one inbound connection: a slot (else it is closed at once), then within the
+        slot's deadline the network key, the TLS handshake and `greet`, which reads the
+        connection's first message (None: refuse it). The open stream and what `greet`
+        returned, or None with everything closed."""
+        with self.slot(stream) as scope:
+            if scope is None:
+                return None  # over a cap: closed before we read a byte
+            with scope:  # the deadline, or an eviction by a fairer newcomer
+                return await self._authenticate(stream, context, greet)
+        return None
+
+    async def _authenticate(
+        self,
+        stream: trio.SocketStream,
+        context: ssl.SSLContext,
+        greet: Callable[[TlsStream], Awaitable[T | None]],
+    ) -> tuple[TlsStream, T] | None:
+        try:
+            await self.check_network_key(stream)
+        except REFUSALS as error:
+            log.debug("connection not admitted: %r", error)
+            return None
+        try:
+            tls = TlsStream(stream, context, server_side=True)
+        except OSError as error:  # out of descriptors: refuse this one, keep serving
+            log.warning("cannot take a data connection: %s", error)
+            return None
+        try:
+            await tls.handshake()
+            greeting = await greet(tls)
+        except REFUSALS as error:
+            log.debug("connection not admitted: %r", error)
+            greeting = None
+        except BaseException:  # the deadline or an eviction: the descriptor still closes
+            with trio.CancelScope(shield=True):
+                await tls.aclose()
+            raise
+        if greeting is None:
+            await tls.aclose()
+            return None
+        return tls, greeting
+
     def statistics(self) -> tuple[int, int]:
         """(unauthenticated connections held, source addresses they come from)."""
         return self._total, len(self._pending)
+
+
+async def connect(
+    host: str,
+    port: int,
+    context: ssl.SSLContext,
+    *,
+    network_key: bytes | None,
+    certificate: bytes,
+) -> TlsStream:
+    """A TLS connection to (host, port) after proving the network key, whose other end
+    presented exactly `certificate` (ProtocolError if not); closed on any failure."""
+    stream = await trio.open_tcp_stream(host, port)
+    try:
+        tls = TlsStream(stream, context, server_side=False)
+    except OSError:  # out of descriptors
+        await stream.aclose()
+        raise
+    try:
+        await prove_network_key(stream, network_key)
+        await tls.handshake()
+        if tls.peer_certificate() != certificate:
+            raise ProtocolError("the other end presented another certificate")
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            await tls.aclose()
+        raise
+    return tls
 
 
 async def prove_network_key(stream: trio.SocketStream, network_key: bytes | None) -> None:

@@ -195,6 +195,11 @@ class Node:
     def peer_id(self) -> ID:
         return self.identity.peer_id
 
+    @property
+    def network_key_bytes(self) -> bytes | None:
+        """The network key as bytes: the data ports' admission proves it (peer.net.admission)."""
+        return bytes.fromhex(self.network_key) if self.network_key else None
+
     def public_addrs(self) -> list[str]:
         """Full multiaddrs (with /p2p/<id>) that other machines can dial."""
         return [f"{addr}/p2p/{self.peer_id}" for addr in self.announce]

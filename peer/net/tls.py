@@ -53,7 +53,7 @@ WRITE_BYTES = 1 << 18  # per TLS write: many 16 KiB records per Python call
 RETRY_SECONDS = 0.01
 
 
-def _build_certificate(identity_key: PrivateKey, peer_id: str) -> tuple[bytes, bytes]:
+def _build_certificate(identity_key: PrivateKey) -> tuple[bytes, bytes]:
     """(certificate DER, private key PEM) for a fresh P-256 key bound to `identity_key`."""
     tls_key = ec.generate_private_key(ec.SECP256R1())
     spki = tls_key.public_key().public_bytes(
@@ -125,7 +125,7 @@ class DataIdentity:
 
     def __init__(self, identity_key: PrivateKey, peer_id: str) -> None:
         self.peer_id = peer_id
-        self.certificate, self._key_pem = _build_certificate(identity_key, peer_id)
+        self.certificate, self._key_pem = _build_certificate(identity_key)
         self._trusted: OrderedDict[bytes, None] = OrderedDict()
         self.open_server = self._context(server=True, client_certificate=False)
         self._rebuild([])
@@ -151,13 +151,7 @@ class DataIdentity:
                 context.load_verify_locations(cadata=b"".join(keep))
 
     def _context(self, *, server: bool, client_certificate: bool) -> ssl.SSLContext:
-        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
-        context.minimum_version = ssl.TLSVersion.TLSv1_3
-        context.check_hostname = False  # identity is the pinned certificate, not a name
-        context.verify_mode = ssl.CERT_REQUIRED if client_certificate else ssl.CERT_NONE
-        context.set_alpn_protocols([ALPN])
-        if server:
-            context.num_tickets = 0  # no resumption: every connection proves its certificate
+        context = _base_context(server=server, verify=client_certificate or not server)
         # `load_cert_chain` reads files only: a private directory, removed at once.
         with tempfile.TemporaryDirectory(prefix="peertrain-tls-") as directory:
             cert_path, key_path = Path(directory, "cert.pem"), Path(directory, "key.pem")
@@ -169,14 +163,23 @@ class DataIdentity:
         return context
 
 
+def _base_context(*, server: bool, verify: bool) -> ssl.SSLContext:
+    """TLS 1.3 only, our ALPN, no resumption; `verify`: the other end must present a trusted
+    certificate (a server then asks the client for one)."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    context.check_hostname = False  # identity is the pinned certificate, not a name
+    context.verify_mode = ssl.CERT_REQUIRED if verify else ssl.CERT_NONE
+    context.set_alpn_protocols([ALPN])
+    if server:
+        context.num_tickets = 0  # no resumption: every connection proves its certificate
+    return context
+
+
 def pinned_client_context(certificates: list[bytes]) -> ssl.SSLContext:
     """A client context that trusts only `certificates` (already checked) and presents none:
     for a downloader, whom the donor knows by the ticket it sends inside TLS."""
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    context.minimum_version = ssl.TLSVersion.TLSv1_3
-    context.check_hostname = False
-    context.verify_mode = ssl.CERT_REQUIRED
-    context.set_alpn_protocols([ALPN])
+    context = _base_context(server=False, verify=True)
     context.load_verify_locations(cadata=b"".join(certificates))
     return context
 

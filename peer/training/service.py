@@ -41,8 +41,7 @@ async def run_training(
     bind, advertised = data_plane_hosts(node, config.net.listen)
     async with trio.open_nursery() as nursery:
         identity = DataIdentity(node.identity.key_pair.private_key, node.peer_id.to_base58())
-        network_key = bytes.fromhex(node.network_key) if node.network_key else None
-        data_server = DataServer(identity, network_key=network_key)
+        data_server = DataServer(identity, network_key=node.network_key_bytes)
         data_port = await nursery.start(data_server.serve, bind, config.averaging.data_port)
         averager = Averager(
             dht,

@@ -27,18 +27,8 @@ import psutil
 import pytest
 
 from tests.collab_processes import Collaboration, Proc
+from tests.hostile.common import ENV, SOURCES, check_alive, free_port, wait_until
 
-ENV = {
-    "PEERTRAIN_TASK_MICRO_BATCH": "16",
-    "PEERTRAIN_TASK_TARGET_BATCH": "128",
-    "PEERTRAIN_TRAINING_GATHER_WINDOW": "1.0",
-    "PEERTRAIN_TRAINING_PROGRESS_INTERVAL": "0.3",
-    "PEERTRAIN_TRAINING_VALIDATION_INTERVAL": "0",
-    "PEERTRAIN_TRAINING_CHECKPOINT_INTERVAL": "3600",
-    "PEERTRAIN_AVERAGING_TIMEOUT_FLOOR": "2.0",
-    "PEERTRAIN_AVERAGING_JOIN_TIMEOUT": "2.0",
-}
-SOURCES = [f"127.0.0.{i}" for i in range(2, 10)]  # Linux routes all of 127/8 to lo
 PER_SOURCE = 24  # connections per port and source: over the per-address cap (16)
 JUNK_PER_SOURCE = 4  # of those, ones that send junk bytes once connected
 JUNK_BYTES = 512
@@ -190,24 +180,6 @@ class PortFlood:
         return now + (0.0 if conn.connected and now - conn.opened_at > HELD else REFUSED_BACKOFF)
 
 
-def check_alive(collab: Collaboration, what: str) -> None:
-    exited = [p for p in collab.procs if p.popen.poll() is not None]
-    assert not exited, (what, [(p.name, p.log.read_text()[-3000:]) for p in exited])
-
-
-def wait_until(
-    condition: Callable[[], bool], *, timeout: float, what: str | Callable[[], str], collab
-) -> None:
-    """Poll `condition`; fail at once, with the logs, if a process exits meanwhile."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        check_alive(collab, what if isinstance(what, str) else what())
-        assert time.monotonic() < deadline, (
-            f"timed out waiting for {what if isinstance(what, str) else what()}"
-        )
-        time.sleep(0.2)
-
-
 def steps_in_window(collab: Collaboration, what: str) -> tuple[int, float]:
     """Global steps taken in the next `WINDOW` seconds, and the seconds measured."""
     steps = collab.global_steps
@@ -255,12 +227,6 @@ def start_peer(collab: Collaboration, index: int) -> tuple[Proc, int]:
         {"PEERTRAIN_TRAINING_CHECKPOINT_DIR": str(collab.workdir / f"checkpoints{index}")},
     )
     return proc, port
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.mark.slow  # ~90 s of real processes: CI keeps to 15 minutes (run with -m slow)

@@ -25,17 +25,8 @@ from peer.net.identity import ephemeral_identity
 from peer.presence import presence_key
 from peer.training.progress import progress_key
 from tests.collab_processes import Collaboration
+from tests.hostile.common import ENV
 
-ENV = {
-    "PEERTRAIN_TASK_MICRO_BATCH": "16",
-    "PEERTRAIN_TASK_TARGET_BATCH": "128",
-    "PEERTRAIN_TRAINING_GATHER_WINDOW": "1.0",
-    "PEERTRAIN_TRAINING_PROGRESS_INTERVAL": "0.3",
-    "PEERTRAIN_TRAINING_VALIDATION_INTERVAL": "0",
-    "PEERTRAIN_TRAINING_CHECKPOINT_INTERVAL": "3600",
-    "PEERTRAIN_AVERAGING_TIMEOUT_FLOOR": "2.0",
-    "PEERTRAIN_AVERAGING_JOIN_TIMEOUT": "2.0",
-}
 KEYS = (progress_key("default"), presence_key("default"))
 IDENTITIES = 6
 OPEN_SUBKEYS = 40  # per key and identity: what the old limits let through in a few seconds

@@ -12,21 +12,10 @@ import selectors
 import socket
 import threading
 import time
-from collections.abc import Callable
 
 from tests.collab_processes import Collaboration, Proc
+from tests.hostile.common import ENV, SOURCES, free_port, wait_until
 
-ENV = {
-    "PEERTRAIN_TASK_MICRO_BATCH": "16",
-    "PEERTRAIN_TASK_TARGET_BATCH": "128",
-    "PEERTRAIN_TRAINING_GATHER_WINDOW": "1.0",
-    "PEERTRAIN_TRAINING_PROGRESS_INTERVAL": "0.3",
-    "PEERTRAIN_TRAINING_VALIDATION_INTERVAL": "0",
-    "PEERTRAIN_TRAINING_CHECKPOINT_INTERVAL": "3600",
-    "PEERTRAIN_AVERAGING_TIMEOUT_FLOOR": "2.0",
-    "PEERTRAIN_AVERAGING_JOIN_TIMEOUT": "2.0",
-}
-SOURCES = [f"127.0.0.{i}" for i in range(2, 10)]  # Linux routes all of 127/8 to lo
 PER_TARGET = 300
 REFUSED_BACKOFF = 1.0
 """Seconds before a connection the target closed within `HELD` seconds is tried again."""
@@ -100,22 +89,6 @@ class IdleFlood:
         self._selector.register(sock, selectors.EVENT_READ, (target, source, now))
         self.opened += 1
         return True
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def wait_until(condition: Callable[[], bool], *, timeout: float, what: str, collab) -> None:
-    """Poll `condition`; fail at once, with the logs, if a process exits meanwhile."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        exited = [p for p in collab.procs if p.popen.poll() is not None]
-        assert not exited, (what, [(p.name, p.log.read_text()[-2000:]) for p in exited])
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.2)
 
 
 def averaged_with_others(proc: Proc) -> bool:

@@ -22,14 +22,14 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
 from tests.collab_processes import Collaboration
-from tests.hostile.test_libp2p_flood import ENV as FLOOD_ENV
-from tests.hostile.test_libp2p_flood import wait_until
+from tests.hostile.common import ENV as FAST_ENV
+from tests.hostile.common import wait_until
 
 MODES = ["forge-certificate", "bad-shares", "junk-certificate"]  # each as its group's leader
 STEPS = 3  # steps timed with and without the attackers
 # Steps of a few seconds, gatherings of 2 s: room for 5 processes on 2 cores.
 ENV = {
-    **FLOOD_ENV,
+    **FAST_ENV,
     "PEERTRAIN_TASK_TARGET_BATCH": "1024",
     "PEERTRAIN_TRAINING_GATHER_WINDOW": "2.0",
 }

@@ -149,8 +149,7 @@ class StateDonor:
         self.identity = identity or DataIdentity(
             node.identity.key_pair.private_key, node.peer_id.to_base58()
         )
-        network_key = bytes.fromhex(node.network_key) if node.network_key else None
-        self.admission = Admission(network_key, admission_limits)
+        self.admission = Admission(node.network_key_bytes, admission_limits)
         # Manifests per caller, in thousandths so that caller_states may be fractional.
         self.budgets = ByteBudgets(capacity=round(caller_states * 1000), window=caller_window)
         # The manifest must fit one RPC message: 34 bytes per msgpack'd hash, plus slack.
@@ -324,52 +323,24 @@ class StateDonor:
             log.debug("state data connection ended: %r", error)
 
     async def _serve_raw(self, raw: trio.SocketStream) -> None:
-        with self.admission.slot(raw) as admission:
-            if admission is None:
-                return  # over a cap: closed before we read a byte
-            admitted = None
-            with admission:  # the deadline, or an eviction by a fairer newcomer
-                admitted = await self._admit(raw)
+        admitted = await self.admission.accept(raw, self.identity.open_server, self._greet)
         if admitted is None:
             return
-        tls, stream, reader, hello = admitted
+        tls, (stream, reader, hello) = admitted
         async with tls:
             try:
                 await self._serve_connection(stream, reader, hello)
             except CONNECTION_ERRORS as error:
                 log.debug("state data connection ended: %r", error)
 
-    async def _admit(
-        self, raw: trio.SocketStream
-    ) -> tuple[TlsStream, trio.abc.Stream, _Reader, bytes] | None:
-        """The network key, the TLS handshake and the ticket's greeting; None (all closed) if
-        any fails."""
-        try:
-            await self.admission.check_network_key(raw)
-        except CONNECTION_ERRORS as error:
-            log.debug("state data connection not admitted: %r", error)
-            return None
-        try:
-            tls = TlsStream(raw, self.identity.open_server, server_side=True)
-        except OSError as error:  # out of descriptors: refuse this one, keep serving
-            log.warning("cannot take a state data connection: %s", error)
-            return None
-        try:
-            await tls.handshake()
-            stream = self.wrap_stream(tls) if self.wrap_stream else tls
-            reader = _Reader(stream)
-            hello = await reader.exactly(len(MAGIC) + TICKET_BYTES)
-        except CONNECTION_ERRORS as error:
-            log.debug("state data connection not admitted: %r", error)
-            hello = None
-        except BaseException:  # the deadline or an eviction: the descriptor still closes
-            with trio.CancelScope(shield=True):
-                await tls.aclose()
-            raise
+    async def _greet(self, tls: TlsStream) -> tuple[trio.abc.Stream, _Reader, bytes] | None:
+        """The connection's greeting (MAGIC | ticket), read through `wrap_stream`."""
+        stream = self.wrap_stream(tls) if self.wrap_stream else tls
+        reader = _Reader(stream)
+        hello = await reader.exactly(len(MAGIC) + TICKET_BYTES)
         if hello is None or not hello.startswith(MAGIC):
-            await tls.aclose()
             return None
-        return tls, stream, reader, hello
+        return stream, reader, hello
 
     async def _serve_connection(
         self, stream: trio.abc.Stream, reader: _Reader, hello: bytes

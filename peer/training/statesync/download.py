@@ -16,7 +16,7 @@ from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
 from peer.errors import DeadlineExceeded, ProtocolError, RemoteError
-from peer.net.admission import check_dial_address, prove_network_key
+from peer.net.admission import check_dial_address, connect
 from peer.net.host import Node
 from peer.net.tls import TlsStream, certificate_peer_id, pinned_client_context
 from peer.training.chunks import (
@@ -163,7 +163,7 @@ class StateDownload:
         self._changed = trio.Event()
         self._hashers = trio.CapacityLimiter(HASH_WORKERS)
         self._view = memoryview(b"")
-        self._network_key = bytes.fromhex(node.network_key) if node.network_key else None
+        self._network_key = node.network_key_bytes
         self._own_host = _own_host(node)
 
     async def run(self, *, deadline: float) -> Snapshot:
@@ -325,21 +325,16 @@ class StateDownload:
         pull = self._pulls[donor] = trio.CancelScope()
         with pull:
             try:
-                with trio.fail_after(self.stall_timeout):
-                    raw = await trio.open_tcp_stream(offer.data_host, offer.data_port)
-                try:
-                    stream = TlsStream(
-                        raw, pinned_client_context([offer.data_cert]), server_side=False
+                # Connecting, the key and the handshake: a stall timeout each, at most.
+                with trio.fail_after(2 * self.stall_timeout):
+                    stream = await connect(
+                        offer.data_host,
+                        offer.data_port,
+                        pinned_client_context([offer.data_cert]),
+                        network_key=self._network_key,
+                        certificate=offer.data_cert,
                     )
-                except OSError:  # out of descriptors
-                    await raw.aclose()
-                    raise
                 async with stream:
-                    with trio.fail_after(self.stall_timeout):
-                        await prove_network_key(raw, self._network_key)
-                        await stream.handshake()
-                    if stream.peer_certificate() != offer.data_cert:
-                        raise ProtocolError("the donor presented another certificate")
                     await self._pull(nursery, donor, offer, stream)
             except CONNECTION_ERRORS as error:
                 reason = _reason(error, self.stall_timeout)
