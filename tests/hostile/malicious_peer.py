@@ -10,6 +10,8 @@ It is the real `peer join` daemon with one behaviour changed (a volunteer may ru
   that cut no vector (class 2; they raised ValueError/KeyError in every member).
 - `junk-certificate`: its data certificate is 600 bytes of garbage, in its joins and in its
   specs (class 1: unusable key material from a member crashed every honest member).
+- `crawl`: it advertises 1 B/s both ways and, in a round, never dials a reducer (class 4:
+  deadlines were taken from the slowest claim, so its group waited for it ~10^7 s).
 """
 
 from __future__ import annotations
@@ -17,7 +19,11 @@ from __future__ import annotations
 import dataclasses
 import sys
 
-from peer.averaging import matchmaking
+import msgspec
+import trio
+
+from peer.averaging import allreduce, matchmaking
+from peer.measure.service import Measurements
 from peer.net import tls
 
 
@@ -59,10 +65,27 @@ def junk_certificate() -> None:
     tls.DataIdentity.__init__ = init
 
 
+def crawl() -> None:
+    measured = Measurements.capabilities
+
+    def capabilities(self):
+        figures = measured(self)
+        if figures is None:
+            return None
+        return msgspec.structs.replace(figures, upload_bps=1.0, download_bps=1.0)
+
+    async def never_dial(self, j: int, reducer) -> None:
+        await trio.sleep_forever()
+
+    Measurements.capabilities = capabilities
+    allreduce._Round._send_to = never_dial
+
+
 MODES = {
     "forge-certificate": lambda: as_leader(forge_certificate),
     "bad-shares": lambda: as_leader(bad_shares),
     "junk-certificate": junk_certificate,
+    "crawl": crawl,
 }
 
 
