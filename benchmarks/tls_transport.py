@@ -25,6 +25,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 import trio
@@ -37,9 +38,11 @@ from peer.net.tls import DataIdentity, TlsStream, pinned_client_context
 PIECE = 1 << 20  # raw sockets: bytes per call
 
 
+@dataclass(frozen=True)
 class Variant:
-    def __init__(self, kind: str, connections: int = 1, write_bytes: int = 1 << 18) -> None:
-        self.kind, self.connections, self.write_bytes = kind, connections, write_bytes
+    kind: str  # raw, fd or thread
+    connections: int = 1
+    write_bytes: int = 1 << 18  # fd: bytes handed to OpenSSL per call
 
     @property
     def name(self) -> str:
@@ -187,7 +190,10 @@ def _receive_threads(
     _in_threads(one, connections)
 
 
-def measure(pipe: Connection, port: int, context: ssl.SSLContext, size: int, variant: Variant):
+def measure(
+    pipe: Connection, port: int, context: ssl.SSLContext, size: int, variant: Variant
+) -> tuple[float, float, float]:
+    """(wall seconds, sender CPU seconds, receiver CPU seconds) of one transfer."""
     buffer = memoryview(bytearray(size))
     pipe.send(variant)
     started, cpu = time.perf_counter(), time.process_time()
