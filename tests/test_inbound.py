@@ -167,15 +167,20 @@ async def closed_by_server(sock: trio.socket.SocketType) -> None:
         pass
 
 
+def gated_node(limits: InboundLimits):
+    """A node on loopback whose inbound gate has `limits`."""
+    return open_node(
+        new_identity(), listen=[LOOPBACK], announce=[], max_message_bytes=1024, inbound=limits
+    )
+
+
 def port_of(node) -> int:
     return int(str(node.announce[0]).split("/tcp/")[1])
 
 
 async def test_connections_past_a_sources_cap_are_closed_at_accept():
     limits = InboundLimits(max_pending=8, max_pending_per_source=2, handshake_seconds=60)
-    async with open_node(
-        new_identity(), listen=[LOOPBACK], announce=[], max_message_bytes=1024, inbound=limits
-    ) as server:
+    async with gated_node(limits) as server:
         socks = [await idle_connection(port_of(server), "127.0.0.2") for _ in range(5)]
         try:
             with trio.fail_after(20):
@@ -198,9 +203,7 @@ async def test_a_connection_that_never_authenticates_is_closed_at_the_handshake_
     """py-libp2p held it 10 s (its inbound_upgrade_timeout); a deadline of 0.5 s closes it
     long before the 15 s this test allows."""
     limits = InboundLimits(handshake_seconds=0.5)
-    async with open_node(
-        new_identity(), listen=[LOOPBACK], announce=[], max_message_bytes=1024, inbound=limits
-    ) as server:
+    async with gated_node(limits) as server:
         sock = await idle_connection(port_of(server), "127.0.0.2")
         try:
             with trio.fail_after(15):
@@ -217,13 +220,7 @@ async def test_idle_identities_past_max_established_are_pruned_and_a_busy_one_ke
     (work in flight) stays, though it is the oldest."""
     hold = "/peertrain-test/hold/1"
     async with (
-        open_node(
-            new_identity(),
-            listen=[LOOPBACK],
-            announce=[],
-            max_message_bytes=1024,
-            inbound=InboundLimits(max_established=3),
-        ) as server,
+        gated_node(InboundLimits(max_established=3)) as server,
         nodes(6) as clients,
     ):
 
@@ -250,13 +247,7 @@ async def test_idle_identities_past_max_established_are_pruned_and_a_busy_one_ke
 async def test_a_peer_whose_streams_carried_work_outlasts_a_younger_idle_one():
     echo = "/peertrain-test/echo/1"
     async with (
-        open_node(
-            new_identity(),
-            listen=[LOOPBACK],
-            announce=[],
-            max_message_bytes=1024,
-            inbound=InboundLimits(max_established=2),
-        ) as server,
+        gated_node(InboundLimits(max_established=2)) as server,
         nodes(3) as (worker, idle, newcomer),
     ):
 

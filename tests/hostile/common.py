@@ -3,7 +3,9 @@ addresses for an attacker, a free port, and a wait that fails at once if a proce
 
 from __future__ import annotations
 
+import selectors
 import socket
+import threading
 import time
 from collections.abc import Callable
 
@@ -50,3 +52,30 @@ def wait_until(
             f"timed out waiting for {what if isinstance(what, str) else what()}"
         )
         time.sleep(0.2)
+
+
+class FloodThread:
+    """A flood of raw sockets driven by one selector in a thread of its own, owned by the
+    `with` block: on exit the thread stops and every socket it registered is closed.
+    Subclasses write `_run`, looping until `_stop` is set."""
+
+    NAME = "flood"
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._selector = selectors.DefaultSelector()
+        self._thread = threading.Thread(target=self._run, name=self.NAME, daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        for key in list(self._selector.get_map().values()):
+            key.fileobj.close()  # type: ignore[union-attr]
+        self._selector.close()
+
+    def _run(self) -> None:
+        raise NotImplementedError

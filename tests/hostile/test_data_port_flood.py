@@ -18,7 +18,6 @@ import itertools
 import os
 import selectors
 import socket
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ import psutil
 import pytest
 
 from tests.collab_processes import Collaboration, Proc
-from tests.hostile.common import ENV, SOURCES, check_alive, free_port, wait_until
+from tests.hostile.common import ENV, SOURCES, FloodThread, check_alive, free_port, wait_until
 
 PER_SOURCE = 24  # connections per port and source: over the per-address cap (16)
 JUNK_PER_SOURCE = 4  # of those, ones that send junk bytes once connected
@@ -69,13 +68,15 @@ class _Conn:
     connected: bool = False
 
 
-class PortFlood:
+class PortFlood(FloodThread):
     """`PER_SOURCE` TCP connections to each port in `ports()` from each of `SOURCES`;
     `JUNK_PER_SOURCE` of them send junk once connected, the others never send a byte. Ports
     are looked for every `SCAN_INTERVAL` s, so a newcomer's are flooded too. A connection the
     target held and then closed (its deadline, or an eviction) is opened again at once, to take
     the slot it freed; one it refused at accept, after `REFUSED_BACKOFF`. A thread of its own,
     owned by the `with` block: it stops and every socket is closed on exit."""
+
+    NAME = "port-flood"
 
     def __init__(self, ports: Callable[[], set[Target]]) -> None:
         self.ports = ports
@@ -84,20 +85,7 @@ class PortFlood:
         self.held = 0  # connected and not closed yet
         self.most_held = 0
         self.closed_by_targets = 0
-        self._stop = threading.Event()
-        self._selector = selectors.DefaultSelector()
-        self._thread = threading.Thread(target=self._run, name="port-flood", daemon=True)
-
-    def __enter__(self) -> PortFlood:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-        for key in list(self._selector.get_map().values()):
-            key.fileobj.close()  # type: ignore[union-attr]
-        self._selector.close()
+        super().__init__()
 
     @property
     def running(self) -> bool:

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import selectors
 import socket
-import threading
 import time
 
 from tests.collab_processes import Collaboration, Proc
-from tests.hostile.common import ENV, SOURCES, free_port, wait_until
+from tests.hostile.common import ENV, SOURCES, FloodThread, free_port, wait_until
 
 PER_TARGET = 300
 REFUSED_BACKOFF = 1.0
@@ -22,29 +21,18 @@ REFUSED_BACKOFF = 1.0
 HELD = 0.5
 
 
-class IdleFlood:
+class IdleFlood(FloodThread):
     """`PER_TARGET` TCP connections to each target, spread over `SOURCES`, that never send a
     byte. One the target held and then closed (its handshake deadline) is opened again at once,
     to take the slot it freed; one it refused at accept, after `REFUSED_BACKOFF`. A thread of
     its own, owned by the `with` block: it stops and every socket is closed on exit."""
 
+    NAME = "idle-flood"
+
     def __init__(self, targets: list[tuple[str, int]]) -> None:
         self.targets = targets
         self.opened = 0
-        self._stop = threading.Event()
-        self._selector = selectors.DefaultSelector()
-        self._thread = threading.Thread(target=self._run, name="idle-flood", daemon=True)
-
-    def __enter__(self) -> IdleFlood:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-        for key in list(self._selector.get_map().values()):
-            key.fileobj.close()  # type: ignore[union-attr]
-        self._selector.close()
+        super().__init__()
 
     def _run(self) -> None:
         due = [
