@@ -43,7 +43,13 @@ def main() -> None:
     optimizer = task.make_optimizer(baseline.parameters())
     baseline_data = torch.Generator().manual_seed(5)
     workers = [
-        LocalSGD(task, task.build_model(), outer_lr=args.outer_lr, momentum=args.outer_momentum)
+        LocalSGD(
+            task,
+            task.build_model(),
+            outer_lr=args.outer_lr,
+            momentum=args.outer_momentum,
+            inner_steps=args.inner_steps,
+        )
         for _ in range(WORKERS)
     ]
     data = [torch.Generator().manual_seed(1000 + i) for i in range(WORKERS)]

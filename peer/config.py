@@ -187,8 +187,10 @@ class AveragingConfig(_Section):
     group_size: int = 4
     """Moshpit group size m: any N peers reach the exact average in ceil(log_m N) rounds."""
     min_group_size: int = 2
-    """With a single group (N <= group_size): fewer joiners refuse the averaging, each keeping
-    its contribution. Planned rounds (N > group_size) ignore it."""
+    """The fewest peers a step needs. With a single group (N <= group_size): fewer joiners
+    refuse the averaging, each keeping its contribution (planned rounds, N > group_size,
+    ignore it). Also the distinct signers a (step, digest) needs before any peer downloads it
+    (`peer.training.certificate`): 1 lets a lone peer step alone, and trusts any one peer."""
     codec: str = "none"
     """Wire compression: none, fp16 or int8 (blockwise)."""
     chunk_elements: int = 262144
@@ -371,8 +373,8 @@ _CROSS_RULES: list[tuple[str, str, Callable[[Any, Any], bool], str]] = [
     (
         "averaging.min_group_size",
         "averaging.group_size",
-        lambda a, b: 2 <= a <= b,
-        "expected at least 2 and at most averaging.group_size",
+        lambda a, b: 1 <= a <= b,
+        "expected at least 1 and at most averaging.group_size",
     ),
 ]
 

@@ -30,6 +30,7 @@ from peer.measure.clock import ClockSample, clock_offset
 from peer.measure.probe import LinkMeasurement
 from peer.measure.reachability import DialBackResult
 from peer.measure.service import reachability_verdict
+from peer.training.timing import MAX_DECLARE_MARGIN
 
 __all__ = [
     "CHECKS",
@@ -64,10 +65,11 @@ CHECKS = (
     "identity",
 )
 
-SKEW_WARN = 0.5
-"""Seconds of clock skew worth a warning. A step's averaging starts at a wall-clock time and a
-peer stops computing `min(gather_window / 4, 1 s)` before it (0.5 s by default); the chaos
-suite saw peers 1 s off apply no step at all, only download the others' state."""
+SKEW_WARN = MAX_DECLARE_MARGIN / 2
+"""Seconds of clock skew worth a warning (0.5). A step's averaging starts at a wall-clock time
+and a peer stops computing `Timing.declare_margin` before it (`min(gather_window / 4, 1 s)`,
+0.5 s by default); the chaos suite saw peers 1 s off apply no step at all, only download the
+others' state."""
 MIN_FREE_MEMORY = 1 << 30
 # Weights, gradients and Adam's two moments are 4x the parameters; the flat vector averaging
 # sends and a downloaded state add about as much again.

@@ -129,10 +129,12 @@ class StatusReport:
     peers: list[PeerRow]
     progress: list[ProgressRecord] = field(default_factory=list)
     """Every trainer's (and state keeper's) signed progress record."""
+    quorum: int = 1
+    """Signers a step needs to count (`averaging.min_group_size`)."""
 
     @property
     def training(self) -> CollaborationView:
-        return CollaborationView(self.progress)
+        return CollaborationView(self.progress, self.quorum)
 
     def to_json(self) -> dict:
         collaboration = asdict(self.collaboration)
@@ -141,7 +143,7 @@ class StatusReport:
         return {
             "collaboration": collaboration,
             "peers": [asdict(row) for row in self.peers],
-            "progress": [msgspec.structs.asdict(record) for record in self.progress],
+            "progress": [msgspec.to_builtins(record) for record in self.progress],
         }
 
 
@@ -199,12 +201,13 @@ def _main_task(records: list[PresenceRecord]) -> tuple[str, int, int] | None:
 
 
 def summarise_training(
-    progress: list[ProgressRecord], target_batch: int | None
+    progress: list[ProgressRecord], target_batch: int | None, *, quorum: int = 1
 ) -> TrainingSummary | None:
-    """What the progress records say about the collaboration's training (pure)."""
+    """What the progress records say about the collaboration's training (pure). The global
+    step is the highest one `quorum` peers signed (`CollaborationView.global_step`)."""
     if not progress:
         return None
-    view = CollaborationView(progress)
+    view = CollaborationView(progress, quorum)
     step = view.global_step
     at_step = view.trainers(step)
     trainers = [r for r in progress if r.role == "trainer"]
@@ -273,7 +276,8 @@ async def status_client(config: PeerConfig) -> AsyncIterator[Callable[[], Awaita
 
         async def poll() -> StatusReport:
             entries = await dht.get(presence_key(config.collaboration.name))
-            progress = decode_progress(await dht.get(progress_key(config.collaboration.name)))
+            name = config.collaboration.name
+            progress = decode_progress(await dht.get(progress_key(name)), collaboration=name)
             return _report(config, entries, progress, [str(peer_id) for peer_id in reached])
 
         yield poll
@@ -310,9 +314,13 @@ def _report(
         queried_at=now,
         assignment=assignment,
         assignment_note=note,
-        training=summarise_training(progress, main_task[2] if main_task else None),
+        training=summarise_training(
+            progress,
+            main_task[2] if main_task else None,
+            quorum=config.averaging.min_group_size,
+        ),
     )
-    return StatusReport(summary, rows, progress)
+    return StatusReport(summary, rows, progress, config.averaging.min_group_size)
 
 
 def _row(

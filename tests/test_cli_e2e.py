@@ -452,7 +452,8 @@ def test_a_peer_stopped_while_it_measures_exits_cleanly(procs, tmp_path):
 
 def test_a_second_ctrl_c_forces_exit_at_once(procs, tmp_path):
     _, addr = start_backbone(procs, tmp_path, "bb")
-    proc, _ = start_peer(procs, tmp_path, "p", [addr])
+    # Two peers: a step needs averaging.min_group_size (2) of them.
+    (proc, _), _ = [start_peer(procs, tmp_path, f"p{i}", [addr]) for i in range(2)]
     proc.wait_line("step 1 |", timeout=90)
     # Its first Ctrl+C lets it withdraw and save for up to 2.5 s; the second ends that at once.
     proc.popen.send_signal(signal.SIGINT)

@@ -100,7 +100,7 @@ def dht_store(data: bytes) -> object:
 
 
 def progress(data: bytes) -> object:
-    return decode_progress({PEERS[0]: Entry(value=data, expiration=NOW + 10)})
+    return decode_progress({PEERS[0]: Entry(value=data, expiration=NOW + 10)}, collaboration="c")
 
 
 def presence(data: bytes) -> object:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -20,6 +19,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
@@ -29,6 +29,7 @@ from peer.dht.node import DHT
 from peer.files import state_folder
 from peer.net.host import Node
 from peer.training import state as states
+from peer.training.certificate import sign_step
 from peer.training.chunks import MIN_CHUNK_BYTES, chunk_count
 from peer.training.keeper import StateKeeper, run_keeper
 from peer.training.progress import (
@@ -49,7 +50,7 @@ from peer.training.statesync import (
 from peer.training.strategies import LargeBatch
 from peer.training.task import TinyTask
 from peer.training.trainer import Trainer
-from tests.helpers import LOOPBACK, ForwardingStream, Swarm, swarm
+from tests.helpers import LOOPBACK, ForwardingStream, Swarm, new_identity, swarm
 from tests.test_training_collab import DHT_CONFIG, Joinable, Recorder, make_config
 
 HOLD_AT = 2  # the trainers stop counting samples here (and stop a step or two later)
@@ -92,11 +93,9 @@ def kept_meta(config: PeerConfig) -> dict | None:
 
 
 def blob_digest(blob: bytes) -> str:
-    """The parameters digest of a state blob, as a trainer holding it would report it."""
-    task = TinyTask()
-    model = task.build_model()
-    states.restore(states.from_bytes(blob), model, LargeBatch(task, model).optimizers())
-    return states.parameters_digest(model)
+    """The digest of a state blob, as a trainer holding it would report it."""
+    names = [name for name, _ in TinyTask().build_model().named_parameters()]
+    return states.state_digest(states.from_bytes(blob), names, LargeBatch.shared)
 
 
 def held_step(trainers: list[Trainer], config: PeerConfig) -> int | None:
@@ -129,7 +128,8 @@ async def wait_until(condition: Callable[[], bool]) -> None:
 
 
 async def progress(dht: DHT, config: PeerConfig) -> list[ProgressRecord]:
-    return decode_progress(await dht.get(progress_key(config.collaboration.name)))
+    name = config.collaboration.name
+    return decode_progress(await dht.get(progress_key(name)), collaboration=name)
 
 
 async def start_stoppable(nursery: trio.Nursery, fn, *args) -> tuple[Any, trio.CancelScope]:
@@ -221,7 +221,11 @@ async def test_the_keeper_follows_the_trainers_and_saves_their_state(tmp_path):
         "digest": digest,
         "sha256": hashlib.sha256(saved).hexdigest(),
         "file": f"kept-{hashlib.sha256(saved).hexdigest()[:16]}.state",
+        # The trainers' signatures of (step, digest): the keeper's record certifies the state
+        # after they leave.
+        "signatures": [[s.signer, s.signature.hex()] for s in f.keeper.signatures],
     }
+    assert sorted(s.signer for s in f.keeper.signatures) == sorted(t.me for t in f.trainers)
     assert [p.name for p in kept_folder(f.config).glob("*.state")] == [meta["file"]]
     assert states.from_bytes(saved).step == f.step
     assert blob_digest(saved) == digest
@@ -249,7 +253,8 @@ async def test_a_joiner_downloads_from_the_keeper_alone_when_no_trainer_is_onlin
     assert joiner.step == f.step
     assert joiner.status.downloads == 1
     assert joiner.status.steps_applied == 0
-    assert joiner.digest == states.parameters_digest(joiner.model) == digest
+    assert joiner.digest == digest
+    assert states.parameters_digest(joiner.model) == states.parameters_digest(f.trainers[0].model)
     (download,) = joiners.downloads
     stats = download.statistics()
     assert stats.done == stats.chunks >= 1
@@ -264,8 +269,18 @@ async def publish(dht: DHT, config: PeerConfig, record: ProgressRecord | None) -
         await dht.store(key, me, encode_progress(record), expiration=time.time() + 60)
 
 
-def trainer_record(dht: DHT, *, step: int, digest: str) -> ProgressRecord:
-    """What a trainer at `step` would publish (no samples, no call)."""
+COSIGNER = new_identity()
+
+
+def trainer_record(
+    dht: DHT, config: PeerConfig, *, step: int, digest: str, cosigned: bool = True
+) -> ProgressRecord:
+    """What a trainer at `step` would publish (no samples, no call), its state signed by
+    itself and (`cosigned`) one other member of the round that made it."""
+    me, name = dht.node.peer_id.to_base58(), config.collaboration.name
+    signers = [(dht.node.identity, me)]
+    if cosigned:
+        signers.append((COSIGNER, COSIGNER.peer_id.to_base58()))
     return ProgressRecord(
         peer_id=dht.node.peer_id.to_base58(),
         role="trainer",
@@ -275,10 +290,14 @@ def trainer_record(dht: DHT, *, step: int, digest: str) -> ProgressRecord:
         samples=0,
         samples_per_second=0.0,
         updated_at=time.time(),
+        signatures=[
+            sign_step(identity.key_pair.private_key, peer_id, name, step, digest)
+            for identity, peer_id in signers
+        ],
     )
 
 
-def a_state(step: int) -> tuple[Snapshot, str]:
+def a_state(step: int, *, padding: int = 0) -> tuple[Snapshot, str]:
     """A state of the tiny task at `step` (parameters moved off their initial values, by an
     amount that depends on the step)."""
     task = TinyTask()
@@ -286,8 +305,13 @@ def a_state(step: int) -> tuple[Snapshot, str]:
     for parameter in model.parameters():
         parameter.data.add_(0.1 * step)
     optimizers = LargeBatch(task, model).optimizers()
-    blob = states.to_bytes(states.capture(step, model, optimizers))
-    return Snapshot(step, blob), states.parameters_digest(model)
+    state = states.capture(step, model, optimizers)
+    if padding:  # a buffer (not in the digest) that makes the blob `padding` bytes bigger
+        state.tensors["model.padding"] = torch.zeros(padding, dtype=torch.uint8)
+    names = [name for name, _ in model.named_parameters()]
+    return Snapshot(step, states.to_bytes(state)), states.state_digest(
+        state, names, LargeBatch.shared
+    )
 
 
 async def test_a_restarted_keeper_serves_what_it_saved_unless_the_blob_does_not_match(tmp_path):
@@ -299,7 +323,7 @@ async def test_a_restarted_keeper_serves_what_it_saved_unless_the_blob_does_not_
             holder = s.dhts[0]
             donor = StateDonor(holder.node, lambda: state, chunk_bytes=MIN_CHUNK_BYTES)
             _, holding = await start_stoppable(s.nursery, donor.serve, "127.0.0.1", 0)
-            await publish(holder, config, trainer_record(holder, step=3, digest=digest))
+            await publish(holder, config, trainer_record(holder, config, step=3, digest=digest))
             _, stop_first = await start_keeper(s, config)
             await wait_until(lambda: (kept_meta(config) or {}).get("step") == 3)
             stop_first.cancel()
@@ -351,7 +375,7 @@ async def test_a_state_slower_to_download_than_one_progress_exchange_is_still_ke
     # 1 s; the download has its own (state.download_timeout): 30 chunks at 0.1 s, ~3 s.
     config = keeper_config(tmp_path)
     config = dataclasses.replace(config, net=dataclasses.replace(config.net, rpc_timeout=0.5))
-    state = Snapshot(3, os.urandom(30 * MIN_CHUNK_BYTES))
+    state, digest = a_state(3, padding=30 * MIN_CHUNK_BYTES)
     with trio.fail_after(30):
         async with swarm(1, DHT_CONFIG) as s:
             holder = s.dhts[0]
@@ -362,7 +386,7 @@ async def test_a_state_slower_to_download_than_one_progress_exchange_is_still_ke
                 wrap_stream=lambda stream: SlowChunks(stream, 0.1),
             )
             await s.nursery.start(donor.serve, "127.0.0.1", 0)
-            await publish(holder, config, trainer_record(holder, step=3, digest="d"))
+            await publish(holder, config, trainer_record(holder, config, step=3, digest=digest))
             keeper, _ = await start_keeper(s, config)
             await wait_until(lambda: (kept_meta(config) or {}).get("step") == 3)
     assert keeper.snapshot() == state
@@ -379,7 +403,7 @@ async def test_a_state_newer_than_its_donors_records_is_kept_only_under_its_own_
             # The trainer has stepped to 4; its record (published every interval) says 3.
             donor = StateDonor(holder.node, lambda: new_state, chunk_bytes=MIN_CHUNK_BYTES)
             await s.nursery.start(donor.serve, "127.0.0.1", 0)
-            await publish(holder, config, trainer_record(holder, step=3, digest=old_digest))
+            await publish(holder, config, trainer_record(holder, config, step=3, digest=old_digest))
             keeper, _ = await start_keeper(s, config)
             # Asking for 3, the keeper gets 4, whose digest no record names: it keeps nothing
             # (and asks again next round), rather than name 4's parameters by 3's digest.
@@ -388,7 +412,7 @@ async def test_a_state_newer_than_its_donors_records_is_kept_only_under_its_own_
             assert keeper.snapshot() is None
             assert kept_meta(config) is None
             # The record catches up: step 4 is kept, under its own digest.
-            await publish(holder, config, trainer_record(holder, step=4, digest=new_digest))
+            await publish(holder, config, trainer_record(holder, config, step=4, digest=new_digest))
             await wait_until(lambda: (kept_meta(config) or {}).get("step") == 4)
     assert kept_meta(config)["digest"] == new_digest
     assert keeper.snapshot() == new_state
@@ -404,11 +428,12 @@ def test_a_kill_between_the_kept_blob_and_its_metadata_keeps_the_old_state(tmp_p
     make = lambda: keeper_module.StateKeeper(  # noqa: E731
         SimpleNamespace(node=node),
         PeerConfig(),
-        fetch=None,
-        directory=tmp_path,  # type: ignore[arg-type]
+        fetch=None,  # type: ignore[arg-type]
+        digest=None,  # type: ignore[arg-type]
+        directory=tmp_path,
     )
     first = make()
-    first._save(Snapshot(3, b"state of step 3"), "d3")
+    first._save(Snapshot(3, b"state of step 3"), "d3", [])
     real = keeper_module.write_atomically
 
     def dies_at_the_metadata(directory, name, data):
@@ -418,10 +443,10 @@ def test_a_kill_between_the_kept_blob_and_its_metadata_keeps_the_old_state(tmp_p
 
     monkeypatch.setattr(keeper_module, "write_atomically", dies_at_the_metadata)
     with pytest.raises(KeyboardInterrupt):
-        first._save(Snapshot(4, b"state of step 4"), "d4")
+        first._save(Snapshot(4, b"state of step 4"), "d4", [])
     monkeypatch.setattr(keeper_module, "write_atomically", real)
     restarted = make()
     restarted._load()
     assert restarted.held == Snapshot(3, b"state of step 3") and restarted.digest == "d3"
-    restarted._save(Snapshot(4, b"state of step 4"), "d4")  # the next save tidies up
+    restarted._save(Snapshot(4, b"state of step 4"), "d4", [])  # the next save tidies up
     assert len(list(tmp_path.glob("*.state"))) == 1

@@ -7,6 +7,7 @@ import math
 import msgspec
 
 from peer.dht.records import Entry
+from peer.training.certificate import StepSignature, sign_step
 from peer.training.progress import (
     CollaborationView,
     Moves,
@@ -18,10 +19,18 @@ from peer.training.progress import (
 )
 from tests.helpers import new_identity
 
-PEERS = [new_identity().peer_id.to_base58() for _ in range(5)]
+IDENTITIES = [new_identity() for _ in range(6)]
+PEERS = [identity.peer_id.to_base58() for identity in IDENTITIES]
+COLLAB = "c"
 
 
-def rec(i: int, **fields) -> ProgressRecord:
+def signature(i: int, step: int, digest: str, collaboration: str = COLLAB) -> StepSignature:
+    key = IDENTITIES[i].key_pair.private_key
+    return sign_step(key, PEERS[i], collaboration, step, digest)
+
+
+def rec(i: int, *, cosigners: tuple[int, ...] = (), **fields) -> ProgressRecord:
+    """Peer i's record, signed by itself (and `cosigners`) for its step and digest."""
     base = dict(
         peer_id=PEERS[i],
         role="trainer",
@@ -32,7 +41,12 @@ def rec(i: int, **fields) -> ProgressRecord:
         samples_per_second=0.0,
         updated_at=1.0,
     )
-    return ProgressRecord(**{**base, **fields})
+    values = {**base, **fields}
+    if "signatures" not in fields:
+        values["signatures"] = [
+            signature(j, values["step"], values["digest"]) for j in (i, *cosigners)
+        ]
+    return ProgressRecord(**values)
 
 
 def entry(value: bytes) -> Entry:
@@ -48,12 +62,12 @@ def test_decode_keeps_only_owner_subkeys_naming_themselves_with_finite_figures()
         PEERS[2]: entry(b"\x93junk"),
         PEERS[3]: entry(encode_progress(rec(3, loss=math.nan))),
     }
-    assert decode_progress(entries) == [good]
+    assert decode_progress(entries, collaboration=COLLAB) == [good]
 
 
 def test_decode_rejects_negative_steps():
     raw = msgspec.msgpack.encode({**msgspec.structs.asdict(rec(0)), "step": -1})
-    assert decode_progress({PEERS[0]: entry(raw)}) == []
+    assert decode_progress({PEERS[0]: entry(raw)}, collaboration=COLLAB) == []
 
 
 def test_global_step_samples_and_eta_count_only_trainers_at_the_step():
@@ -165,3 +179,95 @@ def test_company_those_behind_and_when_the_collaboration_has_settled():
     assert not view.settled(3, "d")  # peer 1 holds another digest, peer 2 is behind
     assert CollaborationView([rec(0), rec(1), rec(3, role="keeper", step=1)]).settled(3, "d")
     assert not CollaborationView([rec(0), rec(1)]).settled(4, "d")
+
+
+# ---------------------------------------------------------------------------- certificates
+
+
+def test_decode_keeps_only_signatures_of_the_records_own_step_and_digest():
+    """A signature is its signer's over (collaboration, step, digest): one copied onto another
+    digest or step, made for another collaboration, or claiming another signer is dropped."""
+    honest = signature(1, 3, "d")
+    record = rec(
+        0,
+        signatures=[
+            signature(0, 3, "d"),
+            honest,
+            signature(2, 3, "other digest"),  # another statement
+            signature(3, 4, "d"),  # another step
+            signature(4, 3, "d", collaboration="elsewhere"),
+            StepSignature(PEERS[5], honest.signature),  # someone else's bytes
+            StepSignature("not a peer id", b"x" * 64),
+            StepSignature(PEERS[2], b"short"),
+        ],
+    )
+    [decoded] = decode_progress({PEERS[0]: entry(encode_progress(record))}, collaboration=COLLAB)
+    assert [s.signer for s in decoded.signatures] == sorted([PEERS[0], PEERS[1]])
+
+
+def test_a_lone_record_claiming_a_higher_step_moves_nobody():
+    """The hijack: one peer publishes step 9 (any digest it likes). Before, the global step
+    was the highest any record reported, so every peer downloaded that peer's state."""
+    honest = [rec(0, cosigners=(1,)), rec(1, cosigners=(0,)), rec(2, cosigners=(0, 1))]
+    liar = rec(3, step=9, digest="poison")
+    view = CollaborationView([*honest, liar], quorum=2)
+    assert view.global_step == 3 and view.claimed_step == 9
+    assert not view.certified(9, "poison") and view.consensus(9) is None and not view.donors(9)
+    assert view.consensus(3) == "d"
+    # A record can copy others' signatures only for what they signed: 9/poison gains nothing.
+    copied = rec(3, step=9, digest="poison", signatures=[*honest[0].signatures])
+    raw = {PEERS[3]: entry(encode_progress(copied))}
+    assert not CollaborationView(decode_progress(raw, collaboration=COLLAB), 2).certified(
+        9, "poison"
+    )
+    # Two signers certify; the quorum is `averaging.min_group_size`.
+    pair = CollaborationView([*honest, liar, rec(4, step=9, digest="poison", cosigners=(3,))], 2)
+    assert pair.global_step == 9
+    assert CollaborationView([*honest, liar], quorum=1).global_step == 9
+
+
+def test_a_lone_record_at_our_step_with_another_digest_wins_no_tie():
+    """Before, the most common digest won and ties went to the smallest: a liar at a lone
+    peer's step with a smaller digest made it download the liar's state."""
+    view = CollaborationView([rec(0, digest="m", cosigners=(1,)), rec(2, digest="a")], quorum=2)
+    assert view.consensus(3) == "m"
+    assert CollaborationView([rec(2, digest="a")], quorum=2).consensus(3) is None
+    # Two certified digests (two groups that averaged apart): most signers, then the smallest.
+    split = CollaborationView(
+        [rec(0, digest="b", cosigners=(1, 2)), rec(3, digest="a", cosigners=(4,))], quorum=2
+    )
+    assert split.consensus(3) == "b"
+    even = CollaborationView(
+        [rec(0, digest="b", cosigners=(1,)), rec(3, digest="a", cosigners=(4,))], quorum=2
+    )
+    assert even.consensus(3) == "a"
+
+
+def test_step_zero_needs_no_signature():
+    """Every peer builds the initial state from the task itself."""
+    view = CollaborationView([rec(0, step=0, signatures=[]), rec(1, step=0, signatures=[])], 2)
+    assert view.global_step == 0 and view.consensus(0) == "d"
+
+
+def test_a_call_gathering_further_ahead_than_the_latest_is_ignored():
+    """The freeze: one peer called the next step 11 days ahead; the earliest call wins, so
+    no other call ever did."""
+    eleven_days = 11 * 86400.0
+    view = CollaborationView([rec(0, call_step=3, gather_until=100.0 + eleven_days)])
+    assert view.call(3) is not None  # what the rule was
+    assert view.call(3, latest=120.0) is None
+    both = CollaborationView([*view.records, rec(1, call_step=3, gather_until=110.0)])
+    assert both.call(3, latest=120.0) == 110.0
+
+
+def test_the_target_loss_needs_a_quorum_of_reports():
+    """The stop: one peer reported a validation loss below the target, and the newest report
+    ended everyone's training."""
+    liar = rec(0, validation_loss=0.01, validation_step=99)
+    honest = [rec(1, validation_loss=3.0, validation_step=10), rec(2)]
+    assert not CollaborationView([liar, *honest], quorum=2).target_reached(2.9)
+    assert CollaborationView([liar, *honest], quorum=1).target_reached(2.9)
+    agreeing = [liar, rec(1, validation_loss=2.8, validation_step=10), rec(2)]
+    assert CollaborationView(agreeing, quorum=2).target_reached(2.9)
+    keeper = rec(3, role="keeper", validation_loss=0.1)
+    assert not CollaborationView([liar, keeper], quorum=2).target_reached(2.9)

@@ -20,16 +20,17 @@ from libp2p.peer.id import ID
 from peer.averaging.allreduce import RoundReport
 from peer.averaging.averager import AveragingResult
 from peer.averaging.reduce import ChunkResult
-from peer.config import PeerConfig, TaskConfig, TrainingConfig
+from peer.config import AveragingConfig, PeerConfig, TaskConfig, TrainingConfig
+from peer.dht.records import Entry
 from peer.errors import RemoteError
 from peer.training import state as states
-from peer.training.progress import CollaborationView, ProgressRecord
+from peer.training.progress import CollaborationView, ProgressRecord, encode_progress
 from peer.training.state import StateMismatch
 from peer.training.task import TinyTask
+from peer.training.timing import STORES_PER_WINDOW
 from peer.training.trainer import (
     MAX_DOWNLOAD_BACKOFF,
     MAX_WAIT_FOR_OTHERS,
-    STORES_PER_WINDOW,
     Trainer,
     data_seed,
 )
@@ -37,15 +38,26 @@ from tests.test_progress import rec
 
 
 def make_trainer(
-    tmp_path, task=None, mode: str = "dedloc", max_steps: int = 0, **training
+    tmp_path,
+    task=None,
+    mode: str = "dedloc",
+    max_steps: int = 0,
+    min_group_size: int = 2,
+    **training,
 ) -> Trainer:
-    peer_id = ID.from_pubkey(create_new_key_pair().public_key)
+    key_pair = create_new_key_pair()
+    peer_id = ID.from_pubkey(key_pair.public_key)
     return Trainer(
         dht=SimpleNamespace(  # type: ignore[arg-type]
-            node=SimpleNamespace(peer_id=peer_id, public_addrs=lambda: [])
+            node=SimpleNamespace(
+                peer_id=peer_id,
+                public_addrs=lambda: [],
+                identity=SimpleNamespace(key_pair=key_pair),
+            )
         ),
         averager=None,  # type: ignore[arg-type]
         config=PeerConfig(
+            averaging=AveragingConfig(min_group_size=min_group_size),
             task=TaskConfig(name="tiny", micro_batch=8, target_batch=64),
             training=TrainingConfig(
                 checkpoint_dir=str(tmp_path), mode=mode, max_steps=max_steps, **training
@@ -60,8 +72,9 @@ def make_trainer(
 def test_a_peer_that_read_no_other_ticket_steps_alone_only_once_nobody_is_left(tmp_path):
     """A step of our samples alone parts from everyone at our step or beyond; a peer cut off
     from the others (or one that missed their gathering) accumulates instead, until nobody at
-    our step or beyond has been in view for `solo_after` seconds."""
-    trainer = make_trainer(tmp_path)
+    our step or beyond has been in view for `solo_after` seconds; and only where
+    `averaging.min_group_size` = 1 lets one peer make a step (`peer.training.certificate`)."""
+    trainer = make_trainer(tmp_path, min_group_size=1)
     size = sum(p.numel() for p in trainer.model.parameters())
     alone = AveragingResult(peers_seen=1)
     other = rec(0, step=0, digest="x", samples=8, samples_per_second=1.0)  # another trainer
@@ -84,13 +97,19 @@ def test_a_peer_that_read_no_other_ticket_steps_alone_only_once_nobody_is_left(t
     trainer._company_at -= trainer.training.solo_after
     try_alone(4.0)
     assert trainer.step == 1
+    # With the default min_group_size = 2, never: a step of one certifies nothing.
+    pair = make_trainer(tmp_path / "pair")
+    pair._note_view(CollaborationView([]))
+    for _ in range(3):
+        pair._finish_step(np.full(size, 0.5, dtype=np.float32), 8, alone, 5.0)
+    assert pair._on_our_own() and pair.step == 0 and pair.strategy.samples == 24
 
 
 def test_a_peer_ahead_waits_for_those_catching_up_but_not_for_one_stuck_behind(tmp_path):
     """The partition testbed run: a peer that had stepped alone during a 35 s cut was ahead
     after the heal, and stepped alone 19 more times while the others, behind, downloaded its
     state after each of its steps (8 downloads each) and never averaged with it."""
-    trainer = make_trainer(tmp_path)
+    trainer = make_trainer(tmp_path, min_group_size=1)
     size = sum(p.numel() for p in trainer.model.parameters())
     alone = AveragingResult(peers_seen=1)
 
@@ -168,7 +187,7 @@ async def test_a_finished_peer_waits_for_one_behind_it_up_to_a_download_deadline
     trainer._note_view(CollaborationView([laggard]))
     started = trio.current_time()
     await trainer._settle()
-    bound = 2 * trainer._gather_window() + 4 * trainer.training.progress_interval + 5
+    bound = trainer.timing.settle_patience(trainer._store_seconds)
     assert trio.current_time() - started == pytest.approx(
         bound + trainer.config.state.download_timeout, abs=1.0
     )
@@ -339,17 +358,21 @@ def test_a_state_without_the_scheduler_this_task_has_is_refused(tmp_path):
 def test_slow_dht_stores_widen_the_gathering_window_and_the_declare_margin(tmp_path):
     """Over high-latency links a 2 s window closed before tickets landed (issue 7 testbed)."""
     trainer = make_trainer(tmp_path)
+    timing = trainer.timing
     configured = trainer.training.gather_window
-    assert trainer._gather_window() == configured
-    assert trainer._declare_margin() == min(configured / 4, 1.0)
+    assert timing.window(trainer._store_seconds) == configured
+    assert timing.declare_margin(trainer._store_seconds) == min(configured / 4, 1.0)
     trainer.note_store_time(0.01)  # a loopback store changes nothing
-    assert trainer._gather_window() == configured
+    assert timing.window(trainer._store_seconds) == configured
     for _ in range(10):
         trainer.note_store_time(1.5)  # a store over a 160 ms RTT path: several round trips
     assert trainer._store_seconds == pytest.approx(1.5, rel=0.05)
-    assert trainer._gather_window() >= 4 * 1.4
-    assert trainer._declare_margin() >= 2 * 1.4
-    assert trainer._gather_window() > trainer._declare_margin() + 1.0  # time left to compute
+    window = timing.window(trainer._store_seconds)
+    margin = timing.declare_margin(trainer._store_seconds)
+    assert window >= 4 * 1.4 and margin >= 2 * 1.4
+    assert window > margin + 1.0  # time left to compute
+    # However slow: no wider than the furthest ahead anyone believes a call.
+    assert timing.window(1e6) == timing.max_window < timing.latest_call(0.0)
 
 
 async def test_failed_state_downloads_back_off_and_a_success_resets_the_wait(
@@ -418,7 +441,7 @@ async def test_a_store_cut_short_by_its_deadline_still_widens_the_window(tmp_pat
         nursery.cancel_scope.cancel()
     deadline = max(trainer.training.progress_interval, trainer.config.net.rpc_timeout)
     assert trainer._store_seconds >= deadline
-    assert trainer._gather_window() >= STORES_PER_WINDOW * deadline
+    assert trainer.timing.window(trainer._store_seconds) >= STORES_PER_WINDOW * deadline
 
 
 def test_every_peer_draws_its_own_micro_batches_for_any_seed(tmp_path):
@@ -666,3 +689,133 @@ def test_a_caller_done_with_its_own_quota_waits_for_the_collaboration(tmp_path):
     assert not idle._may_call(idle.view())
     idle._ready_since = time.monotonic() - 100.0
     assert idle._may_call(idle.view())
+
+
+# ---------------------------------------------------------------------------- the hijack
+
+
+def signed_record(trainer: Trainer, *others: Trainer, **fields) -> ProgressRecord:
+    """`trainer`'s own record, carrying the signatures of `others` at its (step, digest) as
+    their records would have (others must hold the same state)."""
+    record = trainer.record()
+    signatures = [*record.signatures, *(o.record().signatures[0] for o in others)]
+    return msgspec.structs.replace(record, signatures=signatures, **fields)
+
+
+def test_a_state_downloads_only_for_a_certified_step(tmp_path):
+    """One peer's record at a higher step used to send everyone to download its state."""
+    trainer = make_trainer(tmp_path / "me")
+    liar = make_trainer(tmp_path / "liar")
+    take_steps(liar, 2)
+
+    def read(*records: ProgressRecord) -> None:  # as the progress loop reads the DHT
+        entries = {r.peer_id: Entry(encode_progress(r), 2e9) for r in records}
+        trainer._note_view(trainer._read(entries))
+
+    read(signed_record(liar))
+    assert trainer.view().global_step == 0 and trainer._should_download(trainer.view()) == []
+    # Two members of the round that made it signed: then it is the collaboration's step.
+    partner = make_trainer(tmp_path / "partner")
+    take_steps(partner, 2)
+    assert partner.digest == liar.digest
+    read(signed_record(liar, partner))
+    assert [r.peer_id for r in trainer._should_download(trainer.view())] == [liar.me]
+
+
+async def test_a_donor_cannot_hand_over_a_state_other_than_the_certified_one(
+    tmp_path, autojump_clock
+):
+    """The hijack as shown: the donor's state had every parameter at 0.25 and AdamW's lr at
+    1e-9, and every peer (and the keeper) took it."""
+    trainer = make_trainer(tmp_path / "me")
+    trainer.dht.node.remember_addrs = lambda *args: None
+    honest, partner = make_trainer(tmp_path / "a"), make_trainer(tmp_path / "b")
+    take_steps(honest, 2)
+    take_steps(partner, 2)
+    record = signed_record(honest, partner)
+    view = CollaborationView([record], trainer.quorum)
+    trainer._note_view(view)
+
+    poisoned = make_trainer(tmp_path / "poison")
+    take_steps(poisoned, 2)
+    with torch.no_grad():
+        for parameter in poisoned.model.parameters():
+            parameter.fill_(0.25)
+    for group in poisoned.strategy.optimizer.param_groups:
+        group["lr"] = 1e-9
+    poisoned._capture()
+    served = [poisoned.snapshot()]
+
+    async def download(donors, step):
+        return served[0]
+
+    trainer.download = download
+    await trainer._catch_up([record], view)
+    assert trainer.step == 0 and trainer.status.failures["state_download"] == 1
+    assert all(float(p.detach().abs().max()) != 0.25 for p in trainer.model.parameters())
+
+    # The certified state, with the donor's learning rate changed (not in the digest): taken,
+    # with our own task's learning rate.
+    for group in honest.strategy.optimizer.param_groups:
+        group["lr"] = 1e-9
+    honest._capture()
+    assert honest.digest == record.digest
+    served[0] = honest.snapshot()
+    await trainer._catch_up([record], view)
+    assert trainer.step == 2 and trainer.digest == record.digest
+    assert learning_rate(trainer) == learning_rate(partner) != 1e-9
+
+
+def test_a_donor_state_with_a_non_finite_value_is_refused_and_changes_nothing(tmp_path):
+    trainer = make_trainer(tmp_path / "me")
+    donor = make_trainer(tmp_path / "donor")
+    take_steps(donor, 1)
+    state = states.from_bytes(donor.snapshot().blob)
+    name = next(n for n in state.tensors if n.startswith("optimizer.") and "exp_avg" in n)
+    state.tensors[name].view(-1)[0] = math.inf
+    before = states.parameters_digest(trainer.model)
+    with pytest.raises(StateMismatch, match="NaN or Inf"):
+        trainer._restore(state, from_donor=True)
+    assert trainer.step == 0 and states.parameters_digest(trainer.model) == before
+
+
+@pytest.mark.parametrize(("mode", "per_step"), [("dedloc", 1), ("diloco", INNER_STEPS)])
+def test_a_donors_schedule_is_never_loaded_ours_is_replayed(tmp_path, mode, per_step):
+    """A scheduler state is JSON a donor writes (base_lrs 1e-9 slows every peer to a halt):
+    after a download the schedule is our own task's, stepped as many times as the step says."""
+    donor = make_scheduled(tmp_path / "a", mode)
+    take_steps(donor, 3)
+    donor._captured.metadata["scheduler"]["base_lrs"] = [1e-9]
+    state = states.from_bytes(states.to_bytes(donor._captured))
+    joiner = make_scheduled(tmp_path / "b", mode)
+    joiner._restore(state, from_donor=True)
+    assert joiner.step == 3
+    assert learning_rate(joiner) == pytest.approx(1e-2 * 0.5 ** (3 * per_step))
+    take_steps(joiner, 1)
+    assert learning_rate(joiner) == pytest.approx(1e-2 * 0.5 ** (4 * per_step))
+
+
+async def test_training_stops_at_the_target_on_our_own_validation_or_a_quorum(tmp_path):
+    """One peer reporting a validation loss under the target used to end everyone's training."""
+    trainer = make_trainer(tmp_path, target_validation_loss=2.9)
+    liar = msgspec.structs.replace(rec(0), validation_loss=0.01, validation_step=99)
+    trainer._note_view(CollaborationView([liar], trainer.quorum))
+    assert not trainer._done()
+    trainer.status.validation = (0, 2.5)  # our own
+    assert trainer._done()
+    trainer.status.validation = (0, 3.5)
+    second = msgspec.structs.replace(rec(1), validation_loss=2.0, validation_step=99)
+    trainer._note_view(CollaborationView([liar, second], trainer.quorum))
+    assert trainer._done()
+
+
+def test_a_call_far_ahead_holds_nobody(tmp_path):
+    """One peer's call of the next step 11 days ahead used to be the earliest call forever."""
+    trainer = make_trainer(tmp_path)
+    now = trainer.clock()
+    far = msgspec.structs.replace(rec(0, step=0), call_step=0, gather_until=now + 11 * 86400)
+    trainer._note_view(CollaborationView([far], trainer.quorum))
+    assert trainer._current_call(trainer.view()) is None
+    near = msgspec.structs.replace(rec(1, step=0), call_step=0, gather_until=now + 2)
+    trainer._note_view(CollaborationView([far, near], trainer.quorum))
+    assert trainer._current_call(trainer.view()) == now + 2

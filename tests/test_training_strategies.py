@@ -71,7 +71,10 @@ def test_large_batch_gives_back_work_of_a_failed_averaging():
 
 def test_local_sgd_outer_step_is_nesterov_on_the_averaged_pseudo_gradient():
     task = TinyTask()
-    peers = [LocalSGD(task, task.build_model(), outer_lr=0.7, momentum=0.9) for _ in range(2)]
+    peers = [
+        LocalSGD(task, task.build_model(), outer_lr=0.7, momentum=0.9, inner_steps=1)
+        for _ in range(2)
+    ]
     start = params(peers[0].model).clone()
     for seed, peer in enumerate(peers):
         for x, y in batches(seed, 3, 8):
@@ -92,7 +95,7 @@ def test_local_sgd_outer_step_is_nesterov_on_the_averaged_pseudo_gradient():
 
 def test_local_sgd_drop_local_work_returns_to_the_shared_parameters():
     task = TinyTask()
-    peer = LocalSGD(task, task.build_model(), outer_lr=0.7, momentum=0.9)
+    peer = LocalSGD(task, task.build_model(), outer_lr=0.7, momentum=0.9, inner_steps=1)
     for x, y in batches(5, 2, 8):
         peer.accumulate((x, y), 8)
     with torch.no_grad():
@@ -105,7 +108,10 @@ def test_local_sgd_drop_local_work_returns_to_the_shared_parameters():
 
 def test_local_sgd_without_outer_momentum_at_lr_1_averages_the_parameters():
     task = TinyTask()
-    peers = [LocalSGD(task, task.build_model(), outer_lr=1.0, momentum=0.0) for _ in range(3)]
+    peers = [
+        LocalSGD(task, task.build_model(), outer_lr=1.0, momentum=0.0, inner_steps=1)
+        for _ in range(3)
+    ]
     for seed, peer in enumerate(peers):
         for x, y in batches(seed, 2, 8):
             peer.accumulate((x, y), 8)

@@ -2,8 +2,10 @@
 progress, downloads each newer consensus state, keeps it on disk and serves it to joiners.
 
 It trains nothing, so joiners can download the state even when few trainers are online (or
-none: after a restart it serves what it last saved). It publishes a progress record with role
-"keeper" and the digest of the trainers it copied, and is asked last by downloaders.
+none: after a restart it serves what it last saved). It takes only a certified (step, digest)
+(`peer.training.certificate`) and checks the bytes it got against the digest. It publishes a
+progress record with role "keeper", that digest and the trainers' signatures of it (so that
+its record certifies the state after they leave), and is asked last by downloaders.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import torch
 import trio
 from libp2p.peer.id import ID
 
@@ -23,6 +26,8 @@ from peer.dht.node import DHT
 from peer.errors import RemoteError
 from peer.files import state_folder, write_atomically
 from peer.net.host import Node, data_plane_hosts, parse_addrs
+from peer.training import state as states
+from peer.training.certificate import MAX_SIGNATURES, StepSignature, valid_signatures
 from peer.training.progress import (
     CollaborationView,
     ProgressRecord,
@@ -31,10 +36,15 @@ from peer.training.progress import (
     progress_key,
 )
 from peer.training.statesync import Snapshot, StateDonor, download_state
+from peer.training.strategies import SHARED_OPTIMIZERS
+from peer.training.task import load_task
+from peer.training.timing import Timing
 
 log = logging.getLogger("peertrain.keeper")
 
 Fetch = Callable[[list[ID], int], Awaitable[Snapshot]]
+#: The digest of a state's bytes (`state.state_digest`); StateMismatch if they are no state.
+Digest = Callable[[bytes], str]
 
 
 class StateKeeper:
@@ -44,17 +54,21 @@ class StateKeeper:
         config: PeerConfig,
         *,
         fetch: Fetch,
+        digest: Digest,
         directory: Path,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.dht = dht
         self.config = config
         self.fetch = fetch
+        self.digest_of = digest
         self.directory = directory
         self.clock = clock
+        self.timing = Timing.of(config)
         self.me = dht.node.peer_id.to_base58()
         self.held: Snapshot | None = None
         self.digest = ""
+        self.signatures: list[StepSignature] = []
 
     def snapshot(self) -> Snapshot | None:
         return self.held
@@ -62,14 +76,17 @@ class StateKeeper:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self._load()
         task_status.started()
-        key = progress_key(self.config.collaboration.name)
-        interval = max(self.config.training.progress_interval, 1.0)
+        name = self.config.collaboration.name
+        key = progress_key(name)
+        interval = self.timing.keeper_interval
         exchange = max(interval, self.config.net.rpc_timeout)
+        quorum = self.config.averaging.min_group_size
         while True:
             try:
                 view = None
                 with trio.move_on_after(exchange):
-                    view = CollaborationView(decode_progress(await self.dht.get(key)))
+                    entries = await self.dht.get(key)
+                    view = CollaborationView(decode_progress(entries, collaboration=name), quorum)
                 # Outside the exchange's deadline: a large state takes longer to download
                 # than one exchange (under it, every round would cancel and restart the
                 # download); `fetch` has a deadline of its own (state.download_timeout).
@@ -82,7 +99,7 @@ class StateKeeper:
                             key,
                             self.me,
                             encode_progress(record),
-                            expiration=record.updated_at + 3 * interval,
+                            expiration=record.updated_at + self.timing.keeper_ttl,
                         )
             except RemoteError as error:
                 log.debug("keeper progress exchange failed: %s", error)
@@ -90,10 +107,11 @@ class StateKeeper:
 
     async def _follow(self, view: CollaborationView) -> None:
         held_step = self.held.step if self.held else -1
-        step = view.global_step
+        step = view.global_step  # certified
         donors = [r for r in view.donors(step) if r.role == "trainer"]
         if step <= held_step or not donors:
             return
+        expected = donors[0].digest
         for record in donors:
             self.dht.node.remember_addrs(ID.from_base58(record.peer_id), parse_addrs(record.addrs))
         try:
@@ -107,9 +125,22 @@ class StateKeeper:
             # (their digest never matches). The next read names the newer step and its digest.
             log.info("got step %d when asking for step %d; next round", snapshot.step, step)
             return
-        self.held = snapshot
-        self.digest = donors[0].digest
-        await trio.to_thread.run_sync(self._save, snapshot, self.digest)
+        try:
+            digest = await trio.to_thread.run_sync(self.digest_of, snapshot.blob)
+        except RemoteError as error:
+            log.warning("keeper got a broken state of step %d: %s", step, error)
+            return
+        if digest != expected:
+            log.warning(
+                "keeper got step %d with digest %s, not the certified %s", step, digest, expected
+            )
+            return
+        self.held, self.digest = snapshot, digest
+        signed = [
+            s for r in view.records if r.step == step and r.digest == digest for s in r.signatures
+        ]
+        self.signatures = valid_signatures(signed, self.config.collaboration.name, step, digest)
+        await trio.to_thread.run_sync(self._save, snapshot, self.digest, self.signatures)
         log.info("keeping the state of step %d (%d bytes)", snapshot.step, len(snapshot.blob))
 
     def _record(self) -> ProgressRecord:
@@ -123,18 +154,25 @@ class StateKeeper:
             samples=0,
             samples_per_second=0.0,
             updated_at=self.clock(),
+            signatures=self.signatures[:MAX_SIGNATURES],
         )
 
     # The blob goes to a file named by its hash (never one kept.json names), then kept.json is
     # replaced atomically (the commit), then the older blobs go: a kill at any point leaves the
     # old state or the new one whole (the chaos suite caught a kill between two in-place writes
     # losing the state of the old design).
-    def _save(self, snapshot: Snapshot, digest: str) -> None:
+    def _save(self, snapshot: Snapshot, digest: str, signatures: list[StepSignature]) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
         sha = hashlib.sha256(snapshot.blob).hexdigest()
         name = f"kept-{sha[:16]}.state"
         write_atomically(self.directory, name, snapshot.blob)
-        meta = {"step": snapshot.step, "digest": digest, "sha256": sha, "file": name}
+        meta = {
+            "step": snapshot.step,
+            "digest": digest,
+            "sha256": sha,
+            "file": name,
+            "signatures": [[s.signer, s.signature.hex()] for s in signatures],
+        }
         write_atomically(self.directory, "kept.json", json.dumps(meta).encode())
         for path in self.directory.glob("kept*.state"):
             if path.name != name:
@@ -148,6 +186,9 @@ class StateKeeper:
                 return
             blob = (self.directory / name).read_bytes()
             step, digest, sha = int(meta["step"]), str(meta["digest"]), str(meta["sha256"])
+            signed = [
+                StepSignature(str(a), bytes.fromhex(b)) for a, b in meta.get("signatures", [])
+            ]
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return
         if hashlib.sha256(blob).hexdigest() != sha:
@@ -155,6 +196,7 @@ class StateKeeper:
             return
         self.held = Snapshot(step, blob)
         self.digest = digest
+        self.signatures = valid_signatures(signed, self.config.collaboration.name, step, digest)
         log.info("serving the kept state of step %d", step)
 
 
@@ -181,6 +223,7 @@ async def run_keeper(
         dht,
         config,
         fetch=fetch,
+        digest=state_digester(config),
         directory=state_folder(
             config.training.checkpoint_dir, config.collaboration.name, "kept-state"
         ),
@@ -198,3 +241,18 @@ async def run_keeper(
         await nursery.start(donor.serve, bind, 0)
         await nursery.start(keeper.run)
         task_status.started(keeper)
+
+
+def state_digester(config: PeerConfig) -> Digest:
+    """What `StateKeeper` checks a state's bytes with: the digest a trainer of the task
+    computes (`Trainer._digest`), from the model's parameter names. The model is built on
+    torch's meta device: names and shapes, no memory."""
+    task = load_task(config.task.name)
+    with torch.device("meta"):
+        names = [name for name, _ in task.build_model().named_parameters()]
+    shared = SHARED_OPTIMIZERS[config.training.mode]
+
+    def digest(blob: bytes) -> str:
+        return states.state_digest(states.from_bytes(blob), names, shared)
+
+    return digest

@@ -7,13 +7,20 @@ has accumulated toward the next step, how fast, and, once it decides the collabo
 enough samples, which step it *calls* and when that step's averaging starts (`gather_until`).
 
 Every peer reads the same records and applies the same rules:
-- the global step is the highest step any live record reports (`global_step`);
+- no single record moves the collaboration: a (step, digest) counts only when at least `quorum`
+  (`averaging.min_group_size`) distinct peers signed it (`peer.training.certificate`); the
+  global step is the highest certified step (`global_step`), and only a certified state is
+  ever downloaded;
 - a step is called when the samples accumulated at it, projected over the gathering window,
   reach the target batch; the earliest `gather_until` among the calls for a step wins, so two
-  peers that call at nearly the same moment still average together; a peer stops computing
+  peers that call at nearly the same moment still average together (a call gathering further
+  ahead than the longest gathering window is ignored: it would hold every call); a peer stops computing
   once the samples it projects for the collaboration fill the batch, and says so (`holding`);
-- the parameters of a step are those of the most common digest at it (ties: smallest digest),
-  and a peer holding another digest downloads the state instead of training on;
+- the parameters of a step are those of the certified digest with the most signers at it (ties:
+  the most holders, then the smallest digest), and a peer holding another digest downloads the
+  state instead of training on;
+- the target validation loss stops training on a peer's own validation, or on `quorum` peers'
+  reports (`target_reached`), never on one other peer's word;
 - a peer steps with its own samples alone only when nobody is left to average with
   (`company`), and a peer that says it is `downloading` is never counted as settled.
 """
@@ -29,6 +36,7 @@ import msgspec
 
 from peer.dht.records import owner_key
 from peer.errors import DECODE_ERRORS
+from peer.training.certificate import MAX_SIGNATURES, StepSignature, valid_signatures
 
 ProgressRole = Literal["trainer", "keeper"]
 _Step = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
@@ -71,6 +79,11 @@ class ProgressRecord(msgspec.Struct, frozen=True):
     holding: bool = False
     """Its part of the next step is done (dedloc: the collaboration has the target batch as it
     projects it; diloco: its inner steps): `samples` stays as it is until it averages."""
+    signatures: Annotated[list[StepSignature], msgspec.Meta(max_length=MAX_SIGNATURES)] = (
+        msgspec.field(default_factory=list)
+    )
+    """Signatures of (step, digest): its own and those of the peers it averaged with
+    (`peer.training.certificate`); `decode_progress` keeps only the valid ones."""
 
     def problem(self) -> str | None:
         """Why the record is unusable (non-finite numbers), or None."""
@@ -90,8 +103,9 @@ def encode_progress(record: ProgressRecord) -> bytes:
     return msgspec.msgpack.encode(record)
 
 
-def decode_progress(entries: dict[str, object]) -> list[ProgressRecord]:
-    """Records from a progress get: only owner-signed entries naming their own subkey."""
+def decode_progress(entries: dict[str, object], *, collaboration: str) -> list[ProgressRecord]:
+    """Records from a progress get: only owner-signed entries naming their own subkey, each
+    with only the step signatures that are valid for its (step, digest) in `collaboration`."""
     records = []
     for subkey, entry in entries.items():
         if owner_key(subkey) is None:
@@ -101,6 +115,9 @@ def decode_progress(entries: dict[str, object]) -> list[ProgressRecord]:
         except DECODE_ERRORS:
             continue
         if record.peer_id == subkey and record.problem() is None:
+            valid = valid_signatures(record.signatures, collaboration, record.step, record.digest)
+            if len(valid) != len(record.signatures):
+                record = msgspec.structs.replace(record, signatures=valid)
             records.append(record)
     return sorted(records, key=lambda r: r.peer_id)
 
@@ -110,9 +127,32 @@ class CollaborationView:
     """The collaboration as one read of the progress records shows it."""
 
     records: list[ProgressRecord]
+    quorum: int = 1
+    """Distinct signers a (step, digest) needs to count (`averaging.min_group_size`)."""
+
+    def signers(self, step: int, digest: str) -> set[str]:
+        """Peers whose signatures of (step, digest) some record carries."""
+        return {
+            s.signer
+            for r in self.records
+            if r.step == step and r.digest == digest
+            for s in r.signatures
+        }
+
+    def certified(self, step: int, digest: str) -> bool:
+        """(step, digest) is the collaboration's: step 0 (every peer builds it from the task),
+        or signed by `quorum` distinct peers."""
+        return step == 0 or len(self.signers(step, digest)) >= self.quorum
 
     @property
     def global_step(self) -> int:
+        """The highest certified step in view. A record claiming a higher step on its own
+        moves nobody (it used to: every peer downloaded a lone liar's state)."""
+        return max((r.step for r in self.records if self.certified(r.step, r.digest)), default=0)
+
+    @property
+    def claimed_step(self) -> int:
+        """The highest step any record claims, certified or not (for what status shows)."""
         return max((r.step for r in self.records), default=0)
 
     def trainers(self, step: int) -> list[ProgressRecord]:
@@ -161,21 +201,30 @@ class CollaborationView:
         rate = self.throughput(step)
         return 0.0 if missing == 0 else (missing / rate if rate > 0 else math.inf)
 
-    def call(self, step: int, *, after: float = -math.inf) -> float | None:
+    def call(
+        self, step: int, *, after: float = -math.inf, latest: float = math.inf
+    ) -> float | None:
         """When step's averaging starts, if anyone has called it: the earliest call wins.
         `after`: only calls gathering later than this (a peer that missed a gathering looks
-        for the next call, not the one it missed)."""
+        for the next call, not the one it missed). `latest`: calls gathering later than this
+        are ignored (`Timing.latest_call`): one peer's call of the step days ahead would
+        otherwise be the earliest forever and hold every other call."""
         times = [
-            r.gather_until for r in self.records if r.call_step == step and r.gather_until > after
+            r.gather_until
+            for r in self.records
+            if r.call_step == step and after < r.gather_until <= latest
         ]
         return min(times) if times else None
 
     def consensus(self, step: int) -> str | None:
-        """The digest of the parameters at `step` that most peers hold (ties: the smallest)."""
-        counts = Counter(r.digest for r in self.records if r.step == step)
-        if not counts:
+        """The digest of the parameters at `step`: among the certified ones, the one most
+        peers signed (ties: most holders, then the smallest). None if none is certified."""
+        holders = Counter(r.digest for r in self.records if r.step == step)
+        certified = [digest for digest in holders if self.certified(step, digest)]
+        if not certified:
             return None
-        return min(counts, key=lambda digest: (-counts[digest], digest))
+        signers = {digest: len(self.signers(step, digest)) for digest in certified}
+        return min(certified, key=lambda d: (-signers[d], -holders[d], d))
 
     def donors(self, step: int) -> list[ProgressRecord]:
         """Peers that hold the consensus state at `step`, keepers last."""
@@ -186,10 +235,20 @@ class CollaborationView:
     def with_record(self, record: ProgressRecord) -> CollaborationView:
         """This view with `record` replacing its owner's (our own newest figures)."""
         others = [r for r in self.records if r.peer_id != record.peer_id]
-        return CollaborationView(sorted([*others, record], key=lambda r: r.peer_id))
+        return CollaborationView(sorted([*others, record], key=lambda r: r.peer_id), self.quorum)
+
+    def target_reached(self, target: float) -> bool:
+        """At least `quorum` distinct trainers report a validation loss at or below `target`
+        (one peer's report alone ends nobody's training)."""
+        reporters = {
+            r.peer_id
+            for r in self.records
+            if r.role == "trainer" and r.validation_loss is not None and r.validation_loss <= target
+        }
+        return len(reporters) >= self.quorum
 
     def validation_loss(self) -> tuple[int, float] | None:
-        """The newest validation loss any peer reported, with its step."""
+        """The newest validation loss any peer reported, with its step (what status shows)."""
         reported = [
             (r.validation_step, r.validation_loss)
             for r in self.records

@@ -24,10 +24,29 @@ from peer.training.task import Task
 
 class Schedule:
     def __init__(self, task: Task, optimizer: torch.optim.Optimizer) -> None:
-        make = getattr(task, "make_scheduler", None)
+        self.optimizer = optimizer
+        self.make = getattr(task, "make_scheduler", None)
+        # The settings as the task made them, before a scheduler touched them (`replay`).
+        self.initial = [
+            {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups
+        ]
         self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = (
-            make(optimizer) if make else None
+            self.make(optimizer) if self.make else None
         )
+
+    def replay(self, epochs: int) -> None:
+        """Our own schedule as of `epochs` scheduler steps, from the task's settings (after a
+        state download: a donor's scheduler state is never loaded, since it sets the learning
+        rate). A fresh scheduler stepped `epochs` times: about a microsecond a step."""
+        if self.make is None:
+            return
+        for group, initial in zip(self.optimizer.param_groups, self.initial, strict=True):
+            params = group["params"]
+            group.clear()
+            group.update(copy.deepcopy(initial), params=params)
+        self.scheduler = self.make(self.optimizer)
+        for _ in range(epochs):
+            self.step()
 
     def step(self) -> None:
         if self.scheduler is None:

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any
@@ -263,21 +264,36 @@ def _is_index(text: str) -> bool:
 
 
 def restore(
-    state: TrainingState, model: nn.Module, optimizers: Mapping[str, torch.optim.Optimizer]
+    state: TrainingState,
+    model: nn.Module,
+    optimizers: Mapping[str, torch.optim.Optimizer],
+    *,
+    from_donor: bool = False,
 ) -> None:
     """Load `state` into `model` and `optimizers`, or raise StateMismatch and change nothing.
 
     Everything is checked before anything is written, so a bad donor cannot leave a half-loaded
-    model behind. Optimizer tensors are cloned: the state stays valid for serving to others."""
+    model behind. Optimizer tensors are cloned: the state stays valid for serving to others.
+
+    `from_donor`: the state came from another peer. Then every tensor loaded must be finite,
+    the optimizers' hyperparameters (learning rate, betas, weight decay, ...) stay ours (the
+    task's: a donor once set AdamW's lr to 1e-9 in every peer), and `optimizers` may name only
+    some of the state's (diloco's inner optimizer is each peer's own)."""
     check_structure(state)
     model_state = _model_state(state, model)
-    if set(state.metadata["optimizers"]) != set(optimizers):
-        raise StateMismatch(
-            f"state has optimizers {sorted(state.metadata['optimizers'])}, expected {sorted(optimizers)}"
-        )
+    held = set(state.metadata["optimizers"])
+    if not (set(optimizers) <= held if from_donor else set(optimizers) == held):
+        raise StateMismatch(f"state has optimizers {sorted(held)}, expected {sorted(optimizers)}")
     optimizer_states = {
-        name: _optimizer_state(state, name, opt) for name, opt in optimizers.items()
+        name: _optimizer_state(state, name, opt, keep_settings=from_donor)
+        for name, opt in optimizers.items()
     }
+    if from_donor:
+        loaded = [*model_state.values()]
+        loaded += [
+            v for o in optimizer_states.values() for s in o["state"].values() for v in s.values()
+        ]
+        check_finite(loaded)
     # Checked; from here on nothing raises on account of the state.
     model.load_state_dict(model_state, strict=True)  # copies into the existing parameters
     for name, optimizer in optimizers.items():
@@ -304,10 +320,26 @@ def _model_state(state: TrainingState, model: nn.Module) -> dict[str, torch.Tens
     return full
 
 
+def check_finite(values: list[Any]) -> None:
+    """StateMismatch unless every floating-point tensor and number in `values` is finite."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            ok = not value.is_floating_point() or bool(torch.isfinite(value).all())
+        else:
+            ok = not isinstance(value, float) or math.isfinite(value)
+        if not ok:
+            raise StateMismatch("the state holds NaN or Inf values")
+
+
 def _optimizer_state(
-    state: TrainingState, opt_name: str, optimizer: torch.optim.Optimizer
+    state: TrainingState,
+    opt_name: str,
+    optimizer: torch.optim.Optimizer,
+    *,
+    keep_settings: bool = False,
 ) -> dict[str, Any]:
-    """The state_dict to load into `optimizer`, checked against its parameters and groups."""
+    """The state_dict to load into `optimizer`, checked against its parameters and groups
+    (with `keep_settings`, the groups' settings are the optimizer's own, not the state's)."""
     entry = state.metadata["optimizers"][opt_name]
     saved_groups, current_groups = entry["param_groups"], optimizer.state_dict()["param_groups"]
     where = f"optimizer {opt_name!r}"
@@ -326,7 +358,9 @@ def _optimizer_state(
                 f"{where} group {number} has settings {sorted(saved)}, expected {sorted(current)}"
             )
         group = {
-            key: _like(value, saved[key], f"{where} group {number} {key}")
+            key: value
+            if keep_settings
+            else _like(value, saved[key], f"{where} group {number} {key}")
             for key, value in current.items()
             if key != "params"
         }
@@ -413,6 +447,32 @@ def parameters_digest(model: nn.Module) -> str:
         model.named_parameters(), key=lambda item: item[0]
     ):  # tied parameters appear once
         data = parameter.detach().to("cpu").contiguous()
+        label = f"{name}\0{data.dtype}\0{tuple(data.shape)}".encode()
+        digest.update(len(label).to_bytes(8, "little") + label)
+        digest.update(data.reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def state_digest(state: TrainingState, parameters: Sequence[str], shared: Collection[str]) -> str:
+    """Short hex digest of what a step certifies (`peer.training.certificate`): the named model
+    parameters and the tensors and scalars of the `shared` optimizers (those every member of an
+    averaging holds bit-identical: dedloc's optimizer, diloco's outer one), in name order.
+    Equal digests mean bit-identical certified state. Buffers and per-peer optimizers (diloco's
+    inner one) are left out: peers may hold them apart. StateMismatch if a tensor is missing."""
+    digest = hashlib.blake2b(digest_size=16)
+    aliases = state.metadata.get("model_aliases", {})
+    names = [f"model.{aliases.get(name, name)}" for name in sorted(set(parameters))]
+    optimizers = state.metadata.get("optimizers", {})
+    for opt_name in sorted(shared):
+        if opt_name not in optimizers:
+            raise StateMismatch(f"state lacks optimizer {opt_name!r}")
+        names += sorted(n for n in state.tensors if n.startswith(f"{opt_name}."))
+        scalars = json.dumps(optimizers[opt_name]["scalars"], sort_keys=True).encode()
+        digest.update(len(scalars).to_bytes(8, "little") + scalars)
+    for name in names:
+        if name not in state.tensors:
+            raise StateMismatch(f"state lacks tensor {name!r}")
+        data = state.tensors[name].contiguous()
         label = f"{name}\0{data.dtype}\0{tuple(data.shape)}".encode()
         digest.update(len(label).to_bytes(8, "little") + label)
         digest.update(data.reshape(-1).view(torch.uint8).numpy())

@@ -57,7 +57,11 @@ class Strategy(Protocol):
     """The task's learning-rate scheduler (if any): LargeBatch steps it in `apply` (once per
     global step), LocalSGD in `accumulate` (once per inner step)."""
 
+    shared: tuple[str, ...]
+    """Names of the optimizers every member of an averaging holds bit-identical."""
+
     def optimizers(self) -> dict[str, torch.optim.Optimizer]: ...
+    def schedule_epochs(self, step: int) -> int: ...
     def accumulate(self, batch: Any, size: int) -> float: ...
     def take(self) -> tuple[np.ndarray, int]: ...
     def give_back(self, vector: np.ndarray, samples: int) -> None: ...
@@ -67,6 +71,9 @@ class Strategy(Protocol):
 
 class LargeBatch:
     """DeDLOC: synchronous large-batch training; every peer applies the same averaged gradient."""
+
+    #: Optimizers every member of an averaging holds bit-identical (what a step certifies).
+    shared = ("optimizer",)
 
     def __init__(self, task: Task, model: nn.Module) -> None:
         self.task = task
@@ -80,6 +87,10 @@ class LargeBatch:
 
     def optimizers(self) -> dict[str, torch.optim.Optimizer]:
         return {"optimizer": self.optimizer}
+
+    def schedule_epochs(self, step: int) -> int:
+        """Scheduler steps by global `step`: one per step."""
+        return step
 
     def accumulate(self, batch: Any, size: int) -> float:
         """Add the gradient of this micro-batch's summed loss; return its mean loss."""
@@ -123,8 +134,14 @@ class LargeBatch:
 class LocalSGD:
     """DiLoCo: inner AdamW steps locally, outer Nesterov SGD on the averaged pseudo-gradient."""
 
-    def __init__(self, task: Task, model: nn.Module, *, outer_lr: float, momentum: float) -> None:
+    #: The outer optimizer is shared; the inner one's moments are each peer's own.
+    shared = ("outer",)
+
+    def __init__(
+        self, task: Task, model: nn.Module, *, outer_lr: float, momentum: float, inner_steps: int
+    ) -> None:
         self.task = task
+        self.inner_steps = inner_steps
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.inner = task.make_optimizer(self.params)
@@ -141,6 +158,10 @@ class LocalSGD:
 
     def optimizers(self) -> dict[str, torch.optim.Optimizer]:
         return {"inner": self.inner, "outer": self.outer}
+
+    def schedule_epochs(self, step: int) -> int:
+        """Scheduler steps by global `step`: every peer takes exactly H inner steps a step."""
+        return step * self.inner_steps
 
     def accumulate(self, batch: Any, size: int) -> float:
         """One inner step on this micro-batch; return its loss."""
@@ -177,3 +198,7 @@ class LocalSGD:
             for a, p in zip(self.anchor, self.params, strict=True):
                 a.copy_(p)
         self.samples = 0
+
+
+#: By `training.mode`: what a step certifies besides the parameters (the keeper has no strategy).
+SHARED_OPTIMIZERS = {"dedloc": LargeBatch.shared, "diloco": LocalSGD.shared}

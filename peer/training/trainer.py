@@ -42,6 +42,7 @@ from peer.measure.capabilities import Capabilities
 from peer.net.host import parse_addrs
 from peer.training import checkpoint as checkpoints
 from peer.training import state as states
+from peer.training.certificate import StepSignature, merge_signatures, sign_step
 from peer.training.progress import (
     HISTORY,
     CollaborationView,
@@ -55,6 +56,7 @@ from peer.training.progress import (
 )
 from peer.training.strategies import LargeBatch, LocalSGD, Strategy
 from peer.training.task import Task
+from peer.training.timing import Timing
 
 if TYPE_CHECKING:
     from peer.training.statesync import Snapshot
@@ -62,8 +64,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("peertrain.trainer")
 #: Failed averagings in a row before the trainer logs a warning (fewer are routine, at INFO).
 WARN_AFTER_FAILURES = 3
-#: A step we call gathers for at least this many of our DHT store times (measured).
-STORES_PER_WINDOW = 4
 #: Longest wait between two failed state downloads (the wait doubles from progress_interval).
 MAX_DOWNLOAD_BACKOFF = 30.0
 #: Seconds at most that a peer holds its calls for others still in a failed averaging.
@@ -155,6 +155,9 @@ class Trainer:
         self.observe_training = observe_training
         self.clock = clock
         self.me = dht.node.peer_id.to_base58()
+        self.timing = Timing.of(config)
+        # Distinct signers a (step, digest) needs before we download it or count it.
+        self.quorum = config.averaging.min_group_size
         model = task.build_model().to(device)
         self.strategy: Strategy = (
             LocalSGD(
@@ -162,11 +165,13 @@ class Trainer:
                 model,
                 outer_lr=self.training.outer_lr,
                 momentum=self.training.outer_momentum,
+                inner_steps=self.training.inner_steps,
             )
             if self.training.mode == "diloco"
             else LargeBatch(task, model)
         )
         self.model = model
+        self._parameter_names = [name for name, _ in model.named_parameters()]
         self._vector_size = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.fingerprint = fingerprint(
             [(name, tuple(t.shape), str(t.dtype)) for name, t in model.named_parameters()]
@@ -177,9 +182,11 @@ class Trainer:
         self.next_batch: BatchSource = batches or (lambda: next(samples))
         self.status = TrainerStatus()
         self.step = 0
-        self.digest = states.parameters_digest(model)
         self._snapshot: Snapshot | None = None
         self._captured: states.TrainingState | None = None
+        self.digest = ""
+        self._signatures: list[StepSignature] = []  # of (step, digest): ours, then others'
+        self._capture()
         self._call: tuple[int, float] | None = None  # (step, gather_until) we called
         self._failed_before = -math.inf  # calls gathering at or before this failed for us
         self._failed_in_a_row = 0
@@ -231,13 +238,36 @@ class Trainer:
             scheduler_state=self.strategy.schedule.state(),
         )
         self._snapshot = None
-        self.digest = states.parameters_digest(self.model)
+        self.digest = self._digest(self._captured)
+        # We sign only what we hold: the state our averaging produced, a certified download or
+        # our own checkpoint (`peer.training.certificate`).
+        self._signatures = [
+            sign_step(
+                self.dht.node.identity.key_pair.private_key,
+                self.me,
+                self.config.collaboration.name,
+                self.step,
+                self.digest,
+            )
+        ]
 
-    def _restore(self, state: states.TrainingState) -> None:
-        self.strategy.schedule.check(state.scheduler_state)  # before anything changes
-        states.restore(state, self.model, self.strategy.optimizers())
-        self.strategy.schedule.load(state.scheduler_state)
-        self.strategy.drop_local_work()
+    def _digest(self, state: states.TrainingState) -> str:
+        return states.state_digest(state, self._parameter_names, self.strategy.shared)
+
+    def _restore(self, state: states.TrainingState, *, from_donor: bool = False) -> None:
+        """Load a state: our checkpoint, or (`from_donor`) a downloaded one, of which only the
+        certified part is taken (`states.restore`): the learning-rate schedule is replayed
+        from our own task, and diloco's inner optimizer stays ours."""
+        strategy = self.strategy
+        if from_donor:
+            optimizers = {name: strategy.optimizers()[name] for name in strategy.shared}
+            states.restore(state, self.model, optimizers, from_donor=True)
+            strategy.schedule.replay(strategy.schedule_epochs(state.step))
+        else:
+            strategy.schedule.check(state.scheduler_state)  # before anything changes
+            states.restore(state, self.model, strategy.optimizers())
+            strategy.schedule.load(state.scheduler_state)
+        strategy.drop_local_work()
         self._holding = False
         self.step = state.step
         self._capture()
@@ -268,14 +298,29 @@ class Trainer:
             step_bytes=self._step_bytes,
             downloading=self._downloading,
             holding=self._holding,
+            signatures=list(self._signatures),
         )
 
     def view(self) -> CollaborationView:
         """The last read of the collaboration, with our own figures as they are now."""
         return self.status.view.with_record(self.record())
 
+    def _read(self, entries: dict[str, object]) -> CollaborationView:
+        name = self.config.collaboration.name
+        return CollaborationView(decode_progress(entries, collaboration=name), self.quorum)
+
     def _note_view(self, view: CollaborationView) -> None:
         self.status.view = view
+        # The others who hold our step and digest signed it too: carry their signatures, so
+        # that our record certifies the state after they leave (decode checked them).
+        theirs = [
+            signature
+            for r in view.records
+            if r.peer_id != self.me and r.step == self.step and r.digest == self.digest
+            for signature in r.signatures
+        ]
+        if theirs and self._signatures:
+            self._signatures = merge_signatures(self._signatures[0], theirs)
         self._highest_seen = max(self._highest_seen, view.global_step)
         now = time.monotonic()
         self._moves.note(view, now)
@@ -288,7 +333,7 @@ class Trainer:
             self.step,
             self.me,
             self._moves,
-            within=self.training.solo_after,
+            within=self.timing.solo_wait,
             now=now,
         )
 
@@ -303,13 +348,13 @@ class Trainer:
         if self._company(now):
             return False
         since = self._company_at
-        return since is None or now - since >= self.training.solo_after
+        return since is None or now - since >= self.timing.solo_wait
 
     async def _keep_progress(self) -> None:
         """Publish our record and read everyone's, every progress_interval (or when asked)."""
         key = progress_key(self.config.collaboration.name)
         interval = self.training.progress_interval
-        ttl = max(3 * interval, self.config.presence.ttl)
+        ttl = self.timing.progress_ttl
         try:
             while True:
                 record = self.record()
@@ -324,8 +369,7 @@ class Trainer:
                         )
                         stored = True
                         self.note_store_time(trio.current_time() - started)
-                        entries = await self.dht.get(key)
-                        self._note_view(CollaborationView(decode_progress(entries)))
+                        self._note_view(self._read(await self.dht.get(key)))
                         self._view_changed.set()
                         self._view_changed = trio.Event()
                 except RemoteError as error:
@@ -350,7 +394,7 @@ class Trainer:
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._keep_progress)
-                with trio.move_on_after(2 * self.training.progress_interval + 5):
+                with trio.move_on_after(self.timing.first_read):
                     await self._view_changed.wait()  # the first read, to know if we are behind
                 task_status.started()
                 self.status.started_at = time.monotonic()
@@ -383,8 +427,8 @@ class Trainer:
         be left without a donor (a large state over a slow link takes minutes), or end on
         other parameters than ours. After a download of our own we read the view again."""
         interval = self.training.progress_interval
-        patience = trio.current_time() + 2 * self._gather_window() + 4 * interval + 5
-        with trio.move_on_at(patience + self.config.state.download_timeout):
+        patience = trio.current_time() + self.timing.settle_patience(self._store_seconds)
+        with trio.move_on_at(patience + self.timing.download_timeout):
             while True:
                 view = self.view()
                 if donors := self._should_download(view):
@@ -438,9 +482,12 @@ class Trainer:
             return True
         if self._left_behind():
             return True
+        # Our own validation, or `quorum` peers' reports: one peer's word stops nobody.
         target = self.training.target_validation_loss
-        reached = self.view().validation_loss()
-        return bool(target) and reached is not None and reached[1] <= target
+        own = self.status.validation
+        return bool(target) and (
+            (own is not None and own[1] <= target) or self.view().target_reached(target)
+        )
 
     async def _iteration(self, nursery: trio.Nursery) -> None:
         if self._pending_result is not None:
@@ -460,7 +507,7 @@ class Trainer:
         else:
             self._ready_since = None
         if self._may_call(view):
-            self._call = (self.step, self.clock() + self._gather_window())
+            self._call = (self.step, self.clock() + self.timing.window(self._store_seconds))
             self._publish_now.set()
             call = self._call[1]
             log.info("calling step %d: averaging at +%.1fs", self.step + 1, call - self.clock())
@@ -472,13 +519,13 @@ class Trainer:
             self._holding = full
             self._publish_now.set()  # the others' projections take our count as final
         if call is not None and self._pending is None:
-            now, margin = self.clock(), self._declare_margin()
+            now, margin = self.clock(), self.timing.declare_margin(self._store_seconds)
             if now > call - margin / 2:
                 # Too late for our ticket to be seen: this step goes on without us, and we
                 # catch up on the next (one that arrives mid-step waits for the next step).
                 log.info("missed the gathering of step %d; joining the next", self.step + 1)
                 self._failed_before = call
-            elif (full and now >= call - self._gather_window() / 2) or (
+            elif (full and now >= call - self.timing.window(self._store_seconds) / 2) or (
                 self.training.mode == "dedloc" and now + self._batch_seconds >= call - margin
             ):
                 # Our part is done, half the window is left (time for an earlier call of the
@@ -495,7 +542,8 @@ class Trainer:
                     await self._pending.wait()
                 return
             if call is not None:
-                wait = min(wait, max(0.0, call - self._gather_window() / 2 - self.clock()))
+                window = self.timing.window(self._store_seconds)
+                wait = min(wait, max(0.0, call - window / 2 - self.clock()))
             with trio.move_on_after(wait):
                 await self._view_changed.wait()
             return
@@ -520,7 +568,7 @@ class Trainer:
         if self.strategy.samples >= self._quota(view) * micro_batch:
             return True
         projected = view.projected_samples(
-            self.step, now=self.clock(), horizon=self._projection_horizon()
+            self.step, now=self.clock(), horizon=self.timing.projection_horizon
         )
         return projected >= self.config.task.target_batch - micro_batch / 2
 
@@ -559,14 +607,12 @@ class Trainer:
             if r.role == "trainer" and r.step in (self.step, self.step - 1) and not r.downloading
         ]
 
-    def _projection_horizon(self) -> float:
-        """How far a peer's count is projected past its record: about one publication."""
-        return 2 * self.training.progress_interval
-
     def _current_call(self, view: CollaborationView) -> float | None:
         # Not the call we missed: with it still earliest in view, a peer that missed it would
         # call the step again on every iteration, and its calls would never take effect.
-        return view.call(self.step, after=self._failed_before)
+        return view.call(
+            self.step, after=self._failed_before, latest=self.timing.latest_call(self.clock())
+        )
 
     def _ready(self, view: CollaborationView) -> bool:
         """The step can be called: everyone about to take it holds (diloco: a barrier, each
@@ -587,9 +633,9 @@ class Trainer:
             view,
             self.step,
             target_batch=self.config.task.target_batch,
-            window=self._gather_window(),
+            window=self.timing.window(self._store_seconds),
             now=self.clock(),
-            horizon=self._projection_horizon(),
+            horizon=self.timing.projection_horizon,
         )
 
     def _may_call(self, view: CollaborationView) -> bool:
@@ -607,11 +653,13 @@ class Trainer:
         # Another calls only where the lowest looks silent: its record is stale, or it is done
         # and no call came; or, whatever its record says, after a long wait.
         waited = time.monotonic() - self._ready_since
-        fallback = 2 * self.training.progress_interval + 4 * self._store_seconds
+        fallback = self.timing.fallback_caller_wait(self._store_seconds)
         record = company[lowest]
-        stale = self.clock() - record.updated_at > 3 * self.training.progress_interval
+        stale = self.clock() - record.updated_at > self.timing.stale_record
         return waited >= fallback and (
-            stale or record.holding or waited >= fallback + 4 * self._gather_window()
+            stale
+            or record.holding
+            or waited >= fallback + 4 * self.timing.window(self._store_seconds)
         )
 
     async def _call_overtaken(self, call: float, margin: float) -> bool:
@@ -621,7 +669,7 @@ class Trainer:
         would make a second version of the step)."""
         with trio.move_on_after(margin / 4), contextlib.suppress(RemoteError):
             entries = await self.dht.get(progress_key(self.config.collaboration.name))
-            self._note_view(CollaborationView(decode_progress(entries)))
+            self._note_view(self._read(entries))
         view = self.view()
         earliest = self._current_call(view)
         return view.global_step > self.step or (earliest is not None and earliest < call)
@@ -691,16 +739,6 @@ class Trainer:
         """How long a DHT store of ours took (the progress loop times each one)."""
         first = self._store_seconds == 0.0
         self._store_seconds = seconds if first else 0.7 * self._store_seconds + 0.3 * seconds
-
-    def _gather_window(self) -> float:
-        """The gathering window of a step we call: `training.gather_window`, widened where our
-        DHT stores are slow (high-latency links) so that tickets still land before it closes."""
-        return max(self.training.gather_window, STORES_PER_WINDOW * self._store_seconds)
-
-    def _declare_margin(self) -> float:
-        """Our ticket must be in the DHT before the gathering closes: stop computing this early
-        (at least twice what a store of ours takes)."""
-        return max(min(self._gather_window() / 4, 1.0), 2 * self._store_seconds)
 
     def _should_download(self, view: CollaborationView) -> list[ProgressRecord]:
         """Holders of the state to fetch when we are behind or hold a minority digest."""
@@ -803,7 +841,11 @@ class Trainer:
         # Alone only if nobody is left to average with: with others at our step or beyond,
         # our read of the tickets missed theirs (or we missed their gathering), and a step of
         # our own would part from theirs.
-        alone = result.peers_seen == 1 and not result.rounds and self._on_our_own()
+        # A step of one peer certifies nothing (`peer.training.certificate`): only where
+        # averaging.min_group_size = 1 says one peer is enough.
+        alone = (
+            self.quorum <= 1 and result.peers_seen == 1 and not result.rounds and self._on_our_own()
+        )
         # Only the exact average of everyone in the plan is a step (`Averager`): then every
         # peer that steps applies the same bits. `vector` is still our own contribution.
         complete = alone or (result.average is not None and self._majority(result))
@@ -897,10 +939,17 @@ class Trainer:
             self.dht.node.remember_addrs(ID.from_base58(record.peer_id), parse_addrs(record.addrs))
         try:
             snapshot = await self.download(donors, target)
-            state = await trio.to_thread.run_sync(states.from_bytes, snapshot.blob)
+            state, digest = await trio.to_thread.run_sync(self._parse, snapshot.blob)
             if state.step < max(target, self.step):
                 raise RemoteError(f"donors sent step {state.step}, expected {target}")
-            self._restore(state)
+            # Only a certified (step, digest): a donor cannot hand us a state of its own making,
+            # whatever its record claims (donors that stepped since our read: the next try).
+            if not self.view().certified(state.step, digest):
+                raise RemoteError(
+                    f"donors sent step {state.step} with digest {digest[:12]}, which fewer than "
+                    f"{self.quorum} peers signed"
+                )
+            self._restore(state, from_donor=True)
         except RemoteError as error:
             self.status.failures["state_download"] += 1
             # Back off: busy or budget-limited donors refuse again if asked at once.
@@ -916,6 +965,10 @@ class Trainer:
         self.status.downloads += 1
         self.status.step = self.step
         log.info("downloaded the state of step %d from %d donors", self.step, len(donors))
+
+    def _parse(self, blob: bytes) -> tuple[states.TrainingState, str]:
+        state = states.from_bytes(blob)
+        return state, self._digest(state)
 
     # ------------------------------------------------------------------ validation, checkpoints
 

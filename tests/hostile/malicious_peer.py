@@ -12,6 +12,9 @@ It is the real `peer join` daemon with one behaviour changed (a volunteer may ru
   specs (class 1: unusable key material from a member crashed every honest member).
 - `crawl`: it advertises 1 B/s both ways and, in a round, never dials a reducer (class 4:
   deadlines were taken from the slowest claim, so its group waited for it ~10^7 s).
+- `hijack`: its progress record claims step + 1000 (signed by itself) and its donor serves a
+  state of that step with every parameter at 0.25 and AdamW's lr at 1e-9 (issue 17: the global
+  step was the highest any record claimed, so every peer and the keeper downloaded it).
 """
 
 from __future__ import annotations
@@ -25,6 +28,12 @@ import trio
 from peer.averaging import allreduce, matchmaking
 from peer.measure.service import Measurements
 from peer.net import tls
+from peer.training import state as states
+from peer.training import trainer as trainers
+from peer.training.certificate import sign_step
+
+HIJACK_AHEAD = 1000
+POISON = 0.25
 
 
 def forge_certificate(spec, leader: str):
@@ -81,7 +90,37 @@ def crawl() -> None:
     allreduce._Round._send_to = never_dial
 
 
+def hijack() -> None:
+    """A higher step than anyone's, and a poisoned state for it."""
+    Trainer = trainers.Trainer
+    honest_record = Trainer.record
+
+    def record(self):
+        claimed, digest = self.step + HIJACK_AHEAD, "0" * 32  # sorts below any real digest
+        key = self.dht.node.identity.key_pair.private_key
+        own = sign_step(key, self.me, self.config.collaboration.name, claimed, digest)
+        return msgspec.structs.replace(
+            honest_record(self), step=claimed, digest=digest, signatures=[own]
+        )
+
+    def snapshot(self):
+        from peer.training.statesync import Snapshot
+
+        state = states.capture(self.step, self.model, self.strategy.optimizers())
+        state.step += HIJACK_AHEAD
+        for name, tensor in state.tensors.items():
+            if name.startswith("model."):
+                tensor.fill_(POISON)
+        for group in state.metadata["optimizers"]["optimizer"]["param_groups"]:
+            group["lr"] = 1e-9
+        return Snapshot(state.step, states.to_bytes(state))
+
+    Trainer.record = record
+    Trainer.snapshot = snapshot
+
+
 MODES = {
+    "hijack": hijack,
     "forge-certificate": lambda: as_leader(forge_certificate),
     "bad-shares": lambda: as_leader(bad_shares),
     "junk-certificate": junk_certificate,

@@ -158,3 +158,47 @@ def test_a_member_claiming_a_crawl_costs_each_averaging_a_bounded_wait(tmp_path)
         assert all(p.popen.poll() is None for p in collab.procs)
     finally:
         collab.close()
+
+
+def downloads_at_or_above(proc, step: int) -> list[str]:
+    return [
+        r["msg"]
+        for r in proc.records()
+        if r.get("msg", "").startswith("downloaded the state of step")
+        and int(r["msg"].split()[5]) >= step
+    ]
+
+
+@pytest.mark.slow  # ~1 min: a collaboration of real processes
+def test_a_member_claiming_a_higher_step_moves_nobody(tmp_path):
+    """The hijack (issue 17): a member whose record claims step + 1000 and whose donor serves
+    that step with every parameter at 0.25 and AdamW's lr at 1e-9. The global step was the
+    highest any record claimed and a lone record was the consensus, so every peer (and the
+    keeper) downloaded it. Now a step counts only with `averaging.min_group_size` signers:
+    the honest peers never download it, keep training, and their status shows their step."""
+    from tests.hostile.malicious_peer import HIJACK_AHEAD
+
+    collab = Collaboration(tmp_path, ENV)
+    for i in range(3):
+        write_key(tmp_path / f"peer{i}.key")
+    key = tmp_path / "hijack.key"
+    write_key(key)
+    try:
+        collab.start_backbone()
+        honest = [collab.start_peer(i) for i in range(3)]
+        collab.start(
+            "hijack",
+            ["tests.hostile.malicious_peer", "hijack", "join", "--backbone", collab.backbone_addr,
+             "--listen", "/ip4/127.0.0.1/tcp/0", "--identity", str(key)],
+            {"PEERTRAIN_TRAINING_CHECKPOINT_DIR": str(tmp_path / "checkpoints-hijack")},
+        )  # fmt: skip
+        collab.watch_global_step()
+        steps = collab.global_steps
+        wait_until(lambda: bool(steps), timeout=120, what="a global step", collab=collab)
+        # Long enough for every peer to read the liar's record many times over.
+        seconds_for(steps, STEPS, collab=collab, what="steps beside the hijacker")
+        assert max(steps) < HIJACK_AHEAD
+        assert all(downloads_at_or_above(p, HIJACK_AHEAD) == [] for p in honest)
+        assert all(p.popen.poll() is None for p in collab.procs)
+    finally:
+        collab.close()

@@ -1,0 +1,106 @@
+"""Every duration the step protocol derives from the configuration and its measurements, in one
+place (the trainer, the keeper, `peer doctor` and the tests read them here, nowhere else).
+
+The one measurement is `store_seconds`, how long a DHT store of ours takes (a moving average):
+on a high-latency link a ticket or a record needs longer to land, so the windows widen with it,
+up to a cap that also bounds what a caller may ask of everyone else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from peer.config import PeerConfig
+
+STORES_PER_WINDOW = 4
+"""A step we call gathers for at least this many of our DHT store times (measured)."""
+MAX_WINDOW_FACTOR = 8
+MAX_WINDOW_FLOOR = 30.0
+"""The widest gathering window is `MAX_WINDOW_FACTOR` configured windows, at least this many
+seconds (stores over the testbed's high-latency links took 4-5 s, so 20 s windows): also the
+furthest ahead any call is believed (`latest_call`), so one peer's call cannot hold the others
+for longer."""
+MAX_DECLARE_MARGIN = 1.0
+"""Seconds before a gathering closes that a peer stops computing, at most (`peer doctor` warns
+about clock skew against it)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Timing:
+    gather_window: float
+    progress_interval: float
+    solo_after: float
+    presence_ttl: float
+    download_timeout: float
+
+    @classmethod
+    def of(cls, config: PeerConfig) -> Timing:
+        training = config.training
+        return cls(
+            gather_window=training.gather_window,
+            progress_interval=training.progress_interval,
+            solo_after=training.solo_after,
+            presence_ttl=config.presence.ttl,
+            download_timeout=config.state.download_timeout,
+        )
+
+    @property
+    def max_window(self) -> float:
+        return max(MAX_WINDOW_FACTOR * self.gather_window, MAX_WINDOW_FLOOR)
+
+    def window(self, store_seconds: float) -> float:
+        """The gathering window of a step we call: `gather_window`, widened where our DHT
+        stores are slow so that tickets still land before it closes, at most `max_window`."""
+        return min(max(self.gather_window, STORES_PER_WINDOW * store_seconds), self.max_window)
+
+    def latest_call(self, now: float) -> float:
+        """Calls gathering later than this are ignored: no honest caller asks for more than
+        `max_window` (a progress interval of slack for clocks and publication)."""
+        return now + self.max_window + self.progress_interval
+
+    def declare_margin(self, store_seconds: float) -> float:
+        """Our ticket must be in the DHT before the gathering closes: stop computing this early
+        (at least twice what a store of ours takes)."""
+        return max(min(self.window(store_seconds) / 4, MAX_DECLARE_MARGIN), 2 * store_seconds)
+
+    def settle_patience(self, store_seconds: float) -> float:
+        """How long a finished peer waits for the others to agree on its step and digest."""
+        return 2 * self.window(store_seconds) + 4 * self.progress_interval + 5
+
+    @property
+    def progress_ttl(self) -> float:
+        """A trainer's progress record outlives three publications (and a presence record)."""
+        return max(3 * self.progress_interval, self.presence_ttl)
+
+    @property
+    def keeper_interval(self) -> float:
+        return max(self.progress_interval, 1.0)
+
+    @property
+    def keeper_ttl(self) -> float:
+        return 3 * self.keeper_interval
+
+    @property
+    def first_read(self) -> float:
+        """How long a starting trainer waits for its first read of the records."""
+        return 2 * self.progress_interval + 5
+
+    @property
+    def projection_horizon(self) -> float:
+        """How far a peer's count is projected past its record: about one publication."""
+        return 2 * self.progress_interval
+
+    @property
+    def stale_record(self) -> float:
+        """A record older than this looks silent (its peer may be gone)."""
+        return 3 * self.progress_interval
+
+    def fallback_caller_wait(self, store_seconds: float) -> float:
+        """How long a peer other than the designated caller waits before calling a step."""
+        return 2 * self.progress_interval + 4 * store_seconds
+
+    @property
+    def solo_wait(self) -> float:
+        """Seconds with nobody to average with before a peer may step alone (where
+        `averaging.min_group_size` = 1 lets it)."""
+        return self.solo_after
