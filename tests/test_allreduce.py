@@ -29,7 +29,7 @@ from peer.averaging.allreduce import (
 )
 from peer.averaging.compression import CODECS
 from peer.averaging.partition import chunk_ranges
-from peer.averaging.wire import DONE, Channel
+from peer.averaging.wire import DONE, Channel, include_mask
 from peer.errors import ProtocolError
 from peer.net.identity import Identity
 from tests.helpers import data_identity, new_identity
@@ -167,10 +167,12 @@ async def test_exact_weighted_average_for_every_mix_of_roles(n, roles):
     players, originals, reports = await run_group(roles, seed=n)
     expected = weighted_average(players, originals, lambda p: p.computes)
     computing = [i for i, p in enumerate(players) if p.computes]
+    everyone = {players[i].peer_id for i in computing}
     for i in computing:
         np.testing.assert_allclose(players[i].vector, expected, atol=TOLERANCE["none"])
         assert reports[i].complete
         assert {c.senders for c in reports[i].chunks} == {len(computing)}
+        assert reports[i].exact_over == everyone and not reports[i].undelivered
     for i in computing[1:]:
         assert np.array_equal(players[i].vector, players[computing[0]].vector)
     # Wire bytes follow the role solver's model: P (c + g (K - 2c)) each way, plus framing.
@@ -237,6 +239,9 @@ async def send_faultily(player: Player, spec: RoundSpec, reducer: Member, part, 
                     values[3] = np.nan
                 if mode == "wrong size" and index == 0:
                     values = values[:-1]
+                if mode == "out of order" and index < 2:  # chunk 1 first
+                    index = 1 - index
+                    values = player.vector[slice(*chunks[index])].copy()
                 if mode in ("stall", "die") and index >= len(chunks) // 2:
                     if mode == "stall":
                         await trio.sleep(HOLD)
@@ -246,7 +251,7 @@ async def send_faultily(player: Player, spec: RoundSpec, reducer: Member, part, 
             await trio.sleep(HOLD)  # keep the connection open; the reducer decides
 
 
-@pytest.mark.parametrize("mode", ["absent", "nan", "wrong size", "stall", "die"])
+@pytest.mark.parametrize("mode", ["absent", "nan", "wrong size", "out of order", "stall", "die"])
 async def test_a_misbehaving_sender_is_dropped_and_the_rest_agree(mode):
     roles = ["normal", "normal", "normal", "client"]
     players, originals, reports = await run_group(
@@ -256,6 +261,8 @@ async def test_a_misbehaving_sender_is_dropped_and_the_rest_agree(mode):
     honest_ids = range(3)
     for i in honest_ids:
         assert reports[i].dropped_senders.get(bad), (mode, reports[i].dropped_senders)
+        if mode == "out of order":
+            assert "came where chunk 0 was due" in reports[i].dropped_senders[bad]
     for i in honest_ids[1:]:
         assert np.array_equal(players[i].vector, players[0].vector)
     without = weighted_average(players, originals, lambda p: p.computes and p.peer_id != bad)
@@ -264,7 +271,7 @@ async def test_a_misbehaving_sender_is_dropped_and_the_rest_agree(mode):
     for chunk in reports[0].chunks:
         counts[chunk.start] = chunk.senders
         values = players[0].vector[chunk.start : chunk.end]
-        if mode in ("absent", "nan", "wrong size"):  # never averaged in
+        if mode in ("absent", "nan", "wrong size", "out of order"):  # never averaged in
             assert chunk.senders == 3
             np.testing.assert_allclose(values, without[chunk.start : chunk.end], atol=1e-5)
         elif chunk.senders == 4:  # delivered before it stalled or died
@@ -307,8 +314,11 @@ async def serve(handoff, player, spec, chunks, codec, mode) -> None:
             if frame is None or frame[0] == DONE:
                 break
         if mode == "dies half-way":  # sends back its own values for half the part, then dies
+            computing = [m.peer_id for m in spec.members if m.computes]
+            mask = include_mask(computing, computing)  # claiming everyone's contribution
             for index, (lo, hi) in enumerate(chunks[: len(chunks) // 2]):
-                await channel.send(index, 1, codec.encode(player.vector[lo:hi]))
+                values = codec.encode(player.vector[lo:hi])
+                await channel.send(index, len(computing), values, prefix=mask)
             return
         await trio.sleep(HOLD)  # "silent": takes everything, answers nothing
     finally:
@@ -322,22 +332,26 @@ async def test_a_failing_reducer_leaves_local_values_and_the_rest_agree(mode):
     players, originals, reports = await run_group(roles, behaviours={2: faulty_reducer(mode)})
     bad = players[2].peer_id
     bad_part = reports[0].chunks  # find the reducer's part from the spec's cut
+    bad_lo, bad_hi = spec_of(players).parts()[2]
     honest_ids = [0, 1, 3]
     expected = weighted_average(players, originals, lambda p: p.computes)
     for i in honest_ids:
         assert bad in reports[i].failed_reducers
         assert not reports[i].dropped_senders
+        assert reports[i].exact_over is None  # a part is missing
         for chunk in reports[i].chunks:
             values = players[i].vector[chunk.start : chunk.end]
             if chunk.senders == 0:  # the failed part: this member's own values
                 assert np.array_equal(values, originals[i][chunk.start : chunk.end])
-            elif chunk.senders == 1:  # what the dying reducer sent back: its values, as is
+            elif bad_lo <= chunk.start < bad_hi:  # what the dying reducer sent back, as is
                 assert np.array_equal(values, originals[2][chunk.start : chunk.end])
             else:
                 assert chunk.senders == 3
                 np.testing.assert_allclose(values, expected[chunk.start : chunk.end], atol=1e-5)
     kept_local = {c.start for c in bad_part if c.senders == 0}
     assert kept_local  # the failed part was reported
+    if mode == "dies half-way":  # its first averages (a valid mask) were taken
+        assert any(c.senders and bad_lo <= c.start < bad_hi for c in bad_part)
     completed = [c for c in reports[0].chunks if c.senders > 0]
     for i in honest_ids[1:]:  # identical wherever a value was averaged
         for c in completed:

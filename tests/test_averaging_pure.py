@@ -1,15 +1,22 @@
-"""The pure parts of averaging: the cut by shares, wire codecs, the chunked reducer."""
+"""The pure parts of averaging: the cut by shares, wire codecs, include masks, the chunked
+reducer, and the rules that make a round exact over the members it kept."""
 
 from __future__ import annotations
+
+import dataclasses
+import itertools
 
 import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from peer.averaging.allreduce import RoundReport, check_spec, retry_spec
 from peer.averaging.compression import BLOCK, CODECS, BadPart
 from peer.averaging.partition import chunk_ranges, part_ranges, part_sizes
-from peer.averaging.reduce import PartReducer, ResultAssembler
+from peer.averaging.reduce import ChunkResult, PartReducer, ResultAssembler
+from peer.averaging.wire import include_mask, included_by, mask_bytes
+from peer.errors import ProtocolError
 
 # ---------------------------------------------------------------------------- partition
 
@@ -129,17 +136,20 @@ def test_a_chunk_cannot_come_twice_and_a_dropped_sender_is_ignored():
 def test_the_assembler_keeps_local_values_where_nothing_arrived():
     vector = np.arange(10, dtype=np.float32)
     assembler = ResultAssembler(vector, [(0, 6), (6, 10)], chunk_elements=3)
-    assembler.put(0, 1, np.full(3, -1.0, np.float32), senders=4)
+    four = frozenset("abcd")
+    assembler.put(0, 1, np.full(3, -1.0, np.float32), four)
     with pytest.raises(BadPart, match="came twice"):
-        assembler.put(0, 1, np.full(3, -1.0, np.float32), senders=4)
+        assembler.put(0, 1, np.full(3, -1.0, np.float32), four)
     with pytest.raises(BadPart, match="not a finite average"):
-        assembler.put(1, 0, np.full(3, np.nan, np.float32), senders=4)
+        assembler.put(1, 0, np.full(3, np.nan, np.float32), four)
+    with pytest.raises(BadPart, match="not a finite average"):  # an average of nobody
+        assembler.put(1, 0, np.full(3, 1.0, np.float32), frozenset())
     assert vector.tolist() == [0, 1, 2, -1, -1, -1, 6, 7, 8, 9]
-    assert [(c.start, c.end, c.senders) for c in assembler.report()] == [
-        (0, 3, 0),
-        (3, 6, 4),
-        (6, 9, 0),
-        (9, 10, 0),
+    assert [(c.start, c.end, c.senders, c.included) for c in assembler.report()] == [
+        (0, 3, 0, frozenset()),
+        (3, 6, 4, four),
+        (6, 9, 0, frozenset()),
+        (9, 10, 0, frozenset()),
     ]
     assert not assembler.part_complete(0)
 
@@ -152,3 +162,132 @@ def test_fp16_keeps_inf_so_the_receiver_rejects_it():
 def test_int8_quantises_denormal_blocks_to_zero():
     values = np.full(10, 1e-40, np.float32)
     assert (CODECS["int8"].decode(CODECS["int8"].encode(values), 10) == 0).all()
+
+
+# ---------------------------------------------------------------------------- include masks
+
+
+def test_include_masks_name_computing_members_by_position():
+    members = [f"peer-{i:02d}" for i in range(10)]
+    assert mask_bytes(10) == 2 and mask_bytes(8) == 1 and mask_bytes(1) == 1
+    mask = include_mask({"peer-00", "peer-03", "peer-09"}, members)
+    assert mask == bytes([0b00001001, 0b00000010])
+    assert included_by(mask, members) == {"peer-00", "peer-03", "peer-09"}
+    assert included_by(include_mask(members, members), members) == set(members)
+
+
+@pytest.mark.parametrize(
+    ("mask", "match"),
+    [
+        (bytes([0xFF, 0b00000100]), "past the 10 members"),  # bit 10 of 10 members
+        (bytes([0xFF]), "1 bytes for 10 members"),
+        (bytes([0xFF, 0x03, 0x00]), "3 bytes for 10 members"),
+    ],
+)
+def test_a_malformed_include_mask_is_a_protocol_error(mask, match):
+    with pytest.raises(ProtocolError, match=match):
+        included_by(mask, [f"peer-{i:02d}" for i in range(10)])
+
+
+@given(st.binary(max_size=6), st.integers(1, 40))
+def test_any_bytes_decode_to_members_or_a_protocol_error(mask, count):
+    members = [f"peer-{i:02d}" for i in range(count)]
+    try:
+        included = included_by(mask, members)
+    except ProtocolError:
+        return
+    assert included <= set(members)
+    assert include_mask(included, members) == mask  # one mask per set: nothing else decodes
+
+
+# ---------------------------------------------------------------------------- exact over S
+
+
+def test_a_dropped_sender_leaves_every_chunk_that_has_not_settled():
+    """A drops out after delivering chunks 0 and 1; chunk 0 had settled (B delivered it too),
+    chunk 1 had not (B still owed it): A stays in chunk 0 only, chunk 1 is B's alone."""
+    reducer = PartReducer(0, 9, chunk_elements=3, weights={"a": 1.0, "b": 3.0})
+    reducer.add("a", 0, np.full(3, 1.0, np.float32))
+    reducer.add("a", 1, np.full(3, 1.0, np.float32))
+    reducer.add("b", 0, np.full(3, 5.0, np.float32))
+    assert reducer.take_complete() == [0]
+    reducer.drop("a", "stalled")
+    reducer.add("b", 1, np.full(3, 5.0, np.float32))
+    reducer.add("b", 2, np.full(3, 5.0, np.float32))
+    assert reducer.take_complete() == [1, 2] and reducer.done
+    assert [reducer.included(i) for i in range(3)] == [{"a", "b"}, {"b"}, {"b"}]
+    assert reducer.queued == {"a": 0, "b": 0}  # nothing of A's is kept
+    average, senders = reducer.average(0)
+    assert senders == 2 and np.allclose(average, (1 * 1 + 3 * 5) / 4)
+    average, senders = reducer.average(1)  # normalised by B's weight only
+    assert senders == 1 and np.array_equal(average, np.full(3, 5.0, np.float32))
+
+
+def test_contributions_are_added_in_order_once_the_chunk_settles():
+    """The sum is the same float sum whatever the arrival order (Moshpit's groups need it)."""
+    rng = np.random.default_rng(5)
+    values = {s: rng.standard_normal(4).astype(np.float32) * 1e3 for s in "abcde"}
+    weights = dict(zip("abcde", [1.0, 2.5, 0.0, 7.0, 3.0], strict=True))
+    averages = set()
+    for arrival in ("abcde", "edcba", "caebd"):
+        reducer = PartReducer(0, 4, chunk_elements=4, weights=weights, order=list("dbeac"))
+        for sender in arrival:
+            reducer.add(sender, 0, values[sender])
+        assert reducer.take_complete() == [0] and reducer.included(0) == set("abcde")
+        average, senders = reducer.average(0)
+        assert senders == 5
+        averages.add(average.tobytes())
+    assert len(averages) == 1
+
+
+def report_of(included: list[set[str]], **fields) -> RoundReport:
+    chunks = [ChunkResult(i, i + 1, len(s), frozenset(s)) for i, s in enumerate(included)]
+    return RoundReport(chunks=chunks, computing=("a", "b", "c", "d"), **fields)
+
+
+def test_a_round_is_exact_over_s_only_when_every_chunk_includes_s():
+    assert report_of([{"a", "b", "c"}] * 3).exact_over == {"a", "b", "c"}
+    assert report_of([{"a", "b", "c", "d"}] * 3).exact_over == {"a", "b", "c", "d"}
+    # Sets differ across chunks, or a chunk kept local values: not exact over anything.
+    assert report_of([{"a", "b", "c"}, {"a", "b", "c", "d"}]).exact_over is None
+    assert report_of([{"a", "b", "c"}, set()]).exact_over is None
+    assert report_of([set(), set()]).exact_over is None
+    assert report_of([]).exact_over is None
+    # Our part did not reach a member of S: it would retry without us.
+    undelivered = report_of([{"a", "b", "c"}] * 2, undelivered={"b": "no receipt"})
+    assert undelivered.exact_over is None
+
+
+def test_a_retry_leaves_out_whom_the_chunks_and_failures_name():
+    assert report_of([{"a", "b", "c"}, {"a", "b", "c", "d"}]).excluded() == {"d"}
+    failed = report_of([{"a", "b", "c", "d"}, set()], failed_reducers={"c": "stalled"})
+    assert failed.excluded() == {"c"}
+    dropped = report_of([{"a", "b"}, set()], dropped_senders={"c": "stalled"})
+    assert dropped.excluded() == {"c", "d"}
+    unconfirmed = report_of([{"a", "b", "c", "d"}] * 2, undelivered={"b": "no receipt"})
+    assert unconfirmed.excluded() == {"b"}
+    assert report_of([{"a", "b", "c", "d"}] * 2).excluded() == set()
+
+
+def test_a_retry_spec_is_the_same_group_without_the_excluded_under_a_derived_id():
+    from tests.test_group import joined, spec_of
+
+    spec = spec_of([joined(weight=w) for w in (2.0, 3.0, 4.0, 5.0)], size=1000)
+    ids = [m.peer_id for m in spec.members]
+    derived = retry_spec(spec, {ids[1], "not-a-member"})
+    assert [m.peer_id for m in derived.members] == [ids[0], ids[2], ids[3]]
+    assert derived.members == tuple(m for m in spec.members if m.peer_id != ids[1])
+    assert (derived.size, derived.codec, derived.chunk_elements, derived.view) == (
+        spec.size, spec.codec, spec.chunk_elements, spec.view
+    )  # fmt: skip
+    check_spec(derived, ids[0])
+    # The shares cut the whole vector among those left.
+    parts = derived.parts()
+    assert parts[0][0] == 0 and parts[-1][1] == spec.size
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(parts))
+    # Everyone who leaves out the same members derives the same id; nobody else does.
+    assert retry_spec(spec, [ids[1]]).round_id == derived.round_id != spec.round_id
+    assert retry_spec(spec, [ids[2]]).round_id != derived.round_id
+    assert retry_spec(spec, [ids[1], ids[2]]).round_id != derived.round_id
+    other = dataclasses.replace(spec, round_id=b"another round")
+    assert retry_spec(other, [ids[1]]).round_id != derived.round_id

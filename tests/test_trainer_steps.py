@@ -43,6 +43,7 @@ def make_trainer(
     mode: str = "dedloc",
     max_steps: int = 0,
     min_group_size: int = 2,
+    clock=time.time,
     **training,
 ) -> Trainer:
     key_pair = create_new_key_pair()
@@ -66,6 +67,7 @@ def make_trainer(
         task=task or TinyTask(),
         device=torch.device("cpu"),
         download=None,  # type: ignore[arg-type]
+        clock=clock,
     )
 
 
@@ -819,3 +821,39 @@ def test_a_call_far_ahead_holds_nobody(tmp_path):
     near = msgspec.structs.replace(rec(1, step=0), call_step=0, gather_until=now + 2)
     trainer._note_view(CollaborationView([far, near], trainer.quorum))
     assert trainer._current_call(trainer.view()) == now + 2
+
+
+async def test_a_step_nobody_else_applied_is_given_up_for_the_certified_one(
+    tmp_path, autojump_clock
+):
+    """Two peers under load: one's averaging completed, the other's did not. The first held a
+    step only it signed, the second could neither download it nor average a step apart: both
+    called their own steps for ever. The one stranded ahead goes back to the certified step."""
+    now = [1000.0]
+    trainer = make_trainer(tmp_path / "ahead", clock=lambda: now[0])
+    trainer.dht.node.remember_addrs = lambda *args: None
+    partner = make_trainer(tmp_path / "behind")
+    start = partner.snapshot()
+    take_steps(trainer, 1)  # our averaging completed; the partner's did not
+    behind = signed_record(partner)  # still at step 0
+    view = CollaborationView([behind], trainer.quorum)
+    trainer._note_view(view)
+    assert trainer.view().global_step == 0 and trainer._should_download(trainer.view()) == []
+    # Its signature never comes: after the patience, we fetch the step it holds.
+    now[0] += trainer.timing.settle_patience(trainer._store_seconds)
+    trainer._note_view(view)
+    assert [r.peer_id for r in trainer._should_download(trainer.view())] == [partner.me]
+
+    async def download(donors, step):
+        return start
+
+    trainer.download = download
+    await trainer._catch_up([behind], trainer.view())
+    assert trainer.step == 0 and trainer.digest == partner.digest
+    # A step the partner signed too is never given up.
+    take_steps(trainer, 1)
+    take_steps(partner, 1)
+    trainer._note_view(CollaborationView([signed_record(partner)], trainer.quorum))
+    now[0] += 10 * trainer.timing.settle_patience(trainer._store_seconds)
+    trainer._note_view(CollaborationView([signed_record(partner)], trainer.quorum))
+    assert trainer._should_download(trainer.view()) == []

@@ -13,19 +13,35 @@ weight 0, does not compute) only accepts, and the reducer's own contribution nev
 the network. Wire bytes per computing member, uncompressed: sends and receives
 (1 - g_k) M + g_k M (K - 1), the model of the role solver.
 
-Faults: a sender that sends nothing for `stall_timeout`, sends a bad chunk, or disconnects is
-dropped by its reducer (a sender waits 2.5 stall timeouts for an average, since the reducer may
-be waiting one out for another sender) (its delivered chunks stay averaged in, each chunk is normalised by
-its own weight); a reducer that fails leaves its missing chunks at each member's local values;
-nothing outlives `deadline`. A reducer sends every member the same bytes, and applies the
-decoded bytes to itself, so all members that got a chunk hold the identical value for it.
+Faults: a sender that sends nothing for `stall_timeout`, sends a bad chunk or a chunk out of
+order, or disconnects is dropped by its reducer (a sender waits 2.5 stall timeouts for an
+average, since the reducer may be waiting one out for another sender): it leaves every chunk of
+that part not averaged yet, even those it delivered (`reduce.py`); the chunks already sent out
+keep it. A reducer that fails leaves its missing chunks at each member's local values; nothing
+outlives `deadline`. A reducer sends every member the same bytes, and applies the decoded
+bytes to itself, so all members that got a chunk hold the identical value for it.
+
+Exactness. Every average names the senders it includes (its include mask, `wire.py`), and a
+member checks it: one that leaves the member out, or is not a mask over the spec's computing
+members, is that reducer failing. A round's result is *exact over S* (`RoundReport.exact_over`)
+when every chunk of every part came back including the same set S of computing members (then
+S holds this member, which every reducer must include, and each chunk is the weighted mean over
+S, normalised by S's weights: identical on every member that got every chunk), and, if this
+member reduces a part, every remote member of S confirmed it received the whole part
+(`wire.RECEIVED`): members of S without it would retry without us, and step on another
+average than ours. `complete` says that nobody was dropped and no reducer failed us. A member
+whose round is not exact can retry at once without the members it saw fail (`retry_spec`,
+`RoundReport.excluded`; the averager decides, `averager.reduce_in_group`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import hashlib
 import logging
 import math
+from collections.abc import Collection
 from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Annotated
@@ -41,8 +57,12 @@ from peer.averaging.wire import (
     ACCEPT,
     DONE,
     MAX_HELLO_BYTES,
+    RECEIVED,
     Channel,
     Hello,
+    include_mask,
+    included_by,
+    mask_bytes,
     receive_exactly,
     receive_frame,
     send_frame,
@@ -98,18 +118,58 @@ class RoundSpec:
 @dataclass
 class RoundReport:
     chunks: list[ChunkResult]
-    """This member's vector, chunk by chunk: how many contributions each value averages."""
+    """This member's vector, chunk by chunk: which contributions each value averages."""
+    computing: tuple[str, ...] = ()
+    """The spec's computing members, in spec order."""
     dropped_senders: dict[str, str] = field(default_factory=dict)
     """As a reducer: senders it stopped waiting for, and why."""
     failed_reducers: dict[str, str] = field(default_factory=dict)
     """As a sender: reducers whose part it did not fully get back, and why."""
+    undelivered: dict[str, str] = field(default_factory=dict)
+    """As a reducer: senders still in the round that did not confirm they got our whole part."""
     bytes_sent: int = 0
     """Data-plane bytes this member put on the wire (frame headers included, TLS not)."""
     bytes_received: int = 0
 
     @property
     def complete(self) -> bool:
+        """Every sender delivered and every reducer returned its whole part (to us)."""
         return not self.dropped_senders and not self.failed_reducers
+
+    @property
+    def agreed(self) -> frozenset[str] | None:
+        """S if every chunk came back including the same senders S (our values are then the
+        weighted mean over S, whoever holds our part); None otherwise."""
+        sets = {chunk.included for chunk in self.chunks}
+        if len(sets) != 1:
+            return None
+        (included,) = sets
+        return included or None
+
+    @property
+    def exact_over(self) -> frozenset[str] | None:
+        """S if our vector is exact over S (module doc): `agreed`, and every remote member of S
+        holds our part; None otherwise."""
+        return None if self.undelivered else self.agreed
+
+    def excluded(self) -> frozenset[str]:
+        """Whom a retry leaves out: the computing members missing from a chunk we got, the
+        reducers that failed us, the senders we dropped and those that did not confirm our
+        part. Members that saw the same failures name the same ones (the chunks are the same
+        bytes for everyone)."""
+        missing = {
+            peer_id
+            for chunk in self.chunks
+            if chunk.included
+            for peer_id in self.computing
+            if peer_id not in chunk.included
+        }
+        return frozenset(
+            missing
+            | self.failed_reducers.keys()
+            | self.dropped_senders.keys()
+            | self.undelivered.keys()
+        )
 
 
 @dataclass(frozen=True)
@@ -238,6 +298,19 @@ def check_spec(spec: RoundSpec, me: str) -> None:
             check_dial_address(member.host, member.port, own_host=own.host)
 
 
+def retry_spec(spec: RoundSpec, excluded: Collection[str]) -> RoundSpec:
+    """The spec of an immediate retry of `spec` without `excluded`: the other members as they
+    were (the shares cut the vector among those left, `partition.py`), and a round id derived
+    from both, so that only members that left out the same peers meet. It may not pass
+    `check_spec` (nobody left to reduce, say): check it."""
+    left_out = sorted({m.peer_id for m in spec.members} & set(excluded))
+    digest = hashlib.blake2b(digest_size=16)
+    for part in (b"peertrain/retry/1", spec.round_id, *(p.encode() for p in left_out)):
+        digest.update(len(part).to_bytes(4, "big") + part)
+    members = tuple(m for m in spec.members if m.peer_id not in left_out)
+    return dataclasses.replace(spec, round_id=digest.digest(), members=members)
+
+
 async def dial_reducer(server: DataServer, round_id: bytes, reducer: Member) -> TlsStream:
     """One try at a connection to `reducer` for our part in round `round_id`: admission, TLS
     pinned to the reducer's certificate, our hello, its accept. ProtocolError if it hangs up
@@ -311,7 +384,8 @@ class _Round:
         self.norm_factor = norm_factor
         self.codec = CODECS[spec.codec]
         self.parts = spec.parts()
-        self.report = RoundReport(chunks=[])
+        self.computing = tuple(m.peer_id for m in spec.members if m.computes)  # mask positions
+        self.report = RoundReport(chunks=[], computing=self.computing)
         self.assembler = (
             ResultAssembler(vector, self.parts, chunk_elements=spec.chunk_elements)
             if self.me.computes
@@ -340,6 +414,10 @@ class _Round:
         if self.part is not None:
             for sender in self.part.reducer.waiting_for():
                 self.report.dropped_senders.setdefault(sender, "the deadline passed")
+            for sender in sorted(
+                self.part.remote - self.part.received - {*self.report.dropped_senders}
+            ):
+                self.report.undelivered[sender] = "did not confirm it got our whole part"
         if self.assembler is not None:
             self.report.chunks = self.assembler.report()
         self.report.bytes_sent += sum(c.bytes_sent for c in self.channels)
@@ -400,7 +478,8 @@ class _Round:
 
     async def _receive_averages(self, channel: Channel, j: int) -> None:
         assert self.assembler is not None
-        max_payload = self.codec.wire_bytes(self.spec.chunk_elements)
+        mask = mask_bytes(len(self.computing))
+        max_payload = mask + self.codec.wire_bytes(self.spec.chunk_elements)
         while not self.assembler.part_complete(j):
             # An average waits for the part's slowest sender, whom the reducer gives up on
             # after its own stall timeout (checked every quarter of it): allow for that too.
@@ -415,10 +494,21 @@ class _Round:
             if not 0 <= index < len(chunks):
                 raise BadPart(f"chunk {index} is out of range")
             lo, hi = chunks[index]
-            self.assembler.put(j, index, self.codec.decode(payload, hi - lo), senders)
-        # Read the end marker too: hanging up before it would reset the reducer's last send.
-        # The part is complete either way, so a failure here is no failure of the reducer.
+            due = mask + self.codec.wire_bytes(hi - lo)
+            if len(payload) != due:
+                raise BadPart(f"chunk {index} is {len(payload)} bytes, not {due} (mask and values)")
+            view = memoryview(payload)
+            included = included_by(view[:mask], self.computing)
+            if len(included) != senders:
+                raise BadPart(f"chunk {index} names {len(included)} senders but counts {senders}")
+            if self.me.peer_id not in included:
+                raise BadPart(f"chunk {index} leaves our contribution out")
+            self.assembler.put(j, index, self.codec.decode(view[mask:], hi - lo), included)
+        # We hold the whole part: say so (the reducer counts its part delivered to us only
+        # then), and read the end marker too (hanging up before it would reset the reducer's
+        # last send). The part is complete either way: a failure here is no failure of it.
         with trio.move_on_after(self.stall_timeout), suppress(*CONNECTION_ERRORS):
+            await channel.send(RECEIVED, 0, b"")
             await channel.receive(max_payload=0)
 
 
@@ -446,6 +536,7 @@ class _PartService:
         )
         self.remote = set(senders) - {me.peer_id}
         self.connected: set[str] = set()
+        self.received: set[str] = set()  # senders that confirmed they hold our whole part
         self.outboxes: dict[str, trio.MemorySendChannel] = {}
         self.all_averaged = trio.Event()  # every chunk averaged (or given up)
         self.idle = trio.Event()  # no connection is being served (renewed when one starts)
@@ -510,12 +601,14 @@ class _PartService:
             average, count = self.reducer.average(index)
             if average is None or not np.isfinite(average).all():
                 continue  # nobody delivered it, or the sum overflowed: members keep local values
+            included = self.reducer.included(index)
+            mask = include_mask(included, round_.computing)
             payload = round_.codec.encode(average)
             if round_.assembler is not None:  # the decoded bytes: what everyone else gets
                 decoded = round_.codec.decode(payload, len(average))
-                round_.assembler.put(round_.index, index, decoded, count)
+                round_.assembler.put(round_.index, index, decoded, included)
             for outbox in self.outboxes.values():
-                outbox.send_nowait((index, count, payload))
+                outbox.send_nowait((index, count, mask, payload))
         if self.reducer.done:
             for sender in list(self.outboxes):
                 self._close_outbox(sender)
@@ -536,6 +629,7 @@ class _PartService:
                     async with trio.open_nursery() as nursery:
                         nursery.start_soon(_forward, channel, outgoing)
                         await self._take_chunks(channel, sender)
+                        await self._take_receipt(channel, sender)
                 except* (trio.TooSlowError, *CONNECTION_ERRORS) as group:
                     error = _first(group)
                     if sender in self.reducer.waiting_for():
@@ -552,9 +646,11 @@ class _PartService:
     async def _take_chunks(self, channel: Channel, sender: str) -> None:
         round_, reducer = self.round, self.reducer
         max_payload = round_.codec.wire_bytes(round_.spec.chunk_elements)
+        expected = 0
         while True:
-            # Far ahead of a sender added before it: read on once those chunks were added (the
-            # first sender in order is never held back, so this cannot deadlock).
+            # Far ahead of the slowest sender: read on once those chunks settled. Chunks come
+            # in order, so every chunk the slowest sender delivered has settled and it is never
+            # held back: this cannot deadlock.
             while reducer.queued[sender] >= MAX_QUEUED_CHUNKS:
                 await self.progressed.wait()
             with trio.fail_after(round_.stall_timeout):
@@ -568,14 +664,25 @@ class _PartService:
                 return
             if not 0 <= index < len(reducer.chunks):
                 raise BadPart(f"chunk {index} is out of range")
+            if index != expected:
+                raise BadPart(f"chunk {index} came where chunk {expected} was due")
             reducer.add(sender, index, round_.codec.decode(payload, reducer.chunk_size(index)))
+            expected += 1
             self.publish()
+
+    async def _take_receipt(self, channel: Channel, sender: str) -> None:
+        """The sender's word that it holds our whole part (it comes after our last average:
+        `run` bounds the wait)."""
+        frame = await channel.receive(max_payload=0)
+        if frame is None or frame[0] != RECEIVED:
+            raise BadPart("the sender ended without confirming it got our part")
+        self.received.add(sender)
 
 
 async def _forward(channel: Channel, outgoing: trio.MemoryReceiveChannel) -> None:
-    """Send the averages queued for one sender, then the end marker."""
-    async for index, count, payload in outgoing:
-        await channel.send(index, count, payload)
+    """Send the averages queued for one sender (mask first), then the end marker."""
+    async for index, count, mask, payload in outgoing:
+        await channel.send(index, count, payload, prefix=mask)
     await channel.send(DONE, 0, b"")
 
 

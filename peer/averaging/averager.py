@@ -11,9 +11,14 @@ in each round its group forms (`matchmaking.py`) and runs one all-reduce (`allre
 deadlines derived from the bytes each member moves and its measured bandwidth
 (`group.round_timeouts`), each member weighted by the samples its value stands for.
 
-The result is all or nothing. `average` is set only when every round of ours was complete:
-every planned member took part from the same view, every reducer returned every chunk with
-every member's contribution in it. Otherwise it is None and `skipped` says why; the caller's
+The result is exact or nothing. With several rounds, `average` is set only when every round of
+ours was complete: every planned member took part from the same view, every reducer returned
+every chunk with every member's contribution in it (a group of a later round holds blocks of
+other groups: one averaged without a member would leave that block out of some groups' values
+but not others'). With a single group one peer cannot veto (`reduce_in_group`): a round exact
+over the members that took part (`RoundReport.exact_over`) counts, for those members, and one
+whose reducers dropped different members or failed is retried at once without them; `dropped`
+says who was left out and why. Otherwise `average` is None and `skipped` says why; the caller's
 vector is never touched (the rounds work on a copy), so a failed averaging leaves exactly the
 peer's own contribution. Peers whose last group completed hold the same bits; a peer whose
 group failed applies nothing and catches up by download.
@@ -31,7 +36,14 @@ from dataclasses import dataclass, field
 import numpy as np
 import trio
 
-from peer.averaging.allreduce import DataServer, RoundReport, RoundSpec, allreduce, check_spec
+from peer.averaging.allreduce import (
+    DataServer,
+    RoundReport,
+    RoundSpec,
+    allreduce,
+    check_spec,
+    retry_spec,
+)
 from peer.averaging.compression import CODECS
 from peer.averaging.group import Joined, Ticket, longest_round, round_timeouts, view_digest
 from peer.averaging.matchmaking import GroupPlan, Matchmaker, NotExact, RoundShape, TooFewPeers
@@ -63,12 +75,182 @@ class AveragingResult:
     groups: list[list[str]] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     """Why the result is not exact, round by round (a group too small, a member missing, ...)."""
+    dropped: dict[str, str] = field(default_factory=dict)
+    """Members of a single group that `average` leaves out (they failed its round), and why."""
     average: np.ndarray | None = None
-    """The exact weighted mean over every peer of the plan; None when not every round was."""
+    """The exact weighted mean over every peer of the plan (a single group: over the members
+    that took part); None when not every round was."""
     weight: float = 0.0
     """The total weight (samples) behind `average`."""
     members: int = 0
-    """How many peers' contributions `average` holds (the view's, or a single group's)."""
+    """How many peers' contributions `average` holds (the view's, or those of the members of a
+    single group it is exact over)."""
+
+
+@dataclass
+class GroupOutcome:
+    """What `reduce_in_group` made of a group's round (and of its retry)."""
+
+    reports: list[RoundReport] = field(default_factory=list)
+    included: tuple[str, ...] = ()
+    """The members the values are the exact weighted mean over (spec order); () if none."""
+    dropped: dict[str, str] = field(default_factory=dict)
+    """Computing members of the spec left out of `included`, and why."""
+    problem: str = ""
+    """Why the values are not exact."""
+
+
+async def reduce_in_group(
+    spec: RoundSpec,
+    values: np.ndarray,
+    server: DataServer,
+    *,
+    timeouts: Callable[[RoundSpec], tuple[float, float]],
+    min_members: int,
+    single: bool,
+    norm_factor: float | None = None,
+) -> GroupOutcome:
+    """One all-reduce round of `spec` on `values` (see `allreduce`); `timeouts` gives a spec's
+    (round length, stall timeout).
+
+    A planned round of several (`single` False) counts only if complete. A single group counts
+    if its result is exact over a set S of at least max(2, `min_members`) members (us among
+    them). If not, it is retried once, at once, from our original values: without the members
+    we saw fail (`RoundReport.excluded`), under a round id derived from them (`retry_spec`), so
+    the members that saw the same failures meet, and one that saw others meets nobody. The
+    retry counts only if every member left in it took part: those that accepted the first
+    round do not come, so a retry never makes a second, different average beside theirs."""
+    me = server.identity.peer_id
+    original = values.copy() if single else None  # a failed round leaves `values` half-written
+    outcome = GroupOutcome()
+    report = await _run_round(spec, values, server, timeouts, norm_factor, single=single)
+    outcome.reports.append(report)
+    computing = tuple(m.peer_id for m in spec.members if m.computes)
+    included = report.exact_over
+    if not single:  # a group of a planned round: other groups hold its blocks (module doc)
+        if not report.complete:
+            failed = {**report.dropped_senders, **report.failed_reducers}
+            outcome.problem = f"incomplete ({_first_reasons(failed)})"
+        elif any(chunk.included != frozenset(computing) for chunk in report.chunks):
+            outcome.problem = "a reducer averaged a chunk without every member's contribution"
+        else:
+            outcome.included = computing
+        return outcome
+    floor = max(2, min_members)
+    # Receipts matter only where the members that may lack our part could retry without us:
+    # with fewer than `floor` left, no second average can come of it, and refusing ours
+    # only split the group (2 peers under load: one stepped, the other could not follow).
+    agreed = report.agreed
+    if agreed is not None and len(agreed) - 1 < floor:
+        included = agreed
+    if included is not None and me in included and len(included) >= floor:
+        outcome.included = tuple(p for p in computing if p in included)
+        outcome.dropped = _why_left_out(set(computing) - included, report)
+        return outcome
+    why = _not_exact(report, floor)
+    excluded = report.excluded()
+    derived = retry_spec(spec, excluded)
+    left = tuple(m.peer_id for m in derived.members if m.computes)
+    if not excluded:
+        outcome.problem = f"{why}, and we saw nobody fail to leave out of a retry"
+        return outcome
+    if me in excluded:
+        outcome.problem = f"{why}, and we are out of it ourselves"
+        return outcome
+    if len(left) < floor:
+        outcome.problem = f"{why}; a retry without {_names(excluded)} would hold {len(left)}"
+        return outcome
+    try:
+        check_spec(derived, me)
+    except ProtocolError as error:
+        outcome.problem = f"{why}; a retry without {_names(excluded)} {error}"
+        return outcome
+    if trio.current_time() + _timeouts(derived, timeouts, single=True)[0] > (
+        trio.current_effective_deadline()
+    ):
+        outcome.problem = f"{why}; no time is left to retry without {_names(excluded)}"
+        return outcome
+    log.info("a round not exact (%s): retrying at once without %s", why, _names(excluded))
+    assert original is not None
+    values[:] = original
+    retried = await _run_round(derived, values, server, timeouts, norm_factor, single=True)
+    outcome.reports.append(retried)
+    if retried.exact_over != frozenset(left):
+        outcome.problem = (
+            f"{why}; the retry without {_names(excluded)} was not exact either "
+            f"({_not_exact(retried, len(left))})"
+        )
+        return outcome
+    outcome.included = left
+    outcome.dropped = _why_left_out(set(computing) - set(left), report)
+    return outcome
+
+
+async def _run_round(
+    spec: RoundSpec,
+    values: np.ndarray,
+    server: DataServer,
+    timeouts: Callable[[RoundSpec], tuple[float, float]],
+    norm_factor: float | None,
+    *,
+    single: bool,
+) -> RoundReport:
+    duration, stall = _timeouts(spec, timeouts, single=single)
+    return await allreduce(
+        spec,
+        values,
+        server,
+        deadline=trio.current_time() + duration,
+        stall_timeout=stall,
+        norm_factor=norm_factor,
+    )
+
+
+def _timeouts(
+    spec: RoundSpec, timeouts: Callable[[RoundSpec], tuple[float, float]], *, single: bool
+) -> tuple[float, float]:
+    duration, stall = timeouts(spec)
+    if single:
+        # Room for a drop: a member that never shows up is given up after a stall timeout
+        # (a reducer checks every quarter of one), one that answers nothing after 2.5; with
+        # a small vector the round's own length may be barely one.
+        duration = max(duration, 3 * stall)
+    return duration, stall
+
+
+def _not_exact(report: RoundReport, floor: int) -> str:
+    """Why a round's values are not exact over enough members."""
+    failed = {**report.failed_reducers, **report.dropped_senders}
+    if failed:
+        return f"incomplete ({_first_reasons(failed)})"
+    if report.undelivered:
+        return f"our part did not reach every member ({_first_reasons(report.undelivered)})"
+    included = report.exact_over
+    if included is None:
+        return "the reducers averaged their chunks over different members"
+    return f"exact over {len(included)} members only, fewer than {floor}"
+
+
+def _why_left_out(left_out: set[str], report: RoundReport) -> dict[str, str]:
+    """Why each of `left_out` is not in the result, as far as this member saw it."""
+    out = {}
+    for peer_id in sorted(left_out):
+        seen = [
+            f"{role}: {reasons[peer_id]}"
+            for role, reasons in (
+                ("as a sender", report.dropped_senders),
+                ("as a reducer", report.failed_reducers),
+                ("as a receiver", report.undelivered),
+            )
+            if peer_id in reasons
+        ]
+        out[peer_id] = "; ".join(seen) or "left out of a reducer's average"
+    return out
+
+
+def _names(peers: set[str] | frozenset[str]) -> str:
+    shown = sorted(peers)[:3]
+    return ", ".join(shown) + (f" and {len(peers) - len(shown)} more" if len(peers) > 3 else "")
 
 
 def wire_bytes_per_element(config: AveragingConfig) -> float:
@@ -331,35 +513,44 @@ class Averager:
             # sample: there is nothing to average.
             return total if exact else None
         bandwidth = bandwidths(view, self.config)
-        duration, stall = round_timeouts(
-            spec,
-            bandwidth,
-            wire_bytes_per_element=wire_bytes_per_element(self.config),
-            floor=self.config.timeout_floor,
-            multiplier=self.config.timeout_multiplier,
-        )
-        report = await allreduce(
+
+        def timeouts(spec: RoundSpec) -> tuple[float, float]:
+            return round_timeouts(
+                spec,
+                bandwidth,
+                wire_bytes_per_element=wire_bytes_per_element(self.config),
+                floor=self.config.timeout_floor,
+                multiplier=self.config.timeout_multiplier,
+            )
+
+        outcome = await reduce_in_group(
             spec,
             values,
             self.data_server,
-            deadline=trio.current_time() + duration,
-            stall_timeout=stall,
+            timeouts=timeouts,
+            min_members=self.config.min_group_size,
+            # Only a single group may leave a member out (the module doc says why).
+            single=group.seats is None,
             norm_factor=(
                 self.config.norm_factor if self.config.aggregation == "centered_clip" else None
             ),
         )
-        result.rounds.append(report)
-        senders = sum(m.computes for m in spec.members)
-        if not report.complete:
-            failed = {**report.dropped_senders, **report.failed_reducers}
-            result.skipped.append(f"round {index}: incomplete ({_first_reasons(failed)})")
+        result.rounds.extend(outcome.reports)
+        if not outcome.included:
+            result.skipped.append(f"round {index}: {outcome.problem}")
             return None
-        if any(chunk.senders != senders for chunk in report.chunks):
-            result.skipped.append(
-                f"round {index}: a reducer averaged a chunk without every member's contribution"
+        result.groups[-1] = list(outcome.included)  # whom `values` stand for now
+        if outcome.dropped:
+            result.dropped.update(outcome.dropped)
+            log.info(
+                "round %d: averaged over %d of %d members, without %s",
+                index,
+                len(outcome.included),
+                len(spec.members),
+                _first_reasons(outcome.dropped),
             )
-            return None
-        return total
+        weights = {m.peer_id: m.weight for m in spec.members}
+        return math.fsum(weights[peer_id] for peer_id in outcome.included)
 
 
 def _spec_problem(spec: RoundSpec, shape: RoundShape, group: GroupPlan, me: str) -> str | None:

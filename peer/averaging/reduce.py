@@ -1,23 +1,27 @@
 """The arithmetic of one butterfly round, pure: reducing a part, and assembling the result.
 
-A reducer owns one part of the flat vector. `PartReducer` adds each sender's chunks, weighted,
-into one float32 sum and counts per chunk the weight and the senders that made it. It adds the
-contributions of a chunk in a fixed order (`order`: by the block each sender's value stands
-for, `moshpit.py`), not as they arrive: float addition is not associative, and the groups of
-a Moshpit round that hold the same blocks must compute bit-identical averages. A chunk that
-arrives before its turn waits (`queued`; the shell stops reading from a sender that is far
-ahead, so this stays a few chunks per sender). Senders of weight 0 (a member that only needs
-the average) are checked and counted but add nothing. A sender that fails is dropped: the
-chunks it already delivered keep its contribution, the rest are averaged without it (each
-chunk is normalised by its own total weight; the round is then incomplete, and its result is
-not applied). A chunk that fails validation is never added, and its sender is dropped.
+A reducer owns one part of the flat vector. `PartReducer` takes each sender's chunks and, once
+no sender still in the round owes a chunk (it *settles*), adds that chunk's contributions,
+weighted, into one float32 sum in a fixed order (`order`: by the block each sender's value
+stands for, `moshpit.py`), not as they arrived: float addition is not associative, and the
+groups of a Moshpit round that hold the same blocks must compute bit-identical averages.
+Chunks wait until they settle (`queued`; the shell stops reading from a sender that is far
+ahead, so this stays a few chunks per sender; the reducer's own contribution, taken up front,
+waits in full: one part's worth of memory). Senders of weight 0 (a member that only needs
+the average) are checked and counted but add nothing. Each chunk records which senders it
+*includes*: those whose contribution it holds.
 
-With a `norm_factor` the reducer is robust instead (`peer.averaging.robust`): it keeps every
-sender's chunks (memory: senders x part) and averages each complete chunk with CenteredClip.
+A sender that fails is dropped: it leaves every chunk that has not settled yet, even those it
+delivered, so that the reducer's chunks include the same senders wherever it can; only the
+chunks already settled (and sent out) keep it. Each chunk is normalised by the total weight of
+the senders it includes. A chunk that fails validation is never added, and its sender is dropped.
+
+With a `norm_factor` the reducer is robust instead (`peer.averaging.robust`): it averages each
+settled chunk with CenteredClip.
 
 A member's `ResultAssembler` writes the averaged chunks it receives into its own vector;
 chunks that never arrive keep the member's local values, and the report says which chunks were
-averaged over how many senders.
+averaged over which senders.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ class ChunkResult:
     end: int
     senders: int
     """Contributions averaged into this chunk; 0 if it kept local values."""
+    included: frozenset[str] = frozenset()
+    """The senders whose contributions it averages (empty if it kept local values)."""
 
 
 class PartReducer:
@@ -67,19 +73,22 @@ class PartReducer:
         self.weights = dict(weights)
         self.sum = np.zeros(end - start, dtype=np.float32)
         self.chunk_weight = np.zeros(len(self.chunks), dtype=np.float64)
-        self.chunk_senders = np.zeros(len(self.chunks), dtype=np.int64)
         self.pending = {sender: set(range(len(self.chunks))) for sender in weights}
         self.dropped: dict[str, str] = {}
-        self.taken: set[int] = set()  # chunks already averaged (or given up)
+        self.owed = [len(weights)] * len(self.chunks)  # per chunk: senders in the round owing it
+        self.settled: set[int] = set()  # chunks whose contributions were added
+        self.ready: list[int] = []  # settled, not yet taken
+        self.senders: list[set[str]] = [set() for _ in self.chunks]  # included, per chunk
         self.order = [sender for sender in order if weights[sender] > 0]
-        self.turn = [0] * len(self.chunks)  # per chunk: the position in `order` to add next
-        self.early: list[dict[str, np.ndarray]] = [{} for _ in self.chunks]  # before their turn
+        self.early: list[dict[str, np.ndarray]] = [{} for _ in self.chunks]  # until it settles
         self.queued: dict[str, int] = dict.fromkeys(weights, 0)  # chunks waiting, per sender
         self.norm_factor = norm_factor
         # Robust mode: every sender's values of each chunk, until the chunk is averaged.
         self.kept: list[dict[str, np.ndarray]] | None = (
             [{} for _ in self.chunks] if norm_factor is not None else None
         )
+        for index in range(len(self.chunks)):  # without senders every chunk is settled (empty)
+            self._settle(index)
 
     def chunk_size(self, index: int) -> int:
         lo, hi = self.chunks[index]
@@ -102,26 +111,26 @@ class PartReducer:
             )
         if not np.isfinite(values).all():
             raise BadPart(f"chunk {index} from {sender} holds NaN or Inf")
-        weight = self.weights[sender]
-        self.chunk_senders[index] += 1
         pending.discard(index)
-        if weight > 0:
+        self.owed[index] -= 1
+        self.senders[index].add(sender)
+        if self.weights[sender] > 0:
             self.early[index][sender] = values
             self.queued[sender] += 1
-            self._advance(index)
+        self._settle(index)
 
-    def _advance(self, index: int) -> None:
-        """Add chunk `index`'s contributions whose turn has come, in `order`."""
-        early, turn = self.early[index], self.turn[index]
-        while turn < len(self.order):
-            sender = self.order[turn]
-            if sender in early:
+    def _settle(self, index: int) -> None:
+        """Add chunk `index`'s contributions, in `order`, once nobody in the round owes it."""
+        if self.owed[index] or index in self.settled:
+            return
+        self.settled.add(index)
+        early = self.early[index]
+        for sender in self.order:
+            values = early.pop(sender, None)
+            if values is not None:
                 self.queued[sender] -= 1
-                self._add(index, sender, early.pop(sender))
-            elif sender not in self.dropped:
-                break  # still owed: later contributions wait for it
-            turn += 1
-        self.turn[index] = turn
+                self._add(index, sender, values)
+        self.ready.append(index)
 
     def _add(self, index: int, sender: str, values: np.ndarray) -> None:
         # The total weight too, in order: any float sum must be the same in every group.
@@ -135,11 +144,20 @@ class PartReducer:
             self.sum[lo:hi] += values if weight == 1.0 else values * np.float32(weight)
 
     def drop(self, sender: str, reason: str) -> None:
-        """Stop waiting for `sender`: what it delivered stays, the rest goes on without it."""
-        if sender in self.pending and sender not in self.dropped:
-            self.dropped[sender] = reason
-            for index in range(len(self.chunks)):
-                self._advance(index)
+        """Stop waiting for `sender`; it leaves every chunk that has not settled (what it
+        delivered there too); the rest go on without it."""
+        if sender not in self.pending or sender in self.dropped:
+            return
+        self.dropped[sender] = reason
+        for index in self.pending[sender]:
+            self.owed[index] -= 1
+        for index in range(len(self.chunks)):
+            if index in self.settled:
+                continue
+            if self.early[index].pop(sender, None) is not None:
+                self.queued[sender] -= 1
+            self.senders[index].discard(sender)
+            self._settle(index)
 
     @property
     def done(self) -> bool:
@@ -152,16 +170,18 @@ class PartReducer:
         return sorted(s for s, p in self.pending.items() if p and s not in self.dropped)
 
     def take_complete(self) -> list[int]:
-        """Chunks that no sender still in the round owes, each returned once."""
-        owed = set().union(*(p for s, p in self.pending.items() if s not in self.dropped))
-        ready = [i for i in range(len(self.chunks)) if i not in owed and i not in self.taken]
-        assert not any(self.early[i] for i in ready), "a complete chunk has nothing waiting"
-        self.taken.update(ready)
+        """Chunks that settled since the last call (no sender still in the round owes them),
+        each returned once."""
+        ready, self.ready = sorted(self.ready), []
         return ready
 
+    def included(self, index: int) -> frozenset[str]:
+        """The senders whose contributions chunk `index` holds (final once it settled)."""
+        return frozenset(self.senders[index])
+
     def average(self, index: int) -> tuple[np.ndarray | None, int]:
-        """(average, senders) of a complete chunk, computed in place of its sum; (None, 0) if no
-        sender delivered it."""
+        """(average, senders) of a settled chunk, computed in place of its sum; (None, 0) if
+        no sender of weight > 0 delivered it."""
         total = self.chunk_weight[index]
         if total <= 0:
             return None, 0
@@ -175,7 +195,7 @@ class PartReducer:
         else:
             with np.errstate(over="ignore", invalid="ignore"):
                 self.sum[lo:hi] /= np.float32(total)
-        return self.sum[lo:hi], int(self.chunk_senders[index])
+        return self.sum[lo:hi], len(self.senders[index])
 
 
 class ResultAssembler:
@@ -185,10 +205,11 @@ class ResultAssembler:
         self.vector = vector
         self.parts = parts
         self.chunks = [chunk_ranges(lo, hi, chunk_elements) for lo, hi in parts]
-        self.received: dict[tuple[int, int], int] = {}  # (part, chunk) -> senders
+        self.received: dict[tuple[int, int], frozenset[str]] = {}  # (part, chunk) -> senders
 
-    def put(self, part: int, index: int, values: np.ndarray, senders: int) -> None:
-        """Place chunk `index` of `part`; raises BadPart if it does not fit or is not finite."""
+    def put(self, part: int, index: int, values: np.ndarray, included: frozenset[str]) -> None:
+        """Place chunk `index` of `part`, the average over `included`; raises BadPart if it
+        does not fit or is not finite."""
         if not (0 <= part < len(self.chunks) and 0 <= index < len(self.chunks[part])):
             raise BadPart(f"no chunk {index} in part {part}")
         if (part, index) in self.received:
@@ -196,18 +217,19 @@ class ResultAssembler:
         lo, hi = self.chunks[part][index]
         if values.dtype != np.float32 or values.shape != (hi - lo,):
             raise BadPart(f"chunk {index} of part {part}: {values.dtype}{values.shape}")
-        if not np.isfinite(values).all() or senders < 1:
+        if not np.isfinite(values).all() or not included:
             raise BadPart(f"chunk {index} of part {part} is not a finite average")
         self.vector[lo:hi] = values
-        self.received[(part, index)] = senders
+        self.received[(part, index)] = included
 
     def part_complete(self, part: int) -> bool:
         return all((part, i) in self.received for i in range(len(self.chunks[part])))
 
     def report(self) -> list[ChunkResult]:
-        """Every chunk of the vector: how many senders its value averages (0: kept local)."""
-        return [
-            ChunkResult(lo, hi, self.received.get((part, index), 0))
-            for part, chunks in enumerate(self.chunks)
-            for index, (lo, hi) in enumerate(chunks)
-        ]
+        """Every chunk of the vector: which senders its value averages (none: kept local)."""
+        results = []
+        for part, chunks in enumerate(self.chunks):
+            for index, (lo, hi) in enumerate(chunks):
+                included = self.received.get((part, index), frozenset())
+                results.append(ChunkResult(lo, hi, len(included), included))
+        return results

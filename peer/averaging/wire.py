@@ -9,12 +9,20 @@ again. Then both directions carry data frames:
 
     frame = length (4 bytes, big endian) | chunk index (4) | senders averaged (4) | payload
 
+A sender's frames carry its contributions (senders 0), then `DONE`. A reducer's frames carry
+averages: the payload is the chunk's *include mask* (`mask_bytes(n)` bytes: bit i, little
+endian, is the i-th computing member of the spec in spec order; set if its contribution is in
+the average, and as many bits set as the header's count) followed by the codec's bytes; then
+`DONE`. Once a sender holds its reducer's whole part it says so with one `RECEIVED` frame:
+a reducer only counts its part as delivered to the senders that did.
+
 TLS authenticates and orders every byte, so a frame needs no tag or counter of its own.
 """
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Collection, Sequence
 
 import msgspec
 
@@ -24,6 +32,7 @@ from peer.net.tls import TlsStream
 LENGTH = struct.Struct(">I")
 HEADER = struct.Struct(">III")  # payload length, chunk index, senders averaged (0 in contributions)
 DONE = 0xFFFFFFFF  # chunk index of the frame that ends a direction
+RECEIVED = 0xFFFFFFFE  # chunk index of a sender's receipt: it holds the reducer's whole part
 MAX_HELLO_BYTES = 512
 ACCEPT = b"\x01"
 
@@ -64,6 +73,28 @@ async def send_frame(stream: TlsStream, body: bytes) -> None:
     await stream.send_all(LENGTH.pack(len(body)) + body)
 
 
+def mask_bytes(members: int) -> int:
+    """Length of an include mask over `members` computing members."""
+    return -(-members // 8)
+
+
+def include_mask(included: Collection[str], members: Sequence[str]) -> bytes:
+    """The mask naming `included` among `members` (the spec's computing members, in order)."""
+    positions = {peer_id: i for i, peer_id in enumerate(members)}
+    bits = sum(1 << positions[peer_id] for peer_id in set(included))
+    return bits.to_bytes(mask_bytes(len(members)), "little")
+
+
+def included_by(mask: bytes | memoryview, members: Sequence[str]) -> frozenset[str]:
+    """Who a peer's include mask names; ProtocolError unless it is one over `members`."""
+    if len(mask) != mask_bytes(len(members)):
+        raise ProtocolError(f"an include mask of {len(mask)} bytes for {len(members)} members")
+    bits = int.from_bytes(mask, "little")
+    if bits >> len(members):
+        raise ProtocolError(f"an include mask names senders past the {len(members)} members")
+    return frozenset(peer_id for i, peer_id in enumerate(members) if bits >> i & 1)
+
+
 class Channel:
     """One all-reduce connection seen from one end, after the hello: data frames both ways."""
 
@@ -72,12 +103,16 @@ class Channel:
         self.bytes_sent = 0
         self.bytes_received = 0
 
-    async def send(self, index: int, senders: int, payload: bytes | memoryview) -> None:
+    async def send(
+        self, index: int, senders: int, payload: bytes | memoryview, *, prefix: bytes = b""
+    ) -> None:
+        """One frame whose payload is `prefix` (an include mask) then `payload`."""
         # Header and payload go as two writes: no copy of the payload into a bigger buffer.
-        await self.stream.send_all(HEADER.pack(len(payload), index, senders))
+        length = len(prefix) + len(payload)
+        await self.stream.send_all(HEADER.pack(length, index, senders) + prefix)
         if len(payload):
             await self.stream.send_all(payload)
-        self.bytes_sent += HEADER.size + len(payload)
+        self.bytes_sent += HEADER.size + length
 
     async def receive(self, *, max_payload: int) -> tuple[int, int, bytearray] | None:
         """(index, senders, payload) of the next frame; None at a clean end of the connection."""

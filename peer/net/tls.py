@@ -44,7 +44,7 @@ from libp2p.security.tls.certificate import (
 
 from peer.errors import ProtocolError
 
-ALPN = "peertrain-data/1"
+ALPN = "peertrain-data/2"  # 2: averages carry include masks (wire.py)
 MAX_CERT_BYTES = 2048  # ours are ~600 bytes; a bigger one is not ours to parse
 MAX_TRUSTED = 4096  # certificates in a context's store before it is rebuilt with the recent ones
 KEEP_ON_REBUILD = 1024

@@ -9,7 +9,8 @@
 A step is applied only when this peer's averaging completed: then every peer that applies it
 applies the same average to the same state, so states stay bit-identical. When averaging fails
 the contribution is kept for the next try; peers that did step meanwhile are ahead, and the
-others download their state. The local step only ever grows.
+others download their state (only a certified one: `peer.training.certificate`). The local
+step only grows, except from a step nobody else signed (`_stranded`) back to the certified one.
 
 With `delayed_updates` (DeDLOC mode) the averaging of step t runs in the background while the
 micro-batches of step t + 1 are computed on the parameters of step t, and its result is applied
@@ -186,6 +187,7 @@ class Trainer:
         self._captured: states.TrainingState | None = None
         self.digest = ""
         self._signatures: list[StepSignature] = []  # of (step, digest): ours, then others'
+        self._uncertified_since: float | None = None  # (clock) our state lacks a quorum since
         self._capture()
         self._call: tuple[int, float] | None = None  # (step, gather_until) we called
         self._failed_before = -math.inf  # calls gathering at or before this failed for us
@@ -239,6 +241,7 @@ class Trainer:
         )
         self._snapshot = None
         self.digest = self._digest(self._captured)
+        self._uncertified_since = None  # a new state: the next read starts its clock
         # We sign only what we hold: the state our averaging produced, a certified download or
         # our own checkpoint (`peer.training.certificate`).
         self._signatures = [
@@ -321,6 +324,11 @@ class Trainer:
         ]
         if theirs and self._signatures:
             self._signatures = merge_signatures(self._signatures[0], theirs)
+        mine = view.with_record(self.record())
+        if mine.certified(self.step, self.digest):
+            self._uncertified_since = None
+        elif self._uncertified_since is None:
+            self._uncertified_since = self.clock()
         self._highest_seen = max(self._highest_seen, view.global_step)
         now = time.monotonic()
         self._moves.note(view, now)
@@ -741,15 +749,26 @@ class Trainer:
         self._store_seconds = seconds if first else 0.7 * self._store_seconds + 0.3 * seconds
 
     def _should_download(self, view: CollaborationView) -> list[ProgressRecord]:
-        """Holders of the state to fetch when we are behind or hold a minority digest."""
+        """Holders of the state to fetch when we are behind, hold a minority digest, or are
+        stranded ahead (`_stranded`)."""
         target = view.global_step
         if target == self.step:
             consensus = view.consensus(self.step)
             if consensus is None or consensus == self.digest:
                 return []
-        elif target < self.step:
+        elif target < self.step and not self._stranded():
             return []
         return [r for r in view.donors(target) if r.peer_id != self.me]
+
+    def _stranded(self) -> bool:
+        """We applied a step that fewer than `quorum` peers signed (the others' averaging
+        failed where ours completed: two peers under load, one stepped and one did not), and
+        it stayed so for `Timing.settle_patience`. Nobody can download it and the others
+        cannot average with us a step apart: we go back to the certified step they hold (a
+        step nobody else holds is not the collaboration's), losing that step's samples."""
+        since = self._uncertified_since
+        patience = self.timing.settle_patience(self._store_seconds)
+        return since is not None and self.step > 0 and self.clock() - since >= patience
 
     async def _compute(self) -> None:
         batch, size = self.next_batch()
@@ -846,8 +865,9 @@ class Trainer:
         alone = (
             self.quorum <= 1 and result.peers_seen == 1 and not result.rounds and self._on_our_own()
         )
-        # Only the exact average of everyone in the plan is a step (`Averager`): then every
-        # peer that steps applies the same bits. `vector` is still our own contribution.
+        # Only an exact average is a step (`Averager`: of everyone in a planned round, of the
+        # members that took part in a single group): then every peer that steps applies the
+        # same bits. `vector` is still our own contribution.
         complete = alone or (result.average is not None and self._majority(result))
         # Peers that all had 0 samples average nothing: an optimizer step on that would still
         # move the weights (momentum, weight decay), so it is no step.
@@ -940,7 +960,8 @@ class Trainer:
         try:
             snapshot = await self.download(donors, target)
             state, digest = await trio.to_thread.run_sync(self._parse, snapshot.blob)
-            if state.step < max(target, self.step):
+            # Not older than we hold, unless we go back from a stranded step (`_stranded`).
+            if state.step < (target if target < self.step else max(target, self.step)):
                 raise RemoteError(f"donors sent step {state.step}, expected {target}")
             # Only a certified (step, digest): a donor cannot hand us a state of its own making,
             # whatever its record claims (donors that stepped since our read: the next try).

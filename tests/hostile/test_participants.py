@@ -111,24 +111,26 @@ def test_a_malicious_leader_is_banned_and_the_collaboration_trains_on(tmp_path, 
         collab.close()
 
 
-def failed_averagings(proc) -> int:
-    return sum("did not complete" in r.get("msg", "") for r in proc.records())
+def dropped_it(proc, peer_id: str) -> bool:
+    """The peer averaged a round without `peer_id` (the averager's drop line)."""
+    return any(
+        "averaged over" in r.get("msg", "") and peer_id in r.get("msg", "") for r in proc.records()
+    )
 
 
-@pytest.mark.slow  # ~3 min: a collaboration of real processes
-def test_a_member_claiming_a_crawl_costs_each_averaging_a_bounded_wait(tmp_path):
-    """Class 4: a member that advertises 1 B/s and never sends its contribution. Deadlines came
-    from the slowest claim (~10^7 s for a chunk at 1 B/s): the first round it joined never
-    ended, and the group trained 0 steps until restart, even after it left. Claims now count
-    at `averaging.min_bandwidth` at least: while it stays, every averaging it joins fails
-    within seconds and is tried again (that a silent member still voids the step is the step
-    protocol's part, issue 17: "one peer cannot veto"); once it is gone, steps go at least
-    half as fast as before it came, and no honest daemon exits."""
+@pytest.mark.slow  # ~2 min: a collaboration of real processes
+def test_a_member_that_claims_a_crawl_and_sends_nothing_cannot_veto_a_step(tmp_path):
+    """Class 4 and the veto (issues 16 and 17): a member that advertises 1 B/s and never sends
+    its contribution. Deadlines came from the slowest claim (~10^7 s for a chunk at 1 B/s): the
+    first round it joined never ended. With claims floored (`averaging.min_bandwidth`) every
+    averaging it joined still failed within seconds, so it vetoed every step while it stayed.
+    Now the others drop it (or retry at once without it) and complete the round: steps go on
+    beside it at least half as fast as before it came, and no honest daemon exits."""
     collab = Collaboration(tmp_path, ENV)
     for i in range(3):
         write_key(tmp_path / f"peer{i}.key")
     key = tmp_path / "crawl.key"
-    write_key(key)
+    attacker_id = write_key(key)
     try:
         collab.start_backbone()
         honest = [collab.start_peer(i) for i in range(3)]
@@ -136,25 +138,20 @@ def test_a_member_claiming_a_crawl_costs_each_averaging_a_bounded_wait(tmp_path)
         steps = collab.global_steps
         wait_until(lambda: bool(steps), timeout=120, what="a global step", collab=collab)
         before = seconds_for(steps, STEPS, collab=collab, what="steps before the crawler")
-        failed = [failed_averagings(p) for p in honest]
-        attacker = collab.start(
+        collab.start(
             "crawl",
             ["tests.hostile.malicious_peer", "crawl", "join", "--backbone", collab.backbone_addr,
              "--listen", "/ip4/127.0.0.1/tcp/0", "--identity", str(key)],
             {"PEERTRAIN_TRAINING_CHECKPOINT_DIR": str(tmp_path / "checkpoints-crawl")},
         )  # fmt: skip
         wait_until(
-            lambda: all(failed_averagings(p) >= n + 3 for p, n in zip(honest, failed, strict=True)),
+            lambda: all(dropped_it(p, attacker_id) for p in honest),
             timeout=240,
-            what="three averagings beside the crawler to end, in every honest peer",
+            what="every honest peer to average a round without the crawler",
             collab=collab,
         )
-        assert all(p.popen.poll() is None for p in collab.procs)
-        attacker.popen.kill()
-        attacker.popen.wait(timeout=10)
-        collab.procs.remove(attacker)
-        after = seconds_for(steps, STEPS, collab=collab, what="steps once the crawler is gone")
-        assert after <= 2 * before + 10, (before, after)  # >= 50 % of the rate
+        beside = seconds_for(steps, STEPS, collab=collab, what="steps beside the crawler")
+        assert beside <= 2 * before + 10, (before, beside)  # >= 50 % of the rate
         assert all(p.popen.poll() is None for p in collab.procs)
     finally:
         collab.close()
