@@ -154,7 +154,7 @@ async def test_include_sets_that_differ_across_parts_are_retried_without_the_odd
 # ---------------------------------------------------------------------------- failing reducers
 
 
-@pytest.mark.parametrize("role", ["aggregator", "normal"])
+@pytest.mark.parametrize("role", [pytest.param("aggregator", marks=pytest.mark.slow), "normal"])
 async def test_a_reducer_that_returns_nothing_is_left_out_by_an_immediate_retry(role):
     roles = ["normal", "normal", role, "normal"]
     players, originals, outcomes = await run_group(
@@ -231,9 +231,13 @@ def lying_reducer(mode: str) -> Behaviour:
     ("mode", "reason"),
     [
         ("a bit past the members", "past the 3 members"),
-        ("another count", "names 3 senders but counts 4"),
-        ("the receiver left out", "leaves our contribution out"),
-        ("no mask", "4096 bytes, not 4097"),
+        # ~6 s each (stall timeouts on real sockets): the default run keeps one of them, the
+        # mask decoder itself is checked case by case in test_averaging_pure.
+        pytest.param("another count", "names 3 senders but counts 4", marks=pytest.mark.slow),
+        pytest.param(
+            "the receiver left out", "leaves our contribution out", marks=pytest.mark.slow
+        ),
+        pytest.param("no mask", "4096 bytes, not 4097", marks=pytest.mark.slow),
     ],
 )
 async def test_a_malformed_include_mask_is_that_reducer_failing(mode, reason):
