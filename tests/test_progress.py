@@ -211,7 +211,7 @@ def test_a_lone_record_claiming_a_higher_step_moves_nobody():
     honest = [rec(0, cosigners=(1,)), rec(1, cosigners=(0,)), rec(2, cosigners=(0, 1))]
     liar = rec(3, step=9, digest="poison")
     view = CollaborationView([*honest, liar], quorum=2)
-    assert view.global_step == 3 and view.claimed_step == 9
+    assert view.global_step == 3
     assert not view.certified(9, "poison") and view.consensus(9) is None and not view.donors(9)
     assert view.consensus(3) == "d"
     # A record can copy others' signatures only for what they signed: 9/poison gains nothing.

@@ -28,8 +28,9 @@ Every peer reads the same records and applies the same rules:
 from __future__ import annotations
 
 import math
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Annotated, Literal
 
 import msgspec
@@ -130,14 +131,17 @@ class CollaborationView:
     quorum: int = 1
     """Distinct signers a (step, digest) needs to count (`averaging.min_group_size`)."""
 
+    @cached_property
+    def _signers(self) -> dict[tuple[int, str], set[str]]:
+        # Once per view: the trainer asks for the global step and consensus every iteration.
+        signers: dict[tuple[int, str], set[str]] = defaultdict(set)
+        for r in self.records:
+            signers[(r.step, r.digest)].update(s.signer for s in r.signatures)
+        return signers
+
     def signers(self, step: int, digest: str) -> set[str]:
         """Peers whose signatures of (step, digest) some record carries."""
-        return {
-            s.signer
-            for r in self.records
-            if r.step == step and r.digest == digest
-            for s in r.signatures
-        }
+        return self._signers.get((step, digest), set())
 
     def certified(self, step: int, digest: str) -> bool:
         """(step, digest) is the collaboration's: step 0 (every peer builds it from the task),
@@ -149,11 +153,6 @@ class CollaborationView:
         """The highest certified step in view. A record claiming a higher step on its own
         moves nobody (it used to: every peer downloaded a lone liar's state)."""
         return max((r.step for r in self.records if self.certified(r.step, r.digest)), default=0)
-
-    @property
-    def claimed_step(self) -> int:
-        """The highest step any record claims, certified or not (for what status shows)."""
-        return max((r.step for r in self.records), default=0)
 
     def trainers(self, step: int) -> list[ProgressRecord]:
         return [r for r in self.records if r.role == "trainer" and r.step == step]

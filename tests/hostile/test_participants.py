@@ -57,6 +57,16 @@ def write_key_below(path: Path, bound: str) -> str:
             return peer_id
 
 
+def start_malicious(collab: Collaboration, mode: str, key: Path):
+    """The real `peer join` daemon with one behaviour changed (`tests.hostile.malicious_peer`)."""
+    return collab.start(
+        mode,
+        ["tests.hostile.malicious_peer", mode, "join", "--backbone", collab.backbone_addr,
+         "--listen", "/ip4/127.0.0.1/tcp/0", "--identity", str(key)],
+        {"PEERTRAIN_TRAINING_CHECKPOINT_DIR": str(key.parent / f"checkpoints-{mode}")},
+    )  # fmt: skip
+
+
 def seconds_for(steps: list[int], count: int, *, collab, what: str) -> float:
     start, begun = steps[-1], time.monotonic()
     wait_until(lambda: steps[-1] >= start + count, timeout=240, what=what, collab=collab)
@@ -84,12 +94,7 @@ def test_a_malicious_leader_is_banned_and_the_collaboration_trains_on(tmp_path, 
     try:
         collab.start_backbone()
         honest = [collab.start_peer(i) for i in range(3)]
-        attacker = collab.start(
-            mode,
-            ["tests.hostile.malicious_peer", mode, "join", "--backbone", collab.backbone_addr,
-             "--listen", "/ip4/127.0.0.1/tcp/0", "--identity", str(key)],
-            {"PEERTRAIN_TRAINING_CHECKPOINT_DIR": str(tmp_path / f"checkpoints-{mode}")},
-        )  # fmt: skip
+        attacker = start_malicious(collab, mode, key)
         collab.watch_global_step()
         steps = collab.global_steps
         wait_until(
@@ -138,12 +143,7 @@ def test_a_member_that_claims_a_crawl_and_sends_nothing_cannot_veto_a_step(tmp_p
         steps = collab.global_steps
         wait_until(lambda: bool(steps), timeout=120, what="a global step", collab=collab)
         before = seconds_for(steps, STEPS, collab=collab, what="steps before the crawler")
-        collab.start(
-            "crawl",
-            ["tests.hostile.malicious_peer", "crawl", "join", "--backbone", collab.backbone_addr,
-             "--listen", "/ip4/127.0.0.1/tcp/0", "--identity", str(key)],
-            {"PEERTRAIN_TRAINING_CHECKPOINT_DIR": str(tmp_path / "checkpoints-crawl")},
-        )  # fmt: skip
+        start_malicious(collab, "crawl", key)
         wait_until(
             lambda: all(dropped_it(p, attacker_id) for p in honest),
             timeout=240,
@@ -183,12 +183,7 @@ def test_a_member_claiming_a_higher_step_moves_nobody(tmp_path):
     try:
         collab.start_backbone()
         honest = [collab.start_peer(i) for i in range(3)]
-        collab.start(
-            "hijack",
-            ["tests.hostile.malicious_peer", "hijack", "join", "--backbone", collab.backbone_addr,
-             "--listen", "/ip4/127.0.0.1/tcp/0", "--identity", str(key)],
-            {"PEERTRAIN_TRAINING_CHECKPOINT_DIR": str(tmp_path / "checkpoints-hijack")},
-        )  # fmt: skip
+        start_malicious(collab, "hijack", key)
         collab.watch_global_step()
         steps = collab.global_steps
         wait_until(lambda: bool(steps), timeout=120, what="a global step", collab=collab)
