@@ -58,12 +58,12 @@ async def run(count: int, steps: int, workdir: Path) -> dict:
     replay_optimizer = replay_state(recorder, steps, count)
     worst_params = worst_m = worst_v = 0.0
     for trainer in trainers:
-        params = list(trainer.model.parameters())
+        params = list(trainer.worker.model.parameters())
         worst_params = max(worst_params, relative(flat(params), flat(replay.parameters())))
-        m, v = moments(trainer.strategy.optimizers()["optimizer"], params)
+        m, v = moments(trainer.worker.strategy.optimizers()["optimizer"], params)
         rm, rv = replay_optimizer
         worst_m, worst_v = max(worst_m, relative(m, rm)), max(worst_v, relative(v, rv))
-    batches = [b for t in trainers for b in t.status.global_batches]
+    batches = [b for t in trainers for b in t.status().global_batches]
     return {
         "count": count,
         "seconds": seconds,
@@ -72,8 +72,8 @@ async def run(count: int, steps: int, workdir: Path) -> dict:
         "params": worst_params,
         "exp_avg": worst_m,
         "exp_avg_sq": worst_v,
-        "downloads": sum(t.status.downloads for t in trainers),
-        "failed": sum(t.status.failures["averaging_incomplete"] for t in trainers),
+        "downloads": sum(t.status().downloads for t in trainers),
+        "failed": sum(t.status().failures["averaging_incomplete"] for t in trainers),
         "batches": batches,
         "computed": [
             sum(len(recorder.used[(i, step)]) * 8 for i in range(count)) for step in range(steps)

@@ -31,7 +31,7 @@ import trio
 
 from benchmarks.common import quiet_logs
 from peer.net.host import open_node, split_peer_addr
-from peer.training.statesync import Snapshot, StateDonor, download_state
+from peer.training.statesync import Snapshot, StateDonor, download_state, held
 from tests.helpers import LOOPBACK, new_identity
 
 RANGE = struct.Struct(">QQ")  # raw server request: offset, length
@@ -69,7 +69,7 @@ async def _donor(pipe: Connection, size: int, chunk_bytes: int) -> None:
     ):
         # One downloader takes the state many times here: no per-caller budget.
         donor = StateDonor(
-            node, lambda: snapshot, chunk_bytes=chunk_bytes, max_downloads=8, caller_states=1e6
+            node, held(snapshot), chunk_bytes=chunk_bytes, max_downloads=8, caller_states=1e6
         )
         await nursery.start(donor.serve, "127.0.0.1", 0)
         started = time.perf_counter()

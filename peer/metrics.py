@@ -120,7 +120,7 @@ class DaemonCollector(Collector):
         )
 
     def _training(self, trainer: Trainer) -> Iterator[Metric]:
-        status = trainer.status
+        status = trainer.status()
         view = status.view
         yield CounterMetricFamily(
             f"{PREFIX}_steps", "Optimizer steps this peer applied.", value=status.steps_applied

@@ -46,6 +46,7 @@ from peer.training.statesync import (
     StateDonor,
     StateDownload,
     StateDownloadFailed,
+    held,
 )
 from peer.training.strategies import LargeBatch
 from peer.training.task import TinyTask
@@ -204,8 +205,8 @@ async def test_the_keeper_follows_the_trainers_and_saves_their_state(tmp_path):
     with trio.fail_after(60):
         async with followed(tmp_path, trainers=2) as f:
             digests = {t.digest for t in f.trainers}
-            trainer_blob = f.trainers[0].snapshot().blob
-            held = f.keeper.snapshot()
+            trainer_blob = (await f.trainers[0].snapshot()).blob
+            held = await f.keeper.snapshot()
     assert f.step >= HOLD_AT
     assert len(digests) == 1
     (digest,) = digests
@@ -251,10 +252,12 @@ async def test_a_joiner_downloads_from_the_keeper_alone_when_no_trainer_is_onlin
             joiner = await joiners.add(dht)
             await joiner.run()
     assert joiner.step == f.step
-    assert joiner.status.downloads == 1
-    assert joiner.status.steps_applied == 0
+    assert joiner.status().downloads == 1
+    assert joiner.status().steps_applied == 0
     assert joiner.digest == digest
-    assert states.parameters_digest(joiner.model) == states.parameters_digest(f.trainers[0].model)
+    assert states.parameters_digest(joiner.worker.model) == states.parameters_digest(
+        f.trainers[0].worker.model
+    )
     (download,) = joiners.downloads
     stats = download.statistics()
     assert stats.done == stats.chunks >= 1
@@ -321,7 +324,7 @@ async def test_a_restarted_keeper_serves_what_it_saved_unless_the_blob_does_not_
         async with swarm(1, DHT_CONFIG) as s:
             # A "trainer" at step 3: a donor and its progress record, nothing else.
             holder = s.dhts[0]
-            donor = StateDonor(holder.node, lambda: state, chunk_bytes=MIN_CHUNK_BYTES)
+            donor = StateDonor(holder.node, held(state), chunk_bytes=MIN_CHUNK_BYTES)
             _, holding = await start_stoppable(s.nursery, donor.serve, "127.0.0.1", 0)
             await publish(holder, config, trainer_record(holder, config, step=3, digest=digest))
             _, stop_first = await start_keeper(s, config)
@@ -333,7 +336,7 @@ async def test_a_restarted_keeper_serves_what_it_saved_unless_the_blob_does_not_
             assert kept_meta(config)["digest"] == digest
 
             restarted, stop_restarted = await start_keeper(s, config)
-            assert restarted.snapshot() == state  # loaded before it read any record
+            assert await restarted.snapshot() == state  # loaded before it read any record
             assert restarted.digest == digest
             snapshot, stats = await download_from(holder.node, restarted, min_step=3)
             assert snapshot == state
@@ -352,7 +355,7 @@ async def test_a_restarted_keeper_serves_what_it_saved_unless_the_blob_does_not_
             damaged[len(damaged) // 2] ^= 0xFF
             kept.write_bytes(bytes(damaged))
             ignoring, _ = await start_keeper(s, config)
-            assert ignoring.snapshot() is None
+            assert await ignoring.snapshot() is None
             with pytest.raises(StateDownloadFailed, match="holding nothing"):
                 await download_from(holder.node, ignoring, min_step=3)
 
@@ -381,7 +384,7 @@ async def test_a_state_slower_to_download_than_one_progress_exchange_is_still_ke
             holder = s.dhts[0]
             donor = StateDonor(
                 holder.node,
-                lambda: state,
+                held(state),
                 chunk_bytes=MIN_CHUNK_BYTES,
                 wrap_stream=lambda stream: SlowChunks(stream, 0.1),
             )
@@ -389,7 +392,7 @@ async def test_a_state_slower_to_download_than_one_progress_exchange_is_still_ke
             await publish(holder, config, trainer_record(holder, config, step=3, digest=digest))
             keeper, _ = await start_keeper(s, config)
             await wait_until(lambda: (kept_meta(config) or {}).get("step") == 3)
-    assert keeper.snapshot() == state
+    assert await keeper.snapshot() == state
     assert (kept_folder(config) / kept_meta(config)["file"]).read_bytes() == state.blob
 
 
@@ -401,7 +404,7 @@ async def test_a_state_newer_than_its_donors_records_is_kept_only_under_its_own_
         async with swarm(1, DHT_CONFIG) as s:
             holder = s.dhts[0]
             # The trainer has stepped to 4; its record (published every interval) says 3.
-            donor = StateDonor(holder.node, lambda: new_state, chunk_bytes=MIN_CHUNK_BYTES)
+            donor = StateDonor(holder.node, held(new_state), chunk_bytes=MIN_CHUNK_BYTES)
             await s.nursery.start(donor.serve, "127.0.0.1", 0)
             await publish(holder, config, trainer_record(holder, config, step=3, digest=old_digest))
             keeper, _ = await start_keeper(s, config)
@@ -409,13 +412,13 @@ async def test_a_state_newer_than_its_donors_records_is_kept_only_under_its_own_
             # (and asks again next round), rather than name 4's parameters by 3's digest.
             chunks = chunk_count(len(new_state.blob), MIN_CHUNK_BYTES)
             await wait_until(lambda: donor.statistics().chunks_served >= 2 * chunks)
-            assert keeper.snapshot() is None
+            assert await keeper.snapshot() is None
             assert kept_meta(config) is None
             # The record catches up: step 4 is kept, under its own digest.
             await publish(holder, config, trainer_record(holder, config, step=4, digest=new_digest))
             await wait_until(lambda: (kept_meta(config) or {}).get("step") == 4)
     assert kept_meta(config)["digest"] == new_digest
-    assert keeper.snapshot() == new_state
+    assert await keeper.snapshot() == new_state
     assert keeper.digest == new_digest
 
 

@@ -64,7 +64,7 @@ def test_a_trainer_exposes_steps_speed_loss_allreduce_and_failures():
         ),
     )
     sources = metrics.Sources("peer", "p", "0.1.0", fake_dht({}))  # type: ignore[arg-type]
-    sources.add_trainer(SimpleNamespace(status=status))  # type: ignore[arg-type]
+    sources.add_trainer(SimpleNamespace(status=lambda: status))  # type: ignore[arg-type]
     got = samples(metrics.registry_for(sources))
     assert got["peertrain_steps_total", ()] == 4
     assert (got["peertrain_step", ()], got["peertrain_global_step", ()]) == (4, 5)

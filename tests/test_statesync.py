@@ -41,9 +41,11 @@ from peer.training.chunks import (
 from peer.training.statesync import (
     REPLY,
     Snapshot,
+    SnapshotSource,
     StateDonor,
     StateDownload,
     StateDownloadFailed,
+    held,
 )
 from peer.training.statesync.wire import KIND_ERROR, MAGIC, REQUEST
 from tests.helpers import LOOPBACK, ForwardingStream, new_identity, nodes
@@ -312,7 +314,7 @@ async def donors(
     wraps: dict[int, Callable[[trio.SocketStream], trio.abc.Stream]] | None = None,
     max_downloads: int = 4,
     ticket_idle: float = 10.0,
-    getters: dict[int, Callable[[], Snapshot | None]] | None = None,
+    getters: dict[int, SnapshotSource] | None = None,
     caller_states: float = 20.0,
 ) -> AsyncIterator[list[Running]]:
     """One node + StateDonor per snapshot, each killable on its own."""
@@ -327,7 +329,7 @@ async def donors(
                 snapshot = snapshots[i]
                 donor = StateDonor(
                     node,
-                    getters.get(i, lambda: snapshot),
+                    getters.get(i, held(snapshot)),
                     max_downloads=max_downloads,
                     ticket_idle=ticket_idle,
                     chunk_bytes=CHUNK,
@@ -526,11 +528,14 @@ async def test_the_donor_serves_the_snapshot_its_manifest_described():
     def advance() -> None:
         current[0] = new  # the donor's state moves on while it serves the download
 
+    async def source() -> Snapshot:
+        return current[0]
+
     wraps = {0: lambda stream: Faulty(stream, on_send=advance)}
     with trio.fail_after(TIMEOUT):
         async with (
             nodes(1) as (downloader,),
-            donors([None], wraps=wraps, getters={0: lambda: current[0]}) as running,
+            donors([None], wraps=wraps, getters={0: source}) as running,
         ):
             peers = await connect(downloader, running)
             snapshot, _ = await fetch(downloader, peers)

@@ -192,14 +192,14 @@ async def test_dedloc_steps_equal_single_process_big_batch_training(tmp_path, co
                     nursery.start_soon(trainer.run)
             s.nursery.cancel_scope.cancel()
     assert [t.step for t in trainers] == [steps] * count
-    assert all(t.status.downloads == 0 for t in trainers)  # nobody ended apart
-    digests = {states.parameters_digest(t.model) for t in trainers}
+    assert all(t.status().downloads == 0 for t in trainers)  # nobody ended apart
+    digests = {states.parameters_digest(t.worker.model) for t in trainers}
     assert len(digests) == 1  # bit-identical on every peer
     for step in range(steps):  # the global batch: 64 samples, give or take a micro-batch each
         assert abs(sum(len(recorder.used[(i, step)]) * 8 for i in range(count)) - 64) <= 8 * count
     model = recorder.replay(steps, range(count))
     torch.testing.assert_close(
-        parameters(trainers[0].model), parameters(model), rtol=1e-4, atol=2e-5
+        parameters(trainers[0].worker.model), parameters(model), rtol=1e-4, atol=2e-5
     )
 
 
@@ -238,11 +238,11 @@ async def test_a_member_killed_mid_averaging_leaves_the_others_their_own_gradien
     assert relays[victim].returned == 4000  # it returned some averages before it died
     assert trainers[victim].step == 0
     assert [trainers[i].step for i in survivors] == [steps] * 4
-    assert all(trainers[i].status.failures["averaging_incomplete"] >= 1 for i in survivors)
-    assert len({states.parameters_digest(trainers[i].model) for i in survivors}) == 1
+    assert all(trainers[i].status().failures["averaging_incomplete"] >= 1 for i in survivors)
+    assert len({states.parameters_digest(trainers[i].worker.model) for i in survivors}) == 1
     model = recorder.replay(steps, survivors)
     torch.testing.assert_close(
-        parameters(trainers[survivors[0]].model), parameters(model), rtol=1e-4, atol=2e-5
+        parameters(trainers[survivors[0]].worker.model), parameters(model), rtol=1e-4, atol=2e-5
     )
 
 
@@ -258,19 +258,19 @@ async def test_every_peer_holds_the_same_parameters_after_each_step(tmp_path, tr
     config = make_config(tmp_path, max_steps=3, **training)
     with trio.fail_after(60):
         async with collaboration(3, config) as (s, trainers):
-            start = parameters(trainers[0].model).clone()
+            start = parameters(trainers[0].worker.model).clone()
             async with trio.open_nursery() as nursery:
                 for trainer in trainers:
                     nursery.start_soon(trainer.run)
             s.nursery.cancel_scope.cancel()
     assert [t.step for t in trainers] == [3] * 3
-    assert len({states.parameters_digest(t.model) for t in trainers}) == 1
-    assert not torch.equal(parameters(trainers[0].model), start)
-    assert all(t.status.downloads == 0 for t in trainers)
+    assert len({states.parameters_digest(t.worker.model) for t in trainers}) == 1
+    assert not torch.equal(parameters(trainers[0].worker.model), start)
+    assert all(t.status().downloads == 0 for t in trainers)
     if training["mode"] == "dedloc":  # the target batch, give or take a micro-batch a peer,
         # twice that after a failed or missed gathering (its samples are kept for the next);
         # before, delayed updates computed on through every averaging: 3,280 for 64.
-        assert all(b <= 2 * 64 + 8 * 3 for t in trainers for b in t.status.global_batches)
+        assert all(b <= 2 * 64 + 8 * 3 for t in trainers for b in t.status().global_batches)
 
 
 async def test_a_late_joiner_downloads_the_state_and_then_steps_in_lockstep(tmp_path):
@@ -289,9 +289,9 @@ async def test_a_late_joiner_downloads_the_state_and_then_steps_in_lockstep(tmp_
                 nursery.start_soon(joiner.run)
             s.nursery.cancel_scope.cancel()
     assert [t.step for t in group.trainers] == [5] * 4
-    assert joiner.status.downloads >= 1
-    assert joiner.status.steps_applied >= 1  # it stepped with the others after downloading
-    assert len({states.parameters_digest(t.model) for t in group.trainers}) == 1
+    assert joiner.status().downloads >= 1
+    assert joiner.status().steps_applied >= 1  # it stepped with the others after downloading
+    assert len({states.parameters_digest(t.worker.model) for t in group.trainers}) == 1
     first = group.downloads[0].statistics()
     assert first.done == first.chunks >= 2 and first.step >= 2
     # (Fetching from several donors at once, and switching donors, is shown on larger states
@@ -320,10 +320,10 @@ async def test_a_peer_without_samples_takes_the_same_steps_without_downloading(t
                     nursery.start_soon(trainer.run)
             s.nursery.cancel_scope.cancel()
     assert [t.step for t in trainers] == [3] * 3
-    assert trainers[2].status.samples_computed == 0
+    assert trainers[2].status().samples_computed == 0
     # It applies the steps itself (before, it fell behind and downloaded every one). Anyone
     # may download once on a loaded machine, where a late ticket splits a step's group (as
     # above; CI saw trainer 1 read no other ticket at step 1 and fetch step 2).
-    assert trainers[2].status.steps_applied >= 2
-    assert sum(t.status.downloads for t in trainers) <= 1
-    assert len({states.parameters_digest(t.model) for t in trainers}) == 1
+    assert trainers[2].status().steps_applied >= 2
+    assert sum(t.status().downloads for t in trainers) <= 1
+    assert len({states.parameters_digest(t.worker.model) for t in trainers}) == 1

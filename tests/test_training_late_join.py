@@ -150,7 +150,7 @@ async def test_a_late_joiner_downloads_many_chunks_survives_a_killed_donor_and_s
 
     # Everyone (the victim's trainer too: only its donor died) finished with equal parameters.
     assert [t.step for t in group.trainers] == [6] * (JOINER + 1)
-    assert len({states.parameters_digest(t.model) for t in group.trainers}) == 1
+    assert len({states.parameters_digest(t.worker.model) for t in group.trainers}) == 1
     # (The others may download too if a late ticket split a step's group under load.)
 
     # The first download: dozens of chunks, from several donors, the victim dropped midway.
@@ -169,7 +169,7 @@ async def test_a_late_joiner_downloads_many_chunks_survives_a_killed_donor_and_s
     assert len(stats.chunks_from) >= 2
 
     # After its first step, and every one after it, the joiner holds the others' parameters.
-    assert joiner.status.steps_applied >= 1
+    assert joiner.status().steps_applied >= 1
     downloaded = {d.step for d in downloads}
     joined = history[JOINER]
     stepped = sorted(set(joined) - downloaded - {0})

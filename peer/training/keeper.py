@@ -70,7 +70,7 @@ class StateKeeper:
         self.digest = ""
         self.signatures: list[StepSignature] = []
 
-    def snapshot(self) -> Snapshot | None:
+    async def snapshot(self) -> Snapshot | None:
         return self.held
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -245,7 +245,7 @@ async def run_keeper(
 
 def state_digester(config: PeerConfig) -> Digest:
     """What `StateKeeper` checks a state's bytes with: the digest a trainer of the task
-    computes (`Trainer._digest`), from the model's parameter names. The model is built on
+    computes (`TorchWorker.digest`), from the model's parameter names. The model is built on
     torch's meta device: names and shapes, no memory."""
     task = load_task(config.task.name)
     with torch.device("meta"):

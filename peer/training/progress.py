@@ -305,6 +305,6 @@ def should_call(
 ) -> bool:
     """DeDLOC: call `step` once its samples, projected to the end of the gathering window,
     reach the target batch (the window is spent computing; each peer then stops where the
-    projection says the batch is full, `Trainer._batch_is_full`)."""
+    projection says the batch is full, `StepPolicy._batch_is_full`)."""
     projected = view.projected_samples(step, now=now, horizon=horizon)
     return projected + view.computing_throughput(step) * window >= target_batch

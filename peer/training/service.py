@@ -59,7 +59,7 @@ async def run_training(
                 min_step=step,
                 parallel=config.state.parallel_donors,
                 deadline=trio.current_time() + config.state.download_timeout,
-                max_total_bytes=state_bytes_limit(trainer.model),
+                max_total_bytes=state_bytes_limit(trainer.worker.model),
             )
 
         trainer = Trainer(

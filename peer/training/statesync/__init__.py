@@ -32,7 +32,7 @@ Modules: `wire` (the `Snapshot` and the data-plane framing both sides share), `d
 (`StateDonor`), `download` (`StateDownload`, `download_state`, `StateDownloadFailed`).
 """
 
-from peer.training.statesync.donor import DonorStatistics, StateDonor
+from peer.training.statesync.donor import DonorStatistics, SnapshotSource, StateDonor, held
 from peer.training.statesync.download import (
     DownloadStatistics,
     StateDownload,
@@ -46,8 +46,10 @@ __all__ = [
     "DonorStatistics",
     "DownloadStatistics",
     "Snapshot",
+    "SnapshotSource",
     "StateDonor",
     "StateDownload",
     "StateDownloadFailed",
     "download_state",
+    "held",
 ]

@@ -6,7 +6,7 @@ import functools
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import trio
@@ -106,11 +106,24 @@ class _Ticket:
             scope.cancel()
 
 
+#: The state to serve now (a coroutine: a trainer serializes it in its worker thread).
+SnapshotSource = Callable[[], Awaitable[Snapshot | None]]
+
+
+def held(snapshot: Snapshot | None) -> SnapshotSource:
+    """A source that always serves `snapshot`."""
+
+    async def source() -> Snapshot | None:
+        return snapshot
+
+    return source
+
+
 class StateDonor:
     """Serves this peer's `snapshot()` to downloaders: manifests over RPC, chunks over TCP.
 
-    `snapshot()` returns the state to give (None: nothing yet); it should return the same
-    object until the state changes, since chunk hashes are cached per snapshot. At most
+    `snapshot()` returns the state to give (None: nothing yet; `held(snapshot)` makes one of a
+    fixed state); it should return the same object until the state changes, since chunk hashes are cached per snapshot. At most
     `max_downloads` tickets are live at once (one per caller; a ticket expires after
     `ticket_idle` seconds without a connection or request). One caller gets at most
     `caller_states` manifests per `caller_window` seconds (a token bucket), and a ticket serves
@@ -124,7 +137,7 @@ class StateDonor:
     def __init__(
         self,
         node: Node,
-        snapshot: Callable[[], Snapshot | None],
+        snapshot: SnapshotSource,
         *,
         identity: DataIdentity | None = None,
         admission_limits: AdmissionLimits | None = None,
@@ -197,7 +210,7 @@ class StateDonor:
 
     async def hash_snapshot(self) -> Snapshot | None:
         """Hash the current snapshot now (else the first manifest request does)."""
-        snapshot = self.snapshot()
+        snapshot = await self.snapshot()
         if snapshot is not None:
             await self._hash(snapshot)
         return snapshot
@@ -215,7 +228,7 @@ class StateDonor:
     # ------------------------------------------------------------ control (RPC)
 
     async def _on_manifest(self, caller: ID, request: ManifestRequest) -> Manifest:
-        snapshot = self.snapshot()
+        snapshot = await self.snapshot()
         if snapshot is None or snapshot.step < request.min_step:
             held = "nothing" if snapshot is None else f"step {snapshot.step}"
             raise RpcError(

@@ -1,0 +1,748 @@
+"""The step protocol of one peer as a pure state machine (sans-IO, in the manner of h11).
+
+`StepPolicy` remembers what the protocol needs (the state we hold and its signatures, our call,
+the gatherings that failed for us, who moved when) and decides; `Trainer` executes what it
+decides (torch work, DHT reads and stores, averaging, downloads). Its inputs: the collaboration
+as the last read of the progress records shows it (`observe`), our local work (`Local`), what
+came of an action (`declare`, `averaged`, `hold`, `fetched`) and the time of one injected
+clock (`now`: wall-clock seconds, since calls gather at wall-clock times every peer compares).
+Its output: the next action (`next_action`). No torch, no network, no sleeping.
+
+Phases (`Phase`) and the events that move between them (`TRANSITIONS`, checked on every move):
+
+    STARTING --read--> COMPUTING --full--> HOLDING
+                       |  ^  ^   <--not full--'  |
+                       |  |  |                   |
+                       |  |  '--averaged--.      |        (declare in the background, dedloc
+                       |  |               |      |         with delayed updates: the phase
+                       +--|--declare--> AVERAGING <-declare   stays; `averaged` arrives later)
+                       |  |
+                       |  '--fetched-- CATCHING_UP <--behind-- (COMPUTING, HOLDING)
+                       |
+        (COMPUTING, HOLDING) --done--> SETTLING --settled--> STOPPED
+                                       |  ^
+                                       '--' behind / fetched (catching up before stopping)
+
+One DeDLOC step, as `next_action` walks it every iteration:
+  1. done (max_steps, our own validation or a quorum's under the target, left behind)? settle
+  2. behind the certified global step, on a minority digest, or stranded ahead? catch up
+  3. ready to be called (the batch is full as projected, or everyone holds) and we are the
+     caller (the lowest peer id at our step, or a fallback after a wait)? call the step
+  4. a call of our step near its gathering's close? declare (a fresh read first: an earlier
+     call or a peer already past our step wins), then average
+  5. our part done (our quota of the target batch; diloco: our H inner steps)? wait
+  6. otherwise compute one micro-batch
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+from dataclasses import dataclass, field
+
+from peer.averaging.averager import AveragingResult, longest_averaging
+from peer.config import PeerConfig
+from peer.training.certificate import StepSignature, merge_signatures
+from peer.training.progress import (
+    CollaborationView,
+    Moves,
+    ProgressRecord,
+    company,
+    should_call,
+)
+from peer.training.timing import Timing
+
+log = logging.getLogger("peertrain.trainer")
+
+#: Failed averagings in a row before the trainer logs a warning (fewer are routine, at INFO).
+WARN_AFTER_FAILURES = 3
+#: Longest wait between two failed state downloads (the wait doubles from progress_interval).
+MAX_DOWNLOAD_BACKOFF = 30.0
+#: Seconds at most that a peer holds its calls for others still in a failed averaging.
+MAX_WAIT_FOR_OTHERS = 600.0
+
+
+class Phase(enum.Enum):
+    STARTING = "starting"
+    """Before the first read of the progress records (are we behind?)."""
+    COMPUTING = "training"
+    """Micro-batches toward the next step."""
+    HOLDING = "holding"
+    """Our part of the next step is done: waiting for its call or its gathering."""
+    AVERAGING = "averaging"
+    """Our contribution is in an averaging (in the foreground)."""
+    CATCHING_UP = "catching up"
+    """Downloading a certified state."""
+    SETTLING = "settling"
+    """Done: waiting for the others to hold our step and digest (serving it meanwhile)."""
+    STOPPED = "stopped"
+
+
+class Event(enum.Enum):
+    READ = "read"
+    FULL = "full"
+    NOT_FULL = "not full"
+    DECLARE = "declare"
+    DECLARE_IN_BACKGROUND = "declare in the background"
+    AVERAGED = "averaged"
+    BEHIND = "behind"
+    FETCHED = "fetched"
+    DONE = "done"
+    SETTLED = "settled"
+
+
+_TRAINING = {
+    Event.DECLARE: Phase.AVERAGING,
+    Event.DECLARE_IN_BACKGROUND: Phase.COMPUTING,  # its micro-batches are the next step's
+    Event.AVERAGED: Phase.COMPUTING,  # a background averaging's result
+    Event.BEHIND: Phase.CATCHING_UP,
+    Event.DONE: Phase.SETTLING,
+}
+TRANSITIONS: dict[Phase, dict[Event, Phase]] = {
+    Phase.STARTING: {Event.READ: Phase.COMPUTING},
+    Phase.COMPUTING: {Event.FULL: Phase.HOLDING, **_TRAINING},
+    Phase.HOLDING: {Event.NOT_FULL: Phase.COMPUTING, **_TRAINING},
+    Phase.AVERAGING: {Event.AVERAGED: Phase.COMPUTING},
+    Phase.CATCHING_UP: {Event.FETCHED: Phase.COMPUTING},
+    Phase.SETTLING: {
+        Event.BEHIND: Phase.SETTLING,
+        Event.FETCHED: Phase.SETTLING,
+        Event.SETTLED: Phase.STOPPED,
+    },
+    Phase.STOPPED: {},
+}
+
+
+class ProtocolError(AssertionError):
+    """The executor fed the policy an event its phase does not take (our bug, not a peer's)."""
+
+
+# ------------------------------------------------------------------------------ inputs, actions
+
+
+@dataclass(frozen=True, kw_only=True)
+class Local:
+    """Our local work as the executor sees it when it asks for the next action."""
+
+    samples: int = 0
+    """Samples of local work toward the next step, not yet taken for an averaging."""
+    samples_per_second: float = 0.0
+    batch_seconds: float = 0.0
+    """How long one micro-batch takes (a moving average)."""
+    averaging: bool = False
+    """A delayed averaging of ours runs in the background (dedloc, delayed_updates)."""
+    validation: tuple[int, float] | None = None
+    """Our latest (step, validation loss)."""
+    bandwidth: float | None = None
+    """Our measured link, bytes/s (min of upload and download), if measured."""
+
+
+@dataclass(frozen=True)
+class Compute:
+    """One micro-batch of local work."""
+
+
+@dataclass(frozen=True)
+class Call:
+    """We called the next step (our record now says so): publish it."""
+
+    gather_until: float
+
+
+@dataclass(frozen=True)
+class Declare:
+    """The gathering of our step closes soon: read the records once more (within `read_for`
+    seconds), then `declare(gather_until)` and average if it says so."""
+
+    gather_until: float
+    read_for: float
+
+
+@dataclass(frozen=True)
+class CatchUp:
+    """Download the certified state of `target` from `donors`, then `fetched(...)`. `within`:
+    seconds the download may take (settling: what is left of its bound), None: its own."""
+
+    donors: list[ProgressRecord]
+    target: int
+    within: float | None = None
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Nothing to do for up to `seconds`: until the records change (`for_averaging`: until our
+    background averaging ends)."""
+
+    seconds: float
+    for_averaging: bool = False
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Training ends; `reason` is logged (empty: the ordinary end)."""
+
+    reason: str = ""
+
+
+Action = Compute | Call | Declare | CatchUp | Wait | Stop
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What an averaging's result is: a step (apply `average`, or our own vector if `alone`)
+    or not (our samples are kept for the next try)."""
+
+    step: bool
+    alone: bool = False
+    global_batch: float | None = None
+    """The samples behind the step (None: peers weighted equally, it counts peers)."""
+    members: int = 0
+    reason: str = ""
+    """Why it is no step ("" when it is routine: nobody in our group had samples)."""
+    failed_in_a_row: int = 0
+    warn: bool = False
+    """Failures persist: worth a warning."""
+
+
+@dataclass
+class Held:
+    """The state we hold: its step, its digest and the signatures of it we know (ours first)."""
+
+    step: int = 0
+    digest: str = ""
+    signatures: list[StepSignature] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------ the policy
+
+
+class StepPolicy:
+    def __init__(self, *, me: str, config: PeerConfig, vector_size: int) -> None:
+        self.me = me
+        self.config = config
+        self.training = config.training
+        self.timing = Timing.of(config)
+        self.vector_size = vector_size
+        self.quorum = config.averaging.min_group_size
+        """Distinct signers a (step, digest) needs before we download it or count it."""
+        self.phase = Phase.STARTING
+        self.held = Held()
+        self.view = CollaborationView([], self.quorum)
+        """The last read of the progress records."""
+        self.store_seconds = 0.0
+        """How long a DHT store of ours takes (a moving average): windows widen with it."""
+        self.call: tuple[int, float] | None = None
+        """(step, gather_until) of the call we made or are averaging in."""
+        self.downloading = False
+        self.highest_seen = 0
+        self.changed = False
+        """Our record changed in a way others act on: publish it now (`take_changed`)."""
+        self._failed_before = -math.inf  # calls gathering at or before this failed for us
+        self._failed_in_a_row = 0
+        self._download_failures = 0  # in a row
+        self._uncertified_since: float | None = None  # our state lacks a quorum since
+        # When the others' steps last moved, and when someone to average with was last in
+        # view: whether we may step alone (`_on_our_own`).
+        self._moves = Moves()
+        self._company_at: float | None = None
+        self._ready_since: float | None = None  # when the step could first be called
+        self._settle_patience = math.inf
+        self._settle_deadline = math.inf
+
+    # -------------------------------------------------------------- events
+
+    def _move(self, event: Event) -> None:
+        try:
+            self.phase = TRANSITIONS[self.phase][event]
+        except KeyError:
+            raise ProtocolError(f"{event.value!r} in phase {self.phase.value!r}") from None
+
+    def started(self) -> None:
+        """The first read is in (or took too long): training begins."""
+        self._move(Event.READ)
+
+    def hold(self, step: int, digest: str, signature: StepSignature) -> None:
+        """We hold a new state (an applied step, a download, a checkpoint) and signed it."""
+        self.held = Held(step, digest, [signature])
+        self._uncertified_since = None  # a new state: the next read starts its clock
+        self.changed = True
+
+    def note_store_time(self, seconds: float) -> None:
+        """How long a DHT store of ours took (the progress loop times each one)."""
+        first = self.store_seconds == 0.0
+        self.store_seconds = seconds if first else 0.7 * self.store_seconds + 0.3 * seconds
+
+    def observe(self, view: CollaborationView, now: float) -> None:
+        """A read of the progress records."""
+        self.view = view
+        held = self.held
+        # The others who hold our step and digest signed it too: carry their signatures, so
+        # that our record certifies the state after they leave (decode checked them).
+        theirs = [
+            signature
+            for r in view.records
+            if r.peer_id != self.me and r.step == held.step and r.digest == held.digest
+            for signature in r.signatures
+        ]
+        if theirs and held.signatures:
+            held.signatures = merge_signatures(held.signatures[0], theirs)
+        signers = view.signers(held.step, held.digest) | {s.signer for s in held.signatures}
+        if held.step == 0 or len(signers) >= self.quorum:
+            self._uncertified_since = None
+        elif self._uncertified_since is None:
+            self._uncertified_since = now
+        self.highest_seen = max(self.highest_seen, view.global_step)
+        self._moves.note(view, now)
+        if self._company(now):
+            self._company_at = now
+
+    def take_changed(self) -> bool:
+        changed, self.changed = self.changed, False
+        return changed
+
+    def declare(self, gather_until: float, now: float, *, in_background: bool) -> bool:
+        """After the fresh read of a `Declare`: whether we average in the call gathering until
+        `gather_until`. Not when a call of the step that gathers earlier wins (declaring in
+        ours would leave us out of it), nor when a peer is already past our step (it took the
+        step without us: we download instead, averaging it again would make a second
+        version of the step)."""
+        view = self.view
+        earliest = self._current_call(view, now)
+        if view.global_step > self.held.step or (earliest is not None and earliest < gather_until):
+            return False
+        self.call = (self.held.step, gather_until)  # our record shows the call we are in
+        self.changed = True
+        self._move(Event.DECLARE_IN_BACKGROUND if in_background else Event.DECLARE)
+        return True
+
+    def averaged(
+        self, result: AveragingResult, samples: int, gather_until: float, now: float
+    ) -> Verdict:
+        """Whether an averaging's result is a step. Only an exact average is (`Averager`: of
+        everyone in a planned round, of the members that took part in a single group): then
+        every peer that steps applies the same bits."""
+        self._move(Event.AVERAGED)
+        self.call = None
+        self.changed = True  # others wait for us to be done with this gathering
+        # Alone only if nobody is left to average with: with others at our step or beyond,
+        # our read of the tickets missed theirs (or we missed their gathering), and a step of
+        # our own would part from theirs. A step of one peer certifies nothing
+        # (`peer.training.certificate`): only where averaging.min_group_size = 1 says one is
+        # enough.
+        alone = (
+            self.quorum <= 1
+            and result.peers_seen == 1
+            and not result.rounds
+            and self._on_our_own(now)
+        )
+        complete = alone or (result.average is not None and self._majority(result))
+        # Peers that all had 0 samples average nothing: an optimizer step on that would still
+        # move the weights (momentum, weight decay), so it is no step.
+        contributed = samples > 0 if alone else result.weight > 0
+        if complete and contributed:
+            self._failed_in_a_row = 0
+            # The average's total weight is the global batch, unless the peers were weighted
+            # equally (diloco, outer_weighting = "uniform"): then it counts peers.
+            batch = float(samples) if alone else None if self.uniform else result.weight
+            return Verdict(True, alone=alone, global_batch=batch, members=result.members or 1)
+        self._failed_before = gather_until
+        if complete:  # routine: e.g. peers that had just started or downloaded
+            return Verdict(False)
+        self._failed_in_a_row += 1
+        in_a_row = self._failed_in_a_row
+        # One failure is routine (a late ticket, a peer that just left) and the next try
+        # heals it: a warning once failures persist, then every tenth one.
+        warn = in_a_row >= WARN_AFTER_FAILURES and (in_a_row - WARN_AFTER_FAILURES) % 10 == 0
+        reason = "; ".join(result.skipped) or (
+            "we read no other ticket" if result.peers_seen == 1 else "a member failed"
+        )
+        return Verdict(False, reason=reason, failed_in_a_row=in_a_row, warn=warn)
+
+    def fetched(self, *, ok: bool, now: float) -> float:
+        """A download ended (the new state came through `hold`); returns how long to wait
+        before the next: 0 after a success, doubling from progress_interval after failures
+        (busy or budget-limited donors refuse again if asked at once)."""
+        self.downloading = False
+        self.changed = True
+        self._move(Event.FETCHED)
+        if ok:
+            self._download_failures = 0
+            # Our digest changed: others may have changed theirs meanwhile (a swap).
+            self._settle_patience = max(
+                self._settle_patience, now + 4 * self.training.progress_interval
+            )
+            return 0.0
+        self._download_failures += 1
+        return min(
+            self.training.progress_interval * 2 ** (self._download_failures - 1),
+            MAX_DOWNLOAD_BACKOFF,
+        )
+
+    # -------------------------------------------------------------- the decision
+
+    def next_action(self, local: Local, now: float) -> Action:
+        if self.phase is Phase.SETTLING:
+            return self._settling(local, now)
+        if self.phase not in (Phase.COMPUTING, Phase.HOLDING):
+            raise ProtocolError(f"no action to take in phase {self.phase.value!r}")
+        view = self.view_with(local, now)
+        if self._done(local, now):
+            self._move(Event.DONE)
+            self._settle_patience = now + self.timing.settle_patience(self.store_seconds)
+            self._settle_deadline = self._settle_patience + self.timing.download_timeout
+            if self.left_behind(now):
+                log.warning(
+                    "the collaboration finished at step %d and nobody holding that state is "
+                    "left to download it from; stopping at step %d",
+                    self.highest_seen,
+                    self.held.step,
+                )
+            return self._settling(local, now)
+        if not local.averaging and (donors := self.donors(view, now)):
+            return self._catch_up(donors, view.global_step, None)
+        call = self._current_call(view, now)
+        free = (
+            call is None
+            and not local.averaging
+            and not self._others_still_averaging(view, local, now)
+        )
+        if free and self._ready(view, local, now):
+            if self._ready_since is None:  # the fallback caller's wait starts now
+                self._ready_since = now
+        else:
+            self._ready_since = None
+        # With delayed updates too: the micro-batches computed while our averaging runs are our
+        # part of the step after it, so they stop at our quota (before, they did not: 3 peers
+        # applied 3,280 samples a step for a target of 64).
+        full = self._batch_is_full(view, local, now)
+        if full != self.holding:
+            self._move(Event.FULL if full else Event.NOT_FULL)
+            self.changed = True  # the others' projections take our count as final
+        window = self.timing.window(self.store_seconds)
+        if self._may_call(view, local, now):
+            call = now + window
+            self.call = (self.held.step, call)
+            self.changed = True
+            log.info("calling step %d: averaging at +%.1fs", self.held.step + 1, window)
+            return Call(call)
+        if call is not None and not local.averaging:
+            margin = self.timing.declare_margin(self.store_seconds)
+            if now > call - margin / 2:
+                # Too late for our ticket to be seen: this step goes on without us, and we
+                # catch up on the next (one that arrives mid-step waits for the next step).
+                log.info("missed the gathering of step %d; joining the next", self.held.step + 1)
+                self._failed_before = call
+                call = None
+            elif (full and now >= call - window / 2) or (
+                self.training.mode == "dedloc" and now + local.batch_seconds >= call - margin
+            ):
+                # Our part is done, half the window is left (time for an earlier call of the
+                # step to show: it wins, and a ticket in ours would pin us here), and our
+                # ticket lands well before the close; or (dedloc) the gathering is about to
+                # close. A diloco peer averages only with exactly its H inner steps.
+                return Declare(call, read_for=margin / 4)
+        if full:  # done: wait for the call, for its time to declare, or for our averaging
+            wait = self.training.progress_interval / 2
+            if local.averaging:
+                return Wait(wait, for_averaging=True)
+            if call is not None:
+                wait = min(wait, max(0.0, call - window / 2 - now))
+            return Wait(wait)
+        return Compute()
+
+    def _catch_up(self, donors: list[ProgressRecord], target: int, within: float | None) -> CatchUp:
+        self._move(Event.BEHIND)
+        self.downloading = True
+        self.changed = True  # others must not take our old digest for settled
+        return CatchUp(donors, target, within)
+
+    def _settling(self, local: Local, now: float) -> Action:
+        """Before stopping: stay (publishing progress, serving the state) until every trainer
+        in view holds our step and digest, so that a peer that ended on another digest (a
+        group that averaged apart) or a step behind catches up from us; we catch up likewise.
+        Bounded: a silent peer's record may take a while to expire. While a trainer behind us
+        or downloading is in view we stay longer, up to a state download's deadline: it would
+        be left without a donor (a large state over a slow link takes minutes), or end on
+        other parameters than ours."""
+        left = self._settle_deadline - now
+        if left <= 0:
+            return self._stop(f"stopping at step {self.held.step} before every peer agreed")
+        view = self.view_with(local, now)
+        if donors := self.donors(view, now):
+            return self._catch_up(donors, view.global_step, left)
+        if view.settled(self.held.step, self.held.digest):
+            return self._stop("")
+        if now > self._settle_patience and not view.catching_up(self.held.step):
+            return self._stop(f"stopping at step {self.held.step} before every peer agreed")
+        return Wait(min(self.training.progress_interval / 2, left))
+
+    def _stop(self, reason: str) -> Stop:
+        self._move(Event.SETTLED)
+        return Stop(reason)
+
+    # -------------------------------------------------------------- what the records say
+
+    @property
+    def holding(self) -> bool:
+        """Our part of the next step is done (what our record says: others' projections
+        take our count as final), until its averaging ends."""
+        return self.phase in (Phase.HOLDING, Phase.AVERAGING)
+
+    @property
+    def uniform(self) -> bool:
+        """Peers weighted equally in the average (the DiLoCo paper's), not by samples."""
+        return self.training.mode == "diloco" and self.training.outer_weighting == "uniform"
+
+    def own_record(self, local: Local, now: float) -> ProgressRecord:
+        """Our record as the protocol sees it (the executor adds addresses and figures)."""
+        validation = local.validation
+        if validation and not math.isfinite(validation[1]):
+            validation = None  # others would drop the whole record (ProgressRecord.problem)
+        call_step, gather_until = self.call or (-1, 0.0)
+        return ProgressRecord(
+            peer_id=self.me,
+            role="trainer",
+            addrs=[],
+            step=self.held.step,
+            digest=self.held.digest,
+            samples=local.samples,
+            samples_per_second=local.samples_per_second,
+            updated_at=now,
+            validation_loss=validation[1] if validation else None,
+            validation_step=validation[0] if validation else 0,
+            call_step=call_step,
+            gather_until=gather_until,
+            downloading=self.downloading,
+            holding=self.holding,
+            signatures=list(self.held.signatures),
+        )
+
+    def view_with(self, local: Local, now: float) -> CollaborationView:
+        """The last read, with our own record as it is now."""
+        return self.view.with_record(self.own_record(local, now))
+
+    def donors(self, view: CollaborationView, now: float) -> list[ProgressRecord]:
+        """Holders of the state to fetch when we are behind, hold a minority digest, or are
+        stranded ahead (`stranded`)."""
+        step = self.held.step
+        target = view.global_step
+        if target == step:
+            consensus = view.consensus(step)
+            if consensus is None or consensus == self.held.digest:
+                return []
+        elif target < step and not self.stranded(now):
+            return []
+        return [r for r in view.donors(target) if r.peer_id != self.me]
+
+    def stranded(self, now: float) -> bool:
+        """We applied a step that fewer than `quorum` peers signed (the others' averaging
+        failed where ours completed: two peers under load, one stepped and one did not), and
+        it stayed so for `Timing.settle_patience`. Nobody can download it and the others
+        cannot average with us a step apart: we go back to the certified step they hold (a
+        step nobody else holds is not the collaboration's), losing that step's samples."""
+        since = self._uncertified_since
+        patience = self.timing.settle_patience(self.store_seconds)
+        return since is not None and self.held.step > 0 and now - since >= patience
+
+    def _company(self, now: float) -> list[ProgressRecord]:
+        return company(
+            self.view, self.held.step, self.me, self._moves, within=self.timing.solo_wait, now=now
+        )
+
+    def _on_our_own(self, now: float) -> bool:
+        """Nobody is left to average with (`progress.company`: no other trainer at our step or
+        beyond, or behind and catching up), nor has been for `solo_after` seconds. Only then is
+        a step of our samples alone no step apart from anyone's: sooner, a peer cut off from the
+        others (or one whose clock made it miss their gathering) would run ahead alone, the
+        others chasing it by download, and their work be dropped when the highest step wins
+        after the heal; or it would end on parameters nobody else holds."""
+        if self._company(now):
+            return False
+        since = self._company_at
+        return since is None or now - since >= self.timing.solo_wait
+
+    def left_behind(self, now: float) -> bool:
+        """The collaboration reached max_steps without us, and its holders left: stepping on
+        alone would end on parameters nobody else holds."""
+        last = self.training.max_steps
+        return bool(last) and self.held.step < last <= self.highest_seen and self._on_our_own(now)
+
+    def _done(self, local: Local, now: float) -> bool:
+        if self.training.max_steps and self.held.step >= self.training.max_steps:
+            return True
+        if self.left_behind(now):
+            return True
+        # Our own validation, or `quorum` peers' reports: one peer's word stops nobody.
+        target = self.training.target_validation_loss
+        own = local.validation
+        return bool(target) and (
+            (own is not None and own[1] <= target) or self.view.target_reached(target)
+        )
+
+    def _batch_is_full(self, view: CollaborationView, local: Local, now: float) -> bool:
+        """Our part of the next step is done. diloco: our `inner_steps` (each peer takes
+        exactly H). dedloc: our quota of the target batch (`quota`), or the samples of the
+        collaboration as we project them (ours exactly) are within half a micro-batch of the
+        target, so one more would overshoot by more than it would fall short. The quotas bound
+        the batch whatever the records' staleness; the projection stops us early where others
+        did more than their quota."""
+        micro_batch = self.config.task.micro_batch
+        if self.training.mode == "diloco":
+            return local.samples >= self.training.inner_steps * micro_batch
+        if local.samples >= self.quota(view, local) * micro_batch:
+            return True
+        projected = view.projected_samples(
+            self.held.step, now=now, horizon=self.timing.projection_horizon
+        )
+        return projected >= self.config.task.target_batch - micro_batch / 2
+
+    def quota(self, view: CollaborationView, local: Local) -> int:
+        """Our micro-batches of the next step: the target's micro-batches dealt out among the
+        trainers about to take the step in proportion to their samples/s (equally while a
+        speed is unknown: a peer just started), by largest remainder, ties by peer id. Every
+        peer with the same view deals the same way, so the quotas add up to the target (to a
+        micro-batch: peers with other micro-batch sizes count in ours); with more peers than
+        micro-batches some get none and only receive the average."""
+        micro_batch = self.config.task.micro_batch
+        units = max(1, round(self.config.task.target_batch / micro_batch))
+        rates = {r.peer_id: r.samples_per_second for r in self._step_company(view)}
+        # Our rate as the others read it (our last stored record), not as it is now: with our
+        # fresh rate against their published ones, each peer of a warming-up collaboration
+        # took itself for the faster one and the quotas added up to more than the target.
+        published = [r for r in self.view.records if r.peer_id == self.me]
+        rates[self.me] = published[0].samples_per_second if published else local.samples_per_second
+        if not all(rate > 0 for rate in rates.values()):
+            rates = dict.fromkeys(rates, 1.0)
+        total = sum(rates.values())
+        exact = {peer: units * rate / total for peer, rate in rates.items()}
+        quota = {peer: int(share) for peer, share in exact.items()}
+        left = units - sum(quota.values())
+        by_remainder = sorted(exact, key=lambda peer: (quota[peer] - exact[peer], peer))
+        for peer in by_remainder[:left]:
+            quota[peer] += 1
+        return quota[self.me]
+
+    def _step_company(self, view: CollaborationView) -> list[ProgressRecord]:
+        """The trainers about to take our next step with us: at our step, or one behind (a
+        record published just before its step), not downloading."""
+        step = self.held.step
+        return [
+            r
+            for r in view.records
+            if r.role == "trainer" and r.step in (step, step - 1) and not r.downloading
+        ]
+
+    def _current_call(self, view: CollaborationView, now: float) -> float | None:
+        # Not the call we missed: with it still earliest in view, a peer that missed it would
+        # call the step again on every iteration, and its calls would never take effect.
+        return view.call(
+            self.held.step, after=self._failed_before, latest=self.timing.latest_call(now)
+        )
+
+    def _ready(self, view: CollaborationView, local: Local, now: float) -> bool:
+        """The step can be called: everyone about to take it holds (diloco: a barrier, each
+        peer did its H steps; dedloc: or computes nothing), or (dedloc) the samples projected
+        to the end of the gathering window reach the target (a caller done with its own part
+        is not enough: the others would declare half-way through their quotas)."""
+        step = self.held.step
+        if self.training.mode == "diloco":
+            return self._batch_is_full(view, local, now) and all(
+                r.holding for r in view.trainers(step) if r.peer_id != self.me
+            )
+        # Nobody computes more: all hold, or compute nothing (a peer at 0 samples/s).
+        done = all(
+            r.holding or r.samples_per_second <= 0
+            for r in self._step_company(view)
+            if r.peer_id != self.me
+        )
+        return (done and self._batch_is_full(view, local, now)) or should_call(
+            view,
+            step,
+            target_batch=self.config.task.target_batch,
+            window=self.timing.window(self.store_seconds),
+            now=now,
+            horizon=self.timing.projection_horizon,
+        )
+
+    def _may_call(self, view: CollaborationView, local: Local, now: float) -> bool:
+        """Whether we call the step now. One caller, so that two calls of a step made at
+        nearly the same moment do not split it (each call's peers averaging apart, one part
+        downloading the other's state: 8 peers in one process split 5-3 that way): the trainer
+        at our step with the lowest peer id calls; another only if no call came for a while
+        after it was ready (the lowest may be gone)."""
+        if self._ready_since is None or self._others_still_averaging(view, local, now):
+            return False
+        peers = {r.peer_id: r for r in self._step_company(view)}
+        lowest = min(peers, default=self.me)
+        if self.me <= lowest:
+            return True
+        # Another calls only where the lowest looks silent: its record is stale, or it is done
+        # and no call came; or, whatever its record says, after a long wait.
+        waited = now - self._ready_since
+        fallback = self.timing.fallback_caller_wait(self.store_seconds)
+        record = peers[lowest]
+        stale = now - record.updated_at > self.timing.stale_record
+        return waited >= fallback and (
+            stale
+            or record.holding
+            or waited >= fallback + 4 * self.timing.window(self.store_seconds)
+        )
+
+    def _majority(self, result: AveragingResult) -> bool:
+        """Whether the peers behind `result` are more than half of the trainers at this step
+        (or one step around it: a record lags its peer's step). Two groups that averaged the
+        same step apart (a call seen too late by some) cannot both hold a majority, so at most
+        one of them steps; without this both did, and the smaller downloaded the other's state
+        and lost its samples. (A peer killed without withdrawing its record counts until the
+        record expires.)"""
+        around = [
+            r
+            for r in self.view.records
+            if r.role == "trainer"
+            and abs(r.step - self.held.step) <= 1
+            and not r.downloading
+            and r.peer_id != self.me
+        ]
+        if 2 * result.members > len(around) + 1:
+            return True
+        result.skipped.append(
+            f"it holds {result.members} of the {len(around) + 1} trainers at this step, not a "
+            "majority: another group may step without us"
+        )
+        return False
+
+    def _others_still_averaging(self, view: CollaborationView, local: Local, now: float) -> bool:
+        """After an averaging that failed (or that we missed), others at our step may still be
+        in it, waiting out a dead member: a call of ours now would close before they are free,
+        they would miss it, and the step would split (each part stepping with fewer peers, the
+        rest downloading). Wait until they are done (their record shows no call at or before
+        it), at most as long as an averaging may take."""
+        if self._failed_before == -math.inf:
+            return False
+        longest = self.longest_averaging(view, local)
+        return any(
+            r.call_step == self.held.step
+            and r.gather_until <= self._failed_before
+            and now - r.gather_until < longest
+            for r in view.trainers(self.held.step)
+            if r.peer_id != self.me
+        )
+
+    def longest_averaging(self, view: CollaborationView, local: Local) -> float:
+        """A bound on an averaging's length after its gathering (`longest_averaging`: its
+        rounds' joins, waits and transfers of our vector at our measured bandwidth; at least
+        the fixed bound it replaces, 30 s by default, which was shorter than one round of a
+        400 MB vector at 50 MB/s). A failed one ends sooner: its members learn it at once.
+        At most MAX_WAIT_FOR_OTHERS: a record that goes on claiming to be in the failed
+        averaging holds every call only that long. A slower member's transfers are not in the
+        bound (records carry no bandwidth): a call made while it is still in the averaging can
+        go on without it (it then downloads the state)."""
+        averaging = self.config.averaging
+        bandwidth = (
+            [max(averaging.min_bandwidth, local.bandwidth)] if local.bandwidth is not None else []
+        )
+        peers = len(view.trainers(self.held.step))
+        floor = 4 * averaging.join_timeout + 2 * averaging.timeout_floor
+        bound = longest_averaging(self.vector_size, peers, bandwidth, averaging)
+        return min(MAX_WAIT_FOR_OTHERS, max(floor, bound))

@@ -1,0 +1,595 @@
+"""The step protocol's decisions (`StepPolicy`): pure, on an explicit clock. No torch, no DHT;
+records come from `tests.test_progress.rec`, time is the `now` each call is given."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import numpy as np
+import pytest
+
+from peer.averaging.allreduce import RoundReport
+from peer.averaging.averager import AveragingResult
+from peer.averaging.reduce import ChunkResult
+from peer.config import AveragingConfig, PeerConfig, TaskConfig, TrainingConfig
+from peer.training.certificate import StepSignature
+from peer.training.policy import (
+    MAX_WAIT_FOR_OTHERS,
+    TRANSITIONS,
+    Call,
+    CatchUp,
+    Compute,
+    Declare,
+    Event,
+    Local,
+    Phase,
+    ProtocolError,
+    StepPolicy,
+    Stop,
+    Wait,
+)
+from peer.training.progress import CollaborationView, ProgressRecord
+from peer.training.timing import STORES_PER_WINDOW
+from tests.test_progress import PEERS, rec
+
+T0 = 1000.0
+ME = "m"  # peer ids sort: "0" < "12D3KooW..." < "m" < "z..."
+
+
+def make_policy(
+    *, min_group_size: int = 2, mode: str = "dedloc", max_steps: int = 0, **training
+) -> StepPolicy:
+    config = PeerConfig(
+        averaging=AveragingConfig(min_group_size=min_group_size),
+        task=TaskConfig(name="tiny", micro_batch=8, target_batch=64),
+        training=TrainingConfig(mode=mode, max_steps=max_steps, **training),
+    )
+    policy = StepPolicy(me=ME, config=config, vector_size=1000)
+    policy.hold(0, "d0", own_signature(0))
+    policy.started()
+    return policy
+
+
+def own_signature(step: int) -> StepSignature:
+    return StepSignature(ME, step.to_bytes(64, "big"))  # ours: the policy checks no signature
+
+
+def other(peer_id: str, **fields) -> ProgressRecord:
+    """Another trainer's record at step 0 (the task's initial state, as ours), published at T0."""
+    return msgspec.structs.replace(
+        rec(0, step=0, digest="d0", updated_at=T0), peer_id=peer_id, **fields
+    )
+
+
+def read(policy: StepPolicy, *records: ProgressRecord, now: float = T0) -> None:
+    policy.observe(CollaborationView(list(records), policy.quorum), now)
+
+
+def step_alone(policy: StepPolicy, now: float) -> bool:
+    """An averaging that read no other ticket: whether it is a step (of our 8 samples)."""
+    policy.phase = Phase.AVERAGING  # (as `declare` leaves it)
+    verdict = policy.averaged(AveragingResult(peers_seen=1), 8, now, now)
+    if verdict.step:
+        policy.hold(policy.held.step + 1, "d", own_signature(policy.held.step + 1))
+    return verdict.step
+
+
+def group_result(weight: float, *, complete: bool = True, members: int = 3) -> AveragingResult:
+    report = RoundReport(chunks=[ChunkResult(0, 10, 3)])
+    if not complete:
+        report.dropped_senders["someone"] = "timed out"
+        return AveragingResult(peers_seen=3, rounds=[report], skipped=["round 0: incomplete"])
+    average = np.full(10, 0.25, dtype=np.float32)
+    return AveragingResult(
+        peers_seen=3, rounds=[report], average=average, weight=weight, members=members
+    )
+
+
+# ---------------------------------------------------------------------------- the machine
+
+
+@pytest.mark.parametrize("phase", list(Phase))
+@pytest.mark.parametrize("event", list(Event))
+def test_every_phase_takes_only_the_events_its_row_of_the_table_names(phase, event):
+    policy = make_policy()
+    policy.phase = phase
+    target = TRANSITIONS[phase].get(event)
+    if target is None:
+        with pytest.raises(ProtocolError):
+            policy._move(event)
+        assert policy.phase is phase
+    else:
+        policy._move(event)
+        assert policy.phase is target
+
+
+def test_the_table_leads_from_start_to_stop_and_nothing_leaves_stopped():
+    reachable, frontier = {Phase.STARTING}, [Phase.STARTING]
+    while frontier:
+        for target in TRANSITIONS[frontier.pop()].values():
+            if target not in reachable:
+                reachable.add(target)
+                frontier.append(target)
+    assert reachable == set(Phase)
+    assert TRANSITIONS[Phase.STOPPED] == {}
+
+
+def test_one_dedloc_step_walked_on_a_virtual_clock():
+    """Two peers; we have the lowest id, so we call. Each row: what we know, what we do."""
+    policy = make_policy()
+    window = policy.timing.window(policy.store_seconds)
+    peer = other("z1", samples_per_second=10.0)
+    read(policy, peer)
+    rate = dict(samples_per_second=10.0, batch_seconds=0.8)
+    # 8 samples, and 2 x 10/s over the window: 48 of 64 by the gathering. Compute.
+    assert policy.next_action(Local(samples=8, **rate), T0) == Compute()
+    assert policy.phase is Phase.COMPUTING
+    # 32, our quota (4 of the 8 micro-batches): we hold (the others' projections take our
+    # count as final); 72 projected by the gathering, and we are the lowest id: we call.
+    action = policy.next_action(Local(samples=32, **rate), T0 + 0.1)
+    assert action == Call(T0 + 0.1 + window) and policy.take_changed()
+    record = policy.own_record(Local(samples=32), T0 + 0.1)
+    assert policy.phase is Phase.HOLDING and record.holding and record.call_step == 0
+    assert isinstance(policy.next_action(Local(samples=32, **rate), T0 + 0.2), Wait)
+    # Half the window later: declare, after one more read.
+    gather_until = T0 + 0.1 + window
+    action = policy.next_action(Local(samples=32, **rate), gather_until - window / 2)
+    assert isinstance(action, Declare) and action.gather_until == gather_until
+    assert policy.declare(gather_until, gather_until - window / 2, in_background=False)
+    assert policy.phase is Phase.AVERAGING and policy.holding
+    # An exact average of both: a step of the whole batch.
+    verdict = policy.averaged(group_result(64, members=2), 32, gather_until, gather_until + 1)
+    assert verdict.step and verdict.global_batch == 64 and verdict.members == 2
+    policy.hold(1, "d1", own_signature(1))
+    assert policy.phase is Phase.COMPUTING and policy.held.step == 1 and policy.call is None
+
+
+def test_a_peer_declares_nowhere_once_an_earlier_call_or_a_step_past_ours_shows():
+    policy = make_policy()
+    read(policy, other("0", holding=True, samples=32))  # the lowest: it calls, not us
+    assert isinstance(policy.next_action(Local(samples=32), T0), Wait)  # holding
+    earlier = other("z2", call_step=0, gather_until=T0 + 1.0)
+    read(policy, earlier)
+    assert not policy.declare(T0 + 2.0, T0, in_background=False)
+    past = rec(1, cosigners=(2,), step=1, digest="x")
+    read(policy, past)
+    assert not policy.declare(T0 + 2.0, T0, in_background=False)
+    assert policy.phase is Phase.HOLDING and policy.call is None
+
+
+def test_a_missed_gathering_is_not_joined_late_and_not_called_again():
+    policy = make_policy()
+    margin = policy.timing.declare_margin(policy.store_seconds)
+    called = other("0", call_step=0, gather_until=T0 + 1.0)
+    read(policy, called)
+    assert policy.next_action(Local(), T0 + 1.0 - margin / 4) == Compute()  # too late
+    # That call is the one we missed: it is no call of ours to wait for or declare in.
+    assert policy._current_call(policy.view, T0 + 1.0) is None
+
+
+# ---------------------------------------------------------------------------- alone
+
+
+def test_a_peer_that_read_no_other_ticket_steps_alone_only_once_nobody_is_left():
+    """A step of our samples alone parts from everyone at our step or beyond; a peer cut off
+    from the others (or one that missed their gathering) accumulates instead, until nobody at
+    our step or beyond has been in view for `solo_after` seconds; and only where
+    `averaging.min_group_size` = 1 lets one peer make a step (`peer.training.certificate`)."""
+    policy = make_policy(min_group_size=1)
+    solo = policy.timing.solo_wait
+    read(policy, other("z1"))  # at our step
+    assert not step_alone(policy, T0)
+    read(policy, other("z1", step=5))  # ahead
+    assert not step_alone(policy, T0 + 1)
+    # Its record gone (left, or cut off from us): not yet, it was in view a moment ago.
+    read(policy, now=T0 + 2)
+    assert not step_alone(policy, T0 + 2)
+    # solo_after seconds later nobody came back: the accumulated samples make our step.
+    assert step_alone(policy, T0 + 1 + solo)
+    assert policy.held.step == 1
+    # With the default min_group_size = 2, never: a step of one certifies nothing.
+    pair = make_policy()
+    read(pair)
+    assert not any(step_alone(pair, T0 + t * solo) for t in range(3))
+
+
+def test_a_peer_ahead_waits_for_those_catching_up_but_not_for_one_stuck_behind():
+    """The partition testbed run: a peer that had stepped alone during a 35 s cut was ahead
+    after the heal, and stepped alone 19 more times while the others, behind, downloaded its
+    state after each of its steps (8 downloads each) and never averaged with it."""
+    policy = make_policy(min_group_size=1)
+    solo = policy.timing.solo_wait
+    assert step_alone(policy, T0) and step_alone(policy, T0 + 1)  # nobody seen: a lone first
+    behind = other("z1", step=0, digest="x")
+    read(policy, behind, now=T0 + 2)  # appeared: it is about to download
+    assert not step_alone(policy, T0 + 2)
+    read(policy, msgspec.structs.replace(behind, step=1), now=T0 + 100)  # caught up to 1
+    assert not step_alone(policy, T0 + 100)
+    # Stuck at step 1 for solo_after seconds: it holds us back no longer.
+    read(policy, msgspec.structs.replace(behind, step=1), now=T0 + 100 + solo)
+    assert step_alone(policy, T0 + 100 + 2 * solo)
+    assert policy.held.step == 3
+
+
+def test_a_peer_left_behind_when_the_collaboration_finished_stops_instead_of_stepping_alone():
+    """The 5 Mbit testbed run: the others reached max_steps and left while a laggard was still
+    downloading; it then stepped alone to the last step and ended on parameters nobody held."""
+    policy = make_policy(max_steps=3)
+    read(policy, rec(0, cosigners=(1,), step=3, digest="x"))
+    assert isinstance(policy.next_action(Local(), T0), CatchUp)  # it downloads from them
+    policy.fetched(ok=False, now=T0)
+    read(policy, now=T0 + 1)  # they left (or a read missed them: wait solo_after)
+    assert policy.next_action(Local(), T0 + 1) == Compute()
+    later = T0 + 1 + policy.timing.solo_wait
+    assert isinstance(policy.next_action(Local(), later), Stop)
+    assert policy.phase is Phase.STOPPED and policy.held.step == 0
+    # Without max_steps nothing changes.
+    free = make_policy()
+    read(free, rec(0, cosigners=(1,), step=3, digest="x"))
+    read(free, now=T0 + 1)
+    assert free.next_action(Local(), T0 + 1 + 10 * free.timing.solo_wait) == Compute()
+
+
+# ---------------------------------------------------------------------------- settling
+
+
+def finished(policy: StepPolicy, now: float) -> None:
+    """At max_steps (3): the next action settles."""
+    policy.hold(3, "d3", own_signature(3))
+    policy.next_action(Local(), now)
+    assert policy.phase in (Phase.SETTLING, Phase.STOPPED)
+
+
+def test_a_finished_peer_waits_for_one_behind_it_up_to_a_download_deadline():
+    """Finished peers used to leave after 2 gather_window + 4 progress_interval + 5 s (13 s)
+    whatever the others did: a laggard mid-way through a 20 s download lost its donors."""
+    policy = make_policy(max_steps=3)
+    patience = policy.timing.settle_patience(policy.store_seconds)
+    deadline = patience + policy.timing.download_timeout
+    laggard = other("z1", step=1, digest="x")
+    read(policy, laggard)
+    finished(policy, T0)
+    assert isinstance(policy.next_action(Local(), T0 + 40), Wait)
+    read(policy, msgspec.structs.replace(laggard, step=3, digest="d3"), now=T0 + 40)
+    assert policy.next_action(Local(), T0 + 40) == Stop()
+    # One that never catches up (e.g. a dead peer's record, not yet expired) is waited for no
+    # longer than a download's deadline after the usual bound.
+    stuck = make_policy(max_steps=3)
+    read(stuck, laggard)
+    finished(stuck, T0)
+    assert isinstance(stuck.next_action(Local(), T0 + deadline - 1), Wait)
+    assert isinstance(stuck.next_action(Local(), T0 + deadline), Stop)
+    # One at our step and digest but downloading (two groups swapping digests at the end).
+    fetching = make_policy(max_steps=3)
+    read(fetching, other("z1", step=3, digest="d3", downloading=True))
+    finished(fetching, T0)
+    assert isinstance(fetching.next_action(Local(), T0 + patience + 1), Wait)
+    # Nobody behind, one at our step on another digest: the usual bound.
+    apart = make_policy(max_steps=3)
+    read(apart, other("z1", step=3, digest="x"))
+    finished(apart, T0)
+    assert isinstance(apart.next_action(Local(), T0 + patience - 1), Wait)
+    assert isinstance(apart.next_action(Local(), T0 + patience + 0.1), Stop)
+
+
+def test_a_settling_peer_downloads_the_consensus_within_what_is_left_of_its_bound():
+    policy = make_policy(max_steps=3)
+    read(policy, rec(0, cosigners=(1,), step=3, digest="x"), rec(1, step=3, digest="x"))
+    policy.hold(3, "d3", own_signature(3))  # our last step: a digest the others do not hold
+    action = policy.next_action(Local(), T0)
+    assert policy.phase is Phase.SETTLING
+    assert isinstance(action, CatchUp) and action.target == 3
+    deadline = policy.timing.settle_patience(0.0) + policy.timing.download_timeout
+    assert action.within == pytest.approx(deadline)
+    assert policy.own_record(Local(), T0).downloading
+    policy.fetched(ok=False, now=T0 + 5)
+    assert policy.phase is Phase.SETTLING and not policy.own_record(Local(), T0).downloading
+    assert policy.next_action(Local(), T0 + 5).within == pytest.approx(deadline - 5)
+
+
+# ---------------------------------------------------------------------------- results
+
+
+def test_failed_averagings_warn_only_once_they_persist():
+    policy = make_policy()
+    outcomes = [False] * 4 + [True] + [False] * 14  # 4 failures, a step, 14 failures
+    warned, failures = [], 0
+    for gather_until, complete in enumerate(outcomes, start=1):
+        policy.phase = Phase.AVERAGING
+        verdict = policy.averaged(group_result(3, complete=complete), 8, gather_until, T0)
+        if not verdict.step:
+            failures += 1
+            if verdict.warn:
+                warned.append(failures)
+    # The 3rd failure in a row warns, then the 13th, 23rd...; a step starts the count over.
+    assert failures == 18 and warned == [3, 7, 17]
+
+
+@pytest.mark.parametrize(
+    ("samples", "weight", "complete", "steps"),
+    [
+        (8, 24, True, True),  # an ordinary step
+        (0, 16, True, True),  # we had nothing, others did: the group's average still applies
+        (0, 0, True, False),  # nobody had samples: nothing was averaged
+        (8, 24, False, False),  # a member failed: our work waits for the next try
+    ],
+)
+def test_a_group_result_is_a_step_only_if_exact_and_someone_contributed(
+    samples, weight, complete, steps
+):
+    policy = make_policy()
+    policy.phase = Phase.AVERAGING
+    verdict = policy.averaged(group_result(weight, complete=complete), samples, 1.0, T0)
+    assert verdict.step == steps and not verdict.alone
+    assert bool(verdict.reason) == (not complete)  # no sample at all is routine
+
+
+def test_a_group_of_a_minority_of_the_trainers_does_not_step():
+    """Two groups that averaged one step apart cannot both step: before, both did, and the
+    smaller one downloaded the other's state and lost its samples."""
+    policy = make_policy()
+    read(policy, *(other(f"z{i}") for i in range(4)))  # 5 trainers
+    policy.phase = Phase.AVERAGING
+    minority = group_result(16, members=2)
+    assert not policy.averaged(minority, 8, 1.0, T0).step
+    assert "not a majority" in " ".join(minority.skipped)
+    policy.phase = Phase.AVERAGING
+    verdict = policy.averaged(group_result(24, members=3), 8, 2.0, T0)
+    assert verdict.step and verdict.global_batch == 24
+
+
+@pytest.mark.parametrize(("weighting", "batch"), [("samples", 3.0), ("uniform", None)])
+def test_a_uniformly_weighted_step_has_no_global_batch(weighting, batch):
+    """With peers weighted equally the average's weight counts peers: it was logged and kept as
+    the step's global batch ("8 local samples of 3")."""
+    policy = make_policy(mode="diloco", outer_weighting=weighting)
+    read(policy, other("z1"), other("z2"))
+    policy.phase = Phase.AVERAGING
+    verdict = policy.averaged(group_result(3.0), 8, 1.0, T0)
+    assert verdict.step and verdict.global_batch == batch
+
+
+# ---------------------------------------------------------------------------- quotas, calls
+
+
+def dedloc(*others: ProgressRecord, me_rate: float = 10.0) -> tuple[StepPolicy, float]:
+    policy = make_policy()
+    read(policy, *others)
+    return policy, me_rate
+
+
+def is_full(policy: StepPolicy, samples: int, now: float = T0, rate: float = 10.0) -> bool:
+    view = policy.view_with(Local(samples=samples, samples_per_second=rate), now)
+    return policy._batch_is_full(view, Local(samples=samples, samples_per_second=rate), now)
+
+
+def test_a_dedloc_peer_stops_at_its_quota_of_the_target_batch():
+    """Each peer computes its quota (by speed) of the target's micro-batches and holds: the
+    global batch is the target, give or take a micro-batch per peer, however stale the
+    records are (target 256 gave 160-704 before)."""
+    policy, rate = dedloc(*(other(f"z{i}", samples_per_second=10.0) for i in range(3)))
+    assert policy.quota(policy.view, Local(samples_per_second=rate)) == 2
+    assert not is_full(policy, 8) and is_full(policy, 16)
+    fast, _ = dedloc(*(other(f"z{i}", samples_per_second=10.0) for i in range(3)))
+    assert fast.quota(fast.view, Local(samples_per_second=30.0)) == 4
+    # A peer at another step, or downloading, takes no part in this step.
+    apart, _ = dedloc(
+        other("z1", samples_per_second=10.0, step=5),
+        other("z2", samples_per_second=10.0, downloading=True),
+    )
+    assert apart.quota(apart.view, Local(samples_per_second=10.0)) == 8
+
+
+def test_the_quotas_of_every_peer_add_up_to_the_target():
+    """16 peers and a target of 8 micro-batches: half of them compute one, the others none
+    and only receive the average (a share of half a micro-batch each, rounded, made every peer
+    hold with nothing: 16 peers averaged zero samples again and again)."""
+    peers = [f"p{i:02d}" for i in range(16)]
+    rates = {peer: 10.0 + i for i, peer in enumerate(peers)}
+    quotas = []
+    for me in peers:
+        policy = make_policy()
+        policy.me = me
+        read(policy, *(other(p, samples_per_second=rates[p]) for p in peers if p != me))
+        quotas.append(policy.quota(policy.view, Local(samples_per_second=rates[me])))
+    assert sum(quotas) == 8 and set(quotas) == {0, 1}
+    assert quotas[-1] == 1  # the fastest gets one
+
+
+def test_warming_up_peers_deal_quotas_from_the_rates_they_published():
+    """Each peer deals from the records everyone reads, its own included: two peers whose
+    first (slow) micro-batches were published at 10/s and who run at 30/s now each took
+    themselves for the faster one (6 + 6 of 8 micro-batches: a global batch of 96)."""
+    quotas = []
+    for me, peer in (("a", "b"), ("b", "a")):
+        policy = make_policy()
+        policy.me = me
+        read(policy, other(me, samples_per_second=10.0), other(peer, samples_per_second=10.0))
+        quotas.append(policy.quota(policy.view, Local(samples_per_second=30.0)))
+    assert quotas == [4, 4]
+
+
+def test_a_dedloc_peer_stops_when_the_others_already_hold_the_batch():
+    policy, _ = dedloc(other("z1", samples=40, holding=True), other("z2", samples=20, holding=True))
+    assert is_full(policy, 0)  # 60 >= 64 - 4: one more would overshoot
+    # Their counts move on at their speed until they hold (projected at most 2 intervals on).
+    moving, _ = dedloc(other("z1", samples=40, samples_per_second=10.0))
+    assert not is_full(moving, 0)  # 40, and our share is 32
+    assert is_full(moving, 0, now=T0 + 2 * moving.training.progress_interval)  # 40 + 10/s x 2 s
+
+
+def test_only_the_lowest_trainer_calls_a_step_unless_it_stays_silent():
+    """Two calls of a step made at nearly the same moment split it (8 peers in one process
+    split 5-3): one caller, with a fallback in case it is gone."""
+    low, _ = dedloc(other("z1", samples=40, holding=True))
+    high, _ = dedloc(other("0", samples=40, holding=True, updated_at=T0))
+    ours = Local(samples=24, samples_per_second=10.0)
+    assert isinstance(low.next_action(ours, T0), Call)
+    assert isinstance(high.next_action(ours, T0), Wait)  # the lowest calls
+    fallback = high.timing.fallback_caller_wait(high.store_seconds)
+    # The lowest stayed silent: its record is stale, or it holds and no call came.
+    assert isinstance(high.next_action(ours, T0 + fallback + 0.1), Call)
+
+
+def test_a_caller_done_with_its_own_quota_waits_for_the_collaboration():
+    """Being done with one's own quota is not the batch being full: a step called then made
+    the others declare half-way through theirs. Nor does a peer with nothing to do take over
+    the call from a lowest peer that is still computing."""
+    policy, _ = dedloc(other("z1", samples=8, samples_per_second=10.0))
+    ours = Local(samples=32, samples_per_second=10.0)  # our quota: 4 of 8 micro-batches
+    policy.phase = Phase.HOLDING  # (as its previous iteration left it)
+    assert isinstance(policy.next_action(ours, T0), Wait)  # 40 of 64, and 20 more in 2 s
+    read(policy, other("z1", samples=32, holding=True))
+    assert isinstance(policy.next_action(ours, T0), Call)  # everyone holds
+    # One that computes nothing never holds: it must not keep the step from being called.
+    idle_other, _ = dedloc(other("z1", samples=0, samples_per_second=0.0))
+    assert isinstance(idle_other.next_action(ours, T0), Call)
+    # A peer with nothing done yet, while the lowest computes and publishes: no call of its
+    # own, until a long wait says the lowest will not call.
+    idle = make_policy()
+    lowest = other("0", samples=40, samples_per_second=10.0, updated_at=T0)
+    nothing = Local(samples=0, samples_per_second=10.0)  # 40 + 2 x 10/s x 2 s: ready
+    fallback = idle.timing.fallback_caller_wait(0.0)
+    window = idle.timing.window(0.0)
+    for t in (0.0, fallback + 0.1):  # fresh records: the lowest is alive and computing
+        read(idle, msgspec.structs.replace(lowest, updated_at=T0 + t), now=T0 + t)
+        assert not isinstance(idle.next_action(nothing, T0 + t), Call)
+    later = T0 + fallback + 4 * window + 0.2
+    read(idle, msgspec.structs.replace(lowest, updated_at=later), now=later)
+    assert isinstance(idle.next_action(nothing, later), Call)
+
+
+def test_after_a_failed_averaging_nobody_calls_while_others_are_still_in_it():
+    """A call of ours while others are still in an averaging we missed (or that failed for
+    us) would close before they are free: they would miss it and the step would split."""
+    policy, _ = dedloc(other("z1", call_step=0, gather_until=T0 - 0.5, holding=True))
+    ours = Local(samples=32, samples_per_second=10.0)
+    assert isinstance(policy.next_action(ours, T0), Wait)  # missed: they are in it
+    assert isinstance(policy.next_action(ours, T0 + 1), Wait)  # still in it
+    read(policy, other("z1", holding=True), now=T0 + 1)  # done with it
+    assert isinstance(policy.next_action(ours, T0 + 1), Call)
+    # At most as long as an averaging may take, whatever their record goes on saying.
+    stuck, _ = dedloc(other("z1", call_step=0, gather_until=T0 - 0.5, holding=True))
+    stuck.next_action(ours, T0)
+    longest = stuck.longest_averaging(stuck.view, ours)
+    assert isinstance(stuck.next_action(ours, T0 + longest - 1), Wait)
+    assert isinstance(stuck.next_action(ours, T0 + longest), Call)
+
+
+def test_how_long_others_may_still_be_averaging_grows_with_the_vector():
+    """A fixed 30 s was shorter than one round of a 400 MB vector at 50 MB/s, and a peer
+    called the step while the others were still in it."""
+    config = PeerConfig(averaging=AveragingConfig(min_bandwidth=1.0))
+    policy = StepPolicy(me=ME, config=config, vector_size=1000)
+    averaging = config.averaging
+    fixed = 4 * averaging.join_timeout + 2 * averaging.timeout_floor
+    assert policy.longest_averaging(policy.view, Local()) == fixed  # unmeasured
+    rate = 4 * 1000 / 40.0  # bytes/s: the float32 vector takes 40 s
+    longest = policy.longest_averaging(policy.view, Local(bandwidth=rate))
+    assert longest > 2 * 40.0 * averaging.timeout_multiplier > fixed
+    # However slow our link: a record claiming to be in a failed averaging holds calls 10 min.
+    assert policy.longest_averaging(policy.view, Local(bandwidth=1.0)) == MAX_WAIT_FOR_OTHERS
+
+
+def test_a_diloco_peer_takes_exactly_its_inner_steps_and_calls_once_everyone_did():
+    """H was a minimum: peers kept taking inner steps until the gathering (29-31 with H = 10)."""
+    policy = make_policy(mode="diloco", inner_steps=3)
+    read(policy, other("z1", samples=8))
+    assert policy.next_action(Local(samples=16), T0) == Compute()
+    assert isinstance(policy.next_action(Local(samples=24), T0), Wait)  # exactly H: no more
+    read(policy, other("z1", samples=24, holding=True))
+    assert isinstance(policy.next_action(Local(samples=24), T0), Call)
+
+
+# ---------------------------------------------------------------------------- hostile records
+
+
+def test_a_state_downloads_only_for_a_certified_step():
+    """One peer's record at a higher step used to send everyone to download its state."""
+    policy = make_policy()
+    read(policy, rec(0, step=2, digest="x"))
+    assert policy.view.global_step == 0 and policy.next_action(Local(), T0) == Compute()
+    read(policy, rec(0, cosigners=(1,), step=2, digest="x"))  # two signers: the step counts
+    action = policy.next_action(Local(), T0)
+    assert isinstance(action, CatchUp) and [r.peer_id for r in action.donors] == [PEERS[0]]
+
+
+def test_a_call_far_ahead_holds_nobody():
+    """One peer's call of the next step 11 days ahead used to be the earliest call forever."""
+    policy = make_policy()
+    far = other("z1", call_step=0, gather_until=T0 + 11 * 86400)
+    read(policy, far)
+    assert policy._current_call(policy.view, T0) is None
+    read(policy, far, other("z2", call_step=0, gather_until=T0 + 2))
+    assert policy._current_call(policy.view, T0) == T0 + 2
+
+
+def test_training_stops_at_the_target_on_our_own_validation_or_a_quorum():
+    """One peer reporting a validation loss under the target used to end everyone's training."""
+    liar = other("z1", validation_loss=0.01, validation_step=99)
+    policy = make_policy(target_validation_loss=2.9)
+    read(policy, liar)
+    assert policy.next_action(Local(), T0) == Compute()
+    assert isinstance(policy.next_action(Local(validation=(0, 2.5)), T0), Stop)  # our own
+    quorum = make_policy(target_validation_loss=2.9)
+    read(quorum, liar, other("z2", validation_loss=2.0, validation_step=99))
+    assert isinstance(quorum.next_action(Local(validation=(0, 3.5)), T0), Stop)
+
+
+def test_a_step_nobody_else_applied_is_given_up_for_the_certified_one():
+    """Two peers under load: one's averaging completed, the other's did not. The first held a
+    step only it signed, the second could neither download it nor average a step apart: both
+    called their own steps for ever. The one stranded ahead goes back to the certified step."""
+    policy = make_policy()
+    policy.hold(1, "d1", own_signature(1))  # our averaging completed; the partner's did not
+    behind = rec(0, step=0, digest="d0")
+    read(policy, behind)
+    assert policy.next_action(Local(), T0) == Compute()
+    patience = policy.timing.settle_patience(policy.store_seconds)
+    read(policy, behind, now=T0 + patience)
+    action = policy.next_action(Local(), T0 + patience)
+    assert isinstance(action, CatchUp) and action.target == 0
+    # A step the partner signed too is never given up.
+    held = make_policy()
+    held.hold(1, "d1", own_signature(1))
+    partner = rec(0, step=1, digest="d1")
+    read(held, partner)
+    read(held, partner, now=T0 + 10 * patience)
+    assert held.next_action(Local(), T0 + 10 * patience) == Compute()
+
+
+def test_slow_dht_stores_widen_the_gathering_window_and_the_declare_margin():
+    """Over high-latency links a 2 s window closed before tickets landed (issue 7 testbed)."""
+    policy = make_policy()
+    timing = policy.timing
+    configured = policy.training.gather_window
+    assert timing.window(policy.store_seconds) == configured
+    assert timing.declare_margin(policy.store_seconds) == min(configured / 4, 1.0)
+    policy.note_store_time(0.01)  # a loopback store changes nothing
+    assert timing.window(policy.store_seconds) == configured
+    for _ in range(10):
+        policy.note_store_time(1.5)  # a store over a 160 ms RTT path: several round trips
+    assert policy.store_seconds == pytest.approx(1.5, rel=0.05)
+    window = timing.window(policy.store_seconds)
+    margin = timing.declare_margin(policy.store_seconds)
+    assert window >= STORES_PER_WINDOW * 1.4 and margin >= 2 * 1.4
+    assert window > margin + 1.0  # time left to compute
+    # However slow: no wider than the furthest ahead anyone believes a call.
+    assert timing.window(1e6) == timing.max_window < timing.latest_call(0.0)
+
+
+def test_backoff_after_failed_downloads_doubles_and_a_success_resets_it():
+    policy = make_policy()
+    read(policy, rec(0, cosigners=(1,), step=2, digest="x"))
+    waits = []
+    for ok in [False] * 8 + [True, False]:
+        assert isinstance(policy.next_action(Local(), T0), CatchUp)
+        waits.append(policy.fetched(ok=ok, now=T0))
+        if ok:  # (as the executor's `hold` would): a new state, then behind again
+            policy.hold(0, "d0", own_signature(0))
+    interval = policy.training.progress_interval
+    doubling = [min(interval * 2**i, 30.0) for i in range(8)]
+    assert waits[:8] == doubling and doubling[-1] == 30.0
+    assert waits[8] == 0 and waits[9] == interval
+    assert not math.isinf(waits[-1])
