@@ -411,7 +411,7 @@ async def test_failed_state_downloads_back_off_and_the_record_says_downloading(
     interval = trainer.training.progress_interval
     assert waits == [interval, 2 * interval, 4 * interval]
     assert during == [True] * 3 and not trainer.record().downloading
-    assert trainer._publish_now.is_set()  # others learn both at once
+    assert trainer.progress._now.is_set()  # others learn both at once
 
 
 async def test_a_step_nobody_else_applied_is_given_up_for_the_certified_one(
@@ -449,7 +449,7 @@ async def test_a_store_cut_short_by_its_deadline_still_widens_the_window(tmp_pat
 
     trainer.dht.store, trainer.dht.withdraw = slow_store, withdraw
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(trainer._keep_progress)
+        nursery.start_soon(trainer.progress.run)
         await trio.sleep(30)
         nursery.cancel_scope.cancel()
     deadline = max(trainer.training.progress_interval, trainer.config.net.rpc_timeout)
@@ -491,7 +491,12 @@ async def test_a_far_call_and_a_lone_liar_change_nothing_through_a_real_read(tmp
     await take_steps(liar, 2)
     record = signed_record(liar, call_step=2, gather_until=trainer.clock() + 11 * 86400)
     entries = {record.peer_id: Entry(encode_progress(record), 2e9)}
-    trainer.policy.observe(trainer._read(entries), trainer.clock())
+
+    async def get(key):
+        return entries
+
+    trainer.dht.get = get
+    await trainer.progress.read()
     assert trainer.view().global_step == 0
     action = trainer.policy.next_action(trainer.local(), trainer.clock())
     assert action.__class__.__name__ == "Compute"

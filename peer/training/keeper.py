@@ -25,16 +25,14 @@ from peer.config import PeerConfig
 from peer.dht.node import DHT
 from peer.errors import RemoteError
 from peer.files import state_folder, write_atomically
-from peer.net.host import Node, data_plane_hosts, parse_addrs
+from peer.net.host import Node, data_plane_hosts
 from peer.training import state as states
 from peer.training.certificate import MAX_SIGNATURES, StepSignature, valid_signatures
 from peer.training.progress import (
     CollaborationView,
     ProgressRecord,
-    decode_progress,
-    encode_progress,
-    progress_key,
 )
+from peer.training.publisher import ProgressPublisher, fetch_certified
 from peer.training.statesync import Snapshot, StateDonor, download_state
 from peer.training.strategies import SHARED_OPTIMIZERS
 from peer.training.task import load_task
@@ -42,7 +40,8 @@ from peer.training.timing import Timing
 
 log = logging.getLogger("peertrain.keeper")
 
-Fetch = Callable[[list[ID], int], Awaitable[Snapshot]]
+#: Fetches the state of `step` (or newer) from the given holders.
+Fetch = Callable[[list[ProgressRecord], int], Awaitable[Snapshot]]
 #: The digest of a state's bytes (`state.state_digest`); StateMismatch if they are no state.
 Digest = Callable[[bytes], str]
 
@@ -75,66 +74,58 @@ class StateKeeper:
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         self._load()
-        task_status.started()
-        name = self.config.collaboration.name
-        key = progress_key(name)
-        interval = self.timing.keeper_interval
-        exchange = max(interval, self.config.net.rpc_timeout)
-        quorum = self.config.averaging.min_group_size
-        while True:
-            try:
-                view = None
-                with trio.move_on_after(exchange):
-                    entries = await self.dht.get(key)
-                    view = CollaborationView(decode_progress(entries, collaboration=name), quorum)
-                # Outside the exchange's deadline: a large state takes longer to download
-                # than one exchange (under it, every round would cancel and restart the
-                # download); `fetch` has a deadline of its own (state.download_timeout).
-                if view is not None:
-                    await self._follow(view)
-                if self.held is not None:
-                    record = self._record()
-                    with trio.move_on_after(exchange):
-                        await self.dht.store(
-                            key,
-                            self.me,
-                            encode_progress(record),
-                            expiration=record.updated_at + self.timing.keeper_ttl,
-                        )
-            except RemoteError as error:
-                log.debug("keeper progress exchange failed: %s", error)
-            await trio.sleep(interval)
+        read = trio.Event()
+        views: list[CollaborationView] = []
 
-    async def _follow(self, view: CollaborationView) -> None:
+        def on_read(view: CollaborationView) -> None:
+            views[:] = [view]
+            read.set()
+
+        progress = ProgressPublisher(
+            self.dht,
+            self.config,
+            record=lambda: self._record() if self.held is not None else None,
+            on_read=on_read,
+            interval=self.timing.keeper_interval,
+            ttl=self.timing.keeper_ttl,
+            clock=self.clock,
+        )
+        async with trio.open_nursery() as nursery:
+            await nursery.start(progress.run)
+            task_status.started()
+            while True:
+                await read.wait()
+                read = trio.Event()
+                # Outside the exchange's deadline: a large state takes longer to download
+                # than one exchange; `fetch` has a deadline of its own
+                # (state.download_timeout).
+                if await self._follow(views[0]):
+                    progress.publish_now()
+
+    async def _follow(self, view: CollaborationView) -> bool:
+        """Download the certified global step if it is newer than ours; whether we did."""
         held_step = self.held.step if self.held else -1
         step = view.global_step  # certified
         donors = [r for r in view.donors(step) if r.role == "trainer"]
         if step <= held_step or not donors:
-            return
-        expected = donors[0].digest
-        for record in donors:
-            self.dht.node.remember_addrs(ID.from_base58(record.peer_id), parse_addrs(record.addrs))
+            return False
+
+        async def parse(blob: bytes) -> tuple[None, str]:
+            return None, await trio.to_thread.run_sync(self.digest_of, blob)
+
         try:
-            snapshot = await self.fetch([ID.from_base58(r.peer_id) for r in donors], step)
-        except RemoteError as error:
-            log.warning("keeper could not download step %d: %s", step, error)
-            return
-        if snapshot.step != step:
-            # The donors stepped since our read, and the digest we know is step's: a record
-            # naming their state by it would send joiners back for the state again and again
-            # (their digest never matches). The next read names the newer step and its digest.
-            log.info("got step %d when asking for step %d; next round", snapshot.step, step)
-            return
-        try:
-            digest = await trio.to_thread.run_sync(self.digest_of, snapshot.blob)
-        except RemoteError as error:
-            log.warning("keeper got a broken state of step %d: %s", step, error)
-            return
-        if digest != expected:
-            log.warning(
-                "keeper got step %d with digest %s, not the certified %s", step, digest, expected
+            snapshot, _, digest = await fetch_certified(
+                self.dht, self.fetch, donors, step, view=lambda: view, parse=parse, lowest=step
             )
-            return
+        except RemoteError as error:
+            log.warning("keeper could not take step %d: %s", step, error)
+            return False
+        if snapshot.step != step:
+            # The donors stepped since our read, and the signatures we know are step's: a
+            # record naming their newer state with them would certify nothing. The next read
+            # names the newer step and its signatures.
+            log.info("got step %d when asking for step %d; next round", snapshot.step, step)
+            return False
         self.held, self.digest = snapshot, digest
         signed = [
             s for r in view.records if r.step == step and r.digest == digest for s in r.signatures
@@ -142,6 +133,7 @@ class StateKeeper:
         self.signatures = valid_signatures(signed, self.config.collaboration.name, step, digest)
         await trio.to_thread.run_sync(self._save, snapshot, self.digest, self.signatures)
         log.info("keeping the state of step %d (%d bytes)", snapshot.step, len(snapshot.blob))
+        return True
 
     def _record(self) -> ProgressRecord:
         assert self.held is not None
@@ -210,10 +202,10 @@ async def run_keeper(
     """The keeper and the donor that serves what it keeps."""
     bind, advertised = data_plane_hosts(node, config.net.listen)
 
-    async def fetch(donors: list[ID], step: int) -> Snapshot:
+    async def fetch(donors: list[ProgressRecord], step: int) -> Snapshot:
         return await download_state(
             node,
-            donors,
+            [ID.from_base58(r.peer_id) for r in donors],
             min_step=step,
             parallel=config.state.parallel_donors,
             deadline=trio.current_time() + config.state.download_timeout,

@@ -34,7 +34,6 @@ import msgspec
 import numpy as np
 import torch
 import trio
-from libp2p.peer.id import ID
 
 from peer.averaging.averager import Averager, AveragingResult
 from peer.config import PeerConfig
@@ -42,7 +41,6 @@ from peer.dht.node import DHT
 from peer.errors import RemoteError
 from peer.files import state_folder
 from peer.measure.capabilities import Capabilities
-from peer.net.host import parse_addrs
 from peer.training import state as states
 from peer.training.certificate import sign_step
 from peer.training.policy import (
@@ -61,10 +59,8 @@ from peer.training.progress import (
     HISTORY,
     CollaborationView,
     ProgressRecord,
-    decode_progress,
-    encode_progress,
-    progress_key,
 )
+from peer.training.publisher import ProgressPublisher, fetch_certified
 from peer.training.task import Task
 from peer.training.worker import BatchSource, TorchWorker
 
@@ -168,7 +164,16 @@ class Trainer:
         self._background_scope = trio.CancelScope()
         self._validate_due = False
         self._view_changed = trio.Event()
-        self._publish_now = trio.Event()
+        self.progress = ProgressPublisher(
+            dht,
+            config,
+            record=self.record,
+            on_read=self._observe,
+            interval=self.training.progress_interval,
+            ttl=self.timing.progress_ttl,
+            on_store_time=self.policy.note_store_time,
+            clock=clock,
+        )
         self.finished = trio.Event()
         self._last_checkpoint = time.monotonic()
         self.checkpoint_dir: Path | None = state_folder(
@@ -256,52 +261,12 @@ class Trainer:
         key = self.dht.node.identity.key_pair.private_key
         name = self.config.collaboration.name
         self.policy.hold(step, digest, sign_step(key, self.me, name, step, digest))
-        self._publish_now.set()
+        self.progress.publish_now()
 
     # ------------------------------------------------------------------ progress
 
-    def _read(self, entries: dict[str, object]) -> CollaborationView:
-        name = self.config.collaboration.name
-        return CollaborationView(decode_progress(entries, collaboration=name), self.policy.quorum)
-
-    async def _keep_progress(self) -> None:
-        """Publish our record and read everyone's, every progress_interval (or when asked)."""
-        key = progress_key(self.config.collaboration.name)
-        interval = self.training.progress_interval
-        ttl = self.timing.progress_ttl
-        try:
-            while True:
-                record = self.record()
-                started, stored = trio.current_time(), False
-                try:
-                    with trio.move_on_after(max(interval, self.config.net.rpc_timeout)):
-                        await self.dht.store(
-                            key,
-                            self.me,
-                            encode_progress(record),
-                            expiration=record.updated_at + ttl,
-                        )
-                        stored = True
-                        self.policy.note_store_time(trio.current_time() - started)
-                        await self._read_progress()
-                except RemoteError as error:
-                    log.debug("progress exchange failed: %s", error)
-                if not stored:  # cut short or failed: it took at least this long (testbed, 4 s+)
-                    self.policy.note_store_time(trio.current_time() - started)
-                with trio.move_on_after(interval):
-                    await self._publish_now.wait()
-                self._publish_now = trio.Event()
-        finally:
-            with (
-                trio.CancelScope(shield=True),
-                trio.move_on_after(1.0),
-                contextlib.suppress(RemoteError),
-            ):
-                await self.dht.withdraw(key, self.me, expiration=self.clock() + ttl + 1)
-
-    async def _read_progress(self) -> None:
-        entries = await self.dht.get(progress_key(self.config.collaboration.name))
-        self.policy.observe(self._read(entries), self.clock())
+    def _observe(self, view: CollaborationView) -> None:
+        self.policy.observe(view, self.clock())
         self._view_changed.set()
         self._view_changed = trio.Event()
 
@@ -311,7 +276,7 @@ class Trainer:
         await self.prepare()
         try:
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._keep_progress)
+                await nursery.start(self.progress.run)
                 with trio.move_on_after(self.timing.first_read):
                     await self._view_changed.wait()  # the first read, to know if we are behind
                 self.policy.started()
@@ -342,7 +307,7 @@ class Trainer:
                 self._background_scope.cancel()  # a step we no longer take
                 self._background = self._background_result = None
             if self.policy.take_changed():
-                self._publish_now.set()
+                self.progress.publish_now()
             match action:
                 case Compute():
                     await self._compute()
@@ -381,11 +346,11 @@ class Trainer:
         """A fresh read (an earlier call may have come), then our contribution into the
         averaging if the policy still says so."""
         with trio.move_on_after(read_for), contextlib.suppress(RemoteError):
-            await self._read_progress()
+            await self.progress.read()
         background = self.training.delayed_updates and self.training.mode == "dedloc"
         if not self.policy.declare(gather_until, self.clock(), in_background=background):
             return
-        self._publish_now.set()
+        self.progress.publish_now()
         vector, samples = await self.worker.take()
         step = self.step
         if not background:
@@ -440,7 +405,7 @@ class Trainer:
         """Apply the averaging's result if the policy says it is a step; else give our
         contribution back for the next try."""
         verdict = self.policy.averaged(result, samples, gather_until, self.clock())
-        self._publish_now.set()  # others wait for us to be done with this gathering
+        self.progress.publish_now()  # others wait for us to be done with this gathering
         if not verdict.step:
             await self.worker.give_back(vector, samples)
             if not verdict.reason:  # routine: e.g. peers that had just started or downloaded
@@ -499,12 +464,12 @@ class Trainer:
     ) -> None:
         """Download the state of `target` (within `within` seconds, if given), adopt it if
         it is certified, and tell the policy; after a failure, wait as it says."""
-        self._publish_now.set()  # our record says we are downloading
+        self.progress.publish_now()  # our record says we are downloading
         problem = "cut short"
         with trio.move_on_after(math.inf if within is None else within):
             problem = await self._download(donors, target)
         delay = self.policy.fetched(ok=not problem, now=self.clock())
-        self._publish_now.set()
+        self.progress.publish_now()
         if not problem:
             self.tally.downloads += 1
             log.info("downloaded the state of step %d from %d donors", self.step, len(donors))
@@ -515,21 +480,18 @@ class Trainer:
 
     async def _download(self, donors: list[ProgressRecord], target: int) -> str:
         """Fetch, check and load a certified state; what went wrong ("" if nothing)."""
-        for record in donors:
-            self.dht.node.remember_addrs(ID.from_base58(record.peer_id), parse_addrs(record.addrs))
+        # Not older than we hold, unless we go back from a stranded step (`stranded`).
+        lowest = target if target < self.step else max(target, self.step)
         try:
-            snapshot = await self.download(donors, target)
-            state, digest = await self.worker.parse(snapshot.blob)
-            # Not older than we hold, unless we go back from a stranded step (`stranded`).
-            if state.step < (target if target < self.step else max(target, self.step)):
-                raise RemoteError(f"donors sent step {state.step}, expected {target}")
-            # Only a certified (step, digest): a donor cannot hand us a state of its own making,
-            # whatever its record claims (donors that stepped since our read: the next try).
-            if not self.view().certified(state.step, digest):
-                raise RemoteError(
-                    f"donors sent step {state.step} with digest {digest[:12]}, which fewer than "
-                    f"{self.policy.quorum} peers signed"
-                )
+            _, state, _ = await fetch_certified(
+                self.dht,
+                self.download,
+                donors,
+                target,
+                view=self.view,
+                parse=self.worker.parse,
+                lowest=lowest,
+            )
             await self.worker.restore(state, from_donor=True)
         except RemoteError as error:
             return str(error)
@@ -544,7 +506,7 @@ class Trainer:
         self.tally.validation = (self.step, loss)
         if math.isfinite(loss):
             self.tally.recent_validation.append(loss)
-        self._publish_now.set()
+        self.progress.publish_now()
         log.info("step %d: validation loss %.4f", self.step, loss)
 
     async def _checkpoint(self, *, force: bool = False) -> None:

@@ -1,0 +1,149 @@
+"""What a trainer and the state keeper share: the progress exchange (our record into
+`<collaboration>/progress` and everyone's out of it, every interval or when asked) and the
+certified catch-up (`fetch_certified`).
+
+Each exchange stores our record (if we have one) and reads every record, under one deadline
+(`max(interval, net.rpc_timeout)`); how long the store took is reported (`on_store_time`, also
+when it was cut short: over high-latency links a store slower than the deadline must still
+widen the windows). Reads are decoded here, at the boundary (`decode_progress`: owner-signed
+entries, valid step signatures only). On the way out our record is withdrawn, so others stop
+counting us at once instead of when it expires.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, TypeVar
+
+import trio
+from libp2p.peer.id import ID
+
+from peer.config import PeerConfig
+from peer.dht.node import DHT
+from peer.errors import RemoteError
+from peer.net.host import parse_addrs
+from peer.training.progress import (
+    CollaborationView,
+    ProgressRecord,
+    decode_progress,
+    encode_progress,
+    progress_key,
+)
+
+if TYPE_CHECKING:
+    from peer.training.statesync import Snapshot
+
+log = logging.getLogger("peertrain.progress")
+T = TypeVar("T")
+
+
+class ProgressPublisher:
+    def __init__(
+        self,
+        dht: DHT,
+        config: PeerConfig,
+        *,
+        record: Callable[[], ProgressRecord | None],
+        on_read: Callable[[CollaborationView], None],
+        interval: float,
+        ttl: float,
+        on_store_time: Callable[[float], None] = lambda seconds: None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.clock = clock
+        self.dht = dht
+        self.record = record
+        self.on_read = on_read
+        self.on_store_time = on_store_time
+        self.interval = interval
+        self.ttl = ttl
+        self.collaboration = config.collaboration.name
+        self.quorum = config.averaging.min_group_size
+        self.deadline = max(interval, config.net.rpc_timeout)
+        self.key = progress_key(self.collaboration)
+        self.me = dht.node.peer_id.to_base58()
+        self._now = trio.Event()
+        self._stored = False
+
+    def publish_now(self) -> None:
+        """Our record changed in a way others act on: the next exchange starts at once."""
+        self._now.set()
+
+    async def read(self) -> None:
+        """Read every record now (RemoteError if the DHT cannot be reached)."""
+        entries = await self.dht.get(self.key)
+        self.on_read(
+            CollaborationView(
+                decode_progress(entries, collaboration=self.collaboration), self.quorum
+            )
+        )
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        try:
+            while True:
+                await self._exchange()
+                with trio.move_on_after(self.interval):
+                    await self._now.wait()
+                self._now = trio.Event()
+        finally:
+            if self._stored:
+                with (
+                    trio.CancelScope(shield=True),
+                    trio.move_on_after(1.0),
+                    contextlib.suppress(RemoteError),
+                ):
+                    expiration = self.clock() + self.ttl + 1
+                    await self.dht.withdraw(self.key, self.me, expiration=expiration)
+
+    async def _exchange(self) -> None:
+        record = self.record()
+        started, timed = trio.current_time(), record is None
+        try:
+            with trio.move_on_after(self.deadline):
+                if record is not None:
+                    await self.dht.store(
+                        self.key,
+                        self.me,
+                        encode_progress(record),
+                        expiration=record.updated_at + self.ttl,
+                    )
+                    self._stored = timed = True
+                    self.on_store_time(trio.current_time() - started)
+                await self.read()
+        except RemoteError as error:
+            log.debug("progress exchange failed: %s", error)
+        if not timed:  # cut short or failed: it took at least this long (testbed, 4 s+)
+            self.on_store_time(trio.current_time() - started)
+
+
+async def fetch_certified(
+    dht: DHT,
+    download: Callable[[list[ProgressRecord], int], Awaitable[Snapshot]],
+    donors: list[ProgressRecord],
+    target: int,
+    *,
+    view: Callable[[], CollaborationView],
+    parse: Callable[[bytes], Awaitable[tuple[T, str]]],
+    lowest: int,
+) -> tuple[Snapshot, T, str]:
+    """The catch-up a trainer and the keeper share: fetch `target`'s state from `donors`,
+    parse and digest it (`parse`, off the event loop) and take it only if it is at least
+    `lowest` and its (step, digest) is certified in the view as it is now: a donor cannot
+    hand over a state of its own making, whatever its record claims. RemoteError otherwise
+    (donors that stepped since our read: the next try)."""
+    for record in donors:
+        dht.node.remember_addrs(ID.from_base58(record.peer_id), parse_addrs(record.addrs))
+    snapshot = await download(donors, target)
+    parsed, digest = await parse(snapshot.blob)
+    if snapshot.step < lowest:
+        raise RemoteError(f"donors sent step {snapshot.step}, expected {target}")
+    if not view().certified(snapshot.step, digest):
+        raise RemoteError(
+            f"donors sent step {snapshot.step} with digest {digest[:12]}, which fewer than "
+            f"{view().quorum} peers signed"
+        )
+    return snapshot, parsed, digest
