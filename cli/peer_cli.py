@@ -88,14 +88,15 @@ async def show_progress(trainers: list[Trainer], target_batch: int) -> None:
     """Live training progress: a table refreshed in place on a terminal, else a line per step."""
     while not trainers:
         await trio.sleep(0.2)
-    status = trainers[0].status
+    trainer = trainers[0]
     if sys.stdout.isatty():
         with Live(console=Console(), refresh_per_second=2) as live:
             while True:
-                live.update(training_table(status, target_batch=target_batch))
+                live.update(training_table(trainer.status(), target_batch=target_batch))
                 await trio.sleep(0.5)
     last = None
     while True:
+        status = trainer.status()
         if (status.step, status.validation) != last:
             last = (status.step, status.validation)
             common.echo(training_line(status, target_batch=target_batch))
