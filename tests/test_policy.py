@@ -24,7 +24,7 @@ from peer.training.policy import (
     Event,
     Local,
     Phase,
-    ProtocolError,
+    PhaseError,
     StepPolicy,
     Stop,
     Wait,
@@ -96,7 +96,7 @@ def test_every_phase_takes_only_the_events_its_row_of_the_table_names(phase, eve
     policy.phase = phase
     target = TRANSITIONS[phase].get(event)
     if target is None:
-        with pytest.raises(ProtocolError):
+        with pytest.raises(PhaseError):
             policy._move(event)
         assert policy.phase is phase
     else:

@@ -22,7 +22,7 @@ from peer.config import AveragingConfig, PeerConfig, TaskConfig, TrainingConfig
 from peer.errors import RemoteError
 from peer.training import checkpoint as checkpoints
 from peer.training import state as states
-from peer.training.policy import Phase
+from peer.training.policy import CatchUp, Compute, Phase
 from peer.training.progress import CollaborationView, ProgressRecord
 from peer.training.state import StateMismatch
 from peer.training.statesync import Snapshot
@@ -344,11 +344,11 @@ def read(trainer: Trainer, *records: ProgressRecord) -> None:
     trainer.policy.observe(CollaborationView(list(records), trainer.policy.quorum), trainer.clock())
 
 
-async def behind(trainer: Trainer) -> tuple[list[ProgressRecord], int]:
+def behind(trainer: Trainer) -> tuple[list[ProgressRecord], int]:
     """The catch-up the policy asks for now (the test's records put us behind)."""
     action = trainer.policy.next_action(trainer.local(), trainer.clock())
-    assert action.__class__.__name__ == "CatchUp", action
-    return action.donors, action.target  # type: ignore[union-attr]
+    assert isinstance(action, CatchUp), action
+    return action.donors, action.target
 
 
 async def test_a_donor_cannot_hand_over_a_state_other_than_the_certified_one(
@@ -378,10 +378,10 @@ async def test_a_donor_cannot_hand_over_a_state_other_than_the_certified_one(
     assert honest.digest == record.digest
     serving(trainer, await poisoned.snapshot(), await honest.snapshot())
 
-    await trainer._catch_up(*await behind(trainer))
+    await trainer._catch_up(*behind(trainer))
     assert trainer.step == 0 and trainer.status().failures["state_download"] == 1
     assert all(float(p.detach().abs().max()) != 0.25 for p in trainer.worker.model.parameters())
-    await trainer._catch_up(*await behind(trainer))
+    await trainer._catch_up(*behind(trainer))
     assert trainer.step == 2 and trainer.digest == record.digest
     assert learning_rate(trainer) == learning_rate(partner) != 1e-9
     assert trainer.status().downloads == 1
@@ -406,7 +406,7 @@ async def test_failed_state_downloads_back_off_and_the_record_says_downloading(
     waits = []
     for _ in range(3):
         started = trio.current_time()
-        await trainer._catch_up(*await behind(trainer))
+        await trainer._catch_up(*behind(trainer))
         waits.append(round(trio.current_time() - started - 5, 3))
     interval = trainer.training.progress_interval
     assert waits == [interval, 2 * interval, 4 * interval]
@@ -428,7 +428,7 @@ async def test_a_step_nobody_else_applied_is_given_up_for_the_certified_one(
     now[0] += trainer.timing.settle_patience(trainer.policy.store_seconds)
     read(trainer, signed_record(partner))
     serving(trainer, start)
-    await trainer._catch_up(*await behind(trainer))
+    await trainer._catch_up(*behind(trainer))
     assert trainer.step == 0 and trainer.digest == partner.digest
 
 
@@ -499,4 +499,4 @@ async def test_a_far_call_and_a_lone_liar_change_nothing_through_a_real_read(tmp
     await trainer.progress.read()
     assert trainer.view().global_step == 0
     action = trainer.policy.next_action(trainer.local(), trainer.clock())
-    assert action.__class__.__name__ == "Compute"
+    assert isinstance(action, Compute)

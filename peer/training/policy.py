@@ -114,7 +114,7 @@ TRANSITIONS: dict[Phase, dict[Event, Phase]] = {
 }
 
 
-class ProtocolError(AssertionError):
+class PhaseError(AssertionError):
     """The executor fed the policy an event its phase does not take (our bug, not a peer's)."""
 
 
@@ -256,7 +256,7 @@ class StepPolicy:
         try:
             self.phase = TRANSITIONS[self.phase][event]
         except KeyError:
-            raise ProtocolError(f"{event.value!r} in phase {self.phase.value!r}") from None
+            raise PhaseError(f"{event.value!r} in phase {self.phase.value!r}") from None
 
     def started(self) -> None:
         """The first read is in (or took too long): training begins."""
@@ -385,7 +385,7 @@ class StepPolicy:
         if self.phase is Phase.SETTLING:
             return self._settling(local, now)
         if self.phase not in (Phase.COMPUTING, Phase.HOLDING):
-            raise ProtocolError(f"no action to take in phase {self.phase.value!r}")
+            raise PhaseError(f"no action to take in phase {self.phase.value!r}")
         view = self.view_with(local, now)
         if self._done(local, now):
             self._move(Event.DONE)

@@ -97,7 +97,6 @@ class TorchWorker:
         )
         self.parameter_names = [name for name, _ in model.named_parameters()]
         self.vector_size = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        self.parameter_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.fingerprint = fingerprint(
             [(name, tuple(t.shape), str(t.dtype)) for name, t in model.named_parameters()]
         )
