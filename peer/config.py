@@ -213,10 +213,15 @@ class AveragingConfig(_Section):
     min_bandwidth: float = 1_000_000.0
     """Bytes/s: a peer's measured (or claimed) bandwidth below this counts as this in every
     deadline, so one ticket claiming a crawl cannot stretch the group's waits; slower peers
-    time out of averaging."""
+    time out of averaging. Also the figure, for shares and deadlines, of a peer that no
+    trusted backbone measured (attestation_max_age)."""
     max_averaging_seconds: float = 1800.0
     """Every averaging call ends within this many seconds after its gathering, whatever the
     peers' figures (within twice the bound computed from them, if that is shorter)."""
+    attestation_max_age: float = 3600.0
+    """Seconds a backbone's signed measurement of a peer's link counts for averaging shares
+    and deadlines (peer.measure.attestation); must exceed measure.interval, how often peers
+    re-measure. Older or missing: the peer counts at min_bandwidth, whatever it claims."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -369,6 +374,13 @@ _CROSS_RULES: list[tuple[str, str, Callable[[Any, Any], bool], str]] = [
         "probe.budget_bytes",
         lambda a, b: a <= b,
         "expected at most probe.budget_bytes",
+    ),
+    (
+        "measure.interval",
+        "averaging.attestation_max_age",
+        lambda a, b: a < b,
+        "expected less than averaging.attestation_max_age (peers' attestations would expire "
+        "between measurements)",
     ),
     (
         "averaging.min_group_size",

@@ -35,7 +35,8 @@ class PresenceRecord(msgspec.Struct, frozen=True):
     started_at: float
     updated_at: float
     capabilities: Capabilities | None = None
-    """Measured figures; None until the first measurement finishes."""
+    """Measured figures; None until the first measurement finishes. The figures are the peer's
+    claims; `capabilities.attestations` are what backbones measured and signed."""
 
 
 def presence_key(collaboration: str) -> str:

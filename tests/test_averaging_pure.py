@@ -276,7 +276,11 @@ def test_a_retry_spec_is_the_same_group_without_the_excluded_under_a_derived_id(
     ids = [m.peer_id for m in spec.members]
     derived = retry_spec(spec, {ids[1], "not-a-member"})
     assert [m.peer_id for m in derived.members] == [ids[0], ids[2], ids[3]]
-    assert derived.members == tuple(m for m in spec.members if m.peer_id != ids[1])
+    kept = tuple(m for m in spec.members if m.peer_id != ids[1])
+    unshared = [dataclasses.replace(m, share=0.0) for m in derived.members]
+    assert unshared == [dataclasses.replace(m, share=0.0) for m in kept]
+    # Equal shares stay equal (renormalised among those left).
+    assert [m.share for m in derived.members] == pytest.approx([1 / 3] * 3)
     assert (derived.size, derived.codec, derived.chunk_elements, derived.view) == (
         spec.size, spec.codec, spec.chunk_elements, spec.view
     )  # fmt: skip
@@ -291,3 +295,32 @@ def test_a_retry_spec_is_the_same_group_without_the_excluded_under_a_derived_id(
     assert retry_spec(spec, [ids[1], ids[2]]).round_id != derived.round_id
     other = dataclasses.replace(spec, round_id=b"another round")
     assert retry_spec(other, [ids[1]]).round_id != derived.round_id
+
+
+def test_a_retry_caps_the_shares_again_among_the_reducers_left():
+    """Dropping a reducer must not lift another above the cap: with shares 3/8, 3/8, 1/8, 1/8
+    (at the cap for 4), leaving out one at 3/8 would give the other 3/5 of the vector among
+    3 reducers, whose cap is 1/2."""
+    from peer.roles import share_cap
+    from tests.test_group import joined, spec_of
+
+    spec = spec_of([joined(weight=1.0) for _ in range(4)], size=1000)
+    shares = (3 / 8, 3 / 8, 1 / 8, 1 / 8)
+    members = tuple(
+        dataclasses.replace(m, share=g) for m, g in zip(spec.members, shares, strict=True)
+    )
+    spec = dataclasses.replace(spec, members=members)
+    derived = retry_spec(spec, {members[0].peer_id})
+    got = [m.share for m in derived.members]
+    assert sum(got) == pytest.approx(1.0)
+    assert max(got) <= share_cap(3) * (1 + 1e-12)
+    assert got[0] == pytest.approx(share_cap(3))
+    # A member with no share (client-only) gets none in the retry either.
+    spec0 = dataclasses.replace(
+        spec,
+        members=tuple(
+            dataclasses.replace(m, share=g)
+            for m, g in zip(members, (0.5, 0.5, 0.0, 0.0), strict=True)
+        ),
+    )
+    assert [m.share for m in retry_spec(spec0, {members[3].peer_id}).members][2] == 0.0

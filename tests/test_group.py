@@ -2,24 +2,48 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from peer.averaging.group import Joined, Ticket, build_spec, round_id_of, round_timeouts
+from peer.measure.attestation import Evidence, attest
 from peer.measure.capabilities import Capabilities
 from tests.helpers import data_identity, new_identity
 
+BACKBONE = new_identity()
+NOW = 1_700_000_000.0
+#: What a leader configured with BACKBONE accepts at NOW.
+EVIDENCE = Evidence(
+    trusted=frozenset({BACKBONE.peer_id.to_base58()}), at=NOW, max_age=3600.0, floor=1e6
+)
 
-def caps(bw: float, *, reachable: bool = True, speed: float = 10.0) -> Capabilities:
+
+def caps(bw: float, *, reachable: bool = True, speed: float = 10.0, attestations=()):
     return Capabilities(
         samples_per_s=speed, upload_bps=bw, download_bps=bw, rtt_s=0.01, reachable=reachable,
         device="cpu", free_memory_bytes=1, measured_at=0.0, task="tiny", gradient_bytes=4,
-        target_batch=32,
+        target_batch=32, attestations=tuple(attestations),
     )  # fmt: skip
 
 
-def joined(capabilities=None, *, weight: float = 1.0) -> Joined:
+def attested(subject: str, bw: float, *, signer=BACKBONE, issued_at: float = NOW - 60):
+    """`signer`'s signed measurement of `subject`: bw both ways."""
+    return attest(
+        signer.key_pair.private_key, signer=signer.peer_id.to_base58(), subject=subject,
+        upload_bps=bw, download_bps=bw, issued_at=issued_at,
+    )  # fmt: skip
+
+
+def joined(capabilities=None, *, weight: float = 1.0, measured: float | None = None) -> Joined:
+    """A member; `measured`: BACKBONE attests that bandwidth (its ticket claims `capabilities`,
+    or that bandwidth if none is given)."""
     identity = new_identity()
     peer_id = identity.peer_id.to_base58()
+    if measured is not None:
+        capabilities = capabilities or caps(measured)
+        capabilities = msgspec.structs.replace(
+            capabilities, attestations=(attested(peer_id, measured),)
+        )
     ticket = Ticket(
         peer_id=peer_id, rpc_addrs=[], data_host="127.0.0.1", data_port=4000,
         computes=weight > 0, weight=weight, capabilities=capabilities,
@@ -27,10 +51,10 @@ def joined(capabilities=None, *, weight: float = 1.0) -> Joined:
     return Joined(ticket, data_identity(identity).certificate)
 
 
-def spec_of(members, size=1000, leader=None):
+def spec_of(members, size=1000, leader=None, evidence=EVIDENCE):
     leader = leader or min(j.ticket.peer_id for j in members)
     return build_spec(members, epoch=3, round_index=1, leader=leader,
-                      size=size, codec="none", chunk_elements=100)  # fmt: skip
+                      size=size, codec="none", chunk_elements=100, evidence=evidence)  # fmt: skip
 
 
 def test_spec_sorts_members_and_names_exactly_this_group():
@@ -43,11 +67,13 @@ def test_spec_sorts_members_and_names_exactly_this_group():
     assert round_id_of(3, 1, ids[0], ids) != round_id_of(3, 2, ids[0], ids)
 
 
-def test_shares_come_from_the_solver_when_everyone_is_measured():
-    fast, slow, hidden = joined(caps(1e8)), joined(caps(1e6)), joined(caps(1e7, reachable=False))
+def test_shares_come_from_the_solver_over_what_the_backbones_measured():
+    fast, slow = joined(measured=1e8), joined(measured=2e7)
+    hidden = joined(caps(1e7, reachable=False), measured=1e7)
     shares = {m.peer_id: m.share for m in spec_of([fast, slow, hidden]).members}
     assert shares[hidden.ticket.peer_id] == 0.0  # client-only: reduces nothing
-    assert shares[fast.ticket.peer_id] > shares[slow.ticket.peer_id]
+    assert shares[fast.ticket.peer_id] > shares[slow.ticket.peer_id] > 0
+    assert shares[fast.ticket.peer_id] <= 0.75  # capped: 1.5 / 2 reducers
     assert sum(shares.values()) == pytest.approx(1.0)
 
 
@@ -56,7 +82,7 @@ def test_without_measurements_shares_are_equal_among_the_reachable():
     members = [joined(), joined(), known_hidden]
     shares = {m.peer_id: m.share for m in spec_of(members).members}
     assert shares[known_hidden.ticket.peer_id] == 0.0
-    assert sorted(shares.values()) == [0.0, 1.0, 1.0]
+    assert sorted(shares.values()) == [0.0, 0.5, 0.5]
 
 
 def test_a_member_without_a_contribution_has_weight_zero():

@@ -319,6 +319,53 @@ def test_a_members_own_check_of_the_leaders_spec():
     assert "leaves us out" in _spec_problem(spec, shape, single, "someone else")
 
 
+def test_a_leader_cannot_give_any_member_more_than_the_share_cap():
+    """A leader set the shares, so it could make itself the reducer of the whole vector (and,
+    with centered_clip, the clip ran inside it). Every member checks that no member holds more
+    than 1.5 / m of it, m counting the members whose DHT ticket (our view) lets them reduce."""
+    from peer.averaging.averager import _spec_problem
+    from peer.averaging.group import build_spec
+    from peer.averaging.matchmaking import GroupPlan, RoundShape
+    from tests.test_group import EVIDENCE, caps, joined, spec_of
+
+    members = [joined(measured=1e8), *(joined(measured=1e7) for _ in range(3))]
+    declared = {j.ticket.peer_id: j.ticket for j in members}
+    spec = spec_of(members, size=1000)
+    ids = [m.peer_id for m in spec.members]
+    shape = RoundShape(epoch=3, size=1000, codec="none", chunk_elements=100)
+    single = GroupPlan(members=tuple(ids))
+    assert _spec_problem(spec, shape, single, ids[1], declared=declared) is None
+    leader = ids[0]
+    for own in (1.0, 0.5):  # all of it, or a third more than the cap of 3/8
+        greedy = dataclasses.replace(spec, members=tuple(
+            dataclasses.replace(m, share=own if m.peer_id == leader else (1 - own) / 3)
+            for m in spec.members))  # fmt: skip
+        problem = _spec_problem(greedy, shape, single, ids[1], declared=declared)
+        assert problem is not None and "at most 0.375 among 4" in problem
+
+    # A joiner telling the leader it cannot reduce while its DHT ticket says it can: the
+    # leader counts it as its members do (its own view), so they never refuse an honest spec.
+    fast, slow = joined(measured=1e8), joined(measured=1e7)
+    sly = joined(caps(1e7, reachable=False), measured=1e7)
+    in_dht = msgspec.structs.replace(sly.ticket, capabilities=msgspec.structs.replace(
+        sly.ticket.capabilities, reachable=True))  # fmt: skip
+    view = {fast.ticket.peer_id: fast.ticket, slow.ticket.peer_id: slow.ticket,
+            sly.ticket.peer_id: in_dht}  # fmt: skip
+    leader = min(view)
+
+    def honest_spec(declared):
+        return build_spec([fast, slow, sly], epoch=3, round_index=1, leader=leader, size=1000,
+                          codec="none", chunk_elements=100, evidence=EVIDENCE,
+                          declared=declared)  # fmt: skip
+
+    member = max(view)
+    group = GroupPlan(members=tuple(sorted(view)))
+    assert _spec_problem(honest_spec(view), shape, group, member, declared=view) is None
+    assert "at most 0.5 among 3" in _spec_problem(  # counting join tickets alone: refused
+        honest_spec(None), shape, group, member, declared=view
+    )
+
+
 async def test_a_member_gone_between_rounds_is_found_out_without_waiting_a_rounds_length():
     """5 peers in groups of 4: peer 3 leaves after round 0. Its round-1 leader could wait for
     it as long as a round may take (here the 300 s floor, or far longer where a ticket claims
@@ -434,12 +481,12 @@ def test_a_ticket_claiming_a_crawl_cannot_stretch_a_groups_deadlines():
     longer (the group trained 0 steps until restart): claims count at min_bandwidth at least."""
     from peer.averaging.averager import bandwidths, patience
     from peer.averaging.group import round_timeouts
-    from tests.test_group import caps, joined, spec_of
+    from tests.test_group import EVIDENCE, caps, joined, spec_of
 
-    members = [joined(caps(50e6)), joined(caps(50e6)), joined(caps(1.0))]
+    members = [joined(measured=50e6), joined(measured=50e6), joined(caps(1.0), measured=50e6)]
     spec = spec_of(members, size=10_000_000)
     config = AveragingConfig()
-    rates = bandwidths([j.ticket for j in members], config)
+    rates = bandwidths([j.ticket for j in members], config, evidence=EVIDENCE)
     assert sorted(rates.values()) == [config.min_bandwidth, 50e6, 50e6]
     duration, stall = round_timeouts(
         spec, rates, wire_bytes_per_element=4.0, floor=5.0, multiplier=3.0

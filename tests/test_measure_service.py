@@ -85,3 +85,29 @@ def test_only_a_definite_dial_back_answer_changes_reachability():
     assert reachability_verdict(DialBackResult([], {"a": "dial failed: refused"})) is False
     assert reachability_verdict(DialBackResult([], {"a": f"{BUSY}: too many"})) is None
     assert reachability_verdict(DialBackResult([], {})) is False  # announced nothing dialable
+
+
+def test_capabilities_carry_the_newest_attestation_of_each_backbone():
+    from peer.measure.attestation import MAX_ATTESTATIONS
+    from tests.helpers import new_identity
+    from tests.test_group import attested
+
+    m = measured_peer()
+    backbones = [new_identity() for _ in range(MAX_ATTESTATIONS + 1)]
+    first, second = backbones[0], backbones[1]
+    m.keep_attestations([attested("me", 1e6, signer=first, issued_at=100.0), None])
+    m.keep_attestations([attested("me", 2e6, signer=first, issued_at=200.0)])  # replaces it
+    m.keep_attestations([attested("me", 3e6, signer=second, issued_at=150.0)])
+    caps = m.capabilities()
+    assert caps is not None
+    assert {(a.signer, a.upload_bps) for a in caps.attestations} == {
+        (first.peer_id.to_base58(), 2e6),
+        (second.peer_id.to_base58(), 3e6),
+    }
+    # At most MAX_ATTESTATIONS, the newest: the oldest backbone's falls out.
+    m.keep_attestations(
+        attested("me", 1e6, signer=b, issued_at=300.0 + i) for i, b in enumerate(backbones[2:])
+    )
+    kept = {a.signer for a in m.capabilities().attestations}
+    assert len(kept) == MAX_ATTESTATIONS and first.peer_id.to_base58() in kept
+    assert second.peer_id.to_base58() not in kept

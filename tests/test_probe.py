@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import msgspec
 import pytest
@@ -11,6 +12,7 @@ import trio
 from peer.config import ProbeConfig
 from peer.errors import ProtocolError, RemoteError
 from peer.measure import probe as probe_module
+from peer.measure.attestation import Evidence, attest, attested_link, signed
 from peer.measure.probe import (
     PROTOCOL,
     Accepted,
@@ -20,6 +22,7 @@ from peer.measure.probe import (
     ProbeServer,
     Refused,
     _replies,
+    checked_attestation,
     measure_link,
     measured_window,
     rate,
@@ -27,7 +30,7 @@ from peer.measure.probe import (
 )
 from peer.net.ratelimit import ByteBudgets
 from peer.net.rpc import TRANSPORT_ERRORS, FramedStream
-from tests.helpers import nodes
+from tests.helpers import new_identity, nodes
 
 # ---------------------------------------------------------------------------- pure
 
@@ -94,6 +97,49 @@ async def test_measure_link_reports_both_directions_and_rtt():
         # The backbone learned its own capacity from serving the probes.
         up, down = server.capacity(now=server.clock())
         assert up > 1e6 and down > 1e6
+
+
+async def test_the_backbone_signs_what_it_measured_of_the_caller():
+    """The upload's reply carries the backbone's attestation: the upload it received and the
+    download the caller reported (capped by its send rate), signed with its identity key, and
+    valid for a verifier that trusts that backbone."""
+    async with nodes(2) as (backbone, peer):
+        server = ProbeServer(backbone.host, SMALL)
+        await peer.connect(backbone.peer_id, backbone.announce, timeout=5)
+        link = await measure_link(peer, backbone.peer_id, target_seconds=0.1, max_bytes=1 << 20)
+        attestation = link.attestation
+        assert attestation is not None and signed(attestation)
+        assert attestation.subject == peer.peer_id.to_base58()
+        assert attestation.signer == backbone.peer_id.to_base58() == server.signer
+        assert attestation.upload_bps == link.upload_bps  # what the backbone measured
+        assert 0 < attestation.download_bps <= server.capacity(now=server.clock())[0]
+        evidence = Evidence(
+            trusted=frozenset({server.signer}), at=time.time(), max_age=60.0, floor=1.0
+        )
+        figures = attested_link(peer.peer_id.to_base58(), [attestation], evidence)
+        assert figures == (attestation.upload_bps, attestation.download_bps)
+
+
+def test_a_peer_keeps_only_attestations_of_itself_by_the_backbone_it_probed():
+    backbone, peer, other = new_identity(), new_identity(), new_identity()
+
+    def by(key_of, subject, **changes):
+        a = attest(key_of.key_pair.private_key, signer=key_of.peer_id.to_base58(),
+                   subject=subject.peer_id.to_base58(), upload_bps=1e7, download_bps=1e7,
+                   issued_at=time.time())  # fmt: skip
+        return msgspec.structs.replace(a, **changes)
+
+    def check(a):
+        return checked_attestation(a, subject=peer.peer_id, signer=backbone.peer_id)
+
+    good = by(backbone, peer)
+    assert check(good) is good
+    assert check(None) is None
+    assert check(by(backbone, other)) is None  # another peer's
+    assert check(by(other, peer)) is None  # another signer's
+    assert check(by(backbone, peer, upload_bps=1e10)) is None  # altered after signing
+    forged = by(other, peer, signer=backbone.peer_id.to_base58())
+    assert check(forged) is None  # signed by another key in the backbone's name
 
 
 async def test_a_probe_is_granted_at_most_max_bytes():

@@ -17,7 +17,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from peer.errors import RoleAssignmentError
-from peer.roles import PeerCapacity, assign_roles, optimal_shares, predict
+from peer.roles import (
+    MAX_SHARE_RATIO,
+    PeerCapacity,
+    assign_roles,
+    cap_shares,
+    optimal_shares,
+    predict,
+    share_cap,
+)
 from peer.roles import search as search_module
 from peer.roles.lp import shares_lp
 
@@ -333,3 +341,42 @@ def test_a_thousand_peers_get_a_certified_assignment():
     assert len(a.roles) == 1000 and not a.exact
     assert math.fsum(r.share for r in a.roles) == pytest.approx(1.0, abs=1e-12)
     assert a.samples_per_s > 0 and a.upper_bound >= a.samples_per_s
+
+
+# ---------------------------------------------------------------------------- the share cap
+
+
+def test_the_share_cap_hand_checked():
+    # m = 3: cap 1/2; the excess 0.4 goes to the others in proportion (0.05 : 0.05).
+    assert cap_shares([0.9, 0.05, 0.05], [True] * 3) == pytest.approx([0.5, 0.25, 0.25])
+    # m = 4: cap 3/8. 0.6 is held; 0.625 spread 3:1 lifts the second (0.46875) too; the last
+    # 0.25 goes to the third, and the zero share stays zero until nobody else can take it.
+    assert cap_shares([0.6, 0.3, 0.1, 0.0], [True] * 4) == pytest.approx([0.375, 0.375, 0.25, 0])
+    assert cap_shares([1.0, 0.0, 0.0, 0.0], [True] * 4) == pytest.approx(
+        [0.375, 0.625 / 3, 0.625 / 3, 0.625 / 3]
+    )
+    # Client-only members stay at 0, and only the m reducers count: 1.5 / 2.
+    assert cap_shares([1.0, 0.0, 0.0], [True, True, False]) == pytest.approx([0.75, 0.25, 0.0])
+    # Under the cap nothing moves (normalised only); one reducer holds everything.
+    assert cap_shares([2.0, 1.0, 1.0], [True] * 3) == pytest.approx([0.5, 0.25, 0.25])
+    assert cap_shares([1.0, 0.0], [True, False]) == [1.0, 0.0]
+    assert share_cap(1) == share_cap(0) == 1.0 and share_cap(8) == MAX_SHARE_RATIO / 8
+    with pytest.raises(ValueError):
+        cap_shares([0.5, 0.5], [True, False])  # a share for a member that cannot reduce
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 1e6), st.booleans()), min_size=1, max_size=40))
+def test_capped_shares_add_up_stay_under_the_cap_and_never_shrink_an_uncapped_one(members):
+    shares = [g if ok else 0.0 for g, ok in members]
+    eligible = [ok for _, ok in members]
+    if not any(eligible) or math.fsum(shares) <= 0:
+        return
+    capped = cap_shares(shares, eligible)
+    cap = share_cap(sum(eligible))
+    total = math.fsum(shares)
+    assert math.fsum(capped) == pytest.approx(1.0, abs=1e-12)
+    for before, after, ok in zip(shares, capped, eligible, strict=True):
+        assert after <= cap and (ok or after == 0.0)
+        assert after >= min(before / total, cap) - 1e-12  # only the excess moves
+    assert cap_shares(list(reversed(shares)), list(reversed(eligible))) == list(reversed(capped))

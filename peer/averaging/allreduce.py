@@ -70,6 +70,7 @@ from peer.averaging.wire import (
 from peer.errors import ProtocolError
 from peer.net.admission import Admission, AdmissionLimits, check_dial_address, connect
 from peer.net.tls import MAX_CERT_BYTES, DataIdentity, TlsStream, certificate_peer_id
+from peer.roles.shares import cap_shares
 
 log = logging.getLogger("peertrain.allreduce")
 
@@ -300,14 +301,21 @@ def check_spec(spec: RoundSpec, me: str) -> None:
 
 def retry_spec(spec: RoundSpec, excluded: Collection[str]) -> RoundSpec:
     """The spec of an immediate retry of `spec` without `excluded`: the other members as they
-    were (the shares cut the vector among those left, `partition.py`), and a round id derived
-    from both, so that only members that left out the same peers meet. It may not pass
-    `check_spec` (nobody left to reduce, say): check it."""
+    were, their shares capped again among the reducers left (`cap_shares`: dropping a reducer
+    must not lift another above the cap), and a round id derived from both, so that only
+    members that left out the same peers meet. It may not pass `check_spec` (nobody left to
+    reduce, say): check it."""
     left_out = sorted({m.peer_id for m in spec.members} & set(excluded))
     digest = hashlib.blake2b(digest_size=16)
     for part in (b"peertrain/retry/1", spec.round_id, *(p.encode() for p in left_out)):
         digest.update(len(part).to_bytes(4, "big") + part)
     members = tuple(m for m in spec.members if m.peer_id not in left_out)
+    shares = [m.share for m in members]
+    if valid_shares(shares):
+        capped = cap_shares(shares, [g > 0 for g in shares])
+        members = tuple(
+            dataclasses.replace(m, share=g) for m, g in zip(members, capped, strict=True)
+        )
     return dataclasses.replace(spec, round_id=digest.digest(), members=members)
 
 

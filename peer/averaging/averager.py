@@ -45,13 +45,23 @@ from peer.averaging.allreduce import (
     retry_spec,
 )
 from peer.averaging.compression import CODECS
-from peer.averaging.group import Joined, Ticket, longest_round, round_timeouts, view_digest
+from peer.averaging.group import (
+    Joined,
+    Ticket,
+    attested_bandwidth,
+    can_reduce,
+    longest_round,
+    round_timeouts,
+    view_digest,
+)
 from peer.averaging.matchmaking import GroupPlan, Matchmaker, NotExact, RoundShape, TooFewPeers
 from peer.averaging.moshpit import plan, rounds_for
 from peer.config import AveragingConfig
 from peer.dht.node import DHT
 from peer.errors import ProtocolError, peer_fault
+from peer.measure.attestation import MAX_BANDWIDTH, Evidence
 from peer.measure.capabilities import Capabilities
+from peer.roles import share_cap
 
 log = logging.getLogger("peertrain.averager")
 #: Seconds past the close of a gathering before the tickets are read, at least.
@@ -257,16 +267,22 @@ def wire_bytes_per_element(config: AveragingConfig) -> float:
     return CODECS[config.codec].wire_bytes(1 << 20) / (1 << 20)
 
 
-def bandwidths(view: Sequence[Ticket], config: AveragingConfig) -> dict[str, float]:
-    """Each ticket's bandwidth (bytes/s, the lower of up and down) for deadlines: its claim,
-    but never below `averaging.min_bandwidth`. Tickets without figures are left out."""
-    return {
-        t.peer_id: max(
-            config.min_bandwidth, min(t.capabilities.upload_bps, t.capabilities.download_bps)
-        )
-        for t in view
-        if t.capabilities is not None
-    }
+def bandwidths(
+    view: Sequence[Ticket], config: AveragingConfig, *, evidence: Evidence
+) -> dict[str, float]:
+    """Each ticket's bandwidth (bytes/s, the lower of up and down) for deadlines: what trusted
+    backbones measured of it (`group.attested_bandwidth`, clamped), or its own figure where
+    that is lower (a slower link only lengthens waits), never below `averaging.min_bandwidth`;
+    without a valid attestation, that floor. A claim of 10 GB/s used to shrink the median
+    that bounds a later round's patience below what honest members need."""
+    rates = {}
+    for t in view:
+        measured = attested_bandwidth(t, evidence)
+        rate = min(measured) if measured is not None else config.min_bandwidth
+        if t.capabilities is not None:
+            rate = min(rate, t.capabilities.upload_bps, t.capabilities.download_bps)
+        rates[t.peer_id] = max(config.min_bandwidth, rate)
+    return rates
 
 
 def patience(size: int, bandwidth: Sequence[float], config: AveragingConfig) -> float:
@@ -311,9 +327,14 @@ class Averager:
         data_server: DataServer,
         data_host: str,
         data_port: int,
+        trusted: frozenset[str] | None = None,
     ) -> None:
+        """`trusted`: peer ids whose attestations of members' links count for shares and
+        deadlines (`peer.measure.attestation`); None: the backbones this peer was given
+        (`dht.seeds`, from `collaboration.backbones`), read at each call."""
         self.dht = dht
         self.config = config
+        self.trusted = trusted
         self.collaboration = collaboration
         self.data_server = data_server
         self.data_host = data_host
@@ -326,6 +347,20 @@ class Averager:
             group_size=config.group_size,
             min_group_size=config.min_group_size,
             join_timeout=config.join_timeout,
+        )
+
+    def evidence(self, gather_until: float) -> Evidence:
+        """What counts as a measurement of a member's link in the averaging closing at
+        `gather_until`: attestations by our trusted backbones, fresh at the close."""
+        trusted = self.trusted
+        if trusted is None:
+            trusted = frozenset(peer_id.to_base58() for peer_id, _ in self.dht.seeds)
+        return Evidence(
+            trusted=trusted,
+            at=gather_until,
+            max_age=self.config.attestation_max_age,
+            floor=self.config.min_bandwidth,
+            ceiling=max(MAX_BANDWIDTH, self.config.min_bandwidth),
         )
 
     async def average(
@@ -383,9 +418,10 @@ class Averager:
         ]
         view = sorted([*view, ticket], key=lambda t: t.peer_id)
         result = AveragingResult(peers_seen=len(view))
-        # The outer deadline: twice the bound from the peers' (floored) bandwidths, and never
-        # more than max_averaging_seconds, whatever a peer does.
-        rates = list(bandwidths(view, self.config).values())
+        # The outer deadline: twice the bound from the peers' (attested, floored) bandwidths,
+        # and never more than max_averaging_seconds, whatever a peer does.
+        evidence = self.evidence(gather_until)
+        rates = list(bandwidths(view, self.config, evidence=evidence).values())
         limit = min(
             self.config.max_averaging_seconds,
             2 * longest_averaging(len(vector), len(view), rates, self.config),
@@ -394,7 +430,7 @@ class Averager:
             with trio.move_on_after(limit) as scope:
                 if len(view) > 1:
                     await self._follow_plan(
-                        namespace, epoch, view, ticket, vector, result, on_round
+                        namespace, epoch, view, ticket, vector, result, on_round, evidence
                     )
         finally:
             self.matchmaker.forget(namespace)
@@ -412,6 +448,7 @@ class Averager:
         vector: np.ndarray,
         result: AveragingResult,
         on_round: Callable[[int, RoundReport, np.ndarray], None],
+        evidence: Evidence,
     ) -> None:
         """Our rounds of the view's Moshpit plan, on a copy of `vector`; sets `result.average`
         only if every one of them was exact."""
@@ -429,7 +466,7 @@ class Averager:
                 "set the same averaging.aggregation on every peer"
             )
             return
-        bandwidth = bandwidths(view, self.config)
+        bandwidth = bandwidths(view, self.config, evidence=evidence)
         wait = patience(len(vector), list(bandwidth.values()), self.config)
         self.matchmaker.expect_rounds(namespace, wait)
         shape = RoundShape(
@@ -438,6 +475,7 @@ class Averager:
             codec=self.config.codec,
             chunk_elements=self.config.chunk_elements,
             view=view_digest(epoch, view) if several else b"",
+            evidence=evidence,
         )
         values = vector.copy()  # never the caller's: a failed round must leave it whole
         exact, total, covered = True, weights[number], len(view)
@@ -488,6 +526,7 @@ class Averager:
         """One round on `values`: the total weight they stand for afterwards, or None if the
         round was not exact (why: in `result.skipped`)."""
         certificate = self.data_server.identity.certificate
+        declared = {t.peer_id: t for t in view}
         try:
             spec = await self.matchmaker.form_group(
                 namespace,
@@ -496,13 +535,13 @@ class Averager:
                 view,
                 Joined(ticket, certificate),
                 shape,
-                check=lambda spec: _spec_problem(spec, shape, group, self.me),
+                check=lambda spec: _spec_problem(spec, shape, group, self.me, declared=declared),
                 exact=exact,
             )
         except (TooFewPeers, NotExact) as error:
             result.skipped.append(f"round {index}: {error}")
             return None
-        problem = _spec_problem(spec, shape, group, self.me)
+        problem = _spec_problem(spec, shape, group, self.me, declared=declared)
         if problem:
             result.skipped.append(f"round {index}: the leader's spec {problem}")
             return None
@@ -512,7 +551,8 @@ class Averager:
             # Off the plan already (we only joined to say so), or nobody here stands for any
             # sample: there is nothing to average.
             return total if exact else None
-        bandwidth = bandwidths(view, self.config)
+        assert shape.evidence is not None  # set by _follow_plan
+        bandwidth = bandwidths(view, self.config, evidence=shape.evidence)
 
         def timeouts(spec: RoundSpec) -> tuple[float, float]:
             return round_timeouts(
@@ -553,8 +593,16 @@ class Averager:
         return math.fsum(weights[peer_id] for peer_id in outcome.included)
 
 
-def _spec_problem(spec: RoundSpec, shape: RoundShape, group: GroupPlan, me: str) -> str | None:
-    """What is wrong with a leader's spec for us, or None."""
+def _spec_problem(
+    spec: RoundSpec,
+    shape: RoundShape,
+    group: GroupPlan,
+    me: str,
+    *,
+    declared: dict[str, Ticket] | None = None,
+) -> str | None:
+    """What is wrong with a leader's spec for us, or None. `declared`: the DHT tickets we read
+    (our view), for the share cap."""
     ours = (shape.size, shape.codec, shape.chunk_elements)
     if (spec.size, spec.codec, spec.chunk_elements) != ours:
         return f"does not match our vector: {spec.size} values, {spec.codec}, {spec.chunk_elements}"
@@ -563,12 +611,35 @@ def _spec_problem(spec: RoundSpec, shape: RoundShape, group: GroupPlan, me: str)
             check_spec(spec, me)
     except ProtocolError as error:
         return str(error)
+    if (problem := _share_over_cap(spec, declared or {})) is not None:
+        return problem
     if group.seats is not None:
         seats = {m.peer_id: (m.block, m.weight) for m in spec.members}
         if spec.view != shape.view or seats != group.seats:
             return "is not our plan's (another view of the tickets, or other weights)"
         if not all(m.computes for m in spec.members):
             return "leaves a member's value out (every member of a plan contributes)"
+    return None
+
+
+def _share_over_cap(spec: RoundSpec, declared: dict[str, Ticket]) -> str | None:
+    """Whether the leader gave a member more than `share_cap` of the vector, m counting the
+    members whose DHT ticket in our view lets them reduce (`group.can_reduce`). The leader
+    counts at least those (`group.reducers`), so an honest spec always passes; a lying leader
+    cannot hand itself, or anyone, more than the cap (it could hand itself all of it before).
+    With one contribution or none there is nothing to steer (`group.shares_for`)."""
+    if sum(m.computes for m in spec.members) <= 1:
+        return None
+    able = sum(can_reduce(declared.get(m.peer_id)) for m in spec.members)
+    cap = share_cap(able)
+    total = math.fsum(m.share for m in spec.members)
+    for m in spec.members:
+        # Relative slack for the last bits of the leader's float arithmetic.
+        if m.share > cap * total * (1 + 1e-9):
+            return (
+                f"gives {m.peer_id} {m.share / total:.3g} of the vector; at most {cap:.3g} "
+                f"among {able} members that can reduce"
+            )
     return None
 
 

@@ -6,9 +6,10 @@ contribution and its weight, its measured capabilities, and when it was declared
 a peer reads when the gathering closes are its *view*; `view_digest` names it, so members can
 tell whether they planned from the same one. The leader turns the tickets of the members that
 joined into a `RoundSpec` (`build_spec`): members sorted by peer id, each with the weight and
-block the Moshpit plan gives it (or, in a single group, its own weight), shares from the role
-solver when every member's capabilities are known (else equal shares among the reachable
-members), a round id that names exactly this group and view.
+block the Moshpit plan gives it (or, in a single group, its own weight), shares from the
+shares LP over what trusted backbones measured of each member (`shares_for`: never a member's
+own claim, and none above `MAX_SHARE_RATIO` times an equal share), a round id that names
+exactly this group and view.
 
 `round_timeouts` replaces magic timeouts: the round may take `floor + multiplier x` the time
 the cost model predicts from the bytes each member moves and its measured bandwidth, and a
@@ -25,10 +26,10 @@ from typing import Annotated, Literal
 import msgspec
 
 from peer.averaging.allreduce import Member, RoundSpec
-from peer.errors import RoleAssignmentError
-from peer.measure.capabilities import Capabilities, to_capacity
+from peer.measure.attestation import Evidence, attested_link
+from peer.measure.capabilities import Capabilities
 from peer.net.tls import MAX_CERT_BYTES
-from peer.roles import assign_roles
+from peer.roles import PeerCapacity, cap_shares, optimal_shares
 from peer.roles.model import bytes_per_round
 
 Host = Annotated[str, msgspec.Meta(max_length=64)]
@@ -83,27 +84,66 @@ def round_id_of(
     return digest.digest()
 
 
-def shares_for(tickets: Sequence[Ticket], *, size: int) -> list[float]:
-    """Aggregation shares (sorted like `tickets`): the role solver's, given every member's
-    measured capabilities; otherwise equal among the members known to be reachable."""
-    capacities = [
-        to_capacity(t.peer_id, t.capabilities) if t.capabilities else None for t in tickets
-    ]
-    if all(c is not None for c in capacities):
-        try:
-            assignment = assign_roles(
-                [c for c in capacities if c is not None],
-                gradient_bytes=4 * max(size, 1),
-                target_batch=max(sum(t.weight for t in tickets), 1.0),
-                delayed=False,
+def can_reduce(ticket: Ticket | None) -> bool:
+    """Whether a ticket lets its peer reduce: it says it is reachable, or says nothing."""
+    return ticket is not None and (ticket.capabilities is None or ticket.capabilities.reachable)
+
+
+def attested_bandwidth(ticket: Ticket, evidence: Evidence) -> tuple[float, float] | None:
+    """(upload, download) bytes/s trusted backbones measured of `ticket`'s peer, or None."""
+    if ticket.capabilities is None:
+        return None
+    return attested_link(ticket.peer_id, ticket.capabilities.attestations, evidence)
+
+
+def reducers(tickets: Sequence[Ticket], declared: Mapping[str, Ticket] | None = None) -> list[bool]:
+    """Who may hold a share (sorted like `tickets`): whoever can reduce by its ticket, or by the
+    ticket it declared in the DHT (`declared`: our view), so a leader never counts fewer
+    reducers than a member checking its spec from the DHT tickets does; everyone if nobody."""
+    declared = declared or {}
+    able = [can_reduce(t) or can_reduce(declared.get(t.peer_id)) for t in tickets]
+    return able if any(able) else [True] * len(tickets)
+
+
+def shares_for(
+    tickets: Sequence[Ticket],
+    *,
+    evidence: Evidence | None = None,
+    declared: Mapping[str, Ticket] | None = None,
+) -> list[float]:
+    """Aggregation shares (sorted like `tickets`, adding up to 1): the shares LP
+    (`peer.roles.optimal_shares`) for the members' roles (whether each contributes) over their
+    bandwidth as trusted backbones measured it (`evidence`), then capped (`cap_shares`).
+
+    Never a ticket's own figures: a member without a valid attestation counts at the floor
+    (`averaging.min_bandwidth`), and with no evidence at all every member counts alike (equal
+    shares among the reducers). Compute is left out: every member sends its whole vector
+    whatever its speed. Reachability is the member's claim (`reducers`): one that claims it and
+    cannot be dialed fails as a reducer and is left out (a single group) or fails the round.
+    The cap: none holds more than `MAX_SHARE_RATIO` / m of the vector among m reducers.
+    """
+    able = reducers(tickets, declared)
+    computes = [t.computes for t in tickets]
+    if sum(computes) <= 1:
+        # One contribution or none: nothing to steer by reducing it, nothing to balance.
+        return [1.0 if c else 0.0 for c in computes] if any(computes) else _equal(able)
+    floor = evidence.floor if evidence is not None else 1.0
+    capacities = []
+    for ticket, reachable in zip(tickets, able, strict=True):
+        measured = attested_bandwidth(ticket, evidence) if evidence is not None else None
+        up, down = measured or (floor, floor)
+        capacities.append(
+            PeerCapacity(
+                peer_id=ticket.peer_id, samples_per_s=0.0, upload_bps=up, download_bps=down,
+                reachable=reachable,
             )
-            return [role.share for role in assignment.roles]
-        except RoleAssignmentError:
-            pass  # nobody measured as reachable: fall back below
-    reachable = [t.capabilities is None or t.capabilities.reachable for t in tickets]
-    if not any(reachable):
-        reachable = [True] * len(tickets)  # no one known reachable: try everyone
-    return [1.0 if r else 0.0 for r in reachable]
+        )  # fmt: skip
+    shares, _ = optimal_shares(capacities, computes)
+    return cap_shares(shares, able)
+
+
+def _equal(able: Sequence[bool]) -> list[float]:
+    return [1.0 / sum(able) if a else 0.0 for a in able]
 
 
 def build_spec(
@@ -117,12 +157,15 @@ def build_spec(
     chunk_elements: int,
     seats: Mapping[str, tuple[int, float]] | None = None,
     view: bytes = b"",
+    evidence: Evidence | None = None,
+    declared: Mapping[str, Ticket] | None = None,
 ) -> RoundSpec:
     """`seats`: each member's (block, weight) from the Moshpit plan; without them every member
-    stands for itself (a single group): its own weight, blocks in peer-id order."""
+    stands for itself (a single group): its own weight, blocks in peer-id order. `evidence`
+    and `declared` (the leader's view of the DHT tickets): see `shares_for`."""
     ordered = sorted(joined, key=lambda j: j.ticket.peer_id)
     tickets = [j.ticket for j in ordered]
-    shares = shares_for(tickets, size=size)
+    shares = shares_for(tickets, evidence=evidence, declared=declared)
     if seats is None:
         seats = {t.peer_id: (i, t.weight if t.computes else 0.0) for i, t in enumerate(tickets)}
     members = tuple(

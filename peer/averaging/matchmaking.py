@@ -49,6 +49,7 @@ from peer.errors import (
     RemoteError,
     RpcError,
 )
+from peer.measure.attestation import Evidence
 from peer.net.admission import check_dial_address
 from peer.net.host import parse_addrs
 from peer.net.rpc import RpcServer
@@ -128,6 +129,8 @@ class RoundShape:
     codec: str
     chunk_elements: int
     view: bytes = b""
+    evidence: Evidence | None = None
+    """What counts as a measurement of a member's link, for shares (`group.shares_for`)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -342,6 +345,8 @@ class Matchmaker:
             chunk_elements=shape.chunk_elements,
             seats=group.seats,
             view=shape.view,
+            evidence=shape.evidence,
+            declared=tickets,
         )
         gathering.decide(Begin(spec))
         return spec

@@ -3,6 +3,9 @@
 The role solver reads these from every peer's record (`to_capacity`), and `peer status` shows
 them. Every field is validated on decode (types and ranges, with upper bounds far above any real
 machine), so a peer's record with impossible figures is dropped, not fed to the solver.
+
+The figures are the peer's own: claims. What decides an averaging's shares and deadlines is
+`attestations`, what backbones measured and signed (`peer.measure.attestation`).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from typing import Annotated
 
 import msgspec
 
+from peer.measure.attestation import MAX_ATTESTATIONS, Attestation
 from peer.roles import PeerCapacity
 
 # Upper bounds far above any real machine keep sums of many peers' figures finite.
@@ -39,6 +43,9 @@ class Capabilities(msgspec.Struct, frozen=True):
     """Bytes of one gradient of that task (P in the role solver)."""
     target_batch: Count
     """Samples per collaborative step it is configured for (B in the role solver)."""
+    attestations: Annotated[tuple[Attestation, ...], msgspec.Meta(max_length=MAX_ATTESTATIONS)] = ()
+    """Backbones' signed measurements of its link, the newest of each (checked by readers).
+    The default keeps older records decodable; older readers ignore the field."""
 
 
 def to_capacity(peer_id: str, capabilities: Capabilities) -> PeerCapacity | None:

@@ -8,7 +8,7 @@ Protocol `/peertrain/probe/1`, one probe per stream, control messages as frames
     download:  Probe{download, n} ->  Accepted{n', seconds} | Refused, then n' raw bytes, EOF;
                Measured{bytes, seconds} ->
     upload:    Probe{upload, n}   ->  Accepted{n', seconds} | Refused;  n' raw bytes, EOF
-                                  ->  Measured{bytes, seconds}
+                                  ->  Measured{bytes, seconds, attestation}
 
 The receiving side measures and tells the other: the client for downloads, the backbone for
 uploads. So a backbone learns its own capacity from the probes it serves (`capacity()`: the
@@ -19,13 +19,19 @@ first round trip do not count. A backbone grants at most `max_bytes` per probe a
 `max_seconds`; each caller has a byte budget that refills over `budget_window` seconds
 (`ByteBudgets`), and at most `max_concurrent` probes run at once, one per caller, so nobody
 can use a backbone to flood links or take every slot. A refusal says when to retry.
+
+What a backbone measured of a caller it signs (`peer.measure.attestation`): the upload's
+`Measured` reply carries an `Attestation` of that upload and of the caller's latest download
+report (within `ATTEST_WINDOW`), signed with the backbone's libp2p identity key. Others use
+those figures for averaging shares and deadlines, never the caller's own. The field is optional
+both ways (msgspec ignores unknown fields), so older peers and backbones still interoperate.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Literal
@@ -33,10 +39,12 @@ from typing import Annotated, Literal
 import msgspec
 import trio
 from libp2p.abc import IHost, INetStream
+from libp2p.crypto.keys import PrivateKey
 from libp2p.peer.id import ID
 
 from peer.config import ProbeConfig
 from peer.errors import DECODE_ERRORS, DeadlineExceeded, ProtocolError, RemoteError, Unreachable
+from peer.measure.attestation import Attestation, attest, signed
 from peer.net.host import Node
 from peer.net.ratelimit import ByteBudgets
 from peer.net.rpc import READ_CHUNK, TRANSPORT_ERRORS, FramedStream
@@ -49,6 +57,10 @@ CONTROL_TIMEOUT = 10.0
 MAX_PINGS = 32  # per stream; then the stream ends
 MAX_PROBE_SECONDS = 60.0  # the longest transfer a client agrees to
 CAPACITY_WINDOW = 3600.0
+# Seconds a caller's download report counts toward its attestation: measure_link probes the
+# download just before the upload, so one measuring round fits easily.
+ATTEST_WINDOW = 300.0
+MAX_REPORTS = 1024  # callers whose latest download report a backbone keeps
 _ZEROS = bytes(READ_CHUNK)
 
 
@@ -86,6 +98,9 @@ class Refused(msgspec.Struct, tag=True):
 class Measured(msgspec.Struct, tag=True):
     bytes: ByteCount
     seconds: Seconds
+    attestation: Attestation | None = None
+    """An upload's: the backbone's signed figures of the caller (None in download reports,
+    and from older backbones)."""
 
 
 _requests = msgspec.msgpack.Decoder(Ping | Probe)
@@ -109,6 +124,8 @@ class LinkMeasurement:
     upload_bps: float
     download_bps: float
     rtt_s: float
+    attestation: Attestation | None = None
+    """The backbone's signed figures of us (checked: ours, its signature), if it gave one."""
 
 
 # ---------------------------------------------------------------------------- pure parts
@@ -147,11 +164,17 @@ class ProbeServer:
         *,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        key: PrivateKey | None = None,
     ) -> None:
-        """`clock` paces budgets and rates; `wall_clock` is the time a `Pong` reports."""
+        """`clock` paces budgets and rates; `wall_clock` is the time a `Pong` reports and an
+        attestation states; `key` signs attestations (default: the host's identity key)."""
         self.limits = limits
         self.clock = clock
         self.wall_clock = wall_clock
+        self.key = key if key is not None else host.get_private_key()
+        self.signer = host.get_id().to_base58()
+        # caller -> (clock, bytes/s) of its latest download report, capped by our send rate
+        self._downloads: OrderedDict[ID, tuple[float, float]] = OrderedDict()
         self.budgets = ByteBudgets(capacity=limits.budget_bytes, window=limits.budget_window)
         self.running = 0
         self.probing: set[ID] = set()  # callers with a probe running
@@ -212,20 +235,37 @@ class ProbeServer:
             await framed.write_frame(_encode(Accepted(granted, self.limits.max_seconds)))
             deadline = time.perf_counter() + self.limits.max_seconds
             if request.direction == "download":
-                await self._serve_download(framed, granted, deadline)
+                await self._serve_download(caller, framed, granted, deadline)
                 return
             samples: list[tuple[float, int]] = []
             # The caller stops sending at the same deadline; the margin covers one round trip.
             with trio.move_on_after(self.limits.max_seconds + CONTROL_TIMEOUT):
                 await receive_counted(framed, granted, samples, deadline=deadline + 1.0)
             window = measured_window(samples)
-            await framed.write_frame(_encode(Measured(*window)))
+            attestation = self.attest(caller, rate(window))
+            await framed.write_frame(_encode(Measured(*window, attestation)))
             self._rates.append((self.clock(), "upload", rate(window)))
         finally:
             self.running -= 1
             self.probing.discard(caller)
 
-    async def _serve_download(self, framed: FramedStream, count: int, deadline: float) -> None:
+    def attest(self, caller: ID, upload_bps: float) -> Attestation:
+        """Our signed figures of `caller`: the upload we just received, and its latest download
+        report within ATTEST_WINDOW (0 without one: a verifier then counts its floor)."""
+        now = self.clock()
+        at, download = self._downloads.get(caller, (now, 0.0))
+        return attest(
+            self.key,
+            signer=self.signer,
+            subject=caller.to_base58(),
+            upload_bps=upload_bps,
+            download_bps=download if now - at <= ATTEST_WINDOW else 0.0,
+            issued_at=self.wall_clock(),
+        )
+
+    async def _serve_download(
+        self, caller: ID, framed: FramedStream, count: int, deadline: float
+    ) -> None:
         start = time.perf_counter()
         sent = 0
         # The deadline is checked between writes; this bounds a write a slow reader stalls.
@@ -240,8 +280,12 @@ class ProbeServer:
             frame = await framed.read_frame()
             report = _replies.decode(frame) if frame is not None else None
             if isinstance(report, Measured):
-                reported = rate((report.bytes, report.seconds))
-                self._rates.append((self.clock(), "download", min(reported, send_rate)))
+                reported = min(rate((report.bytes, report.seconds)), send_rate)
+                self._rates.append((self.clock(), "download", reported))
+                self._downloads[caller] = (self.clock(), reported)
+                self._downloads.move_to_end(caller)
+                if len(self._downloads) > MAX_REPORTS:
+                    self._downloads.popitem(last=False)
 
 
 async def send_zeros(stream: INetStream, count: int, *, deadline: float) -> int:
@@ -291,11 +335,29 @@ async def measure_link(
     """
     rtt = min(sample.rtt_s for sample in await ping(node, backbone, pings))
     rates = {}
+    attestation = None
+    # Download first: the upload's attestation carries the download we just reported.
     for direction in ("download", "upload"):
-        estimate = await _probe(node, backbone, direction, 256 << 10)
+        estimate, _ = await _probe(node, backbone, direction, 256 << 10)
         size = int(min(max_bytes, max(256 << 10, estimate * target_seconds)))
-        rates[direction] = await _probe(node, backbone, direction, size)
-    return LinkMeasurement(rates["upload"], rates["download"], rtt)
+        rates[direction], attestation = await _probe(node, backbone, direction, size)
+    return LinkMeasurement(rates["upload"], rates["download"], rtt, attestation)
+
+
+def checked_attestation(
+    attestation: Attestation | None, *, subject: ID, signer: ID
+) -> Attestation | None:
+    """`attestation` if it is `signer`'s, over `subject`, and its signature holds; else None
+    (a bad one is dropped, never carried: every reader would check it again)."""
+    if attestation is None:
+        return None
+    if attestation.subject != subject.to_base58() or attestation.signer != signer.to_base58():
+        log.debug("%s sent an attestation of another peer or signer; dropped", signer)
+        return None
+    if not signed(attestation):
+        log.debug("%s sent an attestation whose signature does not check out; dropped", signer)
+        return None
+    return attestation
 
 
 async def _open(node: Node, backbone: ID) -> FramedStream:
@@ -341,7 +403,10 @@ async def ping(node: Node, backbone: ID, count: int) -> list[PingSample]:
     return samples
 
 
-async def _probe(node: Node, backbone: ID, direction: str, size: int) -> float:
+async def _probe(
+    node: Node, backbone: ID, direction: str, size: int
+) -> tuple[float, Attestation | None]:
+    """One probe: the rate measured, and for an upload the backbone's checked attestation."""
     framed = await _open(node, backbone)
     try:
         await framed.write_frame(_encode(Probe(direction, size)))  # type: ignore[arg-type]
@@ -365,7 +430,7 @@ async def _probe(node: Node, backbone: ID, direction: str, size: int) -> float:
             await framed.stream.close()
             with trio.move_on_after(1.0):  # its close says it read the report: then reset
                 await framed.read_frame()
-            return rate(window)
+            return rate(window), None
         with trio.move_on_after(reply.seconds + CONTROL_TIMEOUT) as scope:
             await send_zeros(framed.stream, reply.bytes, deadline=deadline)
             await framed.stream.close()
@@ -374,7 +439,10 @@ async def _probe(node: Node, backbone: ID, direction: str, size: int) -> float:
             raise DeadlineExceeded(f"upload probe to {backbone} overran its time limit")
         if not isinstance(measured, Measured):
             raise ProtocolError(f"{backbone} answered an upload with {type(measured).__name__}")
-        return rate((measured.bytes, measured.seconds))
+        attestation = checked_attestation(
+            measured.attestation, subject=node.peer_id, signer=backbone
+        )
+        return rate((measured.bytes, measured.seconds)), attestation
     except TRANSPORT_ERRORS as error:
         raise Unreachable(f"{direction} probe to {backbone} failed: {error!r}") from error
     finally:

@@ -6,6 +6,9 @@ every `measure.interval` seconds (sooner after a failure). Figures from several 
 combined by taking the best, because a probe measures the slower end of the path. Between
 measurements, real work refines the figures: training throughput (`observe_training`) and the
 transfer rates of averaging rounds (`observe_transfer`), as time-weighted moving averages.
+Those figures are our claims; what the backbones measured of us they sign, and we carry the
+newest attestation of each in our capabilities (`peer.measure.attestation`): only those count
+for others' shares and deadlines.
 
 A backbone does not compute. Its bandwidth comes from the probes it serves (`ProbeServer.
 capacity`) and from probing other backbones (those that start later too: the list is asked for
@@ -17,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 import trio
@@ -25,6 +28,7 @@ from libp2p.peer.id import ID
 
 from peer.config import PeerConfig
 from peer.errors import RemoteError
+from peer.measure.attestation import MAX_ATTESTATIONS, Attestation
 from peer.measure.capabilities import Capabilities
 from peer.measure.ema import RateEMA
 from peer.measure.probe import LinkMeasurement, ProbeServer, measure_link
@@ -85,6 +89,7 @@ class Measurements:
         self.download: RateEMA | None = None
         self.reachable = probe_server is not None
         self.measured_at = 0.0
+        self.attestations: dict[str, Attestation] = {}  # signer -> its newest of us
         self._changed = trio.Event()
 
     async def wait_changed(self) -> None:
@@ -138,6 +143,7 @@ class Measurements:
             task=task.name if compute else "",
             gradient_bytes=compute.gradient_bytes if compute else 0,
             target_batch=task.target_batch if compute else 0,
+            attestations=tuple(self.attestations[signer] for signer in sorted(self.attestations)),
         )
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -210,6 +216,7 @@ class Measurements:
                 log.warning("could not measure the link to backbone %s: %s", backbone, error)
         if verdict is not None:
             self.reachable = verdict
+        self.keep_attestations(link.attestation for link in links)
         if links:
             self.link = best_link(links)
             # A probe is a direct measurement: it restarts the averages real transfers refine.
@@ -224,6 +231,15 @@ class Measurements:
             )
             self._announce_change()
         return bool(links) or not backbones
+
+    def keep_attestations(self, attestations: Iterable[Attestation | None]) -> None:
+        """Keep the newest attestation per backbone, MAX_ATTESTATIONS newest in all (a
+        backbone we could not reach this time keeps its last one until readers find it old)."""
+        for attestation in attestations:
+            if attestation is not None:
+                self.attestations[attestation.signer] = attestation
+        newest = sorted(self.attestations.values(), key=lambda a: a.issued_at, reverse=True)
+        self.attestations = {a.signer: a for a in newest[:MAX_ATTESTATIONS]}
 
 
 def reachability_verdict(result: DialBackResult) -> bool | None:

@@ -7,15 +7,18 @@ roles, `search` the choice of computing peers, `lp` the HiGHS reference used by 
 
 from peer.roles.model import PeerCapacity, Prediction, predict
 from peer.roles.search import EXACT_LIMIT, Assignment, PeerRole, assign_roles
-from peer.roles.shares import optimal_shares
+from peer.roles.shares import MAX_SHARE_RATIO, cap_shares, optimal_shares, share_cap
 
 __all__ = [
     "EXACT_LIMIT",
+    "MAX_SHARE_RATIO",
     "Assignment",
     "PeerCapacity",
     "PeerRole",
     "Prediction",
     "assign_roles",
+    "cap_shares",
     "optimal_shares",
     "predict",
+    "share_cap",
 ]

@@ -131,3 +131,50 @@ def _water_level(
         slope += bw[i] / (k - 2)
         offset += 1.0 / (k - 2)
     return (1.0 + offset) / slope
+
+
+MAX_SHARE_RATIO = 1.5
+"""No member reduces more than this many times an equal share of the vector: among m members
+that can reduce, at most min(1, 1.5 / m) of it (3/4 for m = 2, 1/2 for 3, 3/8 for 4). A
+constant, not a setting: every member checks its leader's shares against it
+(`peer.averaging.averager`), and members with different values would refuse honest leaders."""
+
+
+def share_cap(reducers: int, *, ratio: float = MAX_SHARE_RATIO) -> float:
+    """The largest share one of `reducers` members may hold (1 with none or one)."""
+    return 1.0 if reducers <= 1 else min(1.0, ratio / reducers)
+
+
+def cap_shares(
+    shares: Sequence[float], eligible: Sequence[bool], *, ratio: float = MAX_SHARE_RATIO
+) -> list[float]:
+    """`shares` normalised, then none above `share_cap(m)` (m = eligible members), the excess
+    spread over the eligible members below the cap.
+
+    Water-filling on the cap: members above it are held at it, the rest 1 - cap |held| is
+    spread over the others in proportion to their shares (equally where those are all 0), and
+    whoever that lifts above the cap is held too, until nobody is. It ends within m passes, and
+    it always can: m caps add up to min(m, ratio) >= 1. Shares of ineligible members must be 0
+    (the solver gives client-only members none). Pure Python floats in a fixed order: every
+    member computes the same bits from the same inputs.
+    """
+    total = math.fsum(shares)
+    if total <= 0:
+        raise ValueError(f"shares {list(shares)!r} add up to {total!r}; expected > 0")
+    normal = [g / total for g in shares]
+    members = [i for i, ok in enumerate(eligible) if ok]
+    cap = share_cap(len(members), ratio=ratio)
+    if ratio < 1 or any(normal[i] > 0 for i, ok in enumerate(eligible) if not ok):
+        raise ValueError("shares for ineligible members, or a ratio below 1, cannot be capped")
+    held: set[int] = set()
+    while True:
+        free = [i for i in members if i not in held]
+        room = 1.0 - cap * len(held)
+        # Proportions from the shares as given: normalising first can lose a tiny share's bits.
+        weight = math.fsum(shares[i] for i in free)
+        spread = {i: room * (shares[i] / weight) if weight > 0 else room / len(free) for i in free}
+        lifted = {i for i in free if spread[i] > cap}
+        if not lifted:
+            break
+        held |= lifted
+    return [cap if i in held else spread.get(i, 0.0) for i in range(len(normal))]
