@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -13,7 +14,7 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,13 @@ import torch
 from torch import nn
 
 from peer.errors import ConfigError
-from peer.training.checkpoint import load_latest, save_checkpoint
+from peer.training.checkpoint import (
+    Checkpoint,
+    load_latest,
+    load_latest_blob,
+    save_blob,
+    save_checkpoint,
+)
 from peer.training.state import TrainingState, capture, restore, to_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -250,6 +257,92 @@ def test_checkpoints_named_before_serials_still_load(tmp_path):
     assert load_latest(tmp_path).step == 5
     save_checkpoint(tmp_path, state_of(6), keep=1)  # prunes the old-style payload too
     assert files(tmp_path) == ["step-6.json", "step-6.safetensors"]
+
+
+def test_a_blob_round_trips_with_its_extra_metadata(tmp_path):
+    extra = {"digest": "d7", "signatures": [["signer", "00ff"]], "nested": {"n": [1, 2.5, None]}}
+    path = save_blob(tmp_path, 7, b"opaque bytes", extra=extra)
+    assert path == tmp_path / "step-7-1.safetensors"
+    assert path.read_bytes() == b"opaque bytes"  # as given: nothing parses it on the way
+    assert load_latest_blob(tmp_path) == Checkpoint(7, b"opaque bytes", extra, serial=1)
+    assert json.loads((tmp_path / "step-7.json").read_text())["extra"] == extra
+    save_blob(tmp_path, 8, b"more bytes")
+    assert load_latest_blob(tmp_path) == Checkpoint(8, b"more bytes", None, serial=2)
+
+
+def test_a_checkpoint_without_extra_keeps_the_format_of_before(tmp_path):
+    """FORMAT 1 as written before records could hold `extra`: exactly these keys, and such a
+    record written by hand loads (the files on users' disks)."""
+    save_checkpoint(tmp_path, state_of(5))
+    record = json.loads((tmp_path / "step-5.json").read_text())
+    assert set(record) == {"format", "file", "step", "serial", "bytes", "sha256"}
+    data = payload(tmp_path, 5).read_bytes()
+    old = {
+        "format": 1,
+        "file": "step-6-4.safetensors",
+        "step": 6,
+        "serial": 4,
+        "bytes": len(data),
+        "sha256": hashlib.sha256(data).hexdigest(),
+    }
+    (tmp_path / "step-6-4.safetensors").write_bytes(data)
+    (tmp_path / "step-6.json").write_text(json.dumps(old))
+    assert load_latest_blob(tmp_path) == Checkpoint(6, data, None, serial=4)
+    # The payload holds step 5, the record says 6: the blob API does not look inside, but
+    # load_latest does, and falls back to step 5.
+    assert load_latest(tmp_path).step == 5
+
+
+def _set_extra(value: Any) -> Callable[[Path], None]:
+    def edit(path: Path) -> None:
+        record = json.loads(path.read_text())
+        record["extra"] = value
+        path.write_text(json.dumps(record))
+
+    return edit
+
+
+def _add_a_key(path: Path) -> None:
+    record = json.loads(path.read_text())
+    record["comment"] = "hand edited"
+    path.write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (_set_extra("a string"), "unexpected values"),
+        (_set_extra([1, 2]), "unexpected values"),
+        (_set_extra(None), "unexpected values"),
+        (_add_a_key, "expected an object with keys"),
+        (_flip_a_byte, "sha256"),
+    ],
+)
+def test_a_damaged_blob_record_falls_back_to_the_older(tmp_path, caplog, damage, message):
+    save_blob(tmp_path, 2, b"state 2", extra={"digest": "d2"})
+    save_blob(tmp_path, 3, b"state 3", extra={"digest": "d3"})
+    damage(payload(tmp_path, 3) if damage is _flip_a_byte else tmp_path / "step-3.json")
+    with caplog.at_level(logging.WARNING, logger="peertrain.checkpoint"):
+        loaded = load_latest_blob(tmp_path)
+    assert loaded == Checkpoint(2, b"state 2", {"digest": "d2"}, serial=1)
+    assert any(message in w for w in warnings(caplog)), warnings(caplog)
+
+
+def test_a_checkpoint_that_parse_rejects_falls_back_to_the_older(tmp_path, caplog):
+    save_blob(tmp_path, 2, b"state 2", extra={"digest": "d2"})
+    save_blob(tmp_path, 3, b"state 3", extra={"digest": 3})  # e.g. a hand edit
+
+    def digest_of(checkpoint: Checkpoint) -> str:
+        digest = (checkpoint.extra or {}).get("digest")
+        if not isinstance(digest, str):
+            raise ValueError(f"digest {digest!r}, expected a string")
+        return digest
+
+    with caplog.at_level(logging.WARNING, logger="peertrain.checkpoint"):
+        assert load_latest_blob(tmp_path, parse=digest_of) == "d2"
+    assert any("step-3.json is damaged (digest 3" in w for w in warnings(caplog))
+    save_blob(tmp_path, 4, b"not a state")  # what load_latest cannot parse
+    assert load_latest(tmp_path) is None  # StateMismatch for each: skipped, never raised
 
 
 def test_an_unwritable_directory_is_a_config_error(tmp_path):

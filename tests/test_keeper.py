@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -28,10 +29,12 @@ from peer.config import PeerConfig
 from peer.dht.node import DHT
 from peer.files import state_folder
 from peer.net.host import Node
+from peer.training import checkpoint as checkpoint_module
 from peer.training import state as states
-from peer.training.certificate import sign_step
+from peer.training.certificate import StepSignature, sign_step
+from peer.training.checkpoint import Checkpoint, load_latest_blob
 from peer.training.chunks import MIN_CHUNK_BYTES, chunk_count
-from peer.training.keeper import StateKeeper, run_keeper
+from peer.training.keeper import KEEP, StateKeeper, run_keeper
 from peer.training.progress import (
     ProgressRecord,
     decode_progress,
@@ -86,11 +89,13 @@ def kept_folder(config: PeerConfig) -> Path:
     return state_folder(config.training.checkpoint_dir, config.collaboration.name, "kept-state")
 
 
-def kept_meta(config: PeerConfig) -> dict | None:
-    try:
-        return json.loads((kept_folder(config) / "kept.json").read_text())
-    except FileNotFoundError:
-        return None
+def kept(config: PeerConfig) -> Checkpoint | None:
+    """The keeper's newest checkpoint, as saved."""
+    return load_latest_blob(kept_folder(config))
+
+
+def kept_step(config: PeerConfig) -> int | None:
+    return None if (checkpoint := kept(config)) is None else checkpoint.step
 
 
 def blob_digest(blob: bytes) -> str:
@@ -194,8 +199,7 @@ async def followed(tmp_path: Path, *, trainers: int) -> AsyncIterator[Followed]:
         _, training = await start_stoppable(s.nursery, train)
         await wait_until(
             lambda: (
-                (step := held_step(group.trainers, config)) is not None
-                and (kept_meta(kept) or {}).get("step") == step
+                (step := held_step(group.trainers, config)) is not None and kept_step(kept) == step
             )
         )
         yield Followed(s, group.trainers, keeper, kept, training, group.trainers[0].step)
@@ -213,23 +217,20 @@ async def test_the_keeper_follows_the_trainers_and_saves_their_state(tmp_path):
     assert held is not None and held.step == f.step
     assert held.blob == trainer_blob  # the consensus state, bit for bit
     assert f.keeper.digest == digest
-    # On disk: the blob, and metadata that names its step, digest and hash.
-    meta = kept_meta(f.config)
-    saved = (kept_folder(f.config) / meta["file"]).read_bytes()
-    assert saved == held.blob
-    assert meta == {
-        "step": f.step,
+    # On disk: a checkpoint of the blob, its record naming the digest and signatures.
+    saved = kept(f.config)
+    assert saved is not None and saved.step == f.step
+    assert saved.blob == held.blob
+    assert saved.extra == {
         "digest": digest,
-        "sha256": hashlib.sha256(saved).hexdigest(),
-        "file": f"kept-{hashlib.sha256(saved).hexdigest()[:16]}.state",
         # The trainers' signatures of (step, digest): the keeper's record certifies the state
         # after they leave.
         "signatures": [[s.signer, s.signature.hex()] for s in f.keeper.signatures],
     }
     assert sorted(s.signer for s in f.keeper.signatures) == sorted(t.me for t in f.trainers)
-    assert [p.name for p in kept_folder(f.config).glob("*.state")] == [meta["file"]]
-    assert states.from_bytes(saved).step == f.step
-    assert blob_digest(saved) == digest
+    assert 1 <= len(list(kept_folder(f.config).glob("step-*.json"))) <= KEEP
+    assert states.from_bytes(saved.blob).step == f.step
+    assert blob_digest(saved.blob) == digest
 
 
 async def test_a_joiner_downloads_from_the_keeper_alone_when_no_trainer_is_online(tmp_path):
@@ -328,12 +329,12 @@ async def test_a_restarted_keeper_serves_what_it_saved_unless_the_blob_does_not_
             _, holding = await start_stoppable(s.nursery, donor.serve, "127.0.0.1", 0)
             await publish(holder, config, trainer_record(holder, config, step=3, digest=digest))
             _, stop_first = await start_keeper(s, config)
-            await wait_until(lambda: (kept_meta(config) or {}).get("step") == 3)
+            await wait_until(lambda: kept_step(config) == 3)
             stop_first.cancel()
             # The trainer goes away: from now on only what the keeper saved can be served.
             holding.cancel()
             await publish(holder, config, None)
-            assert kept_meta(config)["digest"] == digest
+            assert kept(config).extra["digest"] == digest
 
             restarted, stop_restarted = await start_keeper(s, config)
             assert await restarted.snapshot() == state  # loaded before it read any record
@@ -348,12 +349,11 @@ async def test_a_restarted_keeper_serves_what_it_saved_unless_the_blob_does_not_
             assert [(r.role, r.step, r.digest) for r in mine] == [("keeper", 3, digest)]
             stop_restarted.cancel()
 
-            # A blob that does not match its recorded hash (a kill between the two writes,
-            # or a damaged disk) is not served.
-            kept = kept_folder(config) / kept_meta(config)["file"]
-            damaged = bytearray(kept.read_bytes())
+            # A blob that does not match its recorded hash (a damaged disk) is not served.
+            (payload,) = kept_folder(config).glob("step-3-*.safetensors")
+            damaged = bytearray(payload.read_bytes())
             damaged[len(damaged) // 2] ^= 0xFF
-            kept.write_bytes(bytes(damaged))
+            payload.write_bytes(bytes(damaged))
             ignoring, _ = await start_keeper(s, config)
             assert await ignoring.snapshot() is None
             with pytest.raises(StateDownloadFailed, match="holding nothing"):
@@ -391,9 +391,9 @@ async def test_a_state_slower_to_download_than_one_progress_exchange_is_still_ke
             await s.nursery.start(donor.serve, "127.0.0.1", 0)
             await publish(holder, config, trainer_record(holder, config, step=3, digest=digest))
             keeper, _ = await start_keeper(s, config)
-            await wait_until(lambda: (kept_meta(config) or {}).get("step") == 3)
+            await wait_until(lambda: kept_step(config) == 3)
     assert await keeper.snapshot() == state
-    assert (kept_folder(config) / kept_meta(config)["file"]).read_bytes() == state.blob
+    assert kept(config).blob == state.blob
 
 
 async def test_a_state_newer_than_its_donors_records_is_kept_only_under_its_own_digest(tmp_path):
@@ -413,43 +413,149 @@ async def test_a_state_newer_than_its_donors_records_is_kept_only_under_its_own_
             chunks = chunk_count(len(new_state.blob), MIN_CHUNK_BYTES)
             await wait_until(lambda: donor.statistics().chunks_served >= 2 * chunks)
             assert await keeper.snapshot() is None
-            assert kept_meta(config) is None
+            assert kept(config) is None
             # The record catches up: step 4 is kept, under its own digest.
             await publish(holder, config, trainer_record(holder, config, step=4, digest=new_digest))
-            await wait_until(lambda: (kept_meta(config) or {}).get("step") == 4)
-    assert kept_meta(config)["digest"] == new_digest
+            await wait_until(lambda: kept_step(config) == 4)
+    assert kept(config).extra["digest"] == new_digest
     assert await keeper.snapshot() == new_state
     assert keeper.digest == new_digest
 
 
-def test_a_kill_between_the_kept_blob_and_its_metadata_keeps_the_old_state(tmp_path, monkeypatch):
-    """The old design wrote kept.state in place, then kept.json: a kill between them left a
-    blob whose hash did not match, and the keeper restarted with nothing to serve."""
-    from peer.training import keeper as keeper_module
-
+def a_keeper(directory: Path) -> StateKeeper:
+    """A keeper on `directory` that only saves and loads (no DHT, nothing to fetch)."""
     node = SimpleNamespace(peer_id=ID.from_pubkey(create_new_key_pair().public_key))
-    make = lambda: keeper_module.StateKeeper(  # noqa: E731
-        SimpleNamespace(node=node),
+    return StateKeeper(
+        SimpleNamespace(node=node),  # type: ignore[arg-type]
         PeerConfig(),
         fetch=None,  # type: ignore[arg-type]
         digest=None,  # type: ignore[arg-type]
-        directory=tmp_path,
+        directory=directory,
     )
-    first = make()
-    first._save(Snapshot(3, b"state of step 3"), "d3", [])
-    real = keeper_module.write_atomically
 
-    def dies_at_the_metadata(directory, name, data):
-        if name == "kept.json":
+
+def signed(step: int, digest: str) -> StepSignature:
+    """COSIGNER's signature of (step, digest) in the default config's collaboration."""
+    name = PeerConfig().collaboration.name
+    return sign_step(
+        COSIGNER.key_pair.private_key, COSIGNER.peer_id.to_base58(), name, step, digest
+    )
+
+
+def loaded(directory: Path) -> tuple[Snapshot | None, str, list[StepSignature]]:
+    """What a keeper started on `directory` holds."""
+    keeper = a_keeper(directory)
+    keeper._load()
+    return keeper.held, keeper.digest, keeper.signatures
+
+
+def test_what_the_keeper_saves_loads_back_with_its_signatures_checked_again(tmp_path):
+    keeper = a_keeper(tmp_path)
+    good = signed(3, "d3")
+    forged = StepSignature(new_identity().peer_id.to_base58(), good.signature)
+    keeper._save(Snapshot(3, b"state of step 3"), "d3", [good, forged])
+    assert loaded(tmp_path) == (Snapshot(3, b"state of step 3"), "d3", [good])
+    # The checkpoint's record holds what was given (a hand edit could add a forged one).
+    assert kept_signers(tmp_path) == sorted([good.signer, forged.signer])
+
+
+def kept_signers(directory: Path) -> list[str]:
+    checkpoint = load_latest_blob(directory)
+    assert checkpoint is not None and checkpoint.extra is not None
+    return sorted(signer for signer, _ in checkpoint.extra["signatures"])
+
+
+def test_a_kill_while_the_keeper_saves_keeps_the_old_state(tmp_path, monkeypatch):
+    """The keeper's first design wrote kept.state in place, then kept.json: a kill between them
+    left a blob whose hash did not match, and the keeper restarted with nothing to serve."""
+    keeper = a_keeper(tmp_path)
+    keeper._save(Snapshot(3, b"state of step 3"), "d3", [])
+    real = checkpoint_module.write_atomically
+
+    def dies_at_the_record(directory: Path, name: str, data: bytes) -> None:
+        if name.endswith(".json"):
             raise KeyboardInterrupt("killed")
         real(directory, name, data)
 
-    monkeypatch.setattr(keeper_module, "write_atomically", dies_at_the_metadata)
+    monkeypatch.setattr(checkpoint_module, "write_atomically", dies_at_the_record)
     with pytest.raises(KeyboardInterrupt):
-        first._save(Snapshot(4, b"state of step 4"), "d4", [])
-    monkeypatch.setattr(keeper_module, "write_atomically", real)
-    restarted = make()
-    restarted._load()
-    assert restarted.held == Snapshot(3, b"state of step 3") and restarted.digest == "d3"
-    restarted._save(Snapshot(4, b"state of step 4"), "d4", [])  # the next save tidies up
-    assert len(list(tmp_path.glob("*.state"))) == 1
+        keeper._save(Snapshot(4, b"state of step 4"), "d4", [])
+    monkeypatch.setattr(checkpoint_module, "write_atomically", real)
+    assert loaded(tmp_path) == (Snapshot(3, b"state of step 3"), "d3", [])
+    keeper._save(Snapshot(4, b"state of step 4"), "d4", [])  # the next save tidies up
+    assert len(list(tmp_path.glob("*.safetensors"))) == KEEP
+    assert loaded(tmp_path) == (Snapshot(4, b"state of step 4"), "d4", [])
+
+
+def _flip_a_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _edit_the_digest(path: Path) -> None:
+    record = json.loads(path.read_text())
+    record["extra"]["digest"] = 5
+    path.write_text(json.dumps(record))
+
+
+def _edit_the_signatures(path: Path) -> None:
+    record = json.loads(path.read_text())
+    record["extra"]["signatures"] = [["signer", "not hex"]]
+    path.write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize(
+    ("damage", "file", "message"),
+    [
+        (_flip_a_byte, "step-4-*.safetensors", "sha256"),
+        (_edit_the_digest, "step-4.json", "expected a digest"),
+        (_edit_the_signatures, "step-4.json", "non-hexadecimal"),
+    ],
+)
+def test_a_damaged_newest_kept_state_falls_back_to_the_older(
+    tmp_path, caplog, damage, file, message
+):
+    keeper = a_keeper(tmp_path)
+    keeper._save(Snapshot(3, b"state of step 3"), "d3", [signed(3, "d3")])
+    keeper._save(Snapshot(4, b"state of step 4"), "d4", [signed(4, "d4")])
+    (path,) = tmp_path.glob(file)
+    damage(path)
+    with caplog.at_level(logging.WARNING, logger="peertrain.checkpoint"):
+        assert loaded(tmp_path) == (Snapshot(3, b"state of step 3"), "d3", [signed(3, "d3")])
+    assert any(message in r.getMessage() for r in caplog.records), caplog.records
+
+
+def write_old_format(directory: Path, snapshot: Snapshot, digest: str, signatures: list) -> None:
+    """kept.json and its blob, as the keeper wrote them before it saved checkpoints."""
+    directory.mkdir(parents=True, exist_ok=True)
+    sha = hashlib.sha256(snapshot.blob).hexdigest()
+    (directory / f"kept-{sha[:16]}.state").write_bytes(snapshot.blob)
+    meta = {
+        "step": snapshot.step,
+        "digest": digest,
+        "sha256": sha,
+        "file": f"kept-{sha[:16]}.state",
+        "signatures": [[s.signer, s.signature.hex()] for s in signatures],
+    }
+    (directory / "kept.json").write_text(json.dumps(meta))
+
+
+def test_the_state_kept_by_a_previous_version_is_served_until_the_next_save(tmp_path):
+    good = signed(3, "d3")
+    forged = StepSignature(COSIGNER.peer_id.to_base58(), bytes(64))
+    write_old_format(tmp_path, Snapshot(3, b"state of step 3"), "d3", [good, forged])
+    assert loaded(tmp_path) == (Snapshot(3, b"state of step 3"), "d3", [good])
+
+    a_keeper(tmp_path)._save(Snapshot(4, b"state of step 4"), "d4", [])
+    assert not list(tmp_path.glob("kept*")), "the old format's files are gone"
+    assert loaded(tmp_path) == (Snapshot(4, b"state of step 4"), "d4", [])
+
+
+def test_a_damaged_old_kept_state_is_not_served(tmp_path):
+    write_old_format(tmp_path, Snapshot(3, b"state of step 3"), "d3", [])
+    (blob,) = tmp_path.glob("kept-*.state")
+    _flip_a_byte(blob)
+    assert loaded(tmp_path) == (None, "", [])
+    (tmp_path / "kept.json").write_text('{"step": "three"}')  # a hand edit: never raises
+    assert loaded(tmp_path) == (None, "", [])

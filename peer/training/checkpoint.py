@@ -4,17 +4,22 @@ Layout of a checkpoint directory (one per collaboration and task):
 
     step-140-9.safetensors the `state.to_bytes` blob of step 140, written by save number 9
     step-140.json          its commit record: {"format": 1, "file": "step-140-9.safetensors",
-                           "step": 140, "serial": 9, "bytes": ..., "sha256": ...}
+                           "step": 140, "serial": 9, "bytes": ..., "sha256": ...[, "extra": {...}]}
     step-120-7.safetensors an older checkpoint (the `keep` newest are kept)
     step-120.json
     .lock                  flock()ed by the process that is saving
     .tmp-*                 a file being written (or left by a writer that was killed)
 
+The payload is opaque here: `save_blob` / `load_latest_blob` store bytes and an optional JSON
+object (`extra`, e.g. the keeper's certified digest and signatures) in the record, and
+`save_checkpoint` / `load_latest` are those for a `TrainingState` in `state.to_bytes` form. A
+record without "extra" is exactly what versions before it wrote, and loads as before.
+
 Theory of operation. A checkpoint exists once its record exists: each checkpoint has its own
 record, so there is no single file whose loss loses them all. The newest checkpoint is the intact
 one with the highest `serial` (the order of saves, not of steps: a peer that adopts a collaboration's
 state may save a lower step than an old checkpoint, and that save is still its newest).
-`save_checkpoint`, holding the lock:
+`save_blob`, holding the lock:
 
  1. deletes temp files;
  2. writes the payload to a temp file, fsyncs it, renames it to step-N-S.safetensors (S: this
@@ -28,10 +33,11 @@ rename(2) replaces a name atomically, so a reader sees the old file or the new o
 file; the fsync before it makes the contents durable before the name points at them, and the
 directory fsync makes the rename itself durable. Killed before 3's rename, no record names the new
 payload and the old records and payloads are untouched; killed during 4, a record is always gone
-before its payload, so no record names a missing file. Hence after a kill `load_latest` finds the
-newest committed checkpoint without falling back. It still checks each payload's size and sha256
-(bit rot, hand edits, a disk that lied about fsync) and falls back to older checkpoints, with a
-warning, if the newest is damaged.
+before its payload, so no record names a missing file. Hence after a kill `load_latest_blob` finds
+the newest committed checkpoint without falling back. It still checks each record's fields and
+types, its payload's size and sha256 (bit rot, hand edits, a disk that lied about fsync) and what
+the caller's `parse` makes of it, and falls back to older checkpoints, with a warning, if the
+newest is damaged: a hand-edited file never makes it raise.
 """
 
 from __future__ import annotations
@@ -43,9 +49,10 @@ import json
 import logging
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, overload
 
 from peer.errors import ConfigError, ProtocolError
 from peer.files import fsync_directory, remove_temps, write_atomically
@@ -58,33 +65,64 @@ LOCK = ".lock"
 _RECORD = re.compile(r"step-(0|[1-9][0-9]*)\.json")
 # step-N-S (S: the save's serial); step-N from before serials were in the name.
 _PAYLOAD = re.compile(r"step-(0|[1-9][0-9]*)(-[1-9][0-9]*)?\.safetensors")
+_KEYS = frozenset({"format", "file", "step", "serial", "bytes", "sha256"})
+
+T = TypeVar("T")
 
 
-class _Damaged(Exception):
+class _Damaged(ValueError):
     """A payload that does not match its record."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A committed checkpoint whose payload matches its record (size and sha256)."""
+
+    step: int
+    blob: bytes
+    """The payload as saved (`state.to_bytes` bytes, for `save_checkpoint`)."""
+    extra: dict[str, Any] | None
+    """The record's `extra` as given to `save_blob`; None if none was."""
+    serial: int
+    """The save's number in this directory (newer saves, higher serials)."""
 
 
 def save_checkpoint(directory: Path, state: TrainingState, *, keep: int = 2) -> Path:
     """Write `state` as the newest checkpoint in `directory` (created if missing), keep the `keep`
     newest, and return the payload's path. ConfigError if the directory cannot be written."""
+    return save_blob(directory, state.step, to_bytes(state), keep=keep)
+
+
+def save_blob(
+    directory: Path,
+    step: int,
+    blob: bytes,
+    *,
+    extra: dict[str, Any] | None = None,
+    keep: int = 2,
+) -> Path:
+    """Write `blob` (the state of `step`) as the newest checkpoint in `directory` (created if
+    missing), with `extra` (JSON-able) in its record, keep the `keep` newest, and return the
+    payload's path. ConfigError if the directory cannot be written."""
     assert keep >= 1, keep
-    data = to_bytes(state)  # before taking the lock: the slow part
-    name = f"step-{state.step}"
+    assert step >= 0, step
+    name = f"step-{step}"
+    record: dict[str, Any] = {
+        "format": FORMAT,
+        "step": step,
+        "bytes": len(blob),
+        "sha256": hashlib.sha256(blob).hexdigest(),  # before taking the lock: the slow part
+    }
+    if extra is not None:
+        record["extra"] = extra
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with _locked(directory, blocking=True):
             remove_temps(directory)
             records = _records(directory)
-            serial = max((r["serial"] for r in records.values()), default=0) + 1
-            record = {
-                "format": FORMAT,
-                "file": f"{name}-{serial}.safetensors",
-                "step": state.step,
-                "serial": serial,
-                "bytes": len(data),
-                "sha256": hashlib.sha256(data).hexdigest(),
-            }
-            write_atomically(directory, record["file"], data)
+            record["serial"] = max((r["serial"] for r in records.values()), default=0) + 1
+            record["file"] = f"{name}-{record['serial']}.safetensors"
+            write_atomically(directory, record["file"], blob)
             write_atomically(directory, f"{name}.json", json.dumps(record).encode())
             records[f"{name}.json"] = record
             _prune(directory, records, keep)
@@ -99,6 +137,30 @@ def save_checkpoint(directory: Path, state: TrainingState, *, keep: int = 2) -> 
 def load_latest(directory: Path) -> TrainingState | None:
     """The newest intact checkpoint in `directory`, or None if there is none.
 
+    Damaged checkpoints are skipped with a warning; this raises only ConfigError, when the
+    directory exists but cannot be listed."""
+    return load_latest_blob(directory, parse=_training_state)
+
+
+def _training_state(checkpoint: Checkpoint) -> TrainingState:
+    state = from_bytes(checkpoint.blob)
+    if state.step != checkpoint.step:
+        raise _Damaged(f"holds step {state.step}, the record says {checkpoint.step}")
+    return state
+
+
+@overload
+def load_latest_blob(directory: Path) -> Checkpoint | None: ...
+@overload
+def load_latest_blob(directory: Path, *, parse: Callable[[Checkpoint], T]) -> T | None: ...
+def load_latest_blob(
+    directory: Path, *, parse: Callable[[Checkpoint], Any] | None = None
+) -> Any | None:
+    """The newest intact checkpoint in `directory` (`parse` of it, if given), or None if there is
+    none.
+
+    `parse` raises ValueError or ProtocolError (e.g. StateMismatch) on a checkpoint it rejects
+    (a payload it cannot read, an `extra` of the wrong shape): it is skipped like a damaged one.
     Damaged checkpoints are skipped with a warning; this raises only ConfigError, when the
     directory exists but cannot be listed."""
     if not directory.exists():
@@ -118,24 +180,22 @@ def load_latest(directory: Path) -> TrainingState | None:
         ) from error
     for record_name, record in sorted(records.items(), key=lambda item: -item[1]["serial"]):
         try:
-            return _load(directory, record)
-        except (OSError, _Damaged, ProtocolError) as error:
+            checkpoint = _load(directory, record)
+            return checkpoint if parse is None else parse(checkpoint)
+        except (OSError, ValueError, ProtocolError) as error:
             log.warning("checkpoint %s is damaged (%s); trying an older one", record_name, error)
     if records:
         log.warning("no intact checkpoint in %s; starting without one", directory)
     return None
 
 
-def _load(directory: Path, record: dict[str, Any]) -> TrainingState:
+def _load(directory: Path, record: dict[str, Any]) -> Checkpoint:
     data = (directory / record["file"]).read_bytes()
     if len(data) != record["bytes"]:
         raise _Damaged(f"{len(data)} bytes, the record says {record['bytes']}")
     if hashlib.sha256(data).hexdigest() != record["sha256"]:
         raise _Damaged("sha256 differs from the record")
-    state = from_bytes(data)
-    if state.step != record["step"]:
-        raise _Damaged(f"holds step {state.step}, the record says {record['step']}")
-    return state
+    return Checkpoint(record["step"], data, record.get("extra"), record["serial"])
 
 
 def _records(directory: Path, *, warn: bool = False) -> dict[str, dict[str, Any]]:
@@ -148,17 +208,17 @@ def _records(directory: Path, *, warn: bool = False) -> dict[str, dict[str, Any]
         try:
             record = json.loads(path.read_bytes())
             step = int(match.group(1))
-            expected = {"format", "file", "step", "serial", "bytes", "sha256"}
-            if not isinstance(record, dict) or set(record) != expected:
-                raise ValueError(f"expected an object with keys {sorted(expected)}")
+            if not isinstance(record, dict) or set(record) - {"extra"} != _KEYS:
+                raise ValueError(f"expected an object with keys {sorted(_KEYS)} (and 'extra')")
             if (
                 record["format"] != FORMAT
                 or record["step"] != step
+                or type(record["serial"]) is not int
                 or record["file"]
                 not in (f"step-{step}-{record['serial']}.safetensors", f"step-{step}.safetensors")
-                or type(record["serial"]) is not int
                 or type(record["bytes"]) is not int
                 or not isinstance(record["sha256"], str)
+                or not isinstance(record.get("extra", {}), dict)
             ):
                 raise ValueError(f"unexpected values {record!r}")
         except (OSError, ValueError) as error:  # JSONDecodeError is a ValueError

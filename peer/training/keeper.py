@@ -6,6 +6,11 @@ none: after a restart it serves what it last saved). It takes only a certified (
 (`peer.training.certificate`) and checks the bytes it got against the digest. It publishes a
 progress record with role "keeper", that digest and the trainers' signatures of it (so that
 its record certifies the state after they leave), and is asked last by downloaders.
+
+It saves what it keeps as a checkpoint (`peer.training.checkpoint.save_blob`: atomic, the blob
+as received, the digest and signatures in the checkpoint's record) in its own folder, and
+loads the newest intact one at start. A folder of a version before that (`kept.json` naming a
+`kept-<sha>.state` blob) is served until the first save, which removes it.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import trio
@@ -24,10 +30,11 @@ from libp2p.peer.id import ID
 from peer.config import PeerConfig
 from peer.dht.node import DHT
 from peer.errors import RemoteError
-from peer.files import state_folder, write_atomically
+from peer.files import state_folder
 from peer.net.host import Node, data_plane_hosts
 from peer.training import state as states
 from peer.training.certificate import MAX_SIGNATURES, StepSignature, valid_signatures
+from peer.training.checkpoint import Checkpoint, load_latest_blob, save_blob
 from peer.training.progress import (
     CollaborationView,
     ProgressRecord,
@@ -44,6 +51,13 @@ log = logging.getLogger("peertrain.keeper")
 Fetch = Callable[[list[ProgressRecord], int], Awaitable[Snapshot]]
 #: The digest of a state's bytes (`state.state_digest`); StateMismatch if they are no state.
 Digest = Callable[[bytes], str]
+#: What is kept: the state, its certified digest and the signatures of (step, digest).
+Kept = tuple[Snapshot, str, list[StepSignature]]
+
+#: Checkpoints kept on disk: the newest, and one to fall back to if it rots (twice the disk).
+KEEP = 2
+#: The files of the format before checkpoints (kept.json naming a kept-<sha>.state blob).
+_OLD_META = "kept.json"
 
 
 class StateKeeper:
@@ -73,7 +87,8 @@ class StateKeeper:
         return self.held
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        self._load()
+        # Off the loop: reading and hashing a large state takes seconds.
+        await trio.to_thread.run_sync(self._load)
         read = trio.Event()
         views: list[CollaborationView] = []
 
@@ -149,47 +164,69 @@ class StateKeeper:
             signatures=self.signatures[:MAX_SIGNATURES],
         )
 
-    # The blob goes to a file named by its hash (never one kept.json names), then kept.json is
-    # replaced atomically (the commit), then the older blobs go: a kill at any point leaves the
-    # old state or the new one whole (the chaos suite caught a kill between two in-place writes
-    # losing the state of the old design).
     def _save(self, snapshot: Snapshot, digest: str, signatures: list[StepSignature]) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        sha = hashlib.sha256(snapshot.blob).hexdigest()
-        name = f"kept-{sha[:16]}.state"
-        write_atomically(self.directory, name, snapshot.blob)
-        meta = {
-            "step": snapshot.step,
+        """Save a checkpoint of `snapshot` (blocking: call it in a thread), then remove the files
+        of the old format, if any (the metadata first: it must never name a missing blob)."""
+        extra = {
             "digest": digest,
-            "sha256": sha,
-            "file": name,
             "signatures": [[s.signer, s.signature.hex()] for s in signatures],
         }
-        write_atomically(self.directory, "kept.json", json.dumps(meta).encode())
+        save_blob(self.directory, snapshot.step, snapshot.blob, extra=extra, keep=KEEP)
+        (self.directory / _OLD_META).unlink(missing_ok=True)
         for path in self.directory.glob("kept*.state"):
-            if path.name != name:
-                path.unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
 
     def _load(self) -> None:
+        """Hold the newest intact checkpoint, or else the old format's state, if any (blocking:
+        call it in a thread before anything reads what is held)."""
+        kept = load_latest_blob(self.directory, parse=self._parse)
+        if kept is None:
+            kept = self._load_old_format()
+        if kept is None:
+            return
+        self.held, self.digest, self.signatures = kept
+        log.info("serving the kept state of step %d", self.held.step)
+
+    def _parse(self, checkpoint: Checkpoint) -> Kept:
+        """What a checkpoint keeps; ValueError if its `extra` is not what `_save` writes."""
+        extra = checkpoint.extra or {}
+        digest, signed = extra.get("digest"), extra.get("signatures")
+        if not isinstance(digest, str) or not isinstance(signed, list):
+            raise ValueError(
+                f"extra = {checkpoint.extra!r}, expected a digest and a list of signatures"
+            )
+        return self._kept(checkpoint.step, checkpoint.blob, digest, _signatures(signed))
+
+    def _kept(self, step: int, blob: bytes, digest: str, signed: list[StepSignature]) -> Kept:
+        """The signatures loaded back are checked again: a hand-edited file certifies nothing."""
+        name = self.config.collaboration.name
+        return Snapshot(step, blob), digest, valid_signatures(signed, name, step, digest)
+
+    def _load_old_format(self) -> Kept | None:
+        """kept.json and the blob it names, if they are intact, else None."""
         try:
-            meta = json.loads((self.directory / "kept.json").read_text())
+            meta = json.loads((self.directory / _OLD_META).read_text())
             name = str(meta.get("file", "kept.state"))  # kept.state: saved before blobs had names
             if "/" in name or not name.endswith(".state"):
-                return
+                return None
             blob = (self.directory / name).read_bytes()
             step, digest, sha = int(meta["step"]), str(meta["digest"]), str(meta["sha256"])
-            signed = [
-                StepSignature(str(a), bytes.fromhex(b)) for a, b in meta.get("signatures", [])
-            ]
+            signed = _signatures(meta.get("signatures", []))
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
-            return
+            return None
         if hashlib.sha256(blob).hexdigest() != sha:
             log.warning("ignoring the kept state in %s: its hash does not match", self.directory)
-            return
-        self.held = Snapshot(step, blob)
-        self.digest = digest
-        self.signatures = valid_signatures(signed, self.config.collaboration.name, step, digest)
-        log.info("serving the kept state of step %d", step)
+            return None
+        return self._kept(step, blob, digest, signed)
+
+
+def _signatures(pairs: Any) -> list[StepSignature]:
+    """[[signer, signature hex], ...] as `_save` writes them; ValueError if they are not."""
+    if not isinstance(pairs, list) or not all(
+        isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p) for p in pairs
+    ):
+        raise ValueError(f"signatures = {pairs!r}, expected [[signer, signature hex], ...]")
+    return [StepSignature(signer, bytes.fromhex(signature)) for signer, signature in pairs]
 
 
 async def run_keeper(
