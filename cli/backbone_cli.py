@@ -63,6 +63,14 @@ def start(
             help="Keep the newest training state on disk and serve it to joining peers.",
         ),
     ] = False,
+    aggregate: Annotated[
+        bool,
+        typer.Option(
+            "--aggregate",
+            help="Reduce a share of each step's averaging, as DeDLOC's backbones do "
+            "(averaging.backbone_aggregates).",
+        ),
+    ] = False,
     log_level: common.LogLevelOpt = None,
     log_format: common.LogFormatOpt = None,
     metrics_port: common.MetricsPortOpt = None,
@@ -76,6 +84,7 @@ def start(
         "collaboration.name": collaboration,
         "collaboration.network_key": str(network_key) if network_key else None,
         "state.keep": True if keep_state else None,
+        "averaging.backbone_aggregates": True if aggregate else None,
         "log.level": log_level,
         "log.format": log_format,
         "metrics.port": metrics_port,

@@ -120,7 +120,7 @@ def status_table(report: StatusReport) -> Group:
     for column in ("peer id", "role", "address", "version", "uptime", "last seen"):
         online.add_column(column, overflow="fold" if column == "address" else "ellipsis")
     measured = Table(
-        **TABLE_STYLE, title="measured capabilities and assigned roles", title_justify="left"
+        **TABLE_STYLE, title="measured capabilities and roles played", title_justify="left"
     )
     # "client\nonly" on two lines: the widest values (e.g. 41.3 MB/s, 50.0%) must fit 80 columns.
     for column in ("peer id", "samples/s", "up", "down", "rtt", "client\nonly", "work", "share"):
@@ -164,10 +164,11 @@ def status_table(report: StatusReport) -> Group:
     else:
         footer = Text(
             f"task {a.task!r}, P = {a.gradient_bytes / 1e6:.3g} MB, B = {a.target_batch}: "
-            f"predicted {a.samples_per_s:.4g} samples/s; a step takes {a.step_time_s:.3g} s "
-            f"(compute {a.compute_time_s:.3g} s + all-reduce {a.comm_time_s:.3g} s). "
-            "work: compute gradients, aggregate a share of the all-reduce, or both; "
-            "a peer not reachable inbound never aggregates"
+            f"the role solver predicts {a.samples_per_s:.4g} samples/s; a step takes "
+            f"{a.step_time_s:.3g} s (compute {a.compute_time_s:.3g} s + all-reduce "
+            f"{a.comm_time_s:.3g} s). work and share: what each did in its last averaging "
+            "(computes gradients, reduces a share of the all-reduce, or both); a peer not "
+            "reachable inbound never aggregates"
         )
     parts = [training_summary(report), online, measured, footer]
     return Group(*parts, training) if training.row_count else Group(*parts)

@@ -222,6 +222,10 @@ class AveragingConfig(_Section):
     """Seconds a backbone's signed measurement of a peer's link counts for averaging shares
     and deadlines (peer.measure.attestation); must exceed measure.interval, how often peers
     re-measure. Older or missing: the peer counts at min_bandwidth, whatever it claims."""
+    backbone_aggregates: bool = False
+    """A backbone joins every step's averaging as an aggregator-only member (it reduces the
+    share the solver gives it and contributes nothing), as DeDLOC's backbones do; only in a
+    single group (N <= group_size), and never in a retry (peer.training.aggregator)."""
 
 
 @dataclass(frozen=True, kw_only=True)

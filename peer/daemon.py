@@ -165,6 +165,16 @@ async def run_daemon(
                     from peer.training.keeper import run_keeper
 
                     await nursery.start(run_keeper, node, dht, config)
+                aggregator = None
+                if role == "backbone" and config.averaging.backbone_aggregates:
+                    from peer.training.aggregator import run_aggregator
+
+                    aggregator = await nursery.start(
+                        partial(run_aggregator, capabilities=measurements.capabilities),
+                        node,
+                        dht,
+                        config,
+                    )
 
                 def presence() -> PresenceRecord:
                     return PresenceRecord(
@@ -175,6 +185,8 @@ async def run_daemon(
                         started_at,
                         clock(),
                         measurements.capabilities(),
+                        aggregator=aggregator is not None,
+                        reduced=aggregator.tally.reduced if aggregator else 0.0,
                     )
 
                 await nursery.start(

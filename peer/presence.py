@@ -37,6 +37,11 @@ class PresenceRecord(msgspec.Struct, frozen=True):
     capabilities: Capabilities | None = None
     """Measured figures; None until the first measurement finishes. The figures are the peer's
     claims; `capabilities.attestations` are what backbones measured and signed."""
+    aggregator: bool = False
+    """A backbone that joins averaging as an aggregator-only member (`peer.training.aggregator`)."""
+    reduced: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0
+    """Such a backbone: the fraction of the vector it reduced in its last averaging (a trainer
+    states its own in its progress record)."""
 
 
 def presence_key(collaboration: str) -> str:

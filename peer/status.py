@@ -51,10 +51,12 @@ class PeerRow:
     device: str | None
     free_memory_bytes: int | None
     measured_at: float | None
-    # What the role solver assigns it (None without an assignment).
+    # What it did, not what the solver advises: it computes if it trains (not downloading),
+    # aggregates if it reduced a part of its last averaging (None: a node that takes no part).
     work: str | None
     """compute, aggregate, compute+aggregate or idle."""
     share: float | None
+    """The fraction of the vector it reduced in its last averaging."""
     client_only: bool | None
     """Not reachable inbound, so it never aggregates (None: not checked yet)."""
     # From its progress record (None for a node that does not train or keep state).
@@ -153,7 +155,13 @@ def assign_group(records: list[PresenceRecord]) -> tuple[GroupAssignment | None,
     The task is the one most compute-capable peers train (its P and B feed the solver); peers
     training another task stay out. Returns (assignment, None) or (None, why not).
     """
-    measured = [(r.peer_id, r.capabilities) for r in records if r.capabilities is not None]
+    # A backbone takes part only if it aggregates (`backbone start --aggregate`): the solver
+    # must not hand a share to one that never reduces.
+    measured = [
+        (r.peer_id, r.capabilities)
+        for r in records
+        if r.capabilities is not None and (r.role != "backbone" or r.aggregator)
+    ]
     main_task = _main_task(records)
     if main_task is None:
         return None, "no peer has measured its compute yet"
@@ -300,7 +308,6 @@ def _report(
             r,
             now=now,
             expires_at=entries[r.peer_id].expiration,
-            assignment=assignment,
             progress=by_peer.get(r.peer_id),
         )
         for r in records
@@ -328,11 +335,14 @@ def _row(
     *,
     now: float,
     expires_at: float,
-    assignment: GroupAssignment | None,
     progress: ProgressRecord | None,
 ) -> PeerRow:
     c = r.capabilities
-    work, share = assignment.work.get(r.peer_id, (None, None)) if assignment else (None, None)
+    trainer = progress if progress is not None and progress.role == "trainer" else None
+    reduced = trainer.reduced if trainer is not None else r.reduced
+    takes_part = progress is not None or r.aggregator
+    computes = trainer is not None and not trainer.downloading
+    work = _work_name(computes, reduced > 0) if takes_part else None
     # A peer publishes its compute figure before its first link probe and dial-back: until
     # then its record says 0 B/s and not reachable, which means "not measured yet" (a real
     # probe never gives 0 for all three). A backbone is reachable by definition.
@@ -355,7 +365,7 @@ def _row(
         free_memory_bytes=c.free_memory_bytes if c else None,
         measured_at=c.measured_at if c else None,
         work=work,
-        share=share,
+        share=reduced if takes_part else None,
         client_only=not c.reachable if c and linked else None,
         progress_role=progress.role if progress else None,
         step=progress.step if progress else None,

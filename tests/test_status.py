@@ -11,8 +11,8 @@ from peer.status import assign_group, mean_tail, summarise_training
 from tests.test_progress import rec
 
 
-def record(i: int, role: str, caps: Capabilities | None) -> PresenceRecord:
-    return PresenceRecord(f"peer-{i}", role, [], "0.1.0", 0.0, 0.0, caps)  # type: ignore[arg-type]
+def record(i: int, role: str, caps: Capabilities | None, **fields) -> PresenceRecord:
+    return PresenceRecord(f"peer-{i}", role, [], "0.1.0", 0.0, 0.0, caps, **fields)  # type: ignore[arg-type]
 
 
 def caps(speed: float, bw: float, *, reachable=True, task="tiny", p=1_000_000, b=1024):
@@ -33,7 +33,8 @@ def caps(speed: float, bw: float, *, reachable=True, task="tiny", p=1_000_000, b
 
 def test_assignment_covers_peers_and_backbones_of_the_main_task():
     records = [
-        record(0, "backbone", caps(0, 1e8)),
+        record(0, "backbone", caps(0, 1e8), aggregator=True),
+        record(8, "backbone", caps(0, 1e9)),  # does not aggregate: no share for it
         record(1, "peer", caps(100, 1e7)),
         record(2, "peer", caps(100, 1e7, reachable=False)),
         record(5, "peer", caps(100, 1e7)),
@@ -128,7 +129,7 @@ def test_links_not_measured_yet_show_as_unknown_not_as_client_only():
 
     def row(role: str, capabilities: Capabilities):
         presence = record(0, role, capabilities)
-        return _row(presence, now=1.0, expires_at=9.0, assignment=None, progress=None)
+        return _row(presence, now=1.0, expires_at=9.0, progress=None)
 
     compute_only = msgspec.structs.replace(caps(100.0, 0.0, reachable=False), rtt_s=0.0)
     early = row("peer", compute_only)
@@ -138,3 +139,28 @@ def test_links_not_measured_yet_show_as_unknown_not_as_client_only():
     assert (probed.upload_bps, probed.client_only) == (5e6, True)
     backbone = row("backbone", msgspec.structs.replace(caps(0.0, 0.0), rtt_s=0.0))
     assert (backbone.reachable, backbone.client_only) == (True, False)
+
+
+def test_status_shows_the_roles_played_not_the_solvers_advice():
+    """work and share come from what each node did in its last averaging: a trainer computes
+    (unless downloading) and aggregates if it reduced a part; a backbone aggregates only if it
+    is an aggregator that reduced a part; the solver's answer does not enter a row."""
+    from peer.status import _row
+
+    def row(presence: PresenceRecord, progress=None):
+        return _row(presence, now=10.0, expires_at=100.0, progress=progress)
+
+    trainer = record(1, "peer", caps(100, 1e7))
+    computing = row(trainer, rec(1, reduced=0.25))
+    assert (computing.work, computing.share) == ("compute+aggregate", 0.25)
+    client = row(trainer, rec(1))
+    assert (client.work, client.share) == ("compute", 0.0)
+    fetching = row(trainer, rec(1, downloading=True))
+    assert fetching.work == "idle"
+    assert row(trainer).work is None  # no progress record: takes no part yet
+    aggregator = row(record(0, "backbone", caps(0, 1e8), aggregator=True, reduced=0.4))
+    assert (aggregator.work, aggregator.share) == ("aggregate", 0.4)
+    waiting = row(record(0, "backbone", caps(0, 1e8), aggregator=True))
+    assert waiting.work == "idle"
+    plain = row(record(0, "backbone", caps(0, 1e8)))
+    assert (plain.work, plain.share) == (None, None)

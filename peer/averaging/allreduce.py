@@ -131,6 +131,8 @@ class RoundReport:
     bytes_sent: int = 0
     """Data-plane bytes this member put on the wire (frame headers included, TLS not)."""
     bytes_received: int = 0
+    reduced: float = 0.0
+    """The fraction of the vector this member reduced (its part, by the spec's shares)."""
 
     @property
     def complete(self) -> bool:
@@ -300,16 +302,17 @@ def check_spec(spec: RoundSpec, me: str) -> None:
 
 
 def retry_spec(spec: RoundSpec, excluded: Collection[str]) -> RoundSpec:
-    """The spec of an immediate retry of `spec` without `excluded`: the other members as they
-    were, their shares capped again among the reducers left (`cap_shares`: dropping a reducer
-    must not lift another above the cap), and a round id derived from both, so that only
-    members that left out the same peers meet. It may not pass `check_spec` (nobody left to
-    reduce, say): check it."""
+    """The spec of an immediate retry of `spec` without `excluded` and without its
+    aggregator-only members (they see only their own part, so they cannot tell whom the others
+    leave out: they sit retries out): the other members as they were, their shares capped
+    again among the reducers left (`cap_shares`: dropping a reducer must not lift another
+    above the cap), and a round id derived from both, so that only members that left out the
+    same peers meet. It may not pass `check_spec` (nobody left to reduce, say): check it."""
     left_out = sorted({m.peer_id for m in spec.members} & set(excluded))
+    members = tuple(m for m in spec.members if m.peer_id not in left_out and m.computes)
     digest = hashlib.blake2b(digest_size=16)
     for part in (b"peertrain/retry/1", spec.round_id, *(p.encode() for p in left_out)):
         digest.update(len(part).to_bytes(4, "big") + part)
-    members = tuple(m for m in spec.members if m.peer_id not in left_out)
     shares = [m.share for m in members]
     if valid_shares(shares):
         capped = cap_shares(shares, [g > 0 for g in shares])
@@ -393,7 +396,10 @@ class _Round:
         self.codec = CODECS[spec.codec]
         self.parts = spec.parts()
         self.computing = tuple(m.peer_id for m in spec.members if m.computes)  # mask positions
-        self.report = RoundReport(chunks=[], computing=self.computing)
+        lo, hi = self.parts[index]
+        self.report = RoundReport(
+            chunks=[], computing=self.computing, reduced=(hi - lo) / max(spec.size, 1)
+        )
         self.assembler = (
             ResultAssembler(vector, self.parts, chunk_elements=spec.chunk_elements)
             if self.me.computes

@@ -52,6 +52,7 @@ from peer.averaging.group import (
     can_reduce,
     longest_round,
     round_timeouts,
+    stated_size,
     view_digest,
 )
 from peer.averaging.matchmaking import GroupPlan, Matchmaker, NotExact, RoundShape, TooFewPeers
@@ -136,6 +137,16 @@ async def reduce_in_group(
     report = await _run_round(spec, values, server, timeouts, norm_factor, single=single)
     outcome.reports.append(report)
     computing = tuple(m.peer_id for m in spec.members if m.computes)
+    if not any(m.computes for m in spec.members if m.peer_id == me):
+        # Aggregator-only: we reduced our part and hold no values. We sit out any retry: we
+        # see only our own part, so we could not tell whom the others leave out of it
+        # (`retry_spec` leaves us out too).
+        if report.complete:
+            outcome.included = computing
+        else:
+            failed = {**report.dropped_senders, **report.failed_reducers}
+            outcome.problem = f"incomplete ({_first_reasons(failed)})"
+        return outcome
     included = report.exact_over
     if not single:  # a group of a planned round: other groups hold its blocks (module doc)
         if not report.complete:
@@ -285,6 +296,15 @@ def bandwidths(
     return rates
 
 
+def planned_view(view: list[Ticket], group_size: int) -> list[Ticket]:
+    """The tickets the Moshpit plan is made of: all of them in a single group; only the
+    computing ones when the plan has several rounds (a later round averages the blocks its
+    members hold, and an aggregator-only member holds none). Every reader gets the same."""
+    if len(plan(len(view), group_size).rounds) > 1:
+        return [t for t in view if t.computes]
+    return view
+
+
 def patience(size: int, bandwidth: Sequence[float], config: AveragingConfig) -> float:
     """How long a leader of a later round waits for members still in the previous one: a
     round's length at the slowest member's measured bandwidth, but at most 4 times its
@@ -349,6 +369,15 @@ class Averager:
             join_timeout=config.join_timeout,
         )
 
+    def namespace(self, fingerprint: str, epoch: int) -> str:
+        """Where the tickets of an averaging live: one per model and call."""
+        return f"{self.collaboration}/avg/{fingerprint}/{epoch}"
+
+    @property
+    def store_seconds(self) -> float:
+        """How long our recent ticket stores took (the slowest, decaying)."""
+        return self._store_seconds
+
     def evidence(self, gather_until: float) -> Evidence:
         """What counts as a measurement of a member's link in the averaging closing at
         `gather_until`: attestations by our trusted backbones, fresh at the close."""
@@ -380,21 +409,68 @@ class Averager:
         gets the average (a trainer that has no samples yet). `on_round` sees each round's
         report and our values after it.
         """
-        namespace = f"{self.collaboration}/avg/{fingerprint}/{epoch}"
-        declared_at = self.dht.clock()
-        if declared_at > gather_until:  # every reader leaves such a ticket out: so do we
+        namespace = self.namespace(fingerprint, epoch)
+        ticket = self._ticket(capabilities, computes=True, weight=weight, size=len(vector))
+        view = await self._gather(namespace, epoch, ticket, gather_until)
+        if view is None:  # every reader leaves such a ticket out: so do we
             return AveragingResult(0, skipped=["the gathering closed before we declared"])
-        ticket = Ticket(
+        return await self._average_view(
+            namespace, epoch, view, ticket, vector, gather_until, on_round
+        )
+
+    async def aggregate(
+        self,
+        *,
+        epoch: int,
+        fingerprint: str,
+        gather_until: float,
+        capabilities: Capabilities | None = None,
+    ) -> AveragingResult:
+        """Join the epoch's averaging as an aggregator-only member (a backbone): reduce the
+        share the leader's spec gives us of the vector (of the size the computing tickets in
+        our view state, `stated_size`), contribute nothing, apply nothing. Only in a single
+        group: a Moshpit plan's later rounds average the blocks members hold, and we hold
+        none (`planned_view` leaves aggregator-only tickets out of a plan of several rounds)."""
+        namespace = self.namespace(fingerprint, epoch)
+        ticket = self._ticket(capabilities, computes=False, weight=0.0, size=0)
+        view = await self._gather(namespace, epoch, ticket, gather_until)
+        if view is None:
+            return AveragingResult(0, skipped=["the gathering closed before we declared"])
+        size = stated_size(view, quorum=self.config.min_group_size)
+        if size is None:  # the leader goes on without us after its join timeout
+            self.matchmaker.forget(namespace)
+            return AveragingResult(
+                len(view), skipped=["the computing tickets state no common vector size"]
+            )
+        # Zeros we never read (a non-computing member sends nothing): calloc'ed pages are
+        # only touched where our part's averages land.
+        return await self._average_view(
+            namespace, epoch, view, ticket, np.zeros(size, np.float32), gather_until
+        )
+
+    def _ticket(
+        self, capabilities: Capabilities | None, *, computes: bool, weight: float, size: int
+    ) -> Ticket:
+        return Ticket(
             peer_id=self.me,
             rpc_addrs=self.dht.node.public_addrs(),
             data_host=self.data_host,
             data_port=self.data_port,
-            computes=True,  # every member of a plan holds a value and gets the average
+            computes=computes,
             weight=weight,
             capabilities=capabilities,
-            declared_at=declared_at,
+            declared_at=self.dht.clock(),
             aggregation="centered_clip" if self.config.aggregation == "centered_clip" else "mean",
+            size=size,
         )
+
+    async def _gather(
+        self, namespace: str, epoch: int, ticket: Ticket, gather_until: float
+    ) -> list[Ticket] | None:
+        """Declare `ticket`, then read the view of the gathering closing at `gather_until`
+        (sorted by peer id, ours in it); None if it closed before we declared."""
+        if ticket.declared_at > gather_until:
+            return None
         started = trio.current_time()
         await self.matchmaker.declare(namespace, ticket, expiration=gather_until + 600)
         stored = trio.current_time() - started
@@ -416,8 +492,25 @@ class Averager:
             for t in await self.matchmaker.read_tickets(namespace)
             if t.declared_at <= gather_until and t.peer_id != self.me
         ]
-        view = sorted([*view, ticket], key=lambda t: t.peer_id)
+        return sorted([*view, ticket], key=lambda t: t.peer_id)
+
+    async def _average_view(
+        self,
+        namespace: str,
+        epoch: int,
+        view: list[Ticket],
+        ticket: Ticket,
+        vector: np.ndarray,
+        gather_until: float,
+        on_round: Callable[[int, RoundReport, np.ndarray], None] = lambda i, report, values: None,
+    ) -> AveragingResult:
         result = AveragingResult(peers_seen=len(view))
+        view = planned_view(view, self.config.group_size)
+        if ticket not in view:
+            result.skipped.append(
+                "the collaboration is larger than one group: aggregator-only members sit out"
+            )
+            return result
         # The outer deadline: twice the bound from the peers' (attested, floored) bandwidths,
         # and never more than max_averaging_seconds, whatever a peer does.
         evidence = self.evidence(gather_until)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Annotated, Literal
 
@@ -53,6 +54,26 @@ class Ticket(msgspec.Struct, frozen=True):
     aggregation: Literal["mean", "centered_clip"] = "mean"
     """How it reduces its parts: over several Moshpit rounds every member must reduce alike,
     or the groups of the last round would compute different values."""
+    size: Annotated[int, msgspec.Meta(ge=0, le=2**40)] = 0
+    """Elements of its vector (0: not stated, older peers). An aggregator-only member, which
+    has no vector, averages what most computing tickets state (`peer.training.aggregator`)."""
+
+
+MAX_AGGREGATE_ELEMENTS = 1 << 30
+"""The largest vector (float32 elements, 4 GiB) an aggregator-only member reduces a part of: a
+size the tickets state beyond it is refused, so strangers' tickets cannot make it allocate more."""
+
+
+def stated_size(view: Sequence[Ticket], *, quorum: int) -> int | None:
+    """The vector size an aggregator-only member averages (pure): the one at least `quorum`
+    computing tickets state, the most stated (ties: the smallest), at most
+    MAX_AGGREGATE_ELEMENTS; None if none is. A lone ticket stating another size only makes
+    the aggregator refuse specs of that size, as a member."""
+    stated = Counter(t.size for t in view if t.computes and 0 < t.size <= MAX_AGGREGATE_ELEMENTS)
+    if not stated:
+        return None
+    size = min(stated, key=lambda s: (-stated[s], s))
+    return size if stated[size] >= quorum else None
 
 
 def view_digest(epoch: int, tickets: Sequence[Ticket]) -> bytes:

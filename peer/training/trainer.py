@@ -110,6 +110,7 @@ class Tally:
     last_step_seconds: float | None = None
     averaged_bytes: int = 0
     step_bytes: int = 0  # the last step's
+    reduced: float = 0.0  # the fraction of the vector we reduced in the last averaging
     averaging_seconds: float = 0.0
     averagings: int = 0
     failures: Counter[str] = field(default_factory=Counter)
@@ -234,6 +235,8 @@ class Trainer:
             recent_losses=list(tally.recent_losses),
             recent_validation=list(tally.recent_validation),
             step_bytes=tally.step_bytes,
+            fingerprint=self.worker.fingerprint,
+            reduced=tally.reduced,
         )
 
     def view(self) -> CollaborationView:
@@ -396,6 +399,8 @@ class Trainer:
         tally.averaging_seconds += tally.last_step_seconds
         tally.averagings += 1
         tally.step_bytes = sum(r.bytes_sent + r.bytes_received for r in result.rounds)
+        if result.rounds:
+            tally.reduced = result.rounds[-1].reduced
         tally.averaged_bytes += tally.step_bytes
         return result
 

@@ -1,0 +1,164 @@
+"""A backbone's part in averaging (`averaging.backbone_aggregates`, `backbone start --aggregate`):
+it joins each step's averaging as an aggregator-only member, as DeDLOC's backbones do.
+
+    read the progress records -> the earliest call of the certified global step (ignoring
+    calls further ahead than the widest gathering window) -> declare an aggregator-only
+    ticket at once -> at the close, the vector size the computing tickets state
+    (`group.stated_size`) -> reduce the share the leader's spec gives us (the shares LP over
+    attested bandwidth, capped), contribute nothing, apply nothing (`Averager.aggregate`)
+
+It trains nothing and holds no model: the fingerprint it joins is the one most trainers at
+the global step state in their records. Only while the collaboration fits in one group: a
+Moshpit plan's later rounds average blocks that members hold (`averager.planned_view`). It
+sits out retries (`allreduce.retry_spec`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import trio
+
+from peer.averaging.allreduce import DataServer
+from peer.averaging.averager import Averager
+from peer.config import PeerConfig
+from peer.dht.node import DHT
+from peer.errors import RemoteError
+from peer.measure.capabilities import Capabilities
+from peer.net.host import Node, data_plane_hosts
+from peer.net.tls import DataIdentity
+from peer.training.progress import CollaborationView, decode_progress, progress_key
+from peer.training.timing import Timing
+
+log = logging.getLogger("peertrain.aggregator")
+
+
+@dataclass(frozen=True)
+class Call:
+    gather_until: float
+    fingerprint: str
+
+
+def next_call(view: CollaborationView, *, after: float, now: float, timing: Timing) -> Call | None:
+    """The call to join (pure): the earliest call of the certified global step gathering after
+    `after` and not yet closed, of the fingerprint most of that step's trainers state."""
+    step = view.global_step
+    gather_until = view.call(step, after=max(after, now), latest=timing.latest_call(now))
+    if gather_until is None:
+        return None
+    fingerprints = Counter(r.fingerprint for r in view.trainers(step) if r.fingerprint)
+    if not fingerprints:
+        return None
+    fingerprint = min(fingerprints, key=lambda f: (-fingerprints[f], f))
+    return Call(gather_until, fingerprint)
+
+
+@dataclass
+class AggregatorTally:
+    joined: int = 0
+    completed: int = 0
+    reduced: float = 0.0
+    """The fraction of the vector we reduced in our last averaging."""
+
+
+class BackboneAggregator:
+    def __init__(
+        self,
+        dht: DHT,
+        averager: Averager,
+        config: PeerConfig,
+        *,
+        capabilities: Callable[[], Capabilities | None],
+    ) -> None:
+        self.dht = dht
+        self.averager = averager
+        self.config = config
+        self.capabilities = capabilities
+        self.timing = Timing.of(config)
+        self.quorum = config.averaging.min_group_size
+        self.tally = AggregatorTally()
+        self._joined_until = -math.inf
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        interval = max(self.config.training.progress_interval / 2, 0.1)
+        async with trio.open_nursery() as nursery:
+            busy = False
+
+            async def join(call: Call) -> None:
+                nonlocal busy
+                try:
+                    await self._join(call)
+                finally:
+                    busy = False
+
+            while True:
+                call = None if busy else await self._next_call()
+                if call is not None:
+                    self._joined_until = call.gather_until
+                    busy = True
+                    nursery.start_soon(join, call)
+                await trio.sleep(interval)
+
+    async def _next_call(self) -> Call | None:
+        name = self.config.collaboration.name
+        try:
+            entries = await self.dht.get(progress_key(name))
+        except RemoteError as error:
+            log.debug("could not read the progress records: %s", error)
+            return None
+        view = CollaborationView(decode_progress(entries, collaboration=name), self.quorum)
+        return next_call(view, after=self._joined_until, now=self.dht.clock(), timing=self.timing)
+
+    async def _join(self, call: Call) -> None:
+        epoch = int(call.gather_until * 1000)  # as the trainers answer the call
+        self.tally.joined += 1
+        result = await self.averager.aggregate(
+            epoch=epoch,
+            fingerprint=call.fingerprint,
+            gather_until=call.gather_until,
+            capabilities=self.capabilities(),
+        )
+        if result.rounds:
+            self.tally.reduced = result.rounds[-1].reduced
+        if result.groups and not result.skipped:
+            self.tally.completed += 1
+            log.info(
+                "aggregated %.1f%% of epoch %d's vector among %d members",
+                100 * self.tally.reduced,
+                epoch,
+                len(result.groups[-1]),
+            )
+        else:
+            log.info("aggregation of epoch %d: %s", epoch, "; ".join(result.skipped) or "alone")
+
+
+async def run_aggregator(
+    node: Node,
+    dht: DHT,
+    config: PeerConfig,
+    *,
+    capabilities: Callable[[], Capabilities | None],
+    task_status: trio.TaskStatus[BackboneAggregator] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """A backbone's data plane and aggregator, owned by one nursery, until cancelled."""
+    bind, advertised = data_plane_hosts(node, config.net.listen)
+    async with trio.open_nursery() as nursery:
+        identity = DataIdentity(node.identity.key_pair.private_key, node.peer_id.to_base58())
+        data_server = DataServer(identity, network_key=node.network_key_bytes)
+        data_port = await nursery.start(data_server.serve, bind, config.averaging.data_port)
+        averager = Averager(
+            dht,
+            config.averaging,
+            collaboration=config.collaboration.name,
+            data_server=data_server,
+            data_host=advertised,
+            data_port=data_port,
+        )
+        aggregator = BackboneAggregator(dht, averager, config, capabilities=capabilities)
+        await nursery.start(aggregator.run)
+        task_status.started(aggregator)
