@@ -111,3 +111,36 @@ def test_capabilities_carry_the_newest_attestation_of_each_backbone():
     kept = {a.signer for a in m.capabilities().attestations}
     assert len(kept) == MAX_ATTESTATIONS and first.peer_id.to_base58() in kept
     assert second.peer_id.to_base58() not in kept
+
+
+def test_a_backbone_signs_what_its_probes_showed_of_its_own_link():
+    """With one backbone nobody else measures it: unattested it counted at the floor and the
+    shares LP never gave it anything to aggregate. It signs its own figures (re-signed when
+    they move), and a reader that trusts it takes them."""
+    import time
+
+    from peer.measure.attestation import Evidence, attested_link
+    from tests.helpers import new_identity
+
+    identity = new_identity()
+    me = identity.peer_id.to_base58()
+    key = identity.key_pair.private_key
+    node = SimpleNamespace(
+        peer_id=identity.peer_id, host=SimpleNamespace(get_private_key=lambda: key)
+    )
+    served = {"rates": (0.0, 0.0)}
+    server = SimpleNamespace(capacity=lambda now: served["rates"])
+    m = Measurements(node, PeerConfig(), find_backbones=no_backbones, probe_server=server)  # type: ignore[arg-type]
+
+    def evidence(trusted: set[str]) -> Evidence:
+        return Evidence(trusted=frozenset(trusted), at=time.time(), max_age=3600, floor=1e6)
+
+    served["rates"] = (5e8, 4e8)
+    caps = m.capabilities()
+    assert caps is not None
+    assert attested_link(me, caps.attestations, evidence({me})) == (5e8, 4e8)
+    assert attested_link(me, caps.attestations, evidence({"someone-else"})) is None
+    served["rates"] = (5.2e8, 4e8)  # within a tenth: the same attestation
+    assert m.capabilities().attestations == caps.attestations
+    served["rates"] = (9e8, 4e8)
+    assert attested_link(me, m.capabilities().attestations, evidence({me})) == (9e8, 4e8)

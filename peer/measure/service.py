@@ -28,7 +28,7 @@ from libp2p.peer.id import ID
 
 from peer.config import PeerConfig
 from peer.errors import RemoteError
-from peer.measure.attestation import MAX_ATTESTATIONS, Attestation
+from peer.measure.attestation import MAX_ATTESTATIONS, Attestation, attest
 from peer.measure.capabilities import Capabilities
 from peer.measure.ema import RateEMA
 from peer.measure.probe import LinkMeasurement, ProbeServer, measure_link
@@ -42,6 +42,9 @@ if TYPE_CHECKING:  # torch takes a second or two to import, and backbones never 
     from peer.training.task import Task
 
 log = logging.getLogger("peertrain.measure")
+#: Seconds after which a backbone signs its own figures again, unchanged (readers take them
+#: for averaging.attestation_max_age, an hour by default).
+SELF_ATTEST_AGE = 1800.0
 
 RETRY_AFTER_FAILURE = 30.0
 # Seconds of real work after which a start-up figure counts half.
@@ -121,6 +124,7 @@ class Measurements:
             link = LinkMeasurement(self.upload.value, self.download.value, link.rtt_s)
         if self.probe_server is not None:  # what the probes it served showed, RTT unknown (0)
             up, down = self.probe_server.capacity(now=time.monotonic())
+            self._attest_self(up, down)
             rtt = link.rtt_s if link else 0.0
             link = LinkMeasurement(
                 max(up, link.upload_bps if link else 0.0),
@@ -231,6 +235,31 @@ class Measurements:
             )
             self._announce_change()
         return bool(links) or not backbones
+
+    def _attest_self(self, upload_bps: float, download_bps: float) -> None:
+        """A backbone signs what the probes it served showed of its own link, as it signs what
+        it measures of others (readers trust it for both, or for neither): with a single
+        backbone nobody else measures it, and unattested it would count at the floor and never
+        get a share to aggregate. Signed again when the figures move by a tenth or it is
+        half an hour old."""
+        me = self.node.peer_id.to_base58()
+        last = self.attestations.get(me)
+        now = time.time()
+        if (
+            last is not None
+            and now - last.issued_at < SELF_ATTEST_AGE
+            and abs(last.upload_bps - upload_bps) <= 0.1 * last.upload_bps
+            and abs(last.download_bps - download_bps) <= 0.1 * last.download_bps
+        ):
+            return
+        self.attestations[me] = attest(
+            self.node.host.get_private_key(),
+            signer=me,
+            subject=me,
+            upload_bps=upload_bps,
+            download_bps=download_bps,
+            issued_at=now,
+        )
 
     def keep_attestations(self, attestations: Iterable[Attestation | None]) -> None:
         """Keep the newest attestation per backbone, MAX_ATTESTATIONS newest in all (a
