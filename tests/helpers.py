@@ -22,6 +22,17 @@ LOOPBACK = "/ip4/127.0.0.1/tcp/0"
 new_identity = ephemeral_identity
 
 
+def load_factor(*, cap: float = 4.0) -> float:
+    """How much slower than an idle machine wall-clock waits run now: the runnable processes
+    per core (the 1-minute load average, this test's own included), at least 1, at most `cap`.
+    In-process collaborations (many DHT nodes and trainers on one event loop and one GIL)
+    scale their real-time windows and deadlines by it, so a machine busy with other work
+    stretches them instead of failing them; an idle CI machine keeps the short ones."""
+    import os
+
+    return min(cap, max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1)))
+
+
 @asynccontextmanager
 async def nodes(count: int, *, max_message_bytes: int = 1 << 20) -> AsyncIterator[list[Node]]:
     """`count` running nodes listening on 127.0.0.1, closed on exit."""

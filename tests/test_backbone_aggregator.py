@@ -19,7 +19,7 @@ from peer.training import state as states
 from peer.training.aggregator import BackboneAggregator, next_call
 from peer.training.progress import CollaborationView
 from peer.training.timing import Timing
-from tests.helpers import data_identity, swarm
+from tests.helpers import data_identity, load_factor, swarm
 from tests.test_group import joined, spec_of
 from tests.test_progress import rec
 from tests.test_training_collab import (
@@ -112,7 +112,7 @@ async def test_a_backbone_reduces_a_share_of_every_step_and_the_steps_stay_exact
     )
     config = dataclasses.replace(config, averaging=averaging)
     recorder = Recorder()
-    with trio.fail_after(120):
+    with trio.fail_after(120 * load_factor()):
         async with swarm(count + 1, DHT_CONFIG) as s:
             group = Joinable(s, config, recorder)
             for dht in s.dhts[:count]:

@@ -21,19 +21,23 @@ from peer.training import state as states
 from peer.training.statesync import StateDonor, StateDownload
 from peer.training.task import TinyTask
 from peer.training.trainer import Trainer
-from tests.helpers import CuttingRelay, data_identity, swarm
+from tests.helpers import CuttingRelay, data_identity, load_factor, swarm
 
 DHT_CONFIG = dataclasses.replace(DhtConfig(), replicas=5, alpha=3, purge_interval=3600.0)
 
 
 def make_config(tmp_path: Path, **training) -> PeerConfig:
+    """The tiny task among in-process trainers; the gathering window (0.6 s, or the one given)
+    stretched by the machine's load (`load_factor`): under load, stores land late and a peer
+    that misses a gathering downloads instead of averaging."""
+    window = training.pop("gather_window", 0.6) * load_factor()
     return PeerConfig(
         dht=DHT_CONFIG,
         task=TaskConfig(name="tiny", micro_batch=8, target_batch=64),
         averaging=AveragingConfig(timeout_floor=2.0, join_timeout=2.0),
         training=TrainingConfig(
             **{
-                "gather_window": 0.6,
+                "gather_window": window,
                 "progress_interval": 0.1,
                 "validation_interval": 0,
                 "checkpoint_dir": str(tmp_path / "checkpoints"),
@@ -131,7 +135,7 @@ class Joinable:
                 dht.node, [ID.from_base58(r.peer_id) for r in donors], min_step=step, parallel=3
             )
             self.downloads.append(job)
-            return await job.run(deadline=trio.current_time() + 20)
+            return await job.run(deadline=trio.current_time() + 20 * load_factor())
 
         ref: list[Trainer] = []
         training = self.config.training
@@ -185,7 +189,7 @@ async def test_dedloc_steps_equal_single_process_big_batch_training(tmp_path, co
     config = make_config(tmp_path, max_steps=steps, gather_window=max(0.6, 0.25 * count))
     assert config.averaging.group_size == 4
     recorder = Recorder()
-    with trio.fail_after(60 + 10 * count):
+    with trio.fail_after((60 + 10 * count) * load_factor()):
         async with collaboration(count, config, recorder=recorder) as (s, trainers):
             async with trio.open_nursery() as nursery:
                 for trainer in trainers:
@@ -217,7 +221,7 @@ async def test_a_member_killed_mid_averaging_leaves_the_others_their_own_gradien
         config, averaging=dataclasses.replace(config.averaging, chunk_elements=256)
     )
     recorder = Recorder()
-    with trio.fail_after(120):
+    with trio.fail_after(120 * load_factor()):
         async with swarm(5, DHT_CONFIG) as s:
             group = Joinable(s, config, recorder)
             victim = min(range(5), key=lambda i: s.dhts[i].node.peer_id.to_base58())
@@ -256,7 +260,7 @@ async def test_a_member_killed_mid_averaging_leaves_the_others_their_own_gradien
 )
 async def test_every_peer_holds_the_same_parameters_after_each_step(tmp_path, training):
     config = make_config(tmp_path, max_steps=3, **training)
-    with trio.fail_after(60):
+    with trio.fail_after(60 * load_factor()):
         async with collaboration(3, config) as (s, trainers):
             start = parameters(trainers[0].worker.model).clone()
             async with trio.open_nursery() as nursery:
@@ -275,7 +279,7 @@ async def test_every_peer_holds_the_same_parameters_after_each_step(tmp_path, tr
 
 async def test_a_late_joiner_downloads_the_state_and_then_steps_in_lockstep(tmp_path):
     config = make_config(tmp_path, max_steps=5)
-    with trio.fail_after(90):
+    with trio.fail_after(90 * load_factor()):
         async with swarm(3, DHT_CONFIG) as s:
             group = Joinable(s, config, None)
             for dht in s.dhts:
@@ -313,7 +317,7 @@ async def test_a_peer_without_samples_takes_the_same_steps_without_downloading(t
                 return batches
             return lambda: (batches()[0], 0)
 
-    with trio.fail_after(60):
+    with trio.fail_after(60 * load_factor()):
         async with collaboration(3, config, recorder=Idle()) as (s, trainers):
             async with trio.open_nursery() as nursery:
                 for trainer in trainers:

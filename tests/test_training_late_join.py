@@ -20,7 +20,7 @@ from peer.training.chunks import MIN_CHUNK_BYTES
 from peer.training.statesync import REPLY, StateDonor
 from peer.training.task import TinyTask
 from peer.training.trainer import Trainer
-from tests.helpers import ForwardingStream, Swarm, swarm
+from tests.helpers import ForwardingStream, Swarm, load_factor, swarm
 from tests.test_training_collab import DHT_CONFIG, Joinable, make_config
 
 VICTIM_CHUNKS = 2  # chunks the killed donor serves before it hangs
@@ -122,7 +122,7 @@ async def test_a_late_joiner_downloads_many_chunks_survives_a_killed_donor_and_s
     config = make_config(tmp_path, max_steps=6)
     script = KillOne()
     history: dict[int, dict[int, str]] = defaultdict(dict)
-    with trio.fail_after(120):
+    with trio.fail_after(120 * load_factor()):
         async with swarm(JOINER, DHT_CONFIG) as s:
             seam = DonorSeam(s, script)
             group = Joinable(types.SimpleNamespace(nursery=seam), config, None)
