@@ -69,7 +69,11 @@ def test_only_fresh_attestations_by_a_trusted_signer_of_the_subject_count():
     }
     for why, attestation in ignored.items():
         assert attested_link(PEER, [attestation], EVIDENCE) is None, why
-    assert attested_link(PEER, [*ignored.values(), fresh(bw=3e7)], EVIDENCE) == (3e7, 3e7)
+    # One signature check per trusted signer, whatever a ticket carries: its newest. Older
+    # junk and untrusted signers cost nothing; a bad newest loses the peer that signer.
+    junk = [ignored["expired"], ignored["untrusted signer"]] * 100
+    assert attested_link(PEER, [*junk, fresh(bw=3e7)], EVIDENCE) == (3e7, 3e7)
+    assert attested_link(PEER, [fresh(bw=3e7), ignored["from the future"]], EVIDENCE) is None
     assert attested_link(PEER, [fresh(issued_at=NOW + FUTURE_SKEW)], EVIDENCE) == (5e7, 5e7)
 
 
@@ -167,3 +171,19 @@ def test_capabilities_without_attestations_still_decode():
     crowded = msgspec.structs.replace(caps(1e7), attestations=(fresh(),) * 9)
     with pytest.raises(msgspec.ValidationError):
         msgspec.msgpack.decode(msgspec.msgpack.encode(crowded), type=Capabilities)
+
+
+def test_a_peer_trusts_the_backbones_it_was_given_and_itself():
+    """An aggregating backbone is not among its own seeds: without trusting itself, as a
+    leader it counted itself at the floor, and its share hung on who led."""
+    from types import SimpleNamespace
+
+    from peer.averaging.averager import Averager
+
+    seed = new_identity().peer_id
+    me = SimpleNamespace(
+        trusted=None, dht=SimpleNamespace(seeds=[(seed, None)]), me="me",
+        config=AveragingConfig(),
+    )  # fmt: skip
+    evidence = Averager.evidence(me, 100.0)  # type: ignore[arg-type]
+    assert evidence.trusted == {seed.to_base58(), "me"}

@@ -47,9 +47,12 @@ def test_it_joins_the_earliest_call_of_the_certified_step_of_the_trainers_model(
         rec(0, cosigners=(1,), gather_until=20.0, **called),
         rec(1, cosigners=(0,), gather_until=15.0, **called),
         rec(2, cosigners=(0,), fingerprint="g"),  # outvoted: another model's fingerprint
+        # Records not holding the certified state say nothing, however many.
+        *[rec(i, digest="x", fingerprint="g") for i in (3, 4, 5)],
     )
     call = next_call(view, after=0.0, now=10.0, timing=TIMING)
     assert call is not None and (call.gather_until, call.fingerprint) == (15.0, "f")
+    assert call.contributors == {rec(i).peer_id for i in (0, 1, 2)}  # whose tickets size it
     # Joined already (or closed): the next one, then none.
     assert next_call(view, after=15.0, now=10.0, timing=TIMING).gather_until == 20.0
     assert next_call(view, after=20.0, now=10.0, timing=TIMING) is None

@@ -151,6 +151,36 @@ async def test_a_dead_leader_is_passed_over():
             np.testing.assert_allclose(results[i].average, expected, atol=1e-6)
 
 
+async def test_an_aggregator_beside_a_lone_trainer_leaves_it_alone_and_keeps_nothing():
+    """An aggregator-only member adds no contribution: a trainer that meets only it has
+    nothing to average (and, where min_group_size = 1, may step alone: `peers_seen` 1 and no
+    round, as if it had read no other ticket); neither keeps the gathering afterwards."""
+    async with averaging_swarm(2, AveragingConfig(join_timeout=0.5)) as (_, averagers):
+        trainer, backbone = averagers
+        vector = np.ones(SIZE, np.float32)
+        gather_until = time.time() + 1.5
+        results = {}
+
+        async def train() -> None:
+            results["trainer"] = await trainer.average(
+                vector, weight=1.0, epoch=1, fingerprint=MODEL, gather_until=gather_until
+            )
+
+        async def aggregate() -> None:
+            results["backbone"] = await backbone.aggregate(
+                epoch=1, fingerprint=MODEL, gather_until=gather_until, contributors={trainer.me}
+            )
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(train)
+                nursery.start_soon(aggregate)
+        mine = results["trainer"]
+        assert mine.peers_seen == 1 and mine.rounds == [] and mine.average is None
+        assert results["backbone"].rounds == []
+        assert trainer.matchmaker._namespaces == {} == backbone.matchmaker._namespaces
+
+
 def _ticket(averager: Averager):
     from peer.averaging.group import Ticket
 
@@ -317,6 +347,13 @@ def test_a_members_own_check_of_the_leaders_spec():
     twice = dataclasses.replace(spec, members=(*spec.members, spec.members[1]))
     assert "twice" in _spec_problem(twice, shape, single, me)
     assert "leaves us out" in _spec_problem(spec, shape, single, "someone else")
+    # In a single group too, a member's ticket says whether it contributes: marked
+    # aggregator-only, we would apply our own vector as the average (and the others' count of
+    # contributions, which sets the share cap, would drop).
+    declared = {j.ticket.peer_id: j.ticket for j in members}
+    assert _spec_problem(spec, shape, single, me, declared=declared) is None
+    flipped = _spec_problem(tampered(0, computes=False), shape, single, me, declared=declared)
+    assert flipped is not None and "its ticket not" in flipped
 
 
 def test_a_leader_cannot_give_any_member_more_than_the_share_cap():

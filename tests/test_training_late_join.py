@@ -119,7 +119,10 @@ async def test_a_late_joiner_downloads_many_chunks_survives_a_killed_donor_and_s
     tmp_path, monkeypatch
 ):
     monkeypatch.setattr(collab, "TinyTask", WideTask)  # what Joinable's trainers train
-    config = make_config(tmp_path, max_steps=6)
+    # Steps at least 1.5 s apart (stretched by load): a joiner whose download of ~2 MB takes
+    # longer than a step finds the others a step ahead each time and only ever downloads
+    # (5 downloads, no step of its own, under two CPU burners).
+    config = make_config(tmp_path, max_steps=6, gather_window=1.5)
     script = KillOne()
     history: dict[int, dict[int, str]] = defaultdict(dict)
     with trio.fail_after(120 * load_factor()):

@@ -308,7 +308,9 @@ def retry_spec(spec: RoundSpec, excluded: Collection[str]) -> RoundSpec:
     again among the reducers left (`cap_shares`: dropping a reducer must not lift another
     above the cap), and a round id derived from both, so that only members that left out the
     same peers meet. It may not pass `check_spec` (nobody left to reduce, say): check it."""
-    left_out = sorted({m.peer_id for m in spec.members} & set(excluded))
+    # Only contributors name the retry: members that disagree on whether an aggregator-only
+    # member failed them still meet (it is left out either way).
+    left_out = sorted({m.peer_id for m in spec.members if m.computes} & set(excluded))
     members = tuple(m for m in spec.members if m.peer_id not in left_out and m.computes)
     digest = hashlib.blake2b(digest_size=16)
     for part in (b"peertrain/retry/1", spec.round_id, *(p.encode() for p in left_out)):

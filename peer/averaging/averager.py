@@ -30,7 +30,7 @@ import hashlib
 import logging
 import math
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -81,7 +81,8 @@ def fingerprint(tensors: Sequence[tuple[str, Sequence[int], str]]) -> str:
 @dataclass
 class AveragingResult:
     peers_seen: int
-    """Tickets this peer read when the gathering closed (itself included)."""
+    """Contributions in the tickets this peer read when the gathering closed (its own
+    included): aggregator-only tickets do not count."""
     rounds: list[RoundReport] = field(default_factory=list)
     groups: list[list[str]] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
@@ -132,12 +133,15 @@ async def reduce_in_group(
     retry counts only if every member left in it took part: those that accepted the first
     round do not come, so a retry never makes a second, different average beside theirs."""
     me = server.identity.peer_id
-    original = values.copy() if single else None  # a failed round leaves `values` half-written
+    contributes = any(m.computes for m in spec.members if m.peer_id == me)
+    # A failed round leaves `values` half-written; an aggregator-only member never retries
+    # (and copying its zeros would touch every page of a vector it never reads).
+    original = values.copy() if single and contributes else None
     outcome = GroupOutcome()
     report = await _run_round(spec, values, server, timeouts, norm_factor, single=single)
     outcome.reports.append(report)
     computing = tuple(m.peer_id for m in spec.members if m.computes)
-    if not any(m.computes for m in spec.members if m.peer_id == me):
+    if not contributes:
         # Aggregator-only: we reduced our part and hold no values. We sit out any retry: we
         # see only our own part, so we could not tell whom the others leave out of it
         # (`retry_spec` leaves us out too).
@@ -383,7 +387,10 @@ class Averager:
         `gather_until`: attestations by our trusted backbones, fresh at the close."""
         trusted = self.trusted
         if trusted is None:
-            trusted = frozenset(peer_id.to_base58() for peer_id, _ in self.dht.seeds)
+            # The backbones we were given, and ourselves: an aggregating backbone signs its own
+            # link (`Measurements._attest_self`) and is not among its own seeds.
+            seeds = (peer_id.to_base58() for peer_id, _ in self.dht.seeds)
+            trusted = frozenset([*seeds, self.me])
         return Evidence(
             trusted=trusted,
             at=gather_until,
@@ -424,19 +431,23 @@ class Averager:
         epoch: int,
         fingerprint: str,
         gather_until: float,
+        contributors: Collection[str],
         capabilities: Capabilities | None = None,
     ) -> AveragingResult:
         """Join the epoch's averaging as an aggregator-only member (a backbone): reduce the
-        share the leader's spec gives us of the vector (of the size the computing tickets in
-        our view state, `stated_size`), contribute nothing, apply nothing. Only in a single
-        group: a Moshpit plan's later rounds average the blocks members hold, and we hold
-        none (`planned_view` leaves aggregator-only tickets out of a plan of several rounds)."""
+        share the leader's spec gives us of the vector (of the size the tickets of
+        `contributors` in our view state, `stated_size`: the trainers that hold the
+        collaboration's certified state, not any ticket), contribute nothing, apply nothing.
+        Only in a single group: a Moshpit plan's later rounds average the blocks members
+        hold, and we hold none (`planned_view` leaves aggregator-only tickets out of a plan
+        of several rounds)."""
         namespace = self.namespace(fingerprint, epoch)
         ticket = self._ticket(capabilities, computes=False, weight=0.0, size=0)
         view = await self._gather(namespace, epoch, ticket, gather_until)
         if view is None:
             return AveragingResult(0, skipped=["the gathering closed before we declared"])
-        size = stated_size(view, quorum=self.config.min_group_size)
+        known = [t for t in view if t.peer_id in contributors]
+        size = stated_size(known, quorum=self.config.min_group_size)
         if size is None:  # the leader goes on without us after its join timeout
             self.matchmaker.forget(namespace)
             return AveragingResult(
@@ -504,33 +515,37 @@ class Averager:
         gather_until: float,
         on_round: Callable[[int, RoundReport, np.ndarray], None] = lambda i, report, values: None,
     ) -> AveragingResult:
-        result = AveragingResult(peers_seen=len(view))
-        view = planned_view(view, self.config.group_size)
-        if ticket not in view:
-            result.skipped.append(
-                "the collaboration is larger than one group: aggregator-only members sit out"
-            )
-            return result
-        # The outer deadline: twice the bound from the peers' (attested, floored) bandwidths,
-        # and never more than max_averaging_seconds, whatever a peer does.
-        evidence = self.evidence(gather_until)
-        rates = list(bandwidths(view, self.config, evidence=evidence).values())
-        limit = min(
-            self.config.max_averaging_seconds,
-            2 * longest_averaging(len(vector), len(view), rates, self.config),
-        )
+        # Contributions, not tickets: an aggregator-only ticket beside a lone trainer leaves it
+        # alone (nothing to average; where min_group_size = 1 it may step by itself).
+        contributions = sum(t.computes for t in view)
+        result = AveragingResult(peers_seen=contributions)
         try:
+            view = planned_view(view, self.config.group_size)
+            if ticket not in view:
+                result.skipped.append(
+                    "the collaboration is larger than one group: aggregator-only members sit out"
+                )
+                return result
+            if contributions < 2:
+                return result
+            # The outer deadline: twice the bound from the peers' (attested, floored)
+            # bandwidths, and never more than max_averaging_seconds, whatever a peer does.
+            evidence = self.evidence(gather_until)
+            rates = list(bandwidths(view, self.config, evidence=evidence).values())
+            limit = min(
+                self.config.max_averaging_seconds,
+                2 * longest_averaging(len(vector), len(view), rates, self.config),
+            )
             with trio.move_on_after(limit) as scope:
-                if len(view) > 1:
-                    await self._follow_plan(
-                        namespace, epoch, view, ticket, vector, result, on_round, evidence
-                    )
+                await self._follow_plan(
+                    namespace, epoch, view, ticket, vector, result, on_round, evidence
+                )
+            if scope.cancelled_caught:
+                result.average = None
+                result.skipped.append(f"the averaging took longer than its limit of {limit:.0f} s")
+            return result
         finally:
             self.matchmaker.forget(namespace)
-        if scope.cancelled_caught:
-            result.average = None
-            result.skipped.append(f"the averaging took longer than its limit of {limit:.0f} s")
-        return result
 
     async def _follow_plan(
         self,
@@ -570,7 +585,9 @@ class Averager:
             view=view_digest(epoch, view) if several else b"",
             evidence=evidence,
         )
-        values = vector.copy()  # never the caller's: a failed round must leave it whole
+        # Never the caller's: a failed round must leave it whole. An aggregator-only member's
+        # is its own zeros, which it never reads: copying would touch every page.
+        values = vector.copy() if ticket.computes else vector
         exact, total, covered = True, weights[number], len(view)
         for index in range(len(moshpit.rounds)):
             members = moshpit.group(index, number)
@@ -704,7 +721,14 @@ def _spec_problem(
             check_spec(spec, me)
     except ProtocolError as error:
         return str(error)
-    if (problem := _share_over_cap(spec, declared or {})) is not None:
+    declared = declared or {}
+    for m in spec.members:
+        # A member's ticket says whether it contributes: a leader that marked one of us
+        # aggregator-only would have it apply its own vector as the average (and count fewer
+        # contributions against the share cap).
+        if m.peer_id in declared and declared[m.peer_id].computes != m.computes:
+            return f"says {m.peer_id} {'contributes' if m.computes else 'does not'}, its ticket not"
+    if (problem := _share_over_cap(spec, declared)) is not None:
         return problem
     if group.seats is not None:
         seats = {m.peer_id: (m.block, m.weight) for m in spec.members}

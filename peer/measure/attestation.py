@@ -127,18 +127,21 @@ def valid(attestation: Attestation, subject: str, evidence: Evidence) -> bool:
 def attested_link(
     subject: str, attestations: Iterable[Attestation], evidence: Evidence
 ) -> tuple[float, float] | None:
-    """(upload, download) bytes/s that trusted backbones measured of `subject`: per signer its
-    newest valid attestation, over signers the lower median of each direction, each clamped to
-    [floor, ceiling]; None when no attestation is valid."""
+    """(upload, download) bytes/s that trusted backbones measured of `subject`: per trusted
+    signer its newest attestation, if valid, over signers the lower median of each direction,
+    each clamped to [floor, ceiling]; None when none is valid.
+
+    At most one signature check per trusted signer, whatever a ticket carries: the newest is
+    picked before any check (a peer that carries a bad newest one only loses that signer)."""
     newest: dict[str, Attestation] = {}
     for a in attestations:
-        if (a.signer not in newest or a.issued_at > newest[a.signer].issued_at) and valid(
-            a, subject, evidence
+        if a.signer in evidence.trusted and (
+            a.signer not in newest or a.issued_at > newest[a.signer].issued_at
         ):
             newest[a.signer] = a
-    if not newest:
+    chosen = [newest[s] for s in sorted(newest) if valid(newest[s], subject, evidence)]
+    if not chosen:
         return None
-    chosen = [newest[signer] for signer in sorted(newest)]
 
     def clamp(value: float) -> float:
         return min(max(value, evidence.floor), evidence.ceiling)

@@ -7,10 +7,13 @@ it joins each step's averaging as an aggregator-only member, as DeDLOC's backbon
     (`group.stated_size`) -> reduce the share the leader's spec gives us (the shares LP over
     attested bandwidth, capped), contribute nothing, apply nothing (`Averager.aggregate`)
 
-It trains nothing and holds no model: the fingerprint it joins is the one most trainers at
-the global step state in their records. Only while the collaboration fits in one group: a
-Moshpit plan's later rounds average blocks that members hold (`averager.planned_view`). It
-sits out retries (`allreduce.retry_spec`).
+It trains nothing and holds no model. What it believes comes from the trainers that hold the
+collaboration's certified state (`CollaborationView.donors` of the global step), never from
+any record: the fingerprint most of them state, and the vector size their tickets state (so
+throw-away tickets cannot make it allocate a huge vector). It joins at most `MAX_JOINS`
+gatherings at once, so one far-ahead call cannot keep it from an earlier one. Only while the
+collaboration fits in one group: a Moshpit plan's later rounds average blocks that members
+hold (`averager.planned_view`). It sits out retries (`allreduce.retry_spec`).
 """
 
 from __future__ import annotations
@@ -37,24 +40,32 @@ from peer.training.timing import Timing
 log = logging.getLogger("peertrain.aggregator")
 
 
+MAX_JOINS = 2
+"""Gatherings an aggregating backbone takes part in at once."""
+
+
 @dataclass(frozen=True)
 class Call:
     gather_until: float
     fingerprint: str
+    contributors: frozenset[str]
+    """The trainers holding the certified state: only their tickets state the vector size."""
 
 
 def next_call(view: CollaborationView, *, after: float, now: float, timing: Timing) -> Call | None:
     """The call to join (pure): the earliest call of the certified global step gathering after
-    `after` and not yet closed, of the fingerprint most of that step's trainers state."""
+    `after` and not yet closed, of the fingerprint most of the trainers holding that step's
+    consensus state state."""
     step = view.global_step
     gather_until = view.call(step, after=max(after, now), latest=timing.latest_call(now))
     if gather_until is None:
         return None
-    fingerprints = Counter(r.fingerprint for r in view.trainers(step) if r.fingerprint)
+    holders = [r for r in view.donors(step) if r.role == "trainer"]
+    fingerprints = Counter(r.fingerprint for r in holders if r.fingerprint)
     if not fingerprints:
         return None
     fingerprint = min(fingerprints, key=lambda f: (-fingerprints[f], f))
-    return Call(gather_until, fingerprint)
+    return Call(gather_until, fingerprint, frozenset(r.peer_id for r in holders))
 
 
 @dataclass
@@ -87,24 +98,25 @@ class BackboneAggregator:
         task_status.started()
         interval = max(self.config.training.progress_interval / 2, 0.1)
         async with trio.open_nursery() as nursery:
-            busy = False
+            pending: set[float] = set()  # the gatherings we are in
 
             async def join(call: Call) -> None:
-                nonlocal busy
                 try:
                     await self._join(call)
                 finally:
-                    busy = False
+                    pending.discard(call.gather_until)
 
             while True:
-                call = None if busy else await self._next_call()
-                if call is not None:
-                    self._joined_until = call.gather_until
-                    busy = True
+                call = await self._next_call(before=min(pending, default=math.inf))
+                if call is not None and len(pending) < MAX_JOINS:
+                    self._joined_until = max(self._joined_until, call.gather_until)
+                    pending.add(call.gather_until)
                     nursery.start_soon(join, call)
                 await trio.sleep(interval)
 
-    async def _next_call(self) -> Call | None:
+    async def _next_call(self, *, before: float) -> Call | None:
+        """A call to join: after the last we joined, or one earlier than those we are in (a
+        far-ahead call must not keep us from the one the trainers answer)."""
         name = self.config.collaboration.name
         try:
             entries = await self.dht.get(progress_key(name))
@@ -112,7 +124,13 @@ class BackboneAggregator:
             log.debug("could not read the progress records: %s", error)
             return None
         view = CollaborationView(decode_progress(entries, collaboration=name), self.quorum)
-        return next_call(view, after=self._joined_until, now=self.dht.clock(), timing=self.timing)
+        now = self.dht.clock()
+        call = next_call(view, after=self._joined_until, now=now, timing=self.timing)
+        if before < math.inf:
+            earlier = next_call(view, after=now, now=now, timing=self.timing)
+            if earlier is not None and earlier.gather_until < before:
+                return earlier
+        return call
 
     async def _join(self, call: Call) -> None:
         epoch = int(call.gather_until * 1000)  # as the trainers answer the call
@@ -121,6 +139,7 @@ class BackboneAggregator:
             epoch=epoch,
             fingerprint=call.fingerprint,
             gather_until=call.gather_until,
+            contributors=call.contributors,
             capabilities=self.capabilities(),
         )
         if result.rounds:
