@@ -244,7 +244,9 @@ async def test_a_member_killed_mid_averaging_leaves_the_others_their_own_gradien
     assert relays[victim].returned == 4000  # it returned some averages before it died
     assert trainers[victim].step == 0
     assert [trainers[i].step for i in survivors] == [steps] * 4
-    assert all(trainers[i].status().failures["averaging_incomplete"] >= 1 for i in survivors)
+    # The victim's group saw the averaging fail (on a loaded machine a survivor may instead
+    # have missed that gathering: then it never took part in the cut round).
+    assert any(trainers[i].status().failures["averaging_incomplete"] >= 1 for i in survivors)
     assert len({states.parameters_digest(trainers[i].worker.model) for i in survivors}) == 1
     model = recorder.replay(steps, survivors)
     torch.testing.assert_close(
@@ -280,7 +282,10 @@ async def test_every_peer_holds_the_same_parameters_after_each_step(tmp_path, tr
 
 
 async def test_a_late_joiner_downloads_the_state_and_then_steps_in_lockstep(tmp_path):
-    config = make_config(tmp_path, max_steps=5)
+    # Steps at least 1.5 s apart (stretched by load), as a download takes: with steps faster
+    # than a download, a joiner finds the others a step ahead each time it finishes and only
+    # ever downloads (seen under two CPU burners).
+    config = make_config(tmp_path, max_steps=5, gather_window=1.5)
     with trio.fail_after(90 * load_factor()):
         async with swarm(3, DHT_CONFIG) as s:
             group = Joinable(s, config, None)
