@@ -342,13 +342,17 @@ def test_status_shows_the_training_the_peers_report(procs, tmp_path, monkeypatch
         averaged = training and training["global_step"] >= 2 and training["bytes_per_step"] > 0
         return report if averaged and trained else None
 
-    wait_for(
-        lambda: training_report() is not None,
-        timeout=90,
-        what="an averaged step in status, the backbone's share in it",
-    )
-    report = training_report()
-    assert report is not None
+    # The report that met the condition: the next may not (the backbone's share is that of
+    # its last averaging, and a later one can give it none).
+    seen: list[dict] = []
+
+    def ready() -> bool:
+        report = training_report()
+        seen.extend([report] if report is not None else [])
+        return bool(seen)
+
+    wait_for(ready, timeout=90, what="an averaged step in status, the backbone's share in it")
+    report = seen[0]
     training = report["collaboration"]["training"]
     records = {r["peer_id"]: r for r in report["progress"]}
     rows = {p["peer_id"]: p for p in report["peers"] if p["peer_id"] in ids}
@@ -439,7 +443,12 @@ def step_of(proc: Proc) -> int:
     return max(steps, default=0)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+# SIGTERM takes the same path as SIGINT (another half minute): with -m slow.
+@pytest.mark.parametrize(
+    "sig",
+    [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)],
+    ids=["SIGINT", "SIGTERM"],
+)
 def test_a_training_peer_stops_within_3_s_with_a_final_checkpoint(procs, tmp_path, sig):
     from peer.training.checkpoint import load_latest
 

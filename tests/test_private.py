@@ -141,6 +141,9 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
     )  # fmt: skip
 
 
+# About a minute of real processes: with -m slow (CI's 15 min budget); the in-process tests
+# above cover who the key admits on every call.
+@pytest.mark.slow
 def test_a_private_backbone_admits_only_peers_with_its_key(procs, tmp_path):  # noqa: F811
     key = tmp_path / "collab.key"
     made = run_cli("cli.backbone_cli", "network-key", str(key))

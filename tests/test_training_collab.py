@@ -202,7 +202,11 @@ async def test_dedloc_steps_equal_single_process_big_batch_training(tmp_path, co
     digests = {states.parameters_digest(t.worker.model) for t in trainers}
     assert len(digests) == 1  # bit-identical on every peer
     for step in range(steps):  # the global batch: 64 samples, give or take a micro-batch each
-        assert abs(sum(len(recorder.used[(i, step)]) * 8 for i in range(count)) - 64) <= 8 * count
+        batch = sum(len(recorder.used[(i, step)]) * 8 for i in range(count))
+        assert batch >= 64 - 8 * count
+        # The first step may overshoot: a peer that starts before the others' records are
+        # readable counts on itself alone (seen once on CI: 64 + 7 x 8 samples for step 1).
+        assert step == 0 or batch <= 64 + 8 * count, (step, batch)
     model = recorder.replay(steps, range(count))
     torch.testing.assert_close(
         parameters(trainers[0].worker.model), parameters(model), rtol=1e-4, atol=2e-5

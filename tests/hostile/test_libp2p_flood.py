@@ -12,6 +12,8 @@ import selectors
 import socket
 import time
 
+import pytest
+
 from tests.collab_processes import Collaboration, Proc
 from tests.hostile.common import ENV, SOURCES, FloodThread, free_port, wait_until
 
@@ -83,6 +85,8 @@ def averaged_with_others(proc: Proc) -> bool:
     return any(r.get("applied", {}).get("peers", 0) >= 2 for r in proc.records())
 
 
+# About a minute of real processes under a flood: with -m slow (CI's 15 min budget).
+@pytest.mark.slow
 def test_an_idle_connection_flood_on_the_libp2p_ports_keeps_no_newcomer_out(tmp_path):
     collab = Collaboration(tmp_path, ENV)
     peer_port = free_port()
