@@ -54,8 +54,8 @@ class Call:
 
 def next_call(view: CollaborationView, *, after: float, now: float, timing: Timing) -> Call | None:
     """The call to join (pure): the earliest call of the certified global step gathering after
-    `after` and not yet closed, of the fingerprint most of the trainers holding that step's
-    consensus state state."""
+    `after` and not yet closed, with the fingerprint stated by most of the trainers that hold
+    that step's consensus state."""
     step = view.global_step
     gather_until = view.call(step, after=max(after, now), latest=timing.latest_call(now))
     if gather_until is None:
