@@ -56,7 +56,8 @@ class Ticket(msgspec.Struct, frozen=True):
     or the groups of the last round would compute different values."""
     size: Annotated[int, msgspec.Meta(ge=0, le=2**40)] = 0
     """Elements of its vector (0: not stated, older peers). An aggregator-only member, which
-    has no vector, averages what most computing tickets state (`peer.training.aggregator`)."""
+    has no vector, averages the size the tickets of certified-state holders state
+    (`stated_size`, `Averager.aggregate`)."""
 
 
 MAX_AGGREGATE_ELEMENTS = 1 << 30
