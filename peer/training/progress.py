@@ -87,8 +87,8 @@ class ProgressRecord(msgspec.Struct, frozen=True):
     (`peer.training.certificate`); `decode_progress` keeps only the valid ones."""
     fingerprint: Annotated[str, msgspec.Meta(max_length=64)] = ""
     """The averaging fingerprint of its model (`averager.fingerprint`): a backbone that
-    aggregates joins the calls of the fingerprint most trainers holding the certified state
-    state."""
+    aggregates joins the calls of the fingerprint stated by most trainers that hold the
+    certified state."""
     reduced: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0
     """The fraction of the vector it reduced in its last averaging (its share as played, which
     `peer status` shows)."""
