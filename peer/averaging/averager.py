@@ -57,11 +57,13 @@ from peer.averaging.group import (
 )
 from peer.averaging.matchmaking import GroupPlan, Matchmaker, NotExact, RoundShape, TooFewPeers
 from peer.averaging.moshpit import plan, rounds_for
-from peer.config import AveragingConfig
+from peer.config import AveragingConfig, PeerConfig
 from peer.dht.node import DHT
 from peer.errors import ProtocolError, peer_fault
 from peer.measure.attestation import MAX_BANDWIDTH, Evidence
 from peer.measure.capabilities import Capabilities
+from peer.net.host import Node, data_plane_hosts
+from peer.net.tls import DataIdentity
 from peer.roles import share_cap
 
 log = logging.getLogger("peertrain.averager")
@@ -764,3 +766,22 @@ def _first_reasons(failed: dict[str, str]) -> str:
     shown = [f"{who}: {why}" for who, why in sorted(failed.items())[:2]]
     more = len(failed) - len(shown)
     return "; ".join(shown) + (f"; {more} more" if more > 0 else "")
+
+
+async def start_averager(
+    nursery: trio.Nursery, node: Node, dht: DHT, config: PeerConfig
+) -> Averager:
+    """A daemon's averager: its data plane (TLS under the node's identity, on
+    `averaging.data_port`) served in `nursery`, and the averager over it."""
+    bind, advertised = data_plane_hosts(node, config.net.listen)
+    identity = DataIdentity(node.identity.key_pair.private_key, node.peer_id.to_base58())
+    data_server = DataServer(identity, network_key=node.network_key_bytes)
+    data_port = await nursery.start(data_server.serve, bind, config.averaging.data_port)
+    return Averager(
+        dht,
+        config.averaging,
+        collaboration=config.collaboration.name,
+        data_server=data_server,
+        data_host=advertised,
+        data_port=data_port,
+    )

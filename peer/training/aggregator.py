@@ -26,14 +26,12 @@ from dataclasses import dataclass
 
 import trio
 
-from peer.averaging.allreduce import DataServer
-from peer.averaging.averager import Averager
+from peer.averaging.averager import Averager, start_averager
 from peer.config import PeerConfig
 from peer.dht.node import DHT
 from peer.errors import RemoteError
 from peer.measure.capabilities import Capabilities
-from peer.net.host import Node, data_plane_hosts
-from peer.net.tls import DataIdentity
+from peer.net.host import Node
 from peer.training.progress import CollaborationView, decode_progress, progress_key
 from peer.training.timing import Timing
 
@@ -165,19 +163,8 @@ async def run_aggregator(
     task_status: trio.TaskStatus[BackboneAggregator] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """A backbone's data plane and aggregator, owned by one nursery, until cancelled."""
-    bind, advertised = data_plane_hosts(node, config.net.listen)
     async with trio.open_nursery() as nursery:
-        identity = DataIdentity(node.identity.key_pair.private_key, node.peer_id.to_base58())
-        data_server = DataServer(identity, network_key=node.network_key_bytes)
-        data_port = await nursery.start(data_server.serve, bind, config.averaging.data_port)
-        averager = Averager(
-            dht,
-            config.averaging,
-            collaboration=config.collaboration.name,
-            data_server=data_server,
-            data_host=advertised,
-            data_port=data_port,
-        )
+        averager = await start_averager(nursery, node, dht, config)
         aggregator = BackboneAggregator(dht, averager, config, capabilities=capabilities)
         await nursery.start(aggregator.run)
         task_status.started(aggregator)

@@ -13,13 +13,11 @@ import torch
 import trio
 from libp2p.peer.id import ID
 
-from peer.averaging.allreduce import DataServer
-from peer.averaging.averager import Averager
+from peer.averaging.averager import start_averager
 from peer.config import PeerConfig
 from peer.dht.node import DHT
 from peer.measure.service import Measurements
 from peer.net.host import Node, data_plane_hosts
-from peer.net.tls import DataIdentity
 from peer.training.progress import ProgressRecord
 from peer.training.statesync import Snapshot, StateDonor, download_state
 from peer.training.task import Task
@@ -38,19 +36,10 @@ async def run_training(
     task_status: trio.TaskStatus[Trainer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Train until the trainer finishes (max_steps or the validation target) or is cancelled."""
-    bind, advertised = data_plane_hosts(node, config.net.listen)
+    bind, advertised = data_plane_hosts(node, config.net.listen)  # the donor's too
     async with trio.open_nursery() as nursery:
-        identity = DataIdentity(node.identity.key_pair.private_key, node.peer_id.to_base58())
-        data_server = DataServer(identity, network_key=node.network_key_bytes)
-        data_port = await nursery.start(data_server.serve, bind, config.averaging.data_port)
-        averager = Averager(
-            dht,
-            config.averaging,
-            collaboration=config.collaboration.name,
-            data_server=data_server,
-            data_host=advertised,
-            data_port=data_port,
-        )
+        averager = await start_averager(nursery, node, dht, config)
+        identity = averager.data_server.identity
 
         async def download(donors: list[ProgressRecord], step: int) -> Snapshot:
             return await download_state(
