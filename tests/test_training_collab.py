@@ -267,7 +267,10 @@ async def test_a_member_killed_mid_averaging_leaves_the_others_their_own_gradien
     ids=["dedloc-delayed", "diloco"],
 )
 async def test_every_peer_holds_the_same_parameters_after_each_step(tmp_path, training):
-    config = make_config(tmp_path, max_steps=3, **training)
+    # A peer that diverged would be stranded and download (downloads == 0 below), so a peer
+    # must not miss a gathering either: 1.2 s (stretched by load), as one did once in 0.6 s
+    # under two CPU burners.
+    config = make_config(tmp_path, max_steps=3, gather_window=1.2, **training)
     with trio.fail_after(60 * load_factor()):
         async with collaboration(3, config) as (s, trainers):
             start = parameters(trainers[0].worker.model).clone()
