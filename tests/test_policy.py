@@ -67,8 +67,9 @@ def read(policy: StepPolicy, *records: ProgressRecord, now: float = T0) -> None:
 
 
 def step_alone(policy: StepPolicy, now: float) -> bool:
-    """An averaging that read no other ticket: whether it is a step (of our 8 samples)."""
-    policy.phase = Phase.AVERAGING  # (as `declare` leaves it)
+    """An averaging that read no other ticket: whether it is a step (of our 8 samples). It
+    ends in COMPUTING, as one declared in the background (delayed updates) would: a read since
+    its declaration may show a peer ahead, whose call `declare` would now refuse."""
     verdict = policy.averaged(AveragingResult(peers_seen=1), 8, now, now)
     if verdict.step:
         policy.hold(policy.held.step + 1, "d", own_signature(policy.held.step + 1))
@@ -126,14 +127,20 @@ def test_one_dedloc_step_walked_on_a_virtual_clock():
     assert policy.next_action(Local(samples=8, **rate), T0) == Compute()
     assert policy.phase is Phase.COMPUTING
     # 32, our quota (4 of the 8 micro-batches): we hold (the others' projections take our
-    # count as final); 72 projected by the gathering, and we are the lowest id: we call.
+    # count as final). Ours final, the other's 10/s over the window: 53 of 64. Wait.
     action = policy.next_action(Local(samples=32, **rate), T0 + 0.1)
-    assert action == Call(T0 + 0.1 + window) and policy.take_changed()
-    record = policy.own_record(Local(samples=32), T0 + 0.1)
-    assert policy.phase is Phase.HOLDING and record.holding and record.call_step == 0
-    assert isinstance(policy.next_action(Local(samples=32, **rate), T0 + 0.2), Wait)
+    assert isinstance(action, Wait) and policy.take_changed()
+    assert policy.phase is Phase.HOLDING and policy.own_record(Local(samples=32), T0).holding
+    # Its record a second later: 16, and 20 more by the gathering, 68; we have the lowest
+    # id: we call.
+    now = T0 + 1.0
+    read(policy, other("z1", samples=16, samples_per_second=10.0, updated_at=now), now=now)
+    action = policy.next_action(Local(samples=32, **rate), now)
+    assert action == Call(now + window) and policy.take_changed()
+    assert policy.own_record(Local(samples=32), now).call_step == 0
+    assert isinstance(policy.next_action(Local(samples=32, **rate), now + 0.1), Wait)
     # Half the window later: declare, after one more read.
-    gather_until = T0 + 0.1 + window
+    gather_until = now + window
     action = policy.next_action(Local(samples=32, **rate), gather_until - window / 2)
     assert isinstance(action, Declare) and action.gather_until == gather_until
     assert policy.declare(gather_until, gather_until - window / 2, in_background=False)
@@ -296,7 +303,7 @@ def test_failed_averagings_warn_only_once_they_persist():
     outcomes = [False] * 4 + [True] + [False] * 14  # 4 failures, a step, 14 failures
     warned, failures = [], 0
     for gather_until, complete in enumerate(outcomes, start=1):
-        policy.phase = Phase.AVERAGING
+        assert policy.declare(gather_until, T0, in_background=False)
         verdict = policy.averaged(group_result(3, complete=complete), 8, gather_until, T0)
         if not verdict.step:
             failures += 1
@@ -319,7 +326,7 @@ def test_a_group_result_is_a_step_only_if_exact_and_someone_contributed(
     samples, weight, complete, steps
 ):
     policy = make_policy()
-    policy.phase = Phase.AVERAGING
+    assert policy.declare(1.0, T0, in_background=False)
     verdict = policy.averaged(group_result(weight, complete=complete), samples, 1.0, T0)
     assert verdict.step == steps and not verdict.alone
     assert bool(verdict.reason) == (not complete)  # no sample at all is routine
@@ -330,11 +337,11 @@ def test_a_group_of_a_minority_of_the_trainers_does_not_step():
     smaller one downloaded the other's state and lost its samples."""
     policy = make_policy()
     read(policy, *(other(f"z{i}") for i in range(4)))  # 5 trainers
-    policy.phase = Phase.AVERAGING
+    assert policy.declare(1.0, T0, in_background=False)
     minority = group_result(16, members=2)
     assert not policy.averaged(minority, 8, 1.0, T0).step
     assert "not a majority" in " ".join(minority.skipped)
-    policy.phase = Phase.AVERAGING
+    assert policy.declare(2.0, T0, in_background=False)
     verdict = policy.averaged(group_result(24, members=3), 8, 2.0, T0)
     assert verdict.step and verdict.global_batch == 24
 
@@ -345,7 +352,7 @@ def test_a_uniformly_weighted_step_has_no_global_batch(weighting, batch):
     the step's global batch ("8 local samples of 3")."""
     policy = make_policy(mode="diloco", outer_weighting=weighting)
     read(policy, other("z1"), other("z2"))
-    policy.phase = Phase.AVERAGING
+    assert policy.declare(1.0, T0, in_background=False)
     verdict = policy.averaged(group_result(3.0), 8, 1.0, T0)
     assert verdict.step and verdict.global_batch == batch
 
@@ -438,7 +445,6 @@ def test_a_caller_done_with_its_own_quota_waits_for_the_collaboration():
     the call from a lowest peer that is still computing."""
     policy, _ = dedloc(other("z1", samples=8, samples_per_second=10.0))
     ours = Local(samples=32, samples_per_second=10.0)  # our quota: 4 of 8 micro-batches
-    policy.phase = Phase.HOLDING  # (as its previous iteration left it)
     assert isinstance(policy.next_action(ours, T0), Wait)  # 40 of 64, and 20 more in 2 s
     read(policy, other("z1", samples=32, holding=True))
     assert isinstance(policy.next_action(ours, T0), Call)  # everyone holds

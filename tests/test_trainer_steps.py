@@ -22,7 +22,7 @@ from peer.config import AveragingConfig, PeerConfig, TaskConfig, TrainingConfig
 from peer.errors import RemoteError
 from peer.training import checkpoint as checkpoints
 from peer.training import state as states
-from peer.training.policy import CatchUp, Compute, Phase
+from peer.training.policy import CatchUp, Compute
 from peer.training.progress import CollaborationView, ProgressRecord
 from peer.training.state import StateMismatch
 from peer.training.statesync import Snapshot
@@ -88,7 +88,7 @@ def group_result(size: int, weight: float, *, complete: bool = True) -> Averagin
 
 async def finish(trainer: Trainer, vector: np.ndarray, samples: int, result) -> None:
     """The end of an averaging we declared in (`policy.declare` leaves it AVERAGING)."""
-    trainer.policy.phase = Phase.AVERAGING
+    assert trainer.policy.declare(1.0, trainer.clock(), in_background=False)
     await trainer._finish(vector, samples, result, 1.0)
 
 

@@ -401,6 +401,17 @@ class StepPolicy:
             return self._settling(local, now)
         if not local.averaging and (donors := self.donors(view, now)):
             return self._catch_up(donors, view.global_step, None)
+        # With delayed updates too: the micro-batches computed while our averaging runs are our
+        # part of the step after it, so they stop at our quota (before, they did not: 3 peers
+        # applied 3,280 samples a step for a target of 64).
+        full = self._batch_is_full(view, local, now)
+        if full != self.holding:
+            self._move(Event.FULL if full else Event.NOT_FULL)
+            self.changed = True  # the others' projections take our count as final
+            # Before the call's decision: with our record still computing, the iteration that
+            # reached our quota projected our samples on, and called a step the others were
+            # half-way through (a test that set the phase HOLDING by hand hid it).
+            view = self.view_with(local, now)
         call = self._current_call(view, now)
         free = (
             call is None
@@ -412,13 +423,6 @@ class StepPolicy:
                 self._ready_since = now
         else:
             self._ready_since = None
-        # With delayed updates too: the micro-batches computed while our averaging runs are our
-        # part of the step after it, so they stop at our quota (before, they did not: 3 peers
-        # applied 3,280 samples a step for a target of 64).
-        full = self._batch_is_full(view, local, now)
-        if full != self.holding:
-            self._move(Event.FULL if full else Event.NOT_FULL)
-            self.changed = True  # the others' projections take our count as final
         window = self.timing.window(self.store_seconds)
         if self._may_call(view, local, now):
             call = now + window
