@@ -299,6 +299,9 @@ def test_config_errors_are_one_line_with_exit_2(args, env, expected, tmp_path):
     assert len(lines) == 1 and expected in lines[0], result.stderr
 
 
+# Slow (CI's 15 min budget; a clean-clone run took 16m04s): the status e2e test covers the
+# report, and the stop tests cover SIGINT.
+@pytest.mark.slow
 def test_status_watch_refreshes_until_sigint(procs, tmp_path):
     _, addr = start_backbone(procs, tmp_path, "bb")
     watcher = procs("cli.peer_cli", "status", "--watch", "--interval", "0.3", "--backbone", addr)
@@ -484,6 +487,8 @@ def test_a_peer_stopped_while_it_measures_exits_cleanly(procs, tmp_path):
     assert proc.popen.wait(timeout=3) == 0
 
 
+# Slow (CI's 15 min budget): the first Ctrl+C's clean stop runs in the default suite.
+@pytest.mark.slow
 def test_a_second_ctrl_c_forces_exit_at_once(procs, tmp_path):
     _, addr = start_backbone(procs, tmp_path, "bb")
     # Two peers: a step needs averaging.min_group_size (2) of them.

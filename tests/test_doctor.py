@@ -525,6 +525,9 @@ def test_a_folder_where_the_key_should_be_fails(tmp_path):
     assert identity["level"] == "fail" and "not a regular file" in identity["message"]
 
 
+# Slow (CI's 15 min budget): a running daemon beside the doctor; the healthy-setup check runs
+# in the default suite.
+@pytest.mark.slow
 def test_the_port_of_a_running_peer_is_named_not_failed(procs, tmp_path):
     _, addr = e2e.start_backbone(procs, tmp_path, "bb")
     port = e2e.free_port()
