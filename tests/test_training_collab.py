@@ -84,6 +84,11 @@ class Recorder:
 
         return next_batch
 
+    def dropped(self, index: int, step: int) -> None:
+        """Peer `index` adopted a downloaded state while at `step`: the micro-batches it drew
+        toward that step entered no step (adopting a state drops local work)."""
+        self.used.pop((index, step), None)
+
     def replay(self, steps: int, peers: Iterable[int]) -> torch.nn.Module:
         """One process taking the same global batches: at each step, the union of what the
         given peers computed toward it."""
@@ -135,7 +140,11 @@ class Joinable:
                 dht.node, [ID.from_base58(r.peer_id) for r in donors], min_step=step, parallel=3
             )
             self.downloads.append(job)
-            return await job.run(deadline=trio.current_time() + 20 * load_factor())
+            at = ref[0].step
+            result = await job.run(deadline=trio.current_time() + 20 * load_factor())
+            if self.recorder:  # (on a loaded machine a peer that missed a gathering downloads)
+                self.recorder.dropped(index, at)
+            return result
 
         ref: list[Trainer] = []
         training = self.config.training
