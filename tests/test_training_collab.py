@@ -114,6 +114,8 @@ class Joinable:
         self.recorder = recorder
         self.trainers: list[Trainer] = []
         self.downloads: list[StateDownload] = []
+        #: (trainer index, the step it held, the step it fetched) of each state download
+        self.catch_ups: list[tuple[int, int, int]] = []
 
     async def add(
         self, dht, *, relay: int | None = None, relays: dict[int, CuttingRelay] | None = None
@@ -141,6 +143,7 @@ class Joinable:
             )
             self.downloads.append(job)
             at = ref[0].step
+            self.catch_ups.append((index, at, step))
             result = await job.run(deadline=trio.current_time() + 20 * load_factor())
             if self.recorder:  # (on a loaded machine a peer that missed a gathering downloads)
                 self.recorder.dropped(index, at)
@@ -276,12 +279,13 @@ async def test_a_member_killed_mid_averaging_leaves_the_others_their_own_gradien
     ids=["dedloc-delayed", "diloco"],
 )
 async def test_every_peer_holds_the_same_parameters_after_each_step(tmp_path, training):
-    # A peer that diverged would be stranded and download (downloads == 0 below), so a peer
-    # must not miss a gathering either: 1.2 s (stretched by load), as one did once in 0.6 s
-    # under two CPU burners.
     config = make_config(tmp_path, max_steps=3, gather_window=1.2, **training)
     with trio.fail_after(60 * load_factor()):
-        async with collaboration(3, config) as (s, trainers):
+        async with swarm(3, DHT_CONFIG) as s:
+            group = Joinable(s, config, None)
+            for dht in s.dhts:
+                await group.add(dht)
+            trainers = group.trainers
             start = parameters(trainers[0].worker.model).clone()
             async with trio.open_nursery() as nursery:
                 for trainer in trainers:
@@ -290,7 +294,10 @@ async def test_every_peer_holds_the_same_parameters_after_each_step(tmp_path, tr
     assert [t.step for t in trainers] == [3] * 3
     assert len({states.parameters_digest(t.worker.model) for t in trainers}) == 1
     assert not torch.equal(parameters(trainers[0].worker.model), start)
-    assert all(t.status().downloads == 0 for t in trainers)
+    # After any step: a peer that diverged holds a digest the others do not (or a step nobody
+    # signed) and downloads a step no higher than its own. A peer that missed a gathering
+    # (under two CPU burners, even 3.4 s windows) downloads the step it missed: allowed.
+    assert all(fetched > held for _, held, fetched in group.catch_ups), group.catch_ups
     if training["mode"] == "dedloc":  # the target batch, give or take a micro-batch a peer,
         # twice that after a failed or missed gathering (its samples are kept for the next);
         # before, delayed updates computed on through every averaging: 3,280 for 64.
