@@ -178,7 +178,7 @@ async def collaboration(count: int, config: PeerConfig, *, recorder: Recorder | 
         group = Joinable(s, config, recorder)
         for dht in s.dhts:
             await group.add(dht)
-        yield s, group.trainers
+        yield s, group
 
 
 def parameters(model: torch.nn.Module) -> torch.Tensor:
@@ -204,7 +204,8 @@ async def test_dedloc_steps_equal_single_process_big_batch_training(tmp_path, co
     assert config.averaging.group_size == 4
     recorder = Recorder()
     with trio.fail_after((60 + 10 * count) * load_factor()):
-        async with collaboration(count, config, recorder=recorder) as (s, trainers):
+        async with collaboration(count, config, recorder=recorder) as (s, group):
+            trainers = group.trainers
             async with trio.open_nursery() as nursery:
                 for trainer in trainers:
                     nursery.start_soon(trainer.run)
@@ -281,10 +282,7 @@ async def test_a_member_killed_mid_averaging_leaves_the_others_their_own_gradien
 async def test_every_peer_holds_the_same_parameters_after_each_step(tmp_path, training):
     config = make_config(tmp_path, max_steps=3, gather_window=1.2, **training)
     with trio.fail_after(60 * load_factor()):
-        async with swarm(3, DHT_CONFIG) as s:
-            group = Joinable(s, config, None)
-            for dht in s.dhts:
-                await group.add(dht)
+        async with collaboration(3, config) as (s, group):
             trainers = group.trainers
             start = parameters(trainers[0].worker.model).clone()
             async with trio.open_nursery() as nursery:
@@ -348,7 +346,8 @@ async def test_a_peer_without_samples_takes_the_same_steps_without_downloading(t
             return lambda: (batches()[0], 0)
 
     with trio.fail_after(60 * load_factor()):
-        async with collaboration(3, config, recorder=Idle()) as (s, trainers):
+        async with collaboration(3, config, recorder=Idle()) as (s, group):
+            trainers = group.trainers
             async with trio.open_nursery() as nursery:
                 for trainer in trainers:
                     nursery.start_soon(trainer.run)
