@@ -233,9 +233,12 @@ class TrainingConfig(_Section):
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
         "mode": ("dedloc", "diloco"),
         "outer_weighting": ("samples", "uniform"),
+        "precision": ("fp32", "bf16", "fp16"),
     }
     MINIMUM: ClassVar[dict[str, int]] = {"max_steps": 0, "validation_interval": 0, "seed": 0}
-    ZERO_OK: ClassVar[frozenset[str]] = frozenset({"target_validation_loss", "outer_momentum"})
+    ZERO_OK: ClassVar[frozenset[str]] = frozenset(
+        {"target_validation_loss", "outer_momentum", "clip_grad_norm"}
+    )
     mode: str = "dedloc"
     """dedloc (synchronous large batches of task.target_batch samples) or diloco (local steps)."""
     delayed_updates: bool = False
@@ -268,6 +271,15 @@ class TrainingConfig(_Section):
     """Stop once a validation loss at or below this is reached (0: train on)."""
     max_steps: int = 0
     """Stop after this global step (0: no limit)."""
+    precision: str = "fp32"
+    """Local forward and backward: fp32, bf16 (autocast) or fp16 (autocast with a GradScaler;
+    gradients are unscaled before they are averaged, so the scale is each peer's own)."""
+    clip_grad_norm: float = 0.0
+    """Clip the averaged gradient (diloco: pseudo-gradient) to this L2 norm before the step,
+    identically on every peer (0: no clipping)."""
+    average_buffers: bool = True
+    """Average the model's floating and integer buffers (BatchNorm statistics) with every step
+    and certify them with the parameters; off: each peer keeps its own."""
     checkpoint_dir: str = "~/.peertrain/checkpoints"
     """Where periodic checkpoints go (a folder per collaboration and task)."""
     checkpoint_interval: float = 300.0

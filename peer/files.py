@@ -7,17 +7,26 @@ import contextlib
 import os
 import re
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO, TypeVar
+
+T = TypeVar("T")
 
 TEMP_PREFIX = ".tmp-"
 
 
 def write_atomically(directory: Path, name: str, data: bytes) -> None:
     """Write `data` to directory/name: temp file, fsync, rename, fsync the directory."""
+    write_atomically_with(directory, name, lambda file: file.write(data))
+
+
+def write_atomically_with(directory: Path, name: str, write: Callable[[BinaryIO], T]) -> T:
+    """`write_atomically`, the contents written by `write(file)`; returns what it returns."""
     descriptor, temp = tempfile.mkstemp(prefix=TEMP_PREFIX, dir=directory)
     try:
         with os.fdopen(descriptor, "wb") as file:
-            file.write(data)
+            result = write(file)
             file.flush()
             os.fsync(file.fileno())  # contents on disk before the name points at them
         os.replace(temp, directory / name)
@@ -26,6 +35,7 @@ def write_atomically(directory: Path, name: str, data: bytes) -> None:
             os.unlink(temp)
         raise
     fsync_directory(directory)  # the rename itself on disk
+    return result
 
 
 def fsync_directory(directory: Path) -> None:

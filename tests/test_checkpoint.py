@@ -264,10 +264,13 @@ def test_a_blob_round_trips_with_its_extra_metadata(tmp_path):
     path = save_blob(tmp_path, 7, b"opaque bytes", extra=extra)
     assert path == tmp_path / "step-7-1.safetensors"
     assert path.read_bytes() == b"opaque bytes"  # as given: nothing parses it on the way
-    assert load_latest_blob(tmp_path) == Checkpoint(7, b"opaque bytes", extra, serial=1)
+    loaded = load_latest_blob(tmp_path)
+    assert loaded == Checkpoint(7, path, extra, serial=1)
+    assert loaded.blob == b"opaque bytes"
     assert json.loads((tmp_path / "step-7.json").read_text())["extra"] == extra
-    save_blob(tmp_path, 8, b"more bytes")
-    assert load_latest_blob(tmp_path) == Checkpoint(8, b"more bytes", None, serial=2)
+    path = save_blob(tmp_path, 8, b"more bytes")
+    assert load_latest_blob(tmp_path) == Checkpoint(8, path, None, serial=2)
+    assert path.read_bytes() == b"more bytes"
 
 
 def test_a_checkpoint_without_extra_keeps_the_format_of_before(tmp_path):
@@ -287,7 +290,9 @@ def test_a_checkpoint_without_extra_keeps_the_format_of_before(tmp_path):
     }
     (tmp_path / "step-6-4.safetensors").write_bytes(data)
     (tmp_path / "step-6.json").write_text(json.dumps(old))
-    assert load_latest_blob(tmp_path) == Checkpoint(6, data, None, serial=4)
+    loaded = load_latest_blob(tmp_path)
+    assert loaded == Checkpoint(6, tmp_path / "step-6-4.safetensors", None, serial=4)
+    assert loaded.blob == data
     # The payload holds step 5, the record says 6: the blob API does not look inside, but
     # load_latest does, and falls back to step 5.
     assert load_latest(tmp_path).step == 5
@@ -324,7 +329,8 @@ def test_a_damaged_blob_record_falls_back_to_the_older(tmp_path, caplog, damage,
     damage(payload(tmp_path, 3) if damage is _flip_a_byte else tmp_path / "step-3.json")
     with caplog.at_level(logging.WARNING, logger="peertrain.checkpoint"):
         loaded = load_latest_blob(tmp_path)
-    assert loaded == Checkpoint(2, b"state 2", {"digest": "d2"}, serial=1)
+    assert loaded == Checkpoint(2, payload(tmp_path, 2), {"digest": "d2"}, serial=1)
+    assert loaded.blob == b"state 2"
     assert any(message in w for w in warnings(caplog)), warnings(caplog)
 
 

@@ -34,7 +34,7 @@ from peer.training import state as states
 from peer.training.certificate import StepSignature, sign_step
 from peer.training.checkpoint import Checkpoint, load_latest_blob
 from peer.training.chunks import MIN_CHUNK_BYTES, chunk_count
-from peer.training.keeper import KEEP, StateKeeper, run_keeper
+from peer.training.keeper import KEEP, StateKeeper, run_keeper, state_digester
 from peer.training.progress import (
     ProgressRecord,
     decode_progress,
@@ -298,6 +298,7 @@ def trainer_record(
             sign_step(identity.key_pair.private_key, peer_id, name, step, digest)
             for identity, peer_id in signers
         ],
+        fingerprint=state_digester(config)[1].digest,  # a trainer of the keeper's task
     )
 
 
@@ -431,6 +432,7 @@ def a_keeper(directory: Path) -> StateKeeper:
         fetch=None,  # type: ignore[arg-type]
         digest=None,  # type: ignore[arg-type]
         directory=directory,
+        fingerprint="",
     )
 
 

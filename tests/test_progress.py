@@ -271,3 +271,33 @@ def test_the_target_loss_needs_a_quorum_of_reports():
     assert CollaborationView(agreeing, quorum=2).target_reached(2.9)
     keeper = rec(3, role="keeper", validation_loss=0.1)
     assert not CollaborationView([liar, keeper], quorum=2).target_reached(2.9)
+
+
+def test_a_view_for_a_fingerprint_holds_only_the_records_of_that_task():
+    view = CollaborationView(
+        [rec(0, fingerprint="a"), rec(1, fingerprint="b"), rec(2, fingerprint="a")], quorum=2
+    )
+    assert [r.peer_id for r in view.training("a").records] == [PEERS[0], PEERS[2]]
+    assert view.training("a").quorum == 2
+
+
+def test_a_foreign_task_is_one_whose_peers_hold_a_certified_step_while_ours_hold_none():
+    theirs = dict(fingerprint="gpt", task="task 'gpt' (...)", step=5, digest="g")
+    joiner = rec(0, fingerprint="tiny", task="task 'tiny'", step=0, digest="t")
+    collaboration = CollaborationView(
+        [joiner, rec(1, cosigners=(2,), **theirs), rec(2, cosigners=(1,), **theirs)], quorum=2
+    )
+    found = collaboration.foreign_task("tiny")
+    assert found is not None and (found.task, found.step) == ("task 'gpt' (...)", 5)
+    # To the collaboration's own peers nothing is foreign.
+    assert collaboration.foreign_task("gpt") is None
+    # One peer's word (a single signer, below the quorum) turns nobody away ...
+    lone = CollaborationView([joiner, rec(1, **theirs)], quorum=2)
+    assert lone.foreign_task("tiny") is None
+    # ... nor does a certified other task once ours has certified steps of its own.
+    ours = dict(fingerprint="tiny", step=2, digest="t2")
+    both = CollaborationView(
+        [*collaboration.records, rec(3, cosigners=(4,), **ours), rec(4, cosigners=(3,), **ours)],
+        quorum=2,
+    )
+    assert both.foreign_task("tiny") is None

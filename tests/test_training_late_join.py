@@ -12,9 +12,12 @@ from __future__ import annotations
 import types
 from collections import defaultdict
 
+import pytest
 import trio
 
 import tests.test_training_collab as collab
+from cli.common import find_error
+from peer.errors import ConfigError
 from peer.training import state as states
 from peer.training.chunks import MIN_CHUNK_BYTES
 from peer.training.statesync import REPLY, StateDonor
@@ -180,3 +183,35 @@ async def test_a_late_joiner_downloads_many_chunks_survives_a_killed_donor_and_s
     for step in stepped:
         others = {history[i][step] for i in range(JOINER) if step in history[i]}
         assert others == {joined[step]}, step
+
+
+async def test_a_joiner_started_with_another_task_refuses_to_join_in_one_line(
+    tmp_path, monkeypatch
+):
+    """The collaboration trains the tiny task; a peer started with a wider model under the same
+    task name refuses with one line naming both (before, it retried state downloads forever,
+    "scheduler state extra", or trained alone)."""
+    config = make_config(tmp_path, max_steps=50)
+    with trio.fail_after(90 * load_factor()):
+        async with swarm(2, DHT_CONFIG) as s:
+            group = Joinable(s, config, None)
+            for dht in s.dhts:
+                await group.add(dht)
+            async with trio.open_nursery() as training:
+                for trainer in group.trainers:
+                    training.start_soon(trainer.run)
+                while min(t.step for t in group.trainers) < 1:  # a certified step
+                    await trio.sleep(0.05)
+                monkeypatch.setattr(collab, "TinyTask", WideTask)
+                stranger = await group.add(await s.add())
+                with pytest.raises(BaseExceptionGroup) as refused:  # from the trainer's nursery
+                    await stranger.run()
+                training.cancel_scope.cancel()
+            s.nursery.cancel_scope.cancel()
+    error = find_error(refused.value)  # what the CLI prints (one line, exit 2)
+    assert isinstance(error, ConfigError)
+    message = str(error)
+    assert "\n" not in message
+    assert "trains task 'tiny' (dedloc, AdamW, 10,384 parameters" in message
+    assert "this peer task 'tiny' (dedloc, AdamW, 0.166 M parameters" in message
+    assert stranger.status().downloads == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 from typing import Any
@@ -19,9 +20,11 @@ from peer.training.state import (
     TrainingState,
     capture,
     from_bytes,
+    from_file,
     parameters_digest,
     restore,
     to_bytes,
+    write_file,
 )
 from peer.training.task import ByteGPTTask, TinyTask
 
@@ -124,6 +127,45 @@ def test_to_bytes_is_deterministic():
     reordered = {"outer": optimizers["outer"], "inner": optimizers["inner"]}
     assert to_bytes(capture(2, model, reordered)) == blob
     assert to_bytes(from_bytes(blob)) == blob
+
+
+def test_a_streamed_file_is_a_safetensors_state_and_its_hash_is_the_file_s(tmp_path, monkeypatch):
+    """`write_file` streams the tensors (no `to_bytes` blob); the file loads with the
+    safetensors library and back into the same state; equal states give equal files."""
+    task, model, optimizers = tiny_setup()
+    train(task, model, optimizers, steps=2, seed=1)
+    state = capture(4, model, optimizers, extra={"samples": 3})
+    state.tensors["model.flag"] = torch.tensor([True, False])  # 1-byte and 8-byte tensors
+    state.tensors["model.count"] = torch.tensor(2**62 + 1, dtype=torch.int64)
+    state.tensors["model.half"] = torch.tensor([1.0009765625, -0.0], dtype=torch.bfloat16)
+    monkeypatch.setattr("peer.training.state._PIECE", 1000)  # many pieces per tensor
+    monkeypatch.setattr(
+        "peer.training.state.to_bytes", lambda state: pytest.fail("a whole-state blob")
+    )
+    path = tmp_path / "state.safetensors"
+    with path.open("wb") as file:
+        sha256 = write_file(state, file)
+    data = path.read_bytes()
+    assert sha256 == hashlib.sha256(data).hexdigest()
+    assert len(data) > 20 * 1000
+    loaded = from_file(path)
+    assert loaded.step == 4 and loaded.extra == {"samples": 3}
+    assert_same(dict(sorted(loaded.tensors.items())), dict(sorted(state.tensors.items())))
+    assert set(safetensors.torch.load(data)) == set(state.tensors)
+    again = tmp_path / "again.safetensors"
+    with again.open("wb") as file:
+        write_file(from_file(path), file)
+    assert again.read_bytes() == data
+
+
+def test_from_file_refuses_what_is_no_state(tmp_path):
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(b"\x10" + bytes(40))
+    with pytest.raises(StateMismatch, match="not a safetensors state"):
+        from_file(path)
+    safetensors.torch.save_file({"model.w": torch.zeros(2)}, path)
+    with pytest.raises(StateMismatch, match="lacks the 'peertrain' metadata"):
+        from_file(path)
 
 
 def test_restoring_a_never_stepped_optimizer_clears_state():

@@ -2,7 +2,7 @@
 
 Layout of a checkpoint directory (one per collaboration and task):
 
-    step-140-9.safetensors the `state.to_bytes` blob of step 140, written by save number 9
+    step-140-9.safetensors the state of step 140 (safetensors), written by save number 9
     step-140.json          its commit record: {"format": 1, "file": "step-140-9.safetensors",
                            "step": 140, "serial": 9, "bytes": ..., "sha256": ...[, "extra": {...}]}
     step-120-7.safetensors an older checkpoint (the `keep` newest are kept)
@@ -12,7 +12,8 @@ Layout of a checkpoint directory (one per collaboration and task):
 
 The payload is opaque here: `save_blob` / `load_latest_blob` store bytes and an optional JSON
 object (`extra`, e.g. the keeper's certified digest and signatures) in the record, and
-`save_checkpoint` / `load_latest` are those for a `TrainingState` in `state.to_bytes` form. A
+`save_checkpoint` / `load_latest` are those for a `TrainingState`, streamed from its tensors to
+the file and mapped back from it (`state.write_file` / `state.from_file`: no whole-state blob). A
 record without "extra" is exactly what versions before it wrote, and loads as before.
 
 Theory of operation. A checkpoint exists once its record exists: each checkpoint has its own
@@ -52,11 +53,11 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar, overload
+from typing import Any, BinaryIO, TypeVar, overload
 
 from peer.errors import ConfigError, ProtocolError
-from peer.files import fsync_directory, remove_temps, write_atomically
-from peer.training.state import TrainingState, from_bytes, to_bytes
+from peer.files import fsync_directory, remove_temps, write_atomically, write_atomically_with
+from peer.training.state import TrainingState, from_file, write_file
 
 log = logging.getLogger("peertrain.checkpoint")
 
@@ -66,6 +67,8 @@ _RECORD = re.compile(r"step-(0|[1-9][0-9]*)\.json")
 # step-N-S (S: the save's serial); step-N from before serials were in the name.
 _PAYLOAD = re.compile(r"step-(0|[1-9][0-9]*)(-[1-9][0-9]*)?\.safetensors")
 _KEYS = frozenset({"format", "file", "step", "serial", "bytes", "sha256"})
+#: Bytes read at a time when a payload is checked.
+_PIECE = 16 << 20
 
 T = TypeVar("T")
 
@@ -76,21 +79,27 @@ class _Damaged(ValueError):
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A committed checkpoint whose payload matches its record (size and sha256)."""
+    """A committed checkpoint whose payload matched its record (size and sha256) when read."""
 
     step: int
-    blob: bytes
-    """The payload as saved (`state.to_bytes` bytes, for `save_checkpoint`)."""
+    path: Path
+    """The payload (a safetensors state, for `save_checkpoint`)."""
     extra: dict[str, Any] | None
     """The record's `extra` as given to `save_blob`; None if none was."""
     serial: int
     """The save's number in this directory (newer saves, higher serials)."""
 
+    @property
+    def blob(self) -> bytes:
+        """The payload's bytes as saved (read from disk at each access)."""
+        return self.path.read_bytes()
+
 
 def save_checkpoint(directory: Path, state: TrainingState, *, keep: int = 2) -> Path:
     """Write `state` as the newest checkpoint in `directory` (created if missing), keep the `keep`
-    newest, and return the payload's path. ConfigError if the directory cannot be written."""
-    return save_blob(directory, state.step, to_bytes(state), keep=keep)
+    newest, and return the payload's path. The payload is streamed from the state's tensors
+    (`state.write_file`). ConfigError if the directory cannot be written."""
+    return _save(directory, state.step, lambda file: write_file(state, file), extra=None, keep=keep)
 
 
 def save_blob(
@@ -104,17 +113,36 @@ def save_blob(
     """Write `blob` (the state of `step`) as the newest checkpoint in `directory` (created if
     missing), with `extra` (JSON-able) in its record, keep the `keep` newest, and return the
     payload's path. ConfigError if the directory cannot be written."""
+    sha256 = hashlib.sha256(blob).hexdigest()  # before taking the lock: the slow part
+
+    def write(file: BinaryIO) -> str:
+        file.write(blob)
+        return sha256
+
+    return _save(directory, step, write, extra=extra, keep=keep)
+
+
+def _save(
+    directory: Path,
+    step: int,
+    write: Callable[[BinaryIO], str],
+    *,
+    extra: dict[str, Any] | None,
+    keep: int,
+) -> Path:
+    """The save protocol of the module docstring; `write(file)` writes the payload and returns
+    its sha256."""
     assert keep >= 1, keep
     assert step >= 0, step
     name = f"step-{step}"
-    record: dict[str, Any] = {
-        "format": FORMAT,
-        "step": step,
-        "bytes": len(blob),
-        "sha256": hashlib.sha256(blob).hexdigest(),  # before taking the lock: the slow part
-    }
+    record: dict[str, Any] = {"format": FORMAT, "step": step}
     if extra is not None:
         record["extra"] = extra
+
+    def payload(file: BinaryIO) -> None:
+        record["sha256"] = write(file)
+        record["bytes"] = file.tell()
+
     try:
         directory.mkdir(parents=True, exist_ok=True)
         with _locked(directory, blocking=True):
@@ -122,7 +150,7 @@ def save_blob(
             records = _records(directory)
             record["serial"] = max((r["serial"] for r in records.values()), default=0) + 1
             record["file"] = f"{name}-{record['serial']}.safetensors"
-            write_atomically(directory, record["file"], blob)
+            write_atomically_with(directory, record["file"], payload)
             write_atomically(directory, f"{name}.json", json.dumps(record).encode())
             records[f"{name}.json"] = record
             _prune(directory, records, keep)
@@ -143,7 +171,7 @@ def load_latest(directory: Path) -> TrainingState | None:
 
 
 def _training_state(checkpoint: Checkpoint) -> TrainingState:
-    state = from_bytes(checkpoint.blob)
+    state = from_file(checkpoint.path)
     if state.step != checkpoint.step:
         raise _Damaged(f"holds step {state.step}, the record says {checkpoint.step}")
     return state
@@ -190,12 +218,18 @@ def load_latest_blob(
 
 
 def _load(directory: Path, record: dict[str, Any]) -> Checkpoint:
-    data = (directory / record["file"]).read_bytes()
-    if len(data) != record["bytes"]:
-        raise _Damaged(f"{len(data)} bytes, the record says {record['bytes']}")
-    if hashlib.sha256(data).hexdigest() != record["sha256"]:
+    """The record's checkpoint, its payload checked piece by piece (no whole-file blob)."""
+    path = directory / record["file"]
+    digest, size = hashlib.sha256(), 0
+    with path.open("rb") as file:
+        while piece := file.read(_PIECE):
+            digest.update(piece)
+            size += len(piece)
+    if size != record["bytes"]:
+        raise _Damaged(f"{size} bytes, the record says {record['bytes']}")
+    if digest.hexdigest() != record["sha256"]:
         raise _Damaged("sha256 differs from the record")
-    return Checkpoint(record["step"], data, record.get("extra"), record["serial"])
+    return Checkpoint(record["step"], path, record.get("extra"), record["serial"])
 
 
 def _records(directory: Path, *, warn: bool = False) -> dict[str, dict[str, Any]]:

@@ -35,6 +35,7 @@ from peer.net.host import Node, data_plane_hosts
 from peer.training import state as states
 from peer.training.certificate import MAX_SIGNATURES, StepSignature, valid_signatures
 from peer.training.checkpoint import Checkpoint, load_latest_blob, save_blob
+from peer.training.layout import Fingerprint, layout, task_fingerprint
 from peer.training.progress import (
     CollaborationView,
     ProgressRecord,
@@ -69,12 +70,15 @@ class StateKeeper:
         fetch: Fetch,
         digest: Digest,
         directory: Path,
+        fingerprint: str,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.dht = dht
         self.config = config
         self.fetch = fetch
         self.digest_of = digest
+        #: The task's fingerprint (`layout.py`): we keep only the states of its trainers.
+        self.fingerprint = fingerprint
         self.directory = directory
         self.clock = clock
         self.timing = Timing.of(config)
@@ -93,7 +97,7 @@ class StateKeeper:
         views: list[CollaborationView] = []
 
         def on_read(view: CollaborationView) -> None:
-            views[:] = [view]
+            views[:] = [view.training(self.fingerprint)]
             read.set()
 
         progress = ProgressPublisher(
@@ -162,6 +166,7 @@ class StateKeeper:
             samples_per_second=0.0,
             updated_at=self.clock(),
             signatures=self.signatures[:MAX_SIGNATURES],
+            fingerprint=self.fingerprint,
         )
 
     def _save(self, snapshot: Snapshot, digest: str, signatures: list[StepSignature]) -> None:
@@ -248,11 +253,13 @@ async def run_keeper(
             deadline=trio.current_time() + config.state.download_timeout,
         )
 
+    digest, fingerprint = state_digester(config)
     keeper = StateKeeper(
         dht,
         config,
         fetch=fetch,
-        digest=state_digester(config),
+        digest=digest,
+        fingerprint=fingerprint.digest,
         directory=state_folder(
             config.training.checkpoint_dir, config.collaboration.name, "kept-state"
         ),
@@ -272,16 +279,21 @@ async def run_keeper(
         task_status.started(keeper)
 
 
-def state_digester(config: PeerConfig) -> Digest:
+def state_digester(config: PeerConfig) -> tuple[Digest, Fingerprint]:
     """What `StateKeeper` checks a state's bytes with: the digest a trainer of the task
-    computes (`TorchWorker.digest`), from the model's parameter names. The model is built on
-    torch's meta device: names and shapes, no memory."""
+    computes (`TorchWorker.digest`), from the model's certified tensor names; and the task's
+    fingerprint. The model is built on torch's meta device: names and shapes, no memory."""
     task = load_task(config.task.name)
+    training = config.training
     with torch.device("meta"):
-        names = [name for name, _ in task.build_model().named_parameters()]
+        model = task.build_model()
+        fingerprint = task_fingerprint(
+            task, model, mode=training.mode, average_buffers=training.average_buffers
+        )
+    names = layout(model, average_buffers=training.average_buffers).certified
     shared = SHARED_OPTIMIZERS[config.training.mode]
 
     def digest(blob: bytes) -> str:
         return states.state_digest(states.from_bytes(blob), names, shared)
 
-    return digest
+    return digest, fingerprint

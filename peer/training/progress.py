@@ -86,9 +86,12 @@ class ProgressRecord(msgspec.Struct, frozen=True):
     """Signatures of (step, digest): its own and those of the peers it averaged with
     (`peer.training.certificate`); `decode_progress` keeps only the valid ones."""
     fingerprint: Annotated[str, msgspec.Meta(max_length=64)] = ""
-    """The averaging fingerprint of its model (`averager.fingerprint`): a backbone that
-    aggregates joins the calls of the fingerprint stated by most trainers that hold the
-    certified state."""
+    """Its task's fingerprint (`layout.fingerprint`: task, mode, optimizer, shared tensors),
+    also the averaging fingerprint: a backbone that aggregates joins the calls of the
+    fingerprint stated by most trainers that hold the certified state, and a trainer trains
+    only with records of its own fingerprint."""
+    task: Annotated[str, msgspec.Meta(max_length=200)] = ""
+    """What the fingerprint stands for, in words (shown when a joiner's task differs)."""
     reduced: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0
     """The fraction of the vector it reduced in its last averaging (its share as played, which
     `peer status` shows)."""
@@ -137,6 +140,30 @@ class CollaborationView:
     records: list[ProgressRecord]
     quorum: int = 1
     """Distinct signers a (step, digest) needs to count (`averaging.min_group_size`)."""
+
+    def training(self, fingerprint: str) -> CollaborationView:
+        """The records of the peers that train the task of `fingerprint`: the others never
+        average with its peers, and their states do not fit its model."""
+        return CollaborationView(
+            [r for r in self.records if r.fingerprint == fingerprint], self.quorum
+        )
+
+    def foreign_task(self, fingerprint: str) -> ProgressRecord | None:
+        """A record of the task the collaboration trains when that is not the task of
+        `fingerprint` (a peer started with another `--task`, model or mode): a task whose
+        peers hold a certified step > 0 while ours hold none; the one at the highest step.
+        Certified: a few records with another fingerprint (a newcomer's, a liar's) are not
+        enough to turn anyone away."""
+        if self.training(fingerprint).global_step > 0:
+            return None
+        found: tuple[int, ProgressRecord] | None = None
+        for other in sorted({r.fingerprint for r in self.records} - {fingerprint, ""}):
+            view = self.training(other)
+            step = view.global_step
+            holders = [r for r in view.records if r.step == step and r.task]
+            if step > 0 and holders and (found is None or step > found[0]):
+                found = step, holders[0]
+        return None if found is None else found[1]
 
     @cached_property
     def _signers(self) -> dict[tuple[int, str], set[str]]:

@@ -26,10 +26,13 @@ import json
 import math
 import re
 from collections.abc import Collection, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any
+from pathlib import Path
+from typing import Any, BinaryIO
 
+import safetensors
 import safetensors.torch
 import torch
 from torch import nn
@@ -158,15 +161,96 @@ def _jsonable(value: Any, where: str) -> Any:
 # ---------------------------------------------------------------------------------- bytes
 
 
-def to_bytes(state: TrainingState) -> bytes:
-    """The safetensors blob of `state`; the same state always gives the same bytes."""
-    header = json.dumps(
+def _header_text(state: TrainingState) -> str:
+    return json.dumps(
         {"format": FORMAT, "step": state.step, "metadata": state.metadata},
         sort_keys=True,
         separators=(",", ":"),
     )
+
+
+def to_bytes(state: TrainingState) -> bytes:
+    """The safetensors blob of `state`; the same state always gives the same bytes."""
     tensors = {name: state.tensors[name].contiguous() for name in sorted(state.tensors)}
-    return safetensors.torch.save(tensors, metadata={HEADER_KEY: header})
+    return safetensors.torch.save(tensors, metadata={HEADER_KEY: _header_text(state)})
+
+
+#: safetensors' names of the dtypes a state may hold.
+_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+#: Bytes written (and hashed) at a time: the hash of one piece runs while the next is written.
+_PIECE = 16 << 20
+
+
+def write_file(state: TrainingState, file: BinaryIO) -> str:
+    """Write `state` to `file` in the safetensors format, straight from its tensors' memory
+    (no whole-state blob: that doubled a checkpoint's memory and time), and return the sha256
+    of what was written. Hashing runs in a second thread beside the writes (both release the
+    GIL), so the hash costs little more than the write itself.
+
+    The layout is safetensors' own: a little-endian u64 header length, the JSON header padded
+    with spaces to 8 bytes, then each tensor's little-endian bytes. Tensors go widest dtype
+    first, then by name, so each starts aligned to its element size; `from_file` (the
+    safetensors library) reads it back."""
+    order = sorted(state.tensors, key=lambda n: (-state.tensors[n].element_size(), n))
+    entries: dict[str, Any] = {"__metadata__": {HEADER_KEY: _header_text(state)}}
+    offset = 0
+    for name in order:
+        tensor = state.tensors[name]
+        if tensor.dtype not in _DTYPES:
+            raise TypeError(f"state tensor {name!r} has dtype {tensor.dtype}, which we do not save")
+        size = tensor.numel() * tensor.element_size()
+        entries[name] = {
+            "dtype": _DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    header = json.dumps(entries, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    digest = hashlib.sha256()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="peertrain-hash") as hasher:
+        pending = hasher.submit(digest.update, len(header).to_bytes(8, "little") + header)
+        file.write(len(header).to_bytes(8, "little") + header)
+        for name in order:
+            data = _raw(state.tensors[name])
+            for start in range(0, len(data), _PIECE):
+                piece = data[start : start + _PIECE]
+                pending.result()  # one piece hashed while the next is written
+                pending = hasher.submit(digest.update, piece)
+                file.write(piece)
+        pending.result()
+    return digest.hexdigest()
+
+
+def _raw(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a CPU tensor, without a copy (little-endian machines: x86, ARM)."""
+    flat = tensor.contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def from_file(path: Path) -> TrainingState:
+    """Read a file from `write_file` or `to_bytes` (mapped, not read into a blob first);
+    StateMismatch if it is anything else."""
+    try:
+        tensors = safetensors.torch.load_file(path)
+        with safetensors.safe_open(path, framework="pt") as opened:
+            metadata = opened.metadata() or {}
+    except OSError:
+        raise
+    except Exception as error:  # as in from_bytes: whatever the parser raises, garbage
+        raise StateMismatch(f"not a safetensors state: {_first_line(error)}") from error
+    return _state(tensors, _payload(metadata.get(HEADER_KEY)))
 
 
 def from_bytes(data: bytes) -> TrainingState:
@@ -177,7 +261,10 @@ def from_bytes(data: bytes) -> TrainingState:
     # (an unknown dtype name); to a caller they all mean "the peer sent garbage".
     except Exception as error:
         raise StateMismatch(f"not a safetensors state: {_first_line(error)}") from error
-    payload = _header_payload(data)
+    return _state(tensors, _header_payload(data))
+
+
+def _state(tensors: dict[str, torch.Tensor], payload: dict[str, Any]) -> TrainingState:
     if set(payload) != {"format", "step", "metadata"}:
         raise StateMismatch(
             f"state header has keys {sorted(payload)}, expected format, step, metadata"
@@ -198,10 +285,18 @@ def _header_payload(data: bytes) -> dict[str, Any]:
     try:
         header = json.loads(bytes(data[8 : 8 + size]))
         text = header.get("__metadata__", {}).get(HEADER_KEY)
-        if not isinstance(text, str):
-            raise StateMismatch(f"safetensors header lacks the {HEADER_KEY!r} metadata entry")
-        payload = json.loads(text)
     except (ValueError, AttributeError, RecursionError) as error:
+        raise StateMismatch(f"state header is not valid JSON: {_first_line(error)}") from error
+    return _payload(text)
+
+
+def _payload(text: object) -> dict[str, Any]:
+    """The decoded HEADER_KEY metadata entry."""
+    if not isinstance(text, str):
+        raise StateMismatch(f"safetensors header lacks the {HEADER_KEY!r} metadata entry")
+    try:
+        payload = json.loads(text)
+    except (ValueError, RecursionError) as error:
         raise StateMismatch(f"state header is not valid JSON: {_first_line(error)}") from error
     if not isinstance(payload, dict):
         raise StateMismatch(f"state header is a {type(payload).__name__}, expected an object")

@@ -38,7 +38,7 @@ import trio
 from peer.averaging.averager import Averager, AveragingResult
 from peer.config import PeerConfig
 from peer.dht.node import DHT
-from peer.errors import RemoteError
+from peer.errors import ConfigError, RemoteError
 from peer.files import state_folder
 from peer.measure.capabilities import Capabilities
 from peer.training import state as states
@@ -157,6 +157,9 @@ class Trainer:
         self.timing = self.policy.timing
         self.tally = Tally()
         self._captured: states.TrainingState | None = None
+        # The captured state being written to a checkpoint, and the last one written.
+        self._saving: states.TrainingState | None = None
+        self._saved: states.TrainingState | None = None
         self._snapshot: Snapshot | None = None
         self._serializing = trio.Lock()
         # A delayed averaging in flight (dedloc, delayed_updates) and its result when done.
@@ -164,6 +167,7 @@ class Trainer:
         self._background_result: tuple[np.ndarray, int, AveragingResult, float] | None = None
         self._background_scope = trio.CancelScope()
         self._validate_due = False
+        self._foreign: ProgressRecord | None = None
         self._view_changed = trio.Event()
         self.progress = ProgressPublisher(
             dht,
@@ -236,6 +240,7 @@ class Trainer:
             recent_validation=list(tally.recent_validation),
             step_bytes=tally.step_bytes,
             fingerprint=self.worker.fingerprint,
+            task=self.worker.task_fingerprint.description,
             reduced=tally.reduced,
         )
 
@@ -269,9 +274,22 @@ class Trainer:
     # ------------------------------------------------------------------ progress
 
     def _observe(self, view: CollaborationView) -> None:
-        self.policy.observe(view, self.clock())
+        self._foreign = view.foreign_task(self.worker.fingerprint)
+        # Peers of another task never average with us and serve states we cannot load.
+        self.policy.observe(view.training(self.worker.fingerprint), self.clock())
         self._view_changed.set()
         self._view_changed = trio.Event()
+
+    def _refusal(self, theirs: ProgressRecord) -> str:
+        ours = self.worker.task_fingerprint.description
+        name = self.config.collaboration.name
+        # A peer's words on our terminal: no control characters (escape sequences).
+        task = "".join(c if c.isprintable() else "?" for c in theirs.task)
+        return (
+            f"collaboration {name!r} trains {task} (step {theirs.step}), this peer "
+            f"{ours}: join with the collaboration's task, model and training.mode, or name "
+            "another collaboration"
+        )
 
     # ------------------------------------------------------------------ the loop
 
@@ -282,6 +300,8 @@ class Trainer:
                 await nursery.start(self.progress.run)
                 with trio.move_on_after(self.timing.first_read):
                     await self._view_changed.wait()  # the first read, to know if we are behind
+                if self._foreign is not None:
+                    raise ConfigError(self._refusal(self._foreign))
                 self.policy.started()
                 task_status.started()
                 self.tally.started_at = time.monotonic()
@@ -302,7 +322,7 @@ class Trainer:
                 self._background = self._background_result = None
             if self._validate_due and self.policy.phase is not Phase.SETTLING:
                 await self._validate()
-            await self._checkpoint()
+            await self._checkpoint(nursery)
             settling = self.policy.phase is Phase.SETTLING
             action = self.policy.next_action(self.local(), self.clock())
             if self.policy.phase is Phase.SETTLING and not settling:
@@ -514,18 +534,31 @@ class Trainer:
         self.progress.publish_now()
         log.info("step %d: validation loss %.4f", self.step, loss)
 
-    async def _checkpoint(self, *, force: bool = False) -> None:
-        if self.checkpoint_dir is None or self._captured is None or self.step == 0:
-            return
-        if (
-            not force
-            and time.monotonic() - self._last_checkpoint < self.training.checkpoint_interval
-        ):
-            return
-        self._last_checkpoint = time.monotonic()
+    async def _checkpoint(
+        self, nursery: trio.Nursery | None = None, *, force: bool = False
+    ) -> None:
+        """A periodic checkpoint of the state we hold, written in the background (`nursery`);
+        `force`: the final one, now, unless the state we hold is saved already."""
         state = self._captured
+        if self.checkpoint_dir is None or state is None or self.step == 0 or state is self._saved:
+            return
+        if not force:
+            due = time.monotonic() - self._last_checkpoint >= self.training.checkpoint_interval
+            if due and self._saving is None and nursery is not None:
+                self._last_checkpoint = time.monotonic()
+                self._saving = state
+                nursery.start_soon(self._save, state)
+            return
         with trio.move_on_after(30):
+            await self._save(state)
+
+    async def _save(self, state: states.TrainingState) -> None:
+        assert self.checkpoint_dir is not None
+        try:
             await self.worker.save_checkpoint(self.checkpoint_dir, state)
+            self._saved = state
+        finally:
+            self._saving = None
 
     async def prepare(self) -> None:
         """Load our latest checkpoint, or take the task's initial state (step 0)."""

@@ -23,10 +23,11 @@ import numpy as np
 import torch
 import trio
 
-from peer.averaging.averager import fingerprint
 from peer.config import PeerConfig
 from peer.training import checkpoint as checkpoints
 from peer.training import state as states
+from peer.training.layout import averaged_buffers, layout, task_fingerprint
+from peer.training.precision import Precision
 from peer.training.strategies import LargeBatch, LocalSGD, Strategy
 from peer.training.task import Task
 
@@ -84,6 +85,12 @@ class TorchWorker:
         model = task.build_model().to(device)
         # Not for the trainer: tests, and this worker's own thread, touch these.
         self.model = model
+        shared = layout(model, average_buffers=training.average_buffers)
+        numerics: dict[str, Any] = {
+            "buffers": [b for _, b in averaged_buffers(model)] if training.average_buffers else [],
+            "precision": Precision(training.precision, device),
+            "clip_grad_norm": training.clip_grad_norm,
+        }
         self.strategy: Strategy = (
             LocalSGD(
                 task,
@@ -91,19 +98,24 @@ class TorchWorker:
                 outer_lr=training.outer_lr,
                 momentum=training.outer_momentum,
                 inner_steps=training.inner_steps,
+                **numerics,
             )
             if training.mode == "diloco"
-            else LargeBatch(task, model)
+            else LargeBatch(task, model, **numerics)
         )
-        self.parameter_names = [name for name, _ in model.named_parameters()]
-        self.vector_size = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        self.fingerprint = fingerprint(
-            [(name, tuple(t.shape), str(t.dtype)) for name, t in model.named_parameters()]
+        #: Model tensors a step certifies: the parameters and the averaged buffers.
+        self.certified_names = shared.certified
+        self.vector_size = shared.vector_size
+        self.task_fingerprint = task_fingerprint(
+            task, model, mode=training.mode, average_buffers=training.average_buffers
         )
+        #: The averaging fingerprint: peers training anything else never meet us.
+        self.fingerprint = self.task_fingerprint.digest
         samples = task_batches(task, self.micro_batch, data_seed(training.seed, peer_id))
         self.next_batch: BatchSource = batches or (lambda: next(samples))
         self._validation_batches: list[Any] | None = None
         self._limiter = trio.CapacityLimiter(1)
+        self._writer = trio.CapacityLimiter(1)  # checkpoints, one at a time
 
     @property
     def samples(self) -> int:
@@ -138,7 +150,7 @@ class TorchWorker:
 
     def digest(self, state: states.TrainingState) -> str:
         """What a step certifies of `state` (thread: it hashes every certified tensor)."""
-        return states.state_digest(state, self.parameter_names, self.strategy.shared)
+        return states.state_digest(state, self.certified_names, self.strategy.shared)
 
     def _capture(self, step: int) -> tuple[states.TrainingState, str]:
         captured = states.capture(
@@ -184,7 +196,11 @@ class TorchWorker:
         return await self._run(states.to_bytes, state)
 
     async def save_checkpoint(self, directory: Path, state: states.TrainingState) -> None:
-        await self._run(checkpoints.save_checkpoint, directory, state)
+        """Write a captured state (a copy nothing else changes) to disk in a thread of its own,
+        beside the training thread: training goes on while a checkpoint is written."""
+        await trio.to_thread.run_sync(
+            checkpoints.save_checkpoint, directory, state, limiter=self._writer
+        )
 
     async def load_checkpoint(self, directory: Path) -> states.TrainingState | None:
         """Our latest checkpoint in `directory` (None: none usable)."""
