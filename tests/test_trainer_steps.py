@@ -504,11 +504,15 @@ async def test_a_far_call_and_a_lone_liar_change_nothing_through_a_real_read(tmp
 
 
 async def test_a_periodic_checkpoint_is_written_while_training_goes_on(tmp_path, monkeypatch):
-    """The save runs in a thread of its own: micro-batches and steps go on while it writes
-    (before, it ran in the training thread and training waited for the disk: 6.4 s for a
-    38 M-parameter model). One save at a time; the final one writes the newest state."""
+    """The save runs in a thread of its own: micro-batches go on while it writes (before, it
+    ran in the training thread and training waited for the disk: 6.4 s for a 38 M-parameter
+    model). The held state is the live parameters (no copy): a step that completes meanwhile
+    waits for the write, so the checkpoint holds the step it names. One save at a time; the
+    final one writes the newest state, once."""
     trainer = await make_trainer(tmp_path, checkpoint_interval=3600.0)
     await take_steps(trainer, 1)
+    assert trainer.worker.held.live
+    step_1 = trainer.digest
     started, release = threading.Event(), threading.Event()
     real = checkpoints.save_checkpoint
 
@@ -524,13 +528,18 @@ async def test_a_periodic_checkpoint_is_written_while_training_goes_on(tmp_path,
             await trainer._checkpoint(nursery)
             await trio.to_thread.run_sync(started.wait)
             await trainer.worker.compute()  # the training thread is free
-            await take_steps(trainer, 1)
             trainer._last_checkpoint = -math.inf
             await trainer._checkpoint(nursery)  # due again, but one is being written
+            nursery.start_soon(take_steps, trainer, 1)  # its apply waits for the write
+            await trio.sleep(0.2)
+            assert trainer.step == 1
             release.set()
-    assert checkpoints.load_latest(trainer.checkpoint_dir).step == 1
+    assert trainer.step == 2
+    saved = checkpoints.load_latest(trainer.checkpoint_dir)
+    assert saved.step == 1 and trainer.worker.digest(saved) == step_1
     saves = len(list(trainer.checkpoint_dir.glob("*.json")))
     await trainer._checkpoint(force=True)  # on the way out: the step we hold now
-    assert checkpoints.load_latest(trainer.checkpoint_dir).step == 2
+    saved = checkpoints.load_latest(trainer.checkpoint_dir)
+    assert saved.step == 2 and trainer.worker.digest(saved) == trainer.digest
     await trainer._checkpoint(force=True)  # nothing new to write
     assert len(list(trainer.checkpoint_dir.glob("*.json"))) == saves + 1

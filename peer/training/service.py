@@ -42,13 +42,17 @@ async def run_training(
         identity = averager.data_server.identity
 
         async def download(donors: list[ProgressRecord], step: int) -> Snapshot:
+            limit = state_bytes_limit(trainer.worker.model)
+            capabilities = measurements.capabilities()
+            bandwidth = capabilities.download_bps if capabilities else None
             return await download_state(
                 node,
                 [ID.from_base58(r.peer_id) for r in donors],
                 min_step=step,
                 parallel=config.state.parallel_donors,
-                deadline=trio.current_time() + config.state.download_timeout,
-                max_total_bytes=state_bytes_limit(trainer.worker.model),
+                deadline=trio.current_time() + download_seconds(config, limit, bandwidth),
+                max_total_bytes=limit,
+                rpc_timeout=manifest_seconds(config, limit),
             )
 
         trainer = Trainer(
@@ -78,6 +82,26 @@ async def run_training(
         task_status.started(trainer)
         await trainer.finished.wait()
         nursery.cancel_scope.cancel()
+
+
+#: Bytes per second a donor serializes and hashes a state at before its manifest answers, at
+#: least (~1 GB/s each on an idle core of this machine class; a tenth for a loaded one).
+PREPARE_BPS = 100e6
+#: The share of a link's measured download bandwidth a state download is given time for.
+DOWNLOAD_SHARE = 1 / 3
+
+
+def manifest_seconds(config: PeerConfig, state_bytes: int) -> float:
+    """Deadline of a manifest call: the RPC timeout plus the donor's preparation of a state of
+    up to `state_bytes` (a fixed 5 s timed out the first downloads of a 38 M-parameter model)."""
+    return config.net.rpc_timeout + state_bytes / PREPARE_BPS
+
+
+def download_seconds(config: PeerConfig, state_bytes: int, bandwidth_bps: float | None) -> float:
+    """Deadline of a whole download: `state.download_timeout`, or longer where moving
+    `state_bytes` at a third of our measured download bandwidth (bytes/s) takes longer."""
+    transfer = state_bytes / (bandwidth_bps * DOWNLOAD_SHARE) if bandwidth_bps else 0.0
+    return max(config.state.download_timeout, manifest_seconds(config, state_bytes) + transfer)
 
 
 def state_bytes_limit(model: torch.nn.Module) -> int:

@@ -78,13 +78,22 @@ def capture(
     *,
     scheduler_state: dict[str, Any] | None = None,
     extra: dict[str, Any] | None = None,
+    copy: bool = True,
 ) -> TrainingState:
     """A copy of the model's and optimizers' state at `step` (later training does not change it).
 
-    Copies every tensor to the CPU: a GPU-CPU sync point, and as much host memory as the state."""
+    Copies every tensor to the CPU: a GPU-CPU sync point, and as much host memory as the state.
+    `copy=False` (CPU tensors only): the parameters and optimizer tensors are the live ones, not
+    copies, so the state is valid only until the next optimizer step or load (the caller's
+    guarantee: DeDLOC changes neither between steps); buffers, which every forward pass may
+    move, are still copied. Saves a copy of the whole state."""
     assert isinstance(step, int) and step >= 0, step
     stored, aliases = _untie(model.state_dict())
-    tensors = {f"model.{name}": _copy(tensor) for name, tensor in stored.items()}
+    parameters = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    tensors = {
+        f"model.{name}": _live(tensor) if not copy and name in parameters else _copy(tensor)
+        for name, tensor in stored.items()
+    }
     optimizer_meta = {}
     for opt_name, optimizer in optimizers.items():
         if opt_name == "model" or not _OPTIMIZER_NAME.fullmatch(opt_name):
@@ -94,7 +103,7 @@ def capture(
         for index, entries in saved["state"].items():
             for key, value in entries.items():
                 if isinstance(value, torch.Tensor):
-                    tensors[f"{opt_name}.{index}.{key}"] = _copy(value)
+                    tensors[f"{opt_name}.{index}.{key}"] = _copy(value) if copy else _live(value)
                 else:  # e.g. SGD's momentum_buffer = None, an int step in old torch versions
                     scalars.setdefault(str(index), {})[key] = _jsonable(
                         value, f"{opt_name}.{index}"
@@ -114,6 +123,11 @@ def capture(
 
 def _copy(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to(device="cpu", memory_format=torch.contiguous_format, copy=True)
+
+
+def _live(tensor: torch.Tensor) -> torch.Tensor:
+    assert tensor.device.type == "cpu", "a live state holds CPU tensors only"
+    return tensor.detach() if tensor.is_contiguous() else _copy(tensor)
 
 
 def _untie(

@@ -41,7 +41,6 @@ from peer.dht.node import DHT
 from peer.errors import ConfigError, RemoteError
 from peer.files import state_folder
 from peer.measure.capabilities import Capabilities
-from peer.training import state as states
 from peer.training.certificate import sign_step
 from peer.training.policy import (
     Call,
@@ -156,10 +155,7 @@ class Trainer:
         self.policy = StepPolicy(me=self.me, config=config, vector_size=self.worker.vector_size)
         self.timing = self.policy.timing
         self.tally = Tally()
-        self._captured: states.TrainingState | None = None
-        # The captured state being written to a checkpoint, and the last one written.
-        self._saving: states.TrainingState | None = None
-        self._saved: states.TrainingState | None = None
+        self._saving = False  # a periodic checkpoint is being written
         self._snapshot: Snapshot | None = None
         self._serializing = trio.Lock()
         # A delayed averaging in flight (dedloc, delayed_updates) and its result when done.
@@ -251,21 +247,18 @@ class Trainer:
     async def snapshot(self) -> Snapshot | None:
         """The state of our current step as bytes (serialized in the worker on first request
         after each step)."""
-        from peer.training.statesync import Snapshot
-
         async with self._serializing:
-            captured = self._captured
-            if self._snapshot is None and captured is not None:
-                blob = await self.worker.serialize(captured)
-                if captured is self._captured:  # not replaced meanwhile
-                    self._snapshot = Snapshot(captured.step, blob)
+            if self._snapshot is None:
+                snapshot = await self.worker.serialize()
+                if snapshot is not None and snapshot.step == self.step:  # not replaced meanwhile
+                    self._snapshot = snapshot
             return self._snapshot
 
     async def _hold(self, step: int) -> None:
         """Capture the state as of now as `step` (what donors serve and checkpoints hold) and
         sign it: we sign only what we hold (`peer.training.certificate`)."""
-        state, digest = await self.worker.capture(step)
-        self._captured, self._snapshot = state, None
+        digest = await self.worker.hold(step)
+        self._snapshot = None
         key = self.dht.node.identity.key_pair.private_key
         name = self.config.collaboration.name
         self.policy.hold(step, digest, sign_step(key, self.me, name, step, digest))
@@ -538,27 +531,25 @@ class Trainer:
         self, nursery: trio.Nursery | None = None, *, force: bool = False
     ) -> None:
         """A periodic checkpoint of the state we hold, written in the background (`nursery`);
-        `force`: the final one, now, unless the state we hold is saved already."""
-        state = self._captured
-        if self.checkpoint_dir is None or state is None or self.step == 0 or state is self._saved:
+        `force`: the final one, now (nothing is written if the state we hold is saved)."""
+        if self.checkpoint_dir is None or self.step == 0:
             return
         if not force:
             due = time.monotonic() - self._last_checkpoint >= self.training.checkpoint_interval
-            if due and self._saving is None and nursery is not None:
+            if due and not self._saving and nursery is not None:
                 self._last_checkpoint = time.monotonic()
-                self._saving = state
-                nursery.start_soon(self._save, state)
+                self._saving = True
+                nursery.start_soon(self._save)
             return
         with trio.move_on_after(30):
-            await self._save(state)
+            await self._save()
 
-    async def _save(self, state: states.TrainingState) -> None:
+    async def _save(self) -> None:
         assert self.checkpoint_dir is not None
         try:
-            await self.worker.save_checkpoint(self.checkpoint_dir, state)
-            self._saved = state
+            await self.worker.save_checkpoint(self.checkpoint_dir)
         finally:
-            self._saving = None
+            self._saving = False
 
     async def prepare(self) -> None:
         """Load our latest checkpoint, or take the task's initial state (step 0)."""

@@ -12,7 +12,9 @@ mutates the model), so the state is never left half-stepped.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -28,6 +30,7 @@ from peer.training import checkpoint as checkpoints
 from peer.training import state as states
 from peer.training.layout import averaged_buffers, layout, task_fingerprint
 from peer.training.precision import Precision
+from peer.training.statesync.wire import Snapshot
 from peer.training.strategies import LargeBatch, LocalSGD, Strategy
 from peer.training.task import Task
 
@@ -58,6 +61,14 @@ def task_batches(task: Task, micro_batch: int, seed: int) -> Iterator[tuple[Any,
     generator = torch.Generator().manual_seed(seed)
     while True:
         yield task.sample_batch(micro_batch, generator), micro_batch
+
+
+@dataclass(frozen=True, eq=False)
+class Held:
+    state: states.TrainingState
+    digest: str
+    live: bool
+    """The state's tensors are the model's and optimizer's own (valid until the next change)."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +127,11 @@ class TorchWorker:
         self._validation_batches: list[Any] | None = None
         self._limiter = trio.CapacityLimiter(1)
         self._writer = trio.CapacityLimiter(1)  # checkpoints, one at a time
+        #: The state of the step we hold (None: none yet, or stepping past it).
+        self.held: Held | None = None
+        self._saved: Held | None = None
+        # Taken by whatever changes a live held state and by the checkpoint writer reading it.
+        self._state_lock = threading.Lock()
 
     @property
     def samples(self) -> int:
@@ -143,8 +159,12 @@ class TorchWorker:
     async def give_back(self, vector: np.ndarray, samples: int) -> None:
         await self._run(self.strategy.give_back, vector, samples)
 
+    def _apply(self, average: np.ndarray) -> None:
+        with self._changing():
+            self.strategy.apply(average)
+
     async def apply(self, average: np.ndarray) -> None:
-        await self._run(self.strategy.apply, average)
+        await self._run(self._apply, average)
 
     # ---------------------------------------------------------------- states
 
@@ -152,20 +172,42 @@ class TorchWorker:
         """What a step certifies of `state` (thread: it hashes every certified tensor)."""
         return states.state_digest(state, self.certified_names, self.strategy.shared)
 
-    def _capture(self, step: int) -> tuple[states.TrainingState, str]:
-        captured = states.capture(
+    def _hold(self, step: int) -> str:
+        # DeDLOC moves parameters and optimizer state only in apply(): the held state can be
+        # the live tensors (a whole state's copy less per step) until then. DiLoCo's inner
+        # steps move them with every micro-batch: a copy.
+        live = isinstance(self.strategy, LargeBatch) and self.device.type == "cpu"
+        state = states.capture(
             step,
             self.model,
             self.strategy.optimizers(),
             scheduler_state=self.strategy.schedule.state(),
+            copy=not live,
         )
-        return captured, self.digest(captured)
+        held = Held(state, self.digest(state), live)
+        with self._state_lock:
+            self.held = held
+        return held.digest
 
-    async def capture(self, step: int) -> tuple[states.TrainingState, str]:
-        """The state as of now, named `step`, and its digest."""
-        return await self._run(self._capture, step)
+    async def hold(self, step: int) -> str:
+        """Hold the state as of now as `step` (what donors serve and checkpoints write); its
+        digest."""
+        return await self._run(self._hold, step)
+
+    @contextlib.contextmanager
+    def _changing(self) -> Iterator[None]:
+        """Around a change of the parameters or optimizer state: a live held state ends here
+        (after a checkpoint being written from it is done)."""
+        with self._state_lock:
+            if self.held is not None and self.held.live:
+                self.held = None
+            yield
 
     def _restore(self, state: states.TrainingState, from_donor: bool) -> str:
+        with self._changing():
+            return self._load(state, from_donor)
+
+    def _load(self, state: states.TrainingState, from_donor: bool) -> str:
         strategy = self.strategy
         if from_donor:
             optimizers = {name: strategy.optimizers()[name] for name in strategy.shared}
@@ -192,15 +234,32 @@ class TorchWorker:
         """A downloaded blob as a state, and its digest (StateMismatch if it is no state)."""
         return await self._run(self._parse, blob)
 
-    async def serialize(self, state: states.TrainingState) -> bytes:
-        return await self._run(states.to_bytes, state)
+    def _serialize(self) -> Snapshot | None:
+        held = self.held
+        return None if held is None else Snapshot(held.state.step, states.to_bytes(held.state))
 
-    async def save_checkpoint(self, directory: Path, state: states.TrainingState) -> None:
-        """Write a captured state (a copy nothing else changes) to disk in a thread of its own,
-        beside the training thread: training goes on while a checkpoint is written."""
-        await trio.to_thread.run_sync(
-            checkpoints.save_checkpoint, directory, state, limiter=self._writer
-        )
+    async def serialize(self) -> Snapshot | None:
+        """The held state as bytes (None if we hold none: between an apply and its hold)."""
+        return await self._run(self._serialize)
+
+    def _save(self, directory: Path) -> int | None:
+        held = self.held
+        if held is None or held is self._saved:
+            return None
+        # A live state stays as it is while we write it: apply() waits for the lock.
+        with self._state_lock if held.live else contextlib.nullcontext():
+            if held is not self.held:
+                return None  # stepped meanwhile: the next save writes the new step
+            checkpoints.save_checkpoint(directory, held.state)
+        self._saved = held
+        return held.state.step
+
+    async def save_checkpoint(self, directory: Path) -> int | None:
+        """Write the held state to a checkpoint in a thread of its own, beside the training
+        thread: training goes on while it is written (DeDLOC: a step that completes meanwhile
+        waits for the end of the write to apply). The step saved; None if there was nothing
+        new to save."""
+        return await trio.to_thread.run_sync(self._save, directory, limiter=self._writer)
 
     async def load_checkpoint(self, directory: Path) -> states.TrainingState | None:
         """Our latest checkpoint in `directory` (None: none usable)."""
