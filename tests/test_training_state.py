@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import io
 import json
@@ -418,3 +419,62 @@ def test_parameters_digest_sees_one_bit():
         weight = next(model.parameters())
         weight.view(torch.int32)[0, 0] ^= 1  # the lowest mantissa bit of one weight
     assert parameters_digest(model) != digest
+
+
+def _framed(entries: dict, data: bytes) -> bytes:
+    """A safetensors-framed blob with these header entries (and GOOD's metadata)."""
+    header = json.dumps({"__metadata__": {"peertrain": json.dumps(GOOD)}, **entries}).encode()
+    return len(header).to_bytes(8, "little") + header + data
+
+
+def test_parsed_tensors_are_views_of_the_downloaded_bytes():
+    """No copy of the state beside the download (a joiner held both: twice the state)."""
+    blob = _framed(
+        {
+            "model.w": {"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]},
+            "model.h": {"dtype": "BF16", "shape": [3], "data_offsets": [16, 22]},
+            "model.e": {"dtype": "F32", "shape": [0, 4], "data_offsets": [22, 22]},
+        },
+        torch.arange(4.0).numpy().tobytes()
+        + torch.ones(3, dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes(),
+    )
+    state = from_bytes(blob)
+    assert state.tensors["model.w"].tolist() == [[0.0, 1.0], [2.0, 3.0]]
+    assert state.tensors["model.h"].tolist() == [1.0, 1.0, 1.0]
+    assert state.tensors["model.e"].shape == (0, 4)
+    start = ctypes.cast(ctypes.c_char_p(blob), ctypes.c_void_p).value
+    assert start <= state.tensors["model.w"].data_ptr() < start + len(blob)
+    assert safetensors.torch.load(blob)["model.w"].tolist() == [[0.0, 1.0], [2.0, 3.0]]
+
+
+F32x2 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+
+
+@pytest.mark.parametrize(
+    ("entries", "data", "message"),
+    [
+        ({"model.w": {**F32x2, "dtype": "X9"}}, bytes(8), "malformed"),
+        ({"model.w": {**F32x2, "shape": [-2]}}, bytes(8), "malformed"),
+        ({"model.w": {**F32x2, "shape": [2.0]}}, bytes(8), "malformed"),
+        ({"model.w": {**F32x2, "data_offsets": [0]}}, bytes(8), "malformed"),
+        ({"model.w": {**F32x2, "extra": 1}}, bytes(8), "malformed"),
+        ({"model.w": [1, 2]}, bytes(8), "malformed"),
+        ({"model.w": {**F32x2, "data_offsets": [0, 12]}}, bytes(12), "bad offsets"),
+        ({"model.w": {**F32x2, "data_offsets": [8, 16]}}, bytes(8), "bad offsets"),
+        ({"model.w": {**F32x2, "data_offsets": [-8, 0]}}, bytes(8), "bad offsets"),
+        ({"model.w": F32x2, "model.v": F32x2}, bytes(8), "overlap or leave gaps"),
+        ({"model.w": {**F32x2, "data_offsets": [4, 12]}}, bytes(12), "overlap or leave gaps"),
+        ({"model.w": F32x2}, bytes(9), "past its last tensor"),
+    ],
+)
+def test_from_bytes_refuses_bad_framing_without_a_copy(entries, data, message):
+    with pytest.raises(StateMismatch, match=message):
+        from_bytes(_framed(entries, data))
+
+
+def test_from_bytes_refuses_a_header_longer_than_the_blob():
+    blob = _framed({"model.w": F32x2}, bytes(8))
+    with pytest.raises(StateMismatch, match="header in"):
+        from_bytes((len(blob) - 7).to_bytes(8, "little") + blob[8:])
+    with pytest.raises(StateMismatch, match="no JSON object"):
+        from_bytes((2).to_bytes(8, "little") + b"[]")

@@ -25,6 +25,7 @@ import hashlib
 import json
 import math
 import re
+import warnings
 from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -268,14 +269,77 @@ def from_file(path: Path) -> TrainingState:
 
 
 def from_bytes(data: bytes) -> TrainingState:
-    """Parse a blob from `to_bytes`; StateMismatch (a ProtocolError) if it is anything else."""
+    """Parse a blob from `to_bytes` (or `write_file`'s bytes); StateMismatch (a ProtocolError)
+    if it is anything else. The tensors are views of `data`, not copies (`_views`)."""
+    return _state(_views(data), _header_payload(data))
+
+
+_FROM_NAME = {name: dtype for dtype, name in _DTYPES.items()}
+
+
+def _views(data: bytes) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors blob as read-only views of it.
+
+    `safetensors.torch.load` copies every tensor out of the blob: a joiner held the download
+    and a copy of it (twice the state) before loading either. So the framing is checked here,
+    as strictly as the safetensors parser does: a header length within the blob, a JSON object
+    of entries with a known dtype, a shape of non-negative integers, and data offsets whose
+    length is the shape's; the entries tile the data region exactly (no gap, no overlap)."""
+    if not isinstance(data, bytes):
+        data = bytes(data)
+    if len(data) < 8:
+        raise StateMismatch(f"not a safetensors state: {len(data)} bytes")
+    size = int.from_bytes(data[:8], "little")
+    if size > len(data) - 8:
+        raise StateMismatch(f"not a safetensors state: a {size}-byte header in {len(data)} bytes")
     try:
-        tensors = safetensors.torch.load(bytes(data))
-    # The Rust parser raises SafetensorError, but the Python wrapper may add KeyError/ValueError
-    # (an unknown dtype name); to a caller they all mean "the peer sent garbage".
-    except Exception as error:
+        header = json.loads(data[8 : 8 + size])
+    except (ValueError, RecursionError) as error:
         raise StateMismatch(f"not a safetensors state: {_first_line(error)}") from error
-    return _state(tensors, _header_payload(data))
+    if not isinstance(header, dict):
+        raise StateMismatch("not a safetensors state: the header is no JSON object")
+    start, length = 8 + size, len(data) - 8 - size
+    spans, tensors = [], {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        if not (
+            isinstance(entry, dict)
+            and set(entry) == {"dtype", "shape", "data_offsets"}
+            and entry["dtype"] in _FROM_NAME
+            and isinstance(entry["shape"], list)
+            and all(type(n) is int and n >= 0 for n in entry["shape"])
+            and isinstance(entry["data_offsets"], list)
+            and len(entry["data_offsets"]) == 2
+            and all(type(n) is int for n in entry["data_offsets"])
+        ):
+            raise StateMismatch(f"not a safetensors state: entry {name[:80]!r} is malformed")
+        dtype, shape = _FROM_NAME[entry["dtype"]], entry["shape"]
+        begin, end = entry["data_offsets"]
+        count = math.prod(shape)
+        if not (0 <= begin <= end <= length and end - begin == count * dtype.itemsize):
+            raise StateMismatch(f"not a safetensors state: entry {name[:80]!r} has bad offsets")
+        spans.append((begin, end))
+        tensors[name] = _view(data, dtype, shape, start + begin, count)
+    covered = 0
+    for begin, end in sorted(spans):
+        if begin != covered:
+            raise StateMismatch("not a safetensors state: its tensors overlap or leave gaps")
+        covered = end
+    if covered != length:
+        raise StateMismatch("not a safetensors state: bytes past its last tensor")
+    return tensors
+
+
+def _view(
+    data: bytes, dtype: torch.dtype, shape: list[int], offset: int, count: int
+) -> torch.Tensor:
+    if count == 0:
+        return torch.empty(shape, dtype=dtype)
+    with warnings.catch_warnings():  # read-only: loading copies out of it, nothing writes
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(data, dtype=dtype, count=count, offset=offset)
+    return flat.view(shape)
 
 
 def _state(tensors: dict[str, torch.Tensor], payload: dict[str, Any]) -> TrainingState:
