@@ -26,6 +26,7 @@ from peer import __version__
 from peer.config import PeerConfig
 from peer.dht.node import DHT
 from peer.errors import ConfigError, Unreachable
+from peer.loopwatch import LoopWatch, log_statistics_on_stop
 from peer.measure.clock import CollaborationClock, keep_clock
 from peer.measure.probe import ProbeServer
 from peer.measure.reachability import DialBackServer, open_dialer
@@ -113,10 +114,13 @@ async def run_daemon(
                 node, config.dht, server=True, rpc_timeout=config.net.rpc_timeout, clock=clock
             )
             started_at = clock()
+            watch = LoopWatch()
             async with (
                 open_backbone_services(node, config, role) as probe_server,
+                log_statistics_on_stop(watch),  # once the nursery below has closed
                 trio.open_nursery() as nursery,
             ):
+                await nursery.start(watch.run)  # first: it sees the joining too
                 await nursery.start(dht.run)
                 seeds = [(p, addr) for p, addr in seeds if p != node.peer_id]
                 reached: list[ID] = []
@@ -153,7 +157,9 @@ async def run_daemon(
                     probe_server=probe_server,
                 )
                 await nursery.start(measurements.run)
-                sources = Sources(role, node.peer_id.to_base58(), __version__, dht, measurements)
+                sources = Sources(
+                    role, node.peer_id.to_base58(), __version__, dht, measurements, loop=watch
+                )
                 if config.metrics.port:
                     await nursery.start(
                         serve_metrics,

@@ -30,6 +30,7 @@ from peer.errors import UserError
 
 if TYPE_CHECKING:  # the trainer imports torch; a backbone never needs it
     from peer.dht.node import DHT
+    from peer.loopwatch import LoopWatch
     from peer.measure.service import Measurements
     from peer.training.trainer import Trainer
 
@@ -52,6 +53,8 @@ class Sources:
     measurements: Measurements | None = None
     trainers: list[Trainer] = field(default_factory=list)
     """Appended to when training starts (a backbone has none)."""
+    loop: LoopWatch | None = None
+    """The daemon's event-loop lag monitor."""
 
     def add_trainer(self, trainer: Trainer) -> Trainer:
         self.trainers.append(trainer)
@@ -69,6 +72,7 @@ class DaemonCollector(Collector):
         yield info
         yield from self._dht()
         yield from self._measurements()
+        yield from self._loop()
         if s.trainers:
             yield from self._training(s.trainers[0])
 
@@ -117,6 +121,21 @@ class DaemonCollector(Collector):
             f"{PREFIX}_reachable",
             "1 if backbones could dial this node back, else 0 (client-only).",
             value=float(capabilities.reachable),
+        )
+
+    def _loop(self) -> Iterator[Metric]:
+        if self.sources.loop is None:
+            return
+        stats = self.sources.loop.statistics()
+        yield GaugeMetricFamily(
+            f"{PREFIX}_event_loop_longest_stall_seconds",
+            "Longest time the event loop ran no task (a wake-up's lateness), since start.",
+            value=stats.longest_stall,
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_event_loop_stalls",
+            f"Event-loop stalls over {stats.threshold * 1000:g} ms since start.",
+            value=stats.stalls_over_threshold,
         )
 
     def _training(self, trainer: Trainer) -> Iterator[Metric]:

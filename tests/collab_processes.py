@@ -51,6 +51,14 @@ class Proc:
                 return record["training"]
         return None
 
+    def loop_record(self) -> dict | None:
+        """The record with the event loop's figures in its `loop` field (`peer.loopwatch`),
+        logged once when the daemon stopped."""
+        for record in self.records():
+            if "loop" in record:
+                return record
+        return None
+
 
 @dataclass
 class Collaboration:

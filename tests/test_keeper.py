@@ -209,7 +209,7 @@ async def test_the_keeper_follows_the_trainers_and_saves_their_state(tmp_path):
     with trio.fail_after(60):
         async with followed(tmp_path, trainers=2) as f:
             digests = {t.digest for t in f.trainers}
-            trainer_blob = (await f.trainers[0].snapshot()).blob
+            trainer_blob = bytes((await f.trainers[0].snapshot()).blob)
             held = await f.keeper.snapshot()
     assert f.step >= HOLD_AT
     assert len(digests) == 1

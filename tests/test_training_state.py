@@ -17,6 +17,8 @@ from torch import nn
 
 from peer.errors import ProtocolError
 from peer.training.state import (
+    StaleState,
+    StateBytes,
     StateMismatch,
     TrainingState,
     capture,
@@ -478,3 +480,24 @@ def test_from_bytes_refuses_a_header_longer_than_the_blob():
         from_bytes((len(blob) - 7).to_bytes(8, "little") + blob[8:])
     with pytest.raises(StateMismatch, match="no JSON object"):
         from_bytes((2).to_bytes(8, "little") + b"[]")
+
+
+def test_state_bytes_are_the_file_s_bytes_read_in_slices_from_the_tensors(tmp_path):
+    task, model, optimizers = tiny_setup()
+    train(task, model, optimizers, steps=1, seed=3)
+    state = capture(2, model, optimizers, copy=True)
+    path = tmp_path / "s.safetensors"
+    with path.open("wb") as file:
+        write_file(state, file)
+    expected = path.read_bytes()
+    moved = [False]
+    sliced = StateBytes(state, valid=lambda: not moved[0])
+    assert len(sliced) == len(expected) and bytes(sliced) == expected
+    for start, stop in [(0, 8), (5, 300), (100, len(expected)), (len(expected) - 3, 10**9)]:
+        assert bytes(sliced[start:stop]) == expected[start:stop]
+    inside = sliced[len(expected) - 64 : len(expected) - 32]
+    assert isinstance(inside, memoryview)  # within one tensor: no copy
+    assert from_bytes(sliced).step == 2
+    moved[0] = True  # the trainer stepped: what the tensors hold is no longer this state
+    with pytest.raises(StaleState):
+        sliced[0:8]

@@ -21,15 +21,16 @@ give equal bytes.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import math
 import re
 import warnings
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from itertools import chain
+from itertools import accumulate, chain
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -38,7 +39,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from peer.errors import ProtocolError
+from peer.errors import ProtocolError, RemoteError
 
 FORMAT = 1
 HEADER_KEY = "peertrain"
@@ -207,16 +208,10 @@ _DTYPES = {
 _PIECE = 16 << 20
 
 
-def write_file(state: TrainingState, file: BinaryIO) -> str:
-    """Write `state` to `file` in the safetensors format, straight from its tensors' memory
-    (no whole-state blob: that doubled a checkpoint's memory and time), and return the sha256
-    of what was written. Hashing runs in a second thread beside the writes (both release the
-    GIL), so the hash costs little more than the write itself.
-
-    The layout is safetensors' own: a little-endian u64 header length, the JSON header padded
-    with spaces to 8 bytes, then each tensor's little-endian bytes. Tensors go widest dtype
-    first, then by name, so each starts aligned to its element size; `from_file` (the
-    safetensors library) reads it back."""
+def _layout(state: TrainingState) -> list[memoryview]:
+    """The pieces of a state's safetensors layout: the length-prefixed header, then each
+    tensor's bytes (their own memory, not copies). Widest dtype first, then by name, so each
+    tensor starts aligned to its element size (as safetensors orders them)."""
     order = sorted(state.tensors, key=lambda n: (-state.tensors[n].element_size(), n))
     entries: dict[str, Any] = {"__metadata__": {HEADER_KEY: _header_text(state)}}
     offset = 0
@@ -233,12 +228,20 @@ def write_file(state: TrainingState, file: BinaryIO) -> str:
         offset += size
     header = json.dumps(entries, separators=(",", ":")).encode()
     header += b" " * (-len(header) % 8)
+    prefix = memoryview(len(header).to_bytes(8, "little") + header)
+    return [prefix, *(_raw(state.tensors[name]) for name in order)]
+
+
+def write_file(state: TrainingState, file: BinaryIO) -> str:
+    """Write `state` to `file` in the safetensors format, straight from its tensors' memory
+    (no whole-state blob: that doubled a checkpoint's memory and time), and return the sha256
+    of what was written. Hashing runs in a second thread beside the writes (both release the
+    GIL), so the hash costs little more than the write itself. `from_file` (the safetensors
+    library) reads it back."""
     digest = hashlib.sha256()
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="peertrain-hash") as hasher:
-        pending = hasher.submit(digest.update, len(header).to_bytes(8, "little") + header)
-        file.write(len(header).to_bytes(8, "little") + header)
-        for name in order:
-            data = _raw(state.tensors[name])
+        pending = hasher.submit(lambda: None)
+        for data in _layout(state):
             for start in range(0, len(data), _PIECE):
                 piece = data[start : start + _PIECE]
                 pending.result()  # one piece hashed while the next is written
@@ -246,6 +249,46 @@ def write_file(state: TrainingState, file: BinaryIO) -> str:
                 file.write(piece)
         pending.result()
     return digest.hexdigest()
+
+
+class StaleState(RemoteError):
+    """A `StateBytes` read after its state moved on (the trainer stepped): ask again."""
+
+
+class StateBytes:
+    """A state's bytes in `write_file`'s layout, read from its tensors' memory on demand, so a
+    donor hashes and serves chunks of it without a whole-state blob (`to_bytes` built two:
+    safetensors copies every tensor to bytes, then joins them). `valid()` says whether the
+    tensors still hold the state (a trainer's live state lasts until its next step); a read
+    after that raises `StaleState`. A read racing a step can still see torn bytes: the
+    downloader checks every chunk's SHA-256 and drops such a donor."""
+
+    def __init__(self, state: TrainingState, valid: Callable[[], bool] = lambda: True) -> None:
+        self._parts = _layout(state)
+        self._starts = list(accumulate((len(p) for p in self._parts), initial=0))
+        self._valid = valid
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def __getitem__(self, key: slice) -> memoryview | bytes:
+        """`blob[start:end]`: a view where it lies in one piece, else the pieces joined."""
+        start, stop, step = key.indices(len(self))
+        assert step == 1, key
+        if not self._valid():
+            raise StaleState("the state moved on to a newer step; ask for a manifest again")
+        first = bisect.bisect_right(self._starts, start) - 1
+        out = []
+        while start < stop:
+            part, offset = self._parts[first], start - self._starts[first]
+            piece = part[offset : offset + stop - start]
+            out.append(piece)
+            start += len(piece)
+            first += 1
+        return out[0] if len(out) == 1 else b"".join(out)
+
+    def __bytes__(self) -> bytes:
+        return b"".join(self._parts)
 
 
 def _raw(tensor: torch.Tensor) -> memoryview:
@@ -268,9 +311,10 @@ def from_file(path: Path) -> TrainingState:
     return _state(tensors, _payload(metadata.get(HEADER_KEY)))
 
 
-def from_bytes(data: bytes) -> TrainingState:
+def from_bytes(data: bytes | StateBytes) -> TrainingState:
     """Parse a blob from `to_bytes` (or `write_file`'s bytes); StateMismatch (a ProtocolError)
     if it is anything else. The tensors are views of `data`, not copies (`_views`)."""
+    data = data if isinstance(data, bytes) else bytes(data)
     return _state(_views(data), _header_payload(data))
 
 
@@ -285,8 +329,6 @@ def _views(data: bytes) -> dict[str, torch.Tensor]:
     as strictly as the safetensors parser does: a header length within the blob, a JSON object
     of entries with a known dtype, a shape of non-negative integers, and data offsets whose
     length is the shape's; the entries tile the data region exactly (no gap, no overlap)."""
-    if not isinstance(data, bytes):
-        data = bytes(data)
     if len(data) < 8:
         raise StateMismatch(f"not a safetensors state: {len(data)} bytes")
     size = int.from_bytes(data[:8], "little")

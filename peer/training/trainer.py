@@ -141,7 +141,10 @@ class Trainer:
         capabilities: Callable[[], Capabilities | None] = lambda: None,
         observe_training: Callable[[int, float], None] = lambda samples, seconds: None,
         clock: Callable[[], float] = time.time,
+        worker: TorchWorker | None = None,
     ) -> None:
+        """`worker`: the model and optimizers, built beforehand off the event loop (the
+        daemon builds it in a thread); built here, on the calling thread, if not given."""
         self.dht = dht
         self.averager = averager
         self.config = config
@@ -151,7 +154,9 @@ class Trainer:
         self.observe_training = observe_training
         self.clock = clock
         self.me = dht.node.peer_id.to_base58()
-        self.worker = TorchWorker(task, config, device=device, peer_id=self.me, batches=batches)
+        self.worker = worker or TorchWorker(
+            task, config, device=device, peer_id=self.me, batches=batches
+        )
         self.policy = StepPolicy(me=self.me, config=config, vector_size=self.worker.vector_size)
         self.timing = self.policy.timing
         self.tally = Tally()

@@ -236,10 +236,13 @@ class TorchWorker:
 
     def _serialize(self) -> Snapshot | None:
         held = self.held
-        return None if held is None else Snapshot(held.state.step, states.to_bytes(held.state))
+        if held is None:
+            return None
+        return Snapshot(held.state.step, states.StateBytes(held.state, lambda: self.held is held))
 
     async def serialize(self) -> Snapshot | None:
-        """The held state as bytes (None if we hold none: between an apply and its hold)."""
+        """The held state as bytes read from its tensors when sliced (no blob), valid while we
+        hold it; None if we hold none (between an apply and its hold)."""
         return await self._run(self._serialize)
 
     def _save(self, directory: Path) -> int | None:

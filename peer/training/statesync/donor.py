@@ -41,8 +41,10 @@ from peer.training.statesync.wire import (
     MAX_ERROR_BYTES,
     REPLY,
     REQUEST,
+    Sliced,
     Snapshot,
     sha256,
+    sliceable,
 )
 
 log = logging.getLogger("peertrain.statesync")
@@ -53,7 +55,7 @@ TICKET_STATES = 2  # a ticket serves at most this many times the state's bytes
 DEFAULT_CHUNK_BYTES = 4 << 20
 
 
-async def _hash_chunks(view: memoryview, chunk_bytes: int) -> list[bytes]:
+async def _hash_chunks(view: memoryview | Sliced, chunk_bytes: int) -> list[bytes]:
     """SHA-256 of every chunk, in HASH_WORKERS threads (hashlib releases the GIL)."""
     count = chunk_count(len(view), chunk_bytes)
     out = [b""] * count
@@ -88,7 +90,7 @@ class _Hashed:
     snapshot: Snapshot
     chunk_bytes: int
     hashes: list[bytes]
-    view: memoryview
+    view: memoryview | Sliced
 
 
 @dataclass(eq=False)
@@ -311,7 +313,7 @@ class StateDonor:
             )
             if chunk_count(len(snapshot.blob), size) > self.max_chunks:
                 raise RpcError("unavailable", f"a state of {len(snapshot.blob)} bytes is too large")
-            view = memoryview(snapshot.blob).cast("B")
+            view = sliceable(snapshot.blob)
             started = time.perf_counter()
             # Shielded: a caller giving up must not waste the work (the threads would finish
             # anyway), or a state that takes longer to hash than an RPC deadline never would be.
@@ -405,7 +407,8 @@ class StateDonor:
             with trio.fail_after(self.stall_timeout):
                 await stream.send_all(REPLY.pack(KIND_CHUNK, index, end - start))
             for offset in range(start, end, SEND_SLICE):
-                # memoryview slices: the blob is never copied on its way to the socket.
+                # Slices: the state is never copied whole on its way to the socket (a trainer's
+                # is read from its tensors, `state.StateBytes`; stale after its next step).
                 with trio.fail_after(self.stall_timeout):
                     await stream.send_all(hashed.view[offset : min(offset + SEND_SLICE, end)])
             self._chunks_served += 1

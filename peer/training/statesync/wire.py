@@ -9,6 +9,7 @@ import hashlib
 import os
 import struct
 from dataclasses import dataclass
+from typing import Protocol
 
 import trio
 
@@ -30,15 +31,28 @@ CONNECTION_ERRORS = (
 )
 
 
+class Sliced(Protocol):
+    """Bytes read in slices (`state.StateBytes`: a state's layout over its own tensors)."""
+
+    def __len__(self) -> int: ...
+    def __getitem__(self, part: slice, /) -> bytes | memoryview: ...
+
+
 @dataclass(frozen=True)
 class Snapshot:
     """A training state at a step boundary, serialized (safetensors bytes; opaque here)."""
 
     step: int
-    blob: bytes
+    blob: bytes | Sliced
+    """Bytes (a download, a keeper's checkpoint), or slices read from the tensors (a trainer)."""
 
 
-def sha256(data: memoryview) -> bytes:
+def sliceable(blob: bytes | Sliced) -> memoryview | Sliced:
+    """What chunks are cut from without copying the whole: a view of bytes, or `blob` itself."""
+    return memoryview(blob).cast("B") if isinstance(blob, bytes | bytearray) else blob
+
+
+def sha256(data: memoryview | bytes) -> bytes:
     return hashlib.sha256(data).digest()
 
 
@@ -51,6 +65,8 @@ __all__ = [
     "MAX_ERROR_BYTES",
     "REPLY",
     "REQUEST",
+    "Sliced",
     "Snapshot",
     "sha256",
+    "sliceable",
 ]
