@@ -512,7 +512,23 @@ def restore(
     # Checked; from here on nothing raises on account of the state.
     model.load_state_dict(model_state, strict=True)  # copies into the existing parameters
     for name, optimizer in optimizers.items():
-        optimizer.load_state_dict(optimizer_states[name])
+        # The old moments go before the new are made: both at once were 2x the optimizer's
+        # state at the peak of a joiner's memory.
+        optimizer.state.clear()
+        optimizer.load_state_dict(_cloned(optimizer_states[name]))
+
+
+def _cloned(optimizer_state: dict[str, Any]) -> dict[str, Any]:
+    """`optimizer_state` with its tensors cloned: load_state_dict keeps same-dtype tensors as
+    they are, and training must not write into the state (a view of a download, or a state we
+    may still be serving to other peers)."""
+    return {
+        "state": {
+            index: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in values.items()}
+            for index, values in optimizer_state["state"].items()
+        },
+        "param_groups": optimizer_state["param_groups"],
+    }
 
 
 def _model_state(state: TrainingState, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -605,9 +621,7 @@ def _optimizer_state(
             raise StateMismatch(
                 f"{where} state {name!r} has shape {tuple(value.shape)}, expected {tuple(parameter.shape)} or ()"
             )
-        # load_state_dict keeps same-dtype tensors as they are: clone, or training would write
-        # into this state (which we may still be serving to other peers).
-        values[key] = value.clone()
+        values[key] = value  # cloned once loading can no longer fail (`_cloned`)
     for index, entries in entry["scalars"].items():
         values, _ = slot(index)
         for key, value in entries.items():
