@@ -151,7 +151,7 @@ async def test_a_step_applies_the_average_and_a_failure_gives_our_work_back(
         assert trainer.status().steps_applied == 1 and trainer.status().step == 1
     else:  # our own work, exactly, is kept for the next try
         assert trainer.worker.samples == samples
-        sums = trainer.worker.strategy.sums  # type: ignore[attr-defined]
+        sums = trainer.worker.strategy.gradient_sums()  # type: ignore[attr-defined]
         kept = torch.cat([t.reshape(-1) for t in sums]) / max(samples, 1)
         assert torch.equal(kept, torch.from_numpy(vector)) or samples == 0
 

@@ -299,3 +299,26 @@ def test_fp16_inner_steps_that_overflow_do_not_count_toward_diloco_s_inner_steps
     assert peer.samples == 0 and torch.equal(params(peer.model), before)
     peer.accumulate((x, y), 8)
     assert peer.samples == 8 and not torch.equal(params(peer.model), before)
+
+
+def test_gradients_sum_in_grad_and_are_freed_once_taken_unless_a_delayed_step_needs_grad():
+    """The default keeps no accumulators beside .grad (a model's worth of memory, plus
+    autograd.grad's outputs); a delayed step, which uses .grad while the next step's
+    micro-batches accumulate, keeps its own. Both sum the same bits."""
+    task = TinyTask()
+    work = batches(11, 3, 8)
+    plain = LargeBatch(task, task.build_model())
+    delayed = LargeBatch(task, task.build_model(), delayed=True)
+    assert plain.in_grad and plain.sums == []
+    assert not delayed.in_grad and len(delayed.sums) == len(delayed.params)
+    for x, y in work:
+        plain.accumulate((x, y), 8)
+        delayed.accumulate((x, y), 8)
+    assert all(p.grad is not None for p in plain.params)
+    assert all(p.grad is None for p in delayed.params)
+    (vector, samples), (same, _) = plain.take(), delayed.take()
+    assert np.array_equal(vector, same) and samples == 24
+    assert all(p.grad is None for p in plain.params)  # the vector holds it now
+    plain.give_back(vector, samples)
+    again, _ = plain.take()
+    np.testing.assert_allclose(again, vector, rtol=1e-6)

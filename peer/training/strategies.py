@@ -188,6 +188,7 @@ class LargeBatch(Shared):
         buffers: Sequence[torch.Tensor] = (),
         precision: Precision | None = None,
         clip_grad_norm: float = 0.0,
+        delayed: bool = False,
     ) -> None:
         super().__init__(
             model,
@@ -198,9 +199,19 @@ class LargeBatch(Shared):
         self.task = task
         self.optimizer = task.make_optimizer(self.params)
         self.schedule = Schedule(task, self.optimizer)
-        # Accumulators apart from p.grad, so a delayed step can use p.grad meanwhile; float32
-        # whatever the parameters' dtype (bf16 sums of many micro-batches lose the small ones).
-        self.sums = [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
+        # Where the gradient sums live: in .grad, where backward() adds each micro-batch's
+        # gradient in place, freed once taken; or in float32 accumulators of their own (a
+        # model's worth of memory more, and autograd.grad's outputs beside them) where .grad
+        # cannot serve: a delayed step uses it while we accumulate the next one, bf16 sums of
+        # many micro-batches lose the small ones, fp16 unscales .grad micro-batch by micro-batch.
+        self.in_grad = (
+            not delayed
+            and self.precision.scaler is None
+            and all(p.dtype == torch.float32 for p in self.params)
+        )
+        self.sums = (
+            [] if self.in_grad else [torch.zeros_like(p, dtype=torch.float32) for p in self.params]
+        )
         self.samples = 0
 
     def optimizers(self) -> dict[str, torch.optim.Optimizer]:
@@ -215,6 +226,10 @@ class LargeBatch(Shared):
         a micro-batch whose gradients overflow adds nothing (its samples do not count)."""
         with self.precision.autocast():
             loss = self.task.loss(self.model, batch)
+        if self.in_grad:
+            (loss * size).backward()
+            self.samples += size
+            return float(loss.detach())
         grads = self._gradients(loss, size)
         if grads is not None:
             with torch.no_grad():
@@ -241,15 +256,24 @@ class LargeBatch(Shared):
     def take(self) -> tuple[np.ndarray, int]:
         """The mean gradient of the local samples (zeros if none), the buffers, and the count."""
         samples, self.samples = self.samples, 0
-        vector = self.vector(self.sums, samples)
-        for total in self.sums:
-            total.zero_()
+        vector = self.vector(self.gradient_sums(), samples)
+        self.drop_local_work()
         return vector, samples
 
+    def gradient_sums(self) -> list[torch.Tensor]:
+        """The gradient sums of the local samples not yet taken (zeros where none yet)."""
+        if not self.in_grad:
+            return self.sums
+        return [torch.zeros_like(p) if p.grad is None else p.grad for p in self.params]
+
     def give_back(self, vector: np.ndarray, samples: int) -> None:
+        totals = self.gradient_sums()
         with torch.no_grad():
-            for total, part in _pieces(vector[: self.gradient_size], self.sums):
+            for total, part in _pieces(vector[: self.gradient_size], totals):
                 total.add_(part * samples)
+        if self.in_grad:
+            for p, total in zip(self.params, totals, strict=True):
+                p.grad = total
         self.samples += samples
 
     def apply(self, average: np.ndarray) -> None:
@@ -266,6 +290,9 @@ class LargeBatch(Shared):
     def drop_local_work(self) -> None:
         for total in self.sums:
             total.zero_()
+        if self.in_grad:
+            for p in self.params:
+                p.grad = None
         self.samples = 0
 
 

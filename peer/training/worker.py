@@ -112,7 +112,7 @@ class TorchWorker:
                 **numerics,
             )
             if training.mode == "diloco"
-            else LargeBatch(task, model, **numerics)
+            else LargeBatch(task, model, delayed=training.delayed_updates, **numerics)
         )
         #: Model tensors a step certifies: the parameters and the averaged buffers.
         self.certified_names = shared.certified
