@@ -24,7 +24,7 @@ bit-identical, so every peer clips it by the same factor.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -45,16 +45,17 @@ def _host(count: int, device: torch.device) -> torch.Tensor:
     return torch.empty(count, dtype=torch.float32, pin_memory=device.type == "cuda")
 
 
-def _flat_into(tensors: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+def _flat_into(tensors: Iterable[torch.Tensor], out: torch.Tensor) -> None:
     """Copy `tensors` one after another into the float32 host buffer `out` (no whole-model
     temporary; from a GPU, non-blocking copies, waited for once at the end)."""
-    offset = 0
+    offset, cuda = 0, False
     for tensor in tensors:
         n = tensor.numel()
         out[offset : offset + n].copy_(tensor.detach().reshape(-1), non_blocking=True)  # casts
         offset += n
+        cuda = cuda or tensor.is_cuda
     assert offset == len(out), (offset, len(out))
-    if any(t.is_cuda for t in tensors):
+    if cuda:
         torch.cuda.synchronize()  # the host reads `out` next
 
 
@@ -153,7 +154,7 @@ class Shared:
         self.gradient_size = _numel(self.params)
         self.vector_size = self.gradient_size + _numel(self.buffers)
 
-    def vector(self, gradient: Sequence[torch.Tensor], samples: int) -> np.ndarray:
+    def vector(self, gradient: Iterable[torch.Tensor], samples: int) -> np.ndarray:
         """The flat float32 vector: `gradient` divided by `samples` (if > 1), then the buffers."""
         host = _host(
             self.vector_size, self.params[0].device if self.params else torch.device("cpu")
@@ -256,9 +257,17 @@ class LargeBatch(Shared):
     def take(self) -> tuple[np.ndarray, int]:
         """The mean gradient of the local samples (zeros if none), the buffers, and the count."""
         samples, self.samples = self.samples, 0
-        vector = self.vector(self.gradient_sums(), samples)
+        vector = self.vector(self._handed_over() if self.in_grad else self.sums, samples)
         self.drop_local_work()
         return vector, samples
+
+    def _handed_over(self) -> Iterator[torch.Tensor]:
+        """Each parameter's gradient sum, freed once the vector has its copy: all of them and
+        the vector at once were the peak of a step's memory."""
+        for p in self.params:
+            grad = torch.zeros_like(p) if p.grad is None else p.grad
+            p.grad = None
+            yield grad
 
     def gradient_sums(self) -> list[torch.Tensor]:
         """The gradient sums of the local samples not yet taken (zeros where none yet)."""
