@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
+import threading
+import weakref
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -27,9 +29,9 @@ from peer.averaging.allreduce import (
     check_spec,
     dial_reducer,
 )
-from peer.averaging.compression import CODECS
+from peer.averaging.compression import CODECS, Codec
 from peer.averaging.partition import chunk_ranges
-from peer.averaging.wire import DONE, Channel, include_mask
+from peer.averaging.wire import DONE, Channel, include_mask, mask_bytes
 from peer.errors import ProtocolError
 from peer.net.identity import Identity
 from tests.helpers import data_identity, new_identity
@@ -245,10 +247,20 @@ async def send_faultily(player: Player, spec: RoundSpec, reducer: Member, part, 
                 if mode in ("stall", "die") and index >= len(chunks) // 2:
                     if mode == "stall":
                         await trio.sleep(HOLD)
+                    else:  # once the chunks it sent are averaged: then they hold it for sure
+                        await receive_averages(channel, spec, index)
                     return  # closes the connection mid-part
                 await channel.send(index, 0, codec.encode(values))
             await channel.send(DONE, 0, b"")
             await trio.sleep(HOLD)  # keep the connection open; the reducer decides
+
+
+async def receive_averages(channel: Channel, spec: RoundSpec, count: int) -> None:
+    """Read `count` averages from a reducer (whatever they hold)."""
+    computing = sum(m.computes for m in spec.members)
+    limit = mask_bytes(computing) + CODECS[spec.codec].wire_bytes(spec.chunk_elements)
+    for _ in range(count):
+        assert await channel.receive(max_payload=limit) is not None
 
 
 @pytest.mark.parametrize("mode", ["absent", "nan", "wrong size", "out of order", "stall", "die"])
@@ -446,6 +458,74 @@ async def test_a_stray_connection_does_not_cut_a_reducer_short():
         assert reports[i].complete, reports[i]
         np.testing.assert_allclose(players[i].vector, expected, atol=1e-5)
         assert np.array_equal(players[i].vector, players[0].vector)
+
+
+class RecordingCodec:
+    """A test double: `inner`'s encoding, noting the thread of every call, and the memory it
+    decodes into: the buffers it is given (each counted once), and how many arrays it
+    allocated itself are alive at once."""
+
+    transforms = True
+
+    def __init__(self, inner: Codec) -> None:
+        self.inner = inner
+        self.name = f"recording-{inner.name}"
+        self.threads: set[int] = set()
+        self.live = self.most_live = 0
+        self.buffers: dict[int, np.ndarray] = {}  # held: an id is not reused meanwhile
+        self.lock = threading.Lock()
+
+    def wire_bytes(self, count: int) -> int:
+        return self.inner.wire_bytes(count)
+
+    def encode(self, values: np.ndarray, *, out=None) -> memoryview:
+        self.threads.add(threading.get_ident())
+        return self.inner.encode(values) if out is None else self.inner.encode(values, out=out)
+
+    def decode(self, data, count: int, *, out: np.ndarray | None = None) -> np.ndarray:
+        self.threads.add(threading.get_ident())
+        if out is not None:
+            buffer = out if out.base is None else out.base
+            self.buffers[id(buffer)] = buffer
+            return self.inner.decode(data, count, out=out)
+        values = self.inner.decode(data, count)  # memory of its own: counted while alive
+        with self.lock:
+            self.live += 1
+            self.most_live = max(self.most_live, self.live)
+        weakref.finalize(values, self._freed)
+        return values
+
+    def _freed(self) -> None:
+        with self.lock:
+            self.live -= 1
+
+
+@pytest.mark.parametrize("inner", ["fp16", "int8"])
+async def test_codec_work_runs_off_the_event_loop_and_streams_chunk_by_chunk(inner, monkeypatch):
+    """Every encode and decode (and so every sum: a reducer encodes each average right after
+    adding it up, in the same call) runs in a worker thread, never on the trio thread; and a
+    round decodes into a few chunk buffers per connection and sender, not into a new array per
+    chunk with its own part decoded in full up front (three parts of 326 chunks: that held 980
+    at once)."""
+    recording = RecordingCodec(CODECS[inner])
+    monkeypatch.setitem(CODECS, recording.name, recording)
+    size, members = 1_000_000, 3
+    players, originals, reports = await run_group(
+        ["normal"] * members, codec=recording.name, size=size
+    )
+    assert recording.threads and threading.get_ident() not in recording.threads
+    part_chunks = -(-size // members // CHUNK)
+    decoded_at_once = recording.most_live + len(recording.buffers)
+    assert decoded_at_once < part_chunks, (recording.most_live, len(recording.buffers))
+    expected = weighted_average(players, originals, lambda p: True)
+    for i, player in enumerate(players):
+        assert reports[i].complete, reports[i]
+        # int8: half a step of the largest value in each block of 1024, twice (a million
+        # normal values times 3 reach 15: steps of 0.12).
+        np.testing.assert_allclose(
+            player.vector, expected, atol={"fp16": 1e-2, "int8": 0.15}[inner]
+        )
+        assert np.array_equal(player.vector, players[0].vector)
 
 
 async def test_an_overflowing_sum_keeps_local_values_for_that_chunk_only():

@@ -133,6 +133,77 @@ def test_a_chunk_cannot_come_twice_and_a_dropped_sender_is_ignored():
         reducer.add("b", 0, np.ones(4, np.float32))
 
 
+def test_check_is_the_pass_over_the_values_and_add_checked_keeps_the_books():
+    """The shell runs `check` in a worker thread, then `add_checked` on the loop: together
+    they refuse what `add` refuses, and a refused chunk changes nothing."""
+    reducer = PartReducer(0, 8, chunk_elements=4, weights={"a": 1.0, "b": 1.0})
+    with pytest.raises(BadPart, match="NaN or Inf"):
+        reducer.check(0, np.array([1, np.inf, 1, 1], np.float32))
+    with pytest.raises(BadPart, match="expected float32"):
+        reducer.check(1, np.ones(4, np.float64))
+    assert reducer.pending["a"] == {0, 1} and not reducer.queued["a"]
+    reducer.add_checked("a", 0, np.ones(4, np.float32))
+    with pytest.raises(BadPart, match="came twice"):
+        reducer.add_checked("a", 0, np.ones(4, np.float32))
+    with pytest.raises(BadPart, match="from b"):  # a mix-up of the caller's is caught too
+        reducer.add_checked("b", 0, np.ones(3, np.float32))
+    with pytest.raises(BadPart, match="not a sender"):
+        reducer.add_checked("mallory", 0, np.ones(4, np.float32))
+    reducer.add_checked("b", 0, np.full(4, 3.0, np.float32))
+    assert reducer.take_complete() == [0] and reducer.queued == {"a": 0, "b": 0}
+    average, senders = reducer.average(0)
+    assert senders == 2 and average.tolist() == [2.0] * 4
+
+
+def test_an_average_in_a_scratch_chunk_has_the_bits_of_the_running_sum():
+    """`average(out=...)` sums in a caller's chunk (reused, full of old values) instead of the
+    part-sized sum: the same float operations in the same order, so the same bits, and both
+    the bits of adding each contribution, weighted, as it settled (the implementation before)."""
+    rng = np.random.default_rng(9)
+    weights = dict(zip("abcd", [1.0, 2.5, 0.0, 1 / 3], strict=True))
+    values = {s: (rng.standard_normal(10) * 10.0 ** rng.integers(-3, 4)).astype(np.float32)
+              for s in weights}  # fmt: skip
+    expected = np.zeros(10, np.float32)
+    for sender in "dbca":
+        w = weights[sender]
+        if w > 0:
+            expected += values[sender] if w == 1.0 else values[sender] * np.float32(w)
+    expected /= np.float32(sum(weights[s] for s in "dbca"))
+    averages = []
+    for scratch in (None, np.full(16, np.nan, np.float32)):
+        reducer = PartReducer(0, 10, chunk_elements=10, weights=weights, order=list("dbca"))
+        for sender in "abcd":
+            reducer.add(sender, 0, values[sender])
+        assert reducer.take_complete() == [0]
+        average, senders = reducer.average(0, out=scratch)
+        assert senders == 4 and len(average) == 10
+        if scratch is not None:
+            assert np.shares_memory(average, scratch) and not reducer.sum.any()
+        averages.append(average.tobytes())
+    assert averages[0] == averages[1] == expected.tobytes()
+
+
+def test_the_assembler_writes_a_chunk_only_if_it_is_valid():
+    """`put` in three steps, as the shell takes them: `check` (on the loop), `write` (the pass
+    over the values, in a worker thread), `record` (on the loop)."""
+    vector = np.arange(6, dtype=np.float32)
+    assembler = ResultAssembler(vector, [(0, 6)], chunk_elements=3)
+    two = frozenset("ab")
+    assembler.check(0, 1, two)
+    with pytest.raises(BadPart, match="not a finite average"):
+        assembler.write(0, 1, np.array([1, np.nan, 1], np.float32))
+    with pytest.raises(BadPart):
+        assembler.write(0, 1, np.ones(2, np.float32))
+    assert vector.tolist() == [0, 1, 2, 3, 4, 5] and not assembler.received  # untouched
+    assembler.write(0, 1, np.full(3, 7.0, np.float32))
+    assembler.record(0, 1, two)
+    with pytest.raises(BadPart, match="came twice"):
+        assembler.check(0, 1, two)
+    with pytest.raises(BadPart, match="no chunk"):
+        assembler.check(0, 2, two)
+    assert vector.tolist() == [0, 1, 2, 7, 7, 7] and assembler.received == {(0, 1): two}
+
+
 def test_the_assembler_keeps_local_values_where_nothing_arrived():
     vector = np.arange(10, dtype=np.float32)
     assembler = ResultAssembler(vector, [(0, 6), (6, 10)], chunk_elements=3)

@@ -21,6 +21,20 @@ keep it. A reducer that fails leaves its missing chunks at each member's local v
 outlives `deadline`. A reducer sends every member the same bytes, and applies the decoded
 bytes to itself, so all members that got a chunk hold the identical value for it.
 
+Threads. Every pass over values (encode, decode, the finiteness checks, the weighted sums,
+writing averages into the vector) runs in a worker thread (`trio.to_thread`, at most
+`WORKER_THREADS` at a time per round), a few chunks per call (`BATCH_CHUNKS`: the chunks that
+queued up while the last call ran): the event loop only moves bytes and keeps the books, so no
+loop iteration does a chunk's arithmetic however large the vector (the reducer's own part of a
+400 MB vector used to be encoded and decoded in one go on the loop: a second without a
+heartbeat). Each call touches only its chunks (`reduce.py`); the loop books the results right
+after it returns, with no checkpoint in between, so a cancelled round never holds a written
+chunk it did not record. A connection's reader checks frames and hands them on; what it read
+before a failure is still added or placed. `none` sends the vector's own bytes: nothing to
+move off the loop there. Memory is a few chunks per connection and sender (buffers reused
+chunk after chunk: fresh pages cost the kernel's zeroing), never a copy of the vector (only an
+aggregator-only member with `none` sums in a part-sized buffer: it sends its averages from it).
+
 Exactness. Every average names the senders it includes (its include mask, `wire.py`), and a
 member checks it: one that leaves the member out, or is not a mask over the spec's computing
 members, is that reducer failing. A round's result is *exact over S* (`RoundReport.exact_over`)
@@ -41,16 +55,18 @@ import functools
 import hashlib
 import logging
 import math
-from collections.abc import Collection
+import os
+from collections import deque
+from collections.abc import Awaitable, Callable, Collection
 from contextlib import suppress
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import msgspec
 import numpy as np
 import trio
 
-from peer.averaging.compression import CODECS, BadPart
+from peer.averaging.compression import CODECS, BadPart, Codec
 from peer.averaging.partition import chunk_ranges, part_ranges, valid_shares
 from peer.averaging.reduce import ChunkResult, PartReducer, ResultAssembler
 from peer.averaging.wire import (
@@ -77,6 +93,15 @@ log = logging.getLogger("peertrain.allreduce")
 MAX_MEMBERS = 256  # what a leader may list, whatever it claims (matchmaking's MAX_JOINERS)
 MAX_QUEUED_CHUNKS = 8  # a sender's chunks waiting for their turn before we stop reading it
 REDIAL_FIRST, REDIAL_MAX = 0.01, 0.25  # a reducer that has not opened the round: dial again
+# Threads a round's numeric work may use at once: numpy and torch release the GIL, so they run
+# beside the loop's TLS (which releases it too); more would only queue on a small machine.
+WORKER_THREADS = max(1, min(4, os.cpu_count() or 1))
+FINITE_CHECK_ELEMENTS = 1 << 20  # the up-front finiteness check, per piece (4 MiB)
+# Chunks per worker-thread call at most. A call hands off to a thread and back: 0.05 ms of CPU
+# on an idle machine, 0.3-0.4 ms with four peers on two cores (wake-ups across cores, in a VM),
+# more than a 1 MiB chunk's pass. Chunks that queue up while a call runs go in the next one.
+BATCH_CHUNKS = 4
+T = TypeVar("T")
 # Errors of a data-plane connection that end it (and drop its peer from the round).
 CONNECTION_ERRORS = (ProtocolError, OSError, trio.BrokenResourceError, trio.ClosedResourceError)
 
@@ -409,10 +434,16 @@ class _Round:
         )
         self.part: _PartService | None = None
         self.channels: list[Channel] = []
+        self.limiter = trio.CapacityLimiter(WORKER_THREADS)
+
+    async def off_loop(self, fn: Callable[[], T]) -> T:
+        """fn() in a worker thread. Not abandoned on cancel (the default): a chunk's pass ends
+        (in milliseconds) before the round does, so nothing writes a vector after its round."""
+        return await trio.to_thread.run_sync(fn, limiter=self.limiter)
 
     async def run(self, inbox: trio.MemoryReceiveChannel, deadline: float) -> RoundReport:
         lo, hi = self.parts[self.index]
-        if self.me.computes and not np.isfinite(self.vector).all():
+        if self.me.computes and not await self.off_loop(lambda: _all_finite(self.vector)):
             raise ValueError("the local vector holds NaN or Inf: it cannot be averaged")
         with trio.move_on_at(deadline):
             async with trio.open_nursery() as nursery:
@@ -488,15 +519,74 @@ class _Round:
 
     async def _send_chunks(self, channel: Channel, j: int) -> None:
         start, end = self.parts[j]
-        for index, (lo, hi) in enumerate(chunk_ranges(start, end, self.spec.chunk_elements)):
-            await channel.send(index, 0, self.codec.encode(self.vector[lo:hi]))
+        chunks = chunk_ranges(start, end, self.spec.chunk_elements)
+        if self.codec.transforms:
+            await self._send_encoded(channel, chunks)
+        else:  # the vector's own bytes: nothing to compute
+            for index, (lo, hi) in enumerate(chunks):
+                await channel.send(index, 0, self.codec.encode(self.vector[lo:hi]))
         await channel.send(DONE, 0, b"")
 
+    async def _send_encoded(self, channel: Channel, chunks: list[tuple[int, int]]) -> None:
+        """Encode a few chunks per worker-thread call while the few before go out: two sets
+        of buffers take turns (a set is encoded into again once its bytes are sent, copied
+        into TLS)."""
+        codec, size = self.codec, min(BATCH_CHUNKS, len(chunks))
+        free_send, free = trio.open_memory_channel[list[np.ndarray]](2)
+        for _ in range(2):
+            wire = codec.wire_bytes(self.spec.chunk_elements)
+            free_send.send_nowait([np.empty(wire, np.uint8) for _ in range(size)])
+        encoded_send, encoded = trio.open_memory_channel[_Encoded](0)
+
+        async def encode_all() -> None:
+            async with encoded_send:
+                for first in range(0, len(chunks), size):
+                    buffers = await free.receive()
+                    payloads = await self.off_loop(
+                        functools.partial(
+                            _encode_chunks,
+                            codec,
+                            self.vector,
+                            chunks[first : first + size],
+                            buffers,
+                        )
+                    )
+                    await encoded_send.send((first, payloads, buffers))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(encode_all)
+            async for first, payloads, buffers in encoded:
+                for offset, payload in enumerate(payloads):
+                    await channel.send(first + offset, 0, payload)
+                free_send.send_nowait(buffers)
+
     async def _receive_averages(self, channel: Channel, j: int) -> None:
+        """Read reducer j's averages and check their frames; `_place_averages` decodes them
+        into our vector meanwhile, a few per worker-thread call."""
+        frames_send, frames = trio.open_memory_channel[_Average](BATCH_CHUNKS)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._place_averages, frames, j)
+            async with frames_send:
+                failure = await _failure_of(self._read_averages(channel, j, frames_send))
+        if failure is not None:  # raised once what came before it is in our vector
+            raise failure
+        # We hold the whole part: say so (the reducer counts its part delivered to us only
+        # then), and read the end marker too (hanging up before it would reset the reducer's
+        # last send). The part is complete either way: a failure here is no failure of it.
+        with trio.move_on_after(self.stall_timeout), suppress(*CONNECTION_ERRORS):
+            await channel.send(RECEIVED, 0, b"")
+            await channel.receive(max_payload=0)
+
+    async def _read_averages(
+        self, channel: Channel, j: int, frames_send: trio.MemorySendChannel[_Average]
+    ) -> None:
         assert self.assembler is not None
+        assembler = self.assembler
+        chunks = assembler.chunks[j]
         mask = mask_bytes(len(self.computing))
         max_payload = mask + self.codec.wire_bytes(self.spec.chunk_elements)
-        while not self.assembler.part_complete(j):
+        seen: set[int] = set()
+        while len(seen) < len(chunks):
             # An average waits for the part's slowest sender, whom the reducer gives up on
             # after its own stall timeout (checked every quarter of it): allow for that too.
             with trio.fail_after(2.5 * self.stall_timeout):
@@ -506,9 +596,10 @@ class _Round:
             index, senders, payload = frame
             if index == DONE:
                 raise BadPart("the reducer ended its part early")
-            chunks = self.assembler.chunks[j]
             if not 0 <= index < len(chunks):
                 raise BadPart(f"chunk {index} is out of range")
+            if index in seen:
+                raise BadPart(f"chunk {index} of part {j} came twice")
             lo, hi = chunks[index]
             due = mask + self.codec.wire_bytes(hi - lo)
             if len(payload) != due:
@@ -519,13 +610,22 @@ class _Round:
                 raise BadPart(f"chunk {index} names {len(included)} senders but counts {senders}")
             if self.me.peer_id not in included:
                 raise BadPart(f"chunk {index} leaves our contribution out")
-            self.assembler.put(j, index, self.codec.decode(view[mask:], hi - lo), included)
-        # We hold the whole part: say so (the reducer counts its part delivered to us only
-        # then), and read the end marker too (hanging up before it would reset the reducer's
-        # last send). The part is complete either way: a failure here is no failure of it.
-        with trio.move_on_after(self.stall_timeout), suppress(*CONNECTION_ERRORS):
-            await channel.send(RECEIVED, 0, b"")
-            await channel.receive(max_payload=0)
+            assembler.check(j, index, included)
+            seen.add(index)
+            await frames_send.send((index, included, view[mask:]))
+
+    async def _place_averages(self, frames: trio.MemoryReceiveChannel[_Average], j: int) -> None:
+        assert self.assembler is not None
+        assembler = self.assembler
+        decoded = np.empty(self.spec.chunk_elements, np.float32)  # this connection's, reused
+        while batch := await _next_batch(frames):
+            placed, error = await self.off_loop(
+                functools.partial(_write_averages, self.codec, assembler, j, batch, decoded)
+            )
+            for index, included, _ in batch[:placed]:
+                assembler.record(j, index, included)  # no checkpoint since the writes
+            if error is not None:
+                raise error
 
 
 class _PartService:
@@ -554,6 +654,11 @@ class _PartService:
         self.connected: set[str] = set()
         self.received: set[str] = set()  # senders that confirmed they hold our whole part
         self.outboxes: dict[str, trio.MemorySendChannel] = {}
+        self.to_average: deque[int] = deque()  # settled chunks, for `_publish_averages`
+        # Chunk buffers that contributions are decoded into (fp16, int8), reused once added.
+        self.spare: list[np.ndarray] = []
+        self.lent: dict[int, list[np.ndarray]] = {}  # per chunk index, until it is averaged
+        self.wake_publisher = trio.Event()
         self.all_averaged = trio.Event()  # every chunk averaged (or given up)
         self.idle = trio.Event()  # no connection is being served (renewed when one starts)
         self.idle.set()
@@ -562,22 +667,22 @@ class _PartService:
 
     async def run(self, inbox: trio.MemoryReceiveChannel) -> None:
         round_, reducer = self.round, self.reducer
-        if round_.me.computes:  # our own contribution, from memory but through the codec
-            codec = round_.codec  # as if sent: then every group adds the same bits for it
-            for index, (a, b) in enumerate(reducer.chunks):
-                own = codec.decode(codec.encode(round_.vector[self.lo + a : self.lo + b]), b - a)
-                reducer.add(round_.me.peer_id, index, own)
         started = trio.current_time()
         async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._publish_averages)
+            if round_.me.computes:
+                nursery.start_soon(self._contribute)
             nursery.start_soon(self._accept, inbox, nursery)
             self.publish()
             while not reducer.done:  # a watchdog for senders that never connect
                 with trio.move_on_after(round_.stall_timeout / 4):
                     await self.all_averaged.wait()
                 if trio.current_time() - started >= round_.stall_timeout:
-                    for peer_id in set(reducer.waiting_for()) - self.connected:
+                    absent = set(reducer.waiting_for()) - self.connected - {round_.me.peer_id}
+                    for peer_id in absent:
                         self.drop(peer_id, f"did not connect within {round_.stall_timeout:.3g}s")
                 self.publish()
+            await self.all_averaged.wait()  # the last settled chunks are averaged and queued
             with trio.move_on_after(round_.stall_timeout):
                 while self.active:  # the last averages leave
                     await self.idle.wait()
@@ -611,26 +716,71 @@ class _PartService:
             outbox.close()
 
     def publish(self) -> None:
-        """Average every chunk that just became complete and queue it for every sender."""
-        round_ = self.round
-        for index in self.reducer.take_complete():
-            average, count = self.reducer.average(index)
-            if average is None or not np.isfinite(average).all():
-                continue  # nobody delivered it, or the sum overflowed: members keep local values
-            included = self.reducer.included(index)
-            mask = include_mask(included, round_.computing)
-            payload = round_.codec.encode(average)
-            if round_.assembler is not None:  # the decoded bytes: what everyone else gets
-                decoded = round_.codec.decode(payload, len(average))
-                round_.assembler.put(round_.index, index, decoded, included)
-            for outbox in self.outboxes.values():
-                outbox.send_nowait((index, count, mask, payload))
-        if self.reducer.done:
-            for sender in list(self.outboxes):
-                self._close_outbox(sender)
-            self.all_averaged.set()
+        """Hand every chunk that just settled to `_publish_averages`."""
+        settled = self.reducer.take_complete()
+        if settled or self.reducer.done:
+            self.to_average.extend(settled)
+            self.wake_publisher.set()
+        self._progress()
+
+    def _progress(self) -> None:
         self.progressed.set()
         self.progressed = trio.Event()
+
+    def _held_back(self, sender: str) -> bool:
+        """Whether to stop reading `sender` for now: far ahead of the slowest sender, or too
+        many settled chunks (and their contributions) wait to be averaged. Neither can
+        deadlock: chunks come in order, so every chunk the slowest sender delivered has
+        settled and it is never held back by the first; the averaging needs nobody."""
+        return (
+            self.reducer.queued[sender] >= MAX_QUEUED_CHUNKS
+            or len(self.to_average) >= MAX_QUEUED_CHUNKS
+        )
+
+    async def _publish_averages(self) -> None:
+        """Average the settled chunks, a few per worker-thread call, and queue each for every
+        sender; when none is left to come, close the outboxes."""
+        round_, reducer = self.round, self.reducer
+        buffers = _ChunkBuffers(round_.codec, round_.spec.chunk_elements)
+        while True:
+            self.wake_publisher = trio.Event()
+            while self.to_average:
+                batch = [
+                    self.to_average.popleft()
+                    for _ in range(min(BATCH_CHUNKS, len(self.to_average)))
+                ]
+                results = await round_.off_loop(
+                    functools.partial(_average_chunks, round_, reducer, batch, buffers)
+                )
+                for index, averaged in zip(batch, results, strict=True):
+                    self.spare.extend(self.lent.pop(index, ()))  # its contributions are added
+                    if averaged is None:
+                        continue  # nobody delivered it, or the sum overflowed: members keep local values
+                    count, payload = averaged
+                    included = reducer.included(index)
+                    if round_.assembler is not None:  # no checkpoint since the write
+                        round_.assembler.record(round_.index, index, included)
+                    mask = include_mask(included, round_.computing)
+                    for outbox in self.outboxes.values():
+                        outbox.send_nowait((index, count, mask, payload))
+                self._progress()
+            if reducer.done:
+                for sender in list(self.outboxes):
+                    self._close_outbox(sender)
+                self.all_averaged.set()
+                return
+            await self.wake_publisher.wait()
+
+    async def _contribute(self) -> None:
+        """Our own contribution, chunk by chunk like a remote sender's: views of our vector
+        (checked finite up front), which `_average_chunk` passes through the codec as if sent
+        when it adds them (then every group adds the same bits for it)."""
+        reducer, me = self.reducer, self.round.me.peer_id
+        for index, (a, b) in enumerate(reducer.chunks):
+            while self._held_back(me):
+                await self.progressed.wait()
+            reducer.add_checked(me, index, self.round.vector[self.lo + a : self.lo + b])
+            self.publish()
 
     async def _serve(self, handoff: Handoff) -> None:
         sender, stream = handoff.sender, handoff.stream
@@ -660,14 +810,29 @@ class _PartService:
                 self.idle.set()
 
     async def _take_chunks(self, channel: Channel, sender: str) -> None:
+        """Read a sender's chunks and check their frames; `_add_contributions` decodes and
+        adds them meanwhile, a few per worker-thread call."""
+        frames_send, frames = trio.open_memory_channel[tuple[int, bytearray]](BATCH_CHUNKS)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._add_contributions, frames, sender)
+            async with frames_send:
+                failure = await _failure_of(self._read_chunks(channel, sender, frames_send))
+        if failure is not None:  # raised once what came before it is added
+            raise failure
+        if sender in self.reducer.waiting_for():
+            raise BadPart("the sender ended before sending every chunk")
+
+    async def _read_chunks(
+        self,
+        channel: Channel,
+        sender: str,
+        frames_send: trio.MemorySendChannel[tuple[int, bytearray]],
+    ) -> None:
         round_, reducer = self.round, self.reducer
         max_payload = round_.codec.wire_bytes(round_.spec.chunk_elements)
         expected = 0
         while True:
-            # Far ahead of the slowest sender: read on once those chunks settled. Chunks come
-            # in order, so every chunk the slowest sender delivered has settled and it is never
-            # held back: this cannot deadlock.
-            while reducer.queued[sender] >= MAX_QUEUED_CHUNKS:
+            while self._held_back(sender):  # read on once chunks settled or averaged
                 await self.progressed.wait()
             with trio.fail_after(round_.stall_timeout):
                 frame = await channel.receive(max_payload=max_payload)
@@ -675,16 +840,38 @@ class _PartService:
                 raise BadPart("the sender disconnected before its last chunk")
             index, _, payload = frame
             if index == DONE:
-                if sender in reducer.waiting_for():
-                    raise BadPart("the sender ended before sending every chunk")
-                return
+                break
             if not 0 <= index < len(reducer.chunks):
                 raise BadPart(f"chunk {index} is out of range")
             if index != expected:
                 raise BadPart(f"chunk {index} came where chunk {expected} was due")
-            reducer.add(sender, index, round_.codec.decode(payload, reducer.chunk_size(index)))
+            await frames_send.send((index, payload))
             expected += 1
+
+    async def _add_contributions(
+        self, frames: trio.MemoryReceiveChannel[tuple[int, bytearray]], sender: str
+    ) -> None:
+        round_, reducer, codec = self.round, self.reducer, self.round.codec
+        while batch := await _next_batch(frames):
+            buffers: list[np.ndarray | None] = [None] * len(batch)  # `none`: views of frames
+            if codec.transforms:
+                buffers = [self._spare_buffer() for _ in batch]
+            decoded, error = await round_.off_loop(
+                functools.partial(_decode_contributions, codec, reducer, batch, buffers)
+            )
+            for (index, _), values, buffer in zip(batch, decoded, buffers, strict=False):
+                if buffer is not None:
+                    self.lent.setdefault(index, []).append(buffer)
+                reducer.add_checked(sender, index, values)
+            self.spare.extend(b for b in buffers[len(decoded) :] if b is not None)
             self.publish()
+            if error is not None:
+                raise error
+
+    def _spare_buffer(self) -> np.ndarray:
+        if self.spare:
+            return self.spare.pop()
+        return np.empty(self.reducer.chunk_size(0), np.float32)  # chunk 0 is the largest
 
     async def _take_receipt(self, channel: Channel, sender: str) -> None:
         """The sender's word that it holds our whole part (it comes after our last average:
@@ -693,6 +880,153 @@ class _PartService:
         if frame is None or frame[0] != RECEIVED:
             raise BadPart("the sender ended without confirming it got our part")
         self.received.add(sender)
+
+
+_Encoded = tuple[int, list[memoryview], list[np.ndarray]]  # first index, wire bytes, buffers
+_Average = tuple[int, frozenset[str], memoryview]  # index, senders included, codec bytes
+
+
+async def _failure_of(reading: Awaitable[None]) -> BaseException | None:
+    """The connection error that ended `reading`, if any. A reader hands frames on to a task
+    that decodes them off the loop; returned, not raised, its error waits until that task has
+    finished what was read before it (raised at once, it would cancel that work)."""
+    try:
+        await reading
+    except (trio.TooSlowError, *CONNECTION_ERRORS) as error:
+        return error
+    return None
+
+
+async def _next_batch(receive: trio.MemoryReceiveChannel[T]) -> list[T]:
+    """The next item and what queued up behind it, BATCH_CHUNKS at most; [] at the end."""
+    try:
+        batch = [await receive.receive()]
+    except trio.EndOfChannel:
+        return []
+    while len(batch) < BATCH_CHUNKS:
+        try:
+            batch.append(receive.receive_nowait())
+        except (trio.WouldBlock, trio.EndOfChannel):
+            break
+    return batch
+
+
+# ---------------------------------------------------------------- the passes over values
+# Each runs in a worker thread (`_Round.off_loop`) and touches its chunks' memory only.
+
+
+def _all_finite(vector: np.ndarray) -> bool:
+    """np.isfinite(vector).all() in pieces: no temporary the size of the vector."""
+    flags = np.empty(min(len(vector), FINITE_CHECK_ELEMENTS), dtype=bool)
+    for start in range(0, len(vector), FINITE_CHECK_ELEMENTS):
+        piece = vector[start : start + FINITE_CHECK_ELEMENTS]
+        if not np.isfinite(piece, out=flags[: len(piece)]).all():
+            return False
+    return True
+
+
+def _encode_chunks(
+    codec: Codec, vector: np.ndarray, chunks: list[tuple[int, int]], buffers: list[np.ndarray]
+) -> list[memoryview]:
+    return [
+        codec.encode(vector[lo:hi], out=buffer)
+        for (lo, hi), buffer in zip(chunks, buffers, strict=False)
+    ]
+
+
+def _decode_contributions(
+    codec: Codec,
+    reducer: PartReducer,
+    batch: list[tuple[int, bytearray]],
+    buffers: list[np.ndarray | None],
+) -> tuple[list[np.ndarray], BadPart | None]:
+    """A sender's chunks, decoded (into `buffers`, which they keep until added; `none`: views
+    of the frames) and checked, in order up to the first that is not valid (and its error)."""
+    decoded = []
+    for (index, payload), buffer in zip(batch, buffers, strict=True):
+        try:
+            values = codec.decode(payload, reducer.chunk_size(index), out=buffer)
+            reducer.check(index, values)
+        except BadPart as error:
+            return decoded, error
+        decoded.append(values)
+    return decoded, None
+
+
+class _ChunkBuffers:
+    """The publisher's buffers, one chunk each, reused chunk after chunk."""
+
+    def __init__(self, codec: Codec, chunk_elements: int) -> None:
+        self.sum = np.empty(chunk_elements, np.float32)
+        self.decoded = np.empty(chunk_elements, np.float32)  # our copy of an average, decoded
+        self.own = np.empty(chunk_elements, np.float32)  # our contribution, decoded
+        self.wire = np.empty(codec.wire_bytes(chunk_elements), np.uint8)
+
+
+def _average_chunks(
+    round_: _Round, reducer: PartReducer, indices: list[int], buffers: _ChunkBuffers
+) -> list[tuple[int, memoryview] | None]:
+    return [_average_chunk(round_, reducer, index, buffers) for index in indices]
+
+
+def _average_chunk(
+    round_: _Round, reducer: PartReducer, index: int, buffers: _ChunkBuffers
+) -> tuple[int, memoryview] | None:
+    """(senders, wire bytes) of settled chunk `index`'s average, written (decoded, as every
+    member gets it) into our own vector if we compute; None if nobody delivered it or it is
+    not finite (the sum overflowed, or an int8 contribution of ours near float32's limit
+    decoded to inf): then every member keeps its local values."""
+    codec, assembler, me = round_.codec, round_.assembler, round_.me.peer_id
+
+    def as_sent(sender: str, values: np.ndarray) -> np.ndarray:
+        """Our own contribution as a reducer decodes it once sent."""
+        if sender != me or not codec.transforms:
+            return values
+        wire = codec.encode(values, out=buffers.wire)
+        return codec.decode(wire, len(values), out=buffers.own)
+
+    # Sum in a buffer unless the wire bytes are a view of the sum (`none`) and must last
+    # until every sender has them: then in the reducer's sum, or straight in our vector.
+    in_place = not codec.transforms and assembler is None
+    average, count = reducer.average(index, out=None if in_place else buffers.sum, prepare=as_sent)
+    if average is None or not np.isfinite(average).all():
+        return None
+    if assembler is None:
+        return count, codec.encode(average)  # fp16, int8: a new buffer, until sent
+    if codec.transforms:
+        payload = codec.encode(average)
+        values = codec.decode(payload, len(average), out=buffers.decoded)
+    else:
+        values = average
+    try:
+        assembler.write(round_.index, index, values)
+    except BadPart:  # int8 near float32's limit decodes to inf: keep local values
+        return None
+    if not codec.transforms:  # our vector's chunk holds the bytes: nothing writes it again
+        lo, hi = assembler.chunks[round_.index][index]
+        payload = codec.encode(assembler.vector[lo:hi])
+    return count, payload
+
+
+def _write_averages(
+    codec: Codec,
+    assembler: ResultAssembler,
+    part: int,
+    batch: list[_Average],
+    decoded: np.ndarray,
+) -> tuple[int, BadPart | None]:
+    """Decode averages a reducer sent (into `decoded`, the connection's buffer) and write
+    them into our vector, in order up to the first that is not valid (left untouched):
+    (how many were written, its error)."""
+    for placed, (index, _, data) in enumerate(batch):
+        lo, hi = assembler.chunks[part][index]
+        try:
+            # `none`: a view of the frame, copied once, by `write`.
+            values = codec.decode(data, hi - lo, out=decoded if codec.transforms else None)
+            assembler.write(part, index, values)
+        except BadPart as error:
+            return placed, error
+    return len(batch), None
 
 
 async def _forward(channel: Channel, outgoing: trio.MemoryReceiveChannel) -> None:

@@ -1,15 +1,22 @@
 """The arithmetic of one butterfly round, pure: reducing a part, and assembling the result.
 
 A reducer owns one part of the flat vector. `PartReducer` takes each sender's chunks and, once
-no sender still in the round owes a chunk (it *settles*), adds that chunk's contributions,
-weighted, into one float32 sum in a fixed order (`order`: by the block each sender's value
-stands for, `moshpit.py`), not as they arrived: float addition is not associative, and the
-groups of a Moshpit round that hold the same blocks must compute bit-identical averages.
-Chunks wait until they settle (`queued`; the shell stops reading from a sender that is far
-ahead, so this stays a few chunks per sender; the reducer's own contribution, taken up front,
-waits in full: one part's worth of memory). Senders of weight 0 (a member that only needs
+no sender still in the round owes a chunk (it *settles*), lines that chunk's contributions up
+in a fixed order (`order`: by the block each sender's value stands for, `moshpit.py`), not as
+they arrived; `average` adds them, weighted, in that order into one float32 sum: float
+addition is not associative, and the groups of a Moshpit round that hold the same blocks must
+compute bit-identical averages. Chunks wait until they settle (`queued`; the shell stops
+reading from a sender that is far ahead, the reducer's own contribution included, so this
+stays a few chunks per sender) and then until averaged (the shell averages settled chunks as
+they come, and stops reading while a few wait). Senders of weight 0 (a member that only needs
 the average) are checked and counted but add nothing. Each chunk records which senders it
 *includes*: those whose contribution it holds.
+
+Threads. The bookkeeping (`add_checked`, `drop`, `take_complete`, `ResultAssembler.check` and
+`record`) belongs to one thread, the event loop's; the passes over values need not: `check`
+(before `add_checked`), `average` (of a settled chunk; one at a time) and
+`ResultAssembler.write` touch only their own chunk's memory and state that is final by then,
+so the shell runs them in worker threads while the loop goes on with other chunks.
 
 A sender that fails is dropped: it leaves every chunk that has not settled yet, even those it
 delivered, so that the reducer's chunks include the same senders wherever it can; only the
@@ -26,7 +33,7 @@ averaged over which senders.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,12 +88,11 @@ class PartReducer:
         self.senders: list[set[str]] = [set() for _ in self.chunks]  # included, per chunk
         self.order = [sender for sender in order if weights[sender] > 0]
         self.early: list[dict[str, np.ndarray]] = [{} for _ in self.chunks]  # until it settles
+        # Settled, in `order`, until averaged: (sender, values) of every sender of weight > 0.
+        self.contributions: list[list[tuple[str, np.ndarray]]] = [[] for _ in self.chunks]
         self.queued: dict[str, int] = dict.fromkeys(weights, 0)  # chunks waiting, per sender
         self.norm_factor = norm_factor
-        # Robust mode: every sender's values of each chunk, until the chunk is averaged.
-        self.kept: list[dict[str, np.ndarray]] | None = (
-            [{} for _ in self.chunks] if norm_factor is not None else None
-        )
+        self._product: np.ndarray | None = None  # a weighted contribution, before it is added
         for index in range(len(self.chunks)):  # without senders every chunk is settled (empty)
             self._settle(index)
 
@@ -94,8 +100,36 @@ class PartReducer:
         lo, hi = self.chunks[index]
         return hi - lo
 
+    def check(self, index: int, values: np.ndarray) -> None:
+        """BadPart unless `values` can be chunk `index` (float32, its length, finite): the pass
+        over the values, safe in a worker thread (it reads nothing that changes)."""
+        lo, hi = self.chunks[index]
+        if values.dtype != np.float32 or values.shape != (hi - lo,):
+            raise BadPart(
+                f"chunk {index}: {values.dtype}{values.shape}, expected float32({hi - lo},)"
+            )
+        if not np.isfinite(values).all():
+            raise BadPart(f"chunk {index} holds NaN or Inf")
+
     def add(self, sender: str, index: int, values: np.ndarray) -> None:
         """Add `sender`'s chunk `index`; raises BadPart (drop the sender) if it is not valid."""
+        self._check_sender(sender, index)
+        try:
+            self.check(index, values)
+        except BadPart as error:
+            raise BadPart(f"{error} (from {sender})") from None
+        self._accept(sender, index, values)
+
+    def add_checked(self, sender: str, index: int, values: np.ndarray) -> None:
+        """`add` for values that passed `check` already (in a worker thread): only the cheap
+        checks here (shape and type again: a caller's mix-up is not worth a wrong sum)."""
+        self._check_sender(sender, index)
+        lo, hi = self.chunks[index]
+        if values.dtype != np.float32 or values.shape != (hi - lo,):
+            raise BadPart(f"chunk {index} from {sender}: {values.dtype}{values.shape}")
+        self._accept(sender, index, values)
+
+    def _check_sender(self, sender: str, index: int) -> None:
         if sender in self.dropped:
             raise BadPart(f"{sender} was dropped from this part ({self.dropped[sender]})")
         pending = self.pending.get(sender)
@@ -103,15 +137,9 @@ class PartReducer:
             raise BadPart(f"{sender} is not a sender of part [{self.start}, {self.end})")
         if index not in pending:
             raise BadPart(f"chunk {index} from {sender} is out of range or came twice")
-        lo, hi = self.chunks[index]
-        if values.dtype != np.float32 or values.shape != (hi - lo,):
-            raise BadPart(
-                f"chunk {index} from {sender}: {values.dtype}{values.shape}, "
-                f"expected float32({hi - lo},)"
-            )
-        if not np.isfinite(values).all():
-            raise BadPart(f"chunk {index} from {sender} holds NaN or Inf")
-        pending.discard(index)
+
+    def _accept(self, sender: str, index: int, values: np.ndarray) -> None:
+        self.pending[sender].discard(index)
         self.owed[index] -= 1
         self.senders[index].add(sender)
         if self.weights[sender] > 0:
@@ -120,28 +148,21 @@ class PartReducer:
         self._settle(index)
 
     def _settle(self, index: int) -> None:
-        """Add chunk `index`'s contributions, in `order`, once nobody in the round owes it."""
+        """Line chunk `index`'s contributions up in `order` once nobody in the round owes it."""
         if self.owed[index] or index in self.settled:
             return
         self.settled.add(index)
         early = self.early[index]
+        lined_up = []
         for sender in self.order:
             values = early.pop(sender, None)
             if values is not None:
                 self.queued[sender] -= 1
-                self._add(index, sender, values)
+                # The total weight too, in order: any float sum must be the same in every group.
+                self.chunk_weight[index] += self.weights[sender]
+                lined_up.append((sender, values))
+        self.contributions[index] = lined_up
         self.ready.append(index)
-
-    def _add(self, index: int, sender: str, values: np.ndarray) -> None:
-        # The total weight too, in order: any float sum must be the same in every group.
-        self.chunk_weight[index] += self.weights[sender]
-        if self.kept is not None:
-            self.kept[index][sender] = values.copy()
-            return
-        lo, hi = self.chunks[index]
-        weight = self.weights[sender]
-        with np.errstate(over="ignore"):  # an overflowing chunk is caught when averaged
-            self.sum[lo:hi] += values if weight == 1.0 else values * np.float32(weight)
 
     def drop(self, sender: str, reason: str) -> None:
         """Stop waiting for `sender`; it leaves every chunk that has not settled (what it
@@ -179,23 +200,53 @@ class PartReducer:
         """The senders whose contributions chunk `index` holds (final once it settled)."""
         return frozenset(self.senders[index])
 
-    def average(self, index: int) -> tuple[np.ndarray | None, int]:
-        """(average, senders) of a settled chunk, computed in place of its sum; (None, 0) if
-        no sender of weight > 0 delivered it."""
+    def average(
+        self,
+        index: int,
+        *,
+        out: np.ndarray | None = None,
+        prepare: Callable[[str, np.ndarray], np.ndarray] | None = None,
+    ) -> tuple[np.ndarray | None, int]:
+        """(average, senders) of a settled chunk, computed in `out` (float32, at least the
+        chunk's length: a caller's scratch) or else in place of its sum; (None, 0) if no sender
+        of weight > 0 delivered it. `prepare(sender, values)`, if given, gives the values to
+        add for each contribution as it is added (the shell passes its own through the codec
+        here, into a buffer it reuses). Once per chunk, one chunk at a time; safe in a worker
+        thread while the loop goes on with other chunks."""
+        lined_up, self.contributions[index] = self.contributions[index], []
         total = self.chunk_weight[index]
         if total <= 0:
             return None, 0
+        if prepare is not None:
+            lined_up = [(sender, prepare(sender, values)) for sender, values in lined_up]
         lo, hi = self.chunks[index]
-        if self.kept is not None:
-            kept, self.kept[index] = self.kept[index], {}
-            assert self.norm_factor is not None
-            self.sum[lo:hi] = robust_average(
-                list(kept.values()), [self.weights[s] for s in kept], norm_factor=self.norm_factor
-            )  # `kept` holds them in `order`: the same input everywhere
+        if out is None:
+            chunk = self.sum[lo:hi]
         else:
-            with np.errstate(over="ignore", invalid="ignore"):
-                self.sum[lo:hi] /= np.float32(total)
-        return self.sum[lo:hi], len(self.senders[index])
+            # A part-sized sum is fresh memory every round: the kernel zeroes each page at its
+            # first write (a tenth of a round's CPU at 100 MB). One reused chunk is not.
+            chunk = out[: hi - lo]
+            chunk.fill(0.0)  # then the same float sums as in `sum`
+        if self.norm_factor is not None:
+            chunk[:] = robust_average(
+                [values for _, values in lined_up],
+                [self.weights[sender] for sender, _ in lined_up],
+                norm_factor=self.norm_factor,
+            )  # in `order`: the same input everywhere
+            return chunk, len(self.senders[index])
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is the caller's check
+            for sender, values in lined_up:
+                weight = self.weights[sender]
+                if weight == 1.0:
+                    np.add(chunk, values, out=chunk)
+                else:  # rounded as `chunk += values * w`: the product, then the sum
+                    if self._product is None:  # reused: one average at a time
+                        self._product = np.empty(max(b - a for a, b in self.chunks), np.float32)
+                    product = self._product[: hi - lo]
+                    np.multiply(values, np.float32(weight), out=product)
+                    np.add(chunk, product, out=chunk)
+            chunk /= np.float32(total)
+        return chunk, len(self.senders[index])
 
 
 class ResultAssembler:
@@ -210,16 +261,33 @@ class ResultAssembler:
     def put(self, part: int, index: int, values: np.ndarray, included: frozenset[str]) -> None:
         """Place chunk `index` of `part`, the average over `included`; raises BadPart if it
         does not fit or is not finite."""
+        self.check(part, index, included)
+        self.write(part, index, values)
+        self.record(part, index, included)
+
+    def check(self, part: int, index: int, included: frozenset[str]) -> None:
+        """BadPart unless chunk `index` of `part` exists, is still due, and `included` names
+        somebody (`put`'s first step: the shell does the other two, `write` off the loop)."""
         if not (0 <= part < len(self.chunks) and 0 <= index < len(self.chunks[part])):
             raise BadPart(f"no chunk {index} in part {part}")
         if (part, index) in self.received:
             raise BadPart(f"chunk {index} of part {part} came twice")
+        if not included:
+            raise BadPart(f"chunk {index} of part {part} is not a finite average")
+
+    def write(self, part: int, index: int, values: np.ndarray) -> None:
+        """Copy a checked chunk's values into the vector; BadPart (and the vector untouched)
+        if they do not fit or are not finite. Touches only that chunk: safe in a worker thread
+        while no other call writes the same chunk."""
         lo, hi = self.chunks[part][index]
         if values.dtype != np.float32 or values.shape != (hi - lo,):
             raise BadPart(f"chunk {index} of part {part}: {values.dtype}{values.shape}")
-        if not np.isfinite(values).all() or not included:
+        if not np.isfinite(values).all():
             raise BadPart(f"chunk {index} of part {part} is not a finite average")
         self.vector[lo:hi] = values
+
+    def record(self, part: int, index: int, included: frozenset[str]) -> None:
+        """Note that chunk `index` of `part` holds the average over `included` (written)."""
         self.received[(part, index)] = included
 
     def part_complete(self, part: int) -> bool:
