@@ -30,7 +30,7 @@ from peer.training.checkpoint import (
     save_blob,
     save_checkpoint,
 )
-from peer.training.state import TrainingState, capture, restore, to_bytes
+from peer.training.state import TrainingState, WriteCancelled, capture, restore, to_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -460,3 +460,18 @@ def test_sigkill_at_random_moments_never_leaves_a_corrupt_newest_checkpoint(tmp_
                 process.stdin.close()
     assert last_saved > 0, "no writer ever finished a save"
     print(f"{kills_mid_save} of {rounds} kills landed mid-save")
+
+
+def test_a_save_cancelled_midway_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    save_checkpoint(tmp_path, state_of(1))
+    monkeypatch.setattr("peer.training.state._PIECE", 256)  # many pieces
+    asked = []
+
+    def cancelled() -> bool:
+        asked.append(1)
+        return len(asked) > 3  # three pieces written, then given up
+
+    with pytest.raises(WriteCancelled, match="cut short after"):
+        save_checkpoint(tmp_path, state_of(2), cancelled=cancelled)
+    assert load_latest(tmp_path).step == 1
+    assert files(tmp_path) == ["step-1.json", "step-1.safetensors"]  # no temp file left

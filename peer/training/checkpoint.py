@@ -95,11 +95,23 @@ class Checkpoint:
         return self.path.read_bytes()
 
 
-def save_checkpoint(directory: Path, state: TrainingState, *, keep: int = 2) -> Path:
+def save_checkpoint(
+    directory: Path,
+    state: TrainingState,
+    *,
+    keep: int = 2,
+    cancelled: Callable[[], bool] = lambda: False,
+) -> Path:
     """Write `state` as the newest checkpoint in `directory` (created if missing), keep the `keep`
     newest, and return the payload's path. The payload is streamed from the state's tensors
-    (`state.write_file`). ConfigError if the directory cannot be written."""
-    return _save(directory, state.step, lambda file: write_file(state, file), extra=None, keep=keep)
+    (`state.write_file`). ConfigError if the directory cannot be written; WriteCancelled if
+    `cancelled()` turned true before the payload was written (nothing changed on disk but a
+    temp file, removed)."""
+
+    def write(file: BinaryIO) -> str:
+        return write_file(state, file, cancelled=cancelled)
+
+    return _save(directory, state.step, write, extra=None, keep=keep)
 
 
 def save_blob(

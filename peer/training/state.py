@@ -232,17 +232,25 @@ def _layout(state: TrainingState) -> list[memoryview]:
     return [prefix, *(_raw(state.tensors[name]) for name in order)]
 
 
-def write_file(state: TrainingState, file: BinaryIO) -> str:
+class WriteCancelled(Exception):
+    """`write_file` stopped at its `cancelled()` (the file is incomplete)."""
+
+
+def write_file(
+    state: TrainingState, file: BinaryIO, *, cancelled: Callable[[], bool] = lambda: False
+) -> str:
     """Write `state` to `file` in the safetensors format, straight from its tensors' memory
     (no whole-state blob: that doubled a checkpoint's memory and time), and return the sha256
     of what was written. Hashing runs in a second thread beside the writes (both release the
     GIL), so the hash costs little more than the write itself. `from_file` (the safetensors
-    library) reads it back."""
+    library) reads it back. `cancelled()` is asked between pieces: WriteCancelled if true."""
     digest = hashlib.sha256()
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="peertrain-hash") as hasher:
         pending = hasher.submit(lambda: None)
         for data in _layout(state):
             for start in range(0, len(data), _PIECE):
+                if cancelled():
+                    raise WriteCancelled(f"cut short after {file.tell()} bytes")
                 piece = data[start : start + _PIECE]
                 pending.result()  # one piece hashed while the next is written
                 pending = hasher.submit(digest.update, piece)

@@ -546,13 +546,12 @@ class Trainer:
                 self._saving = True
                 nursery.start_soon(self._save)
             return
-        with trio.move_on_after(30):
-            await self._save()
+        await self._save(within=FINAL_SAVE_SECONDS)
 
-    async def _save(self) -> None:
+    async def _save(self, *, within: float = math.inf) -> None:
         assert self.checkpoint_dir is not None
         try:
-            await self.worker.save_checkpoint(self.checkpoint_dir)
+            await self.worker.save_checkpoint(self.checkpoint_dir, within=within)
         finally:
             self._saving = False
 
@@ -607,6 +606,12 @@ class Trainer:
             tally.averaged_bytes,
             extra={"training": figures},
         )
+
+
+#: Seconds the checkpoint written on the way out may take: a stop has 2.5 s of grace
+#: (`cli.common.run_until_signal`) and systemd's TimeoutStopSec SIGKILLs a slow one. A save cut
+#: short leaves the last periodic checkpoint (and the collaboration holds the newer state).
+FINAL_SAVE_SECONDS = 1.5
 
 
 def ema(average: float, value: float, weight: float) -> float:
