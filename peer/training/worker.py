@@ -271,7 +271,9 @@ class TorchWorker:
         held = self.held
         if held is None:
             return None
-        return Snapshot(held.state.step, states.StateBytes(held.state, lambda: self.held is held))
+        # A copy stays valid for downloads in flight after we step; live tensors do not.
+        valid = (lambda: self.held is held) if held.live else (lambda: True)
+        return Snapshot(held.state.step, states.StateBytes(held.state, valid))
 
     async def serialize(self) -> Snapshot | None:
         """The held state as bytes read from its tensors when sliced (no blob), valid while we
