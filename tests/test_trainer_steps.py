@@ -586,3 +586,11 @@ async def test_the_checkpoint_on_the_way_out_is_given_up_when_it_takes_too_long(
         await trainer._checkpoint(force=True)
     assert asked[-1] == (2, True)
     assert checkpoints.load_latest(trainer.checkpoint_dir).step == 1  # the previous one stands
+
+
+async def test_the_refusal_of_another_task_shows_no_control_characters(tmp_path):
+    trainer = await make_trainer(tmp_path)
+    record = msgspec.structs.replace(trainer.record(), step=7, task="task 'x'\x1b[2J\x07 (evil)")
+    line = trainer._refusal(record)
+    assert "\x1b" not in line and "\x07" not in line and "\n" not in line
+    assert "trains task 'x'?[2J? (evil) (step 7), this peer task 'tiny'" in line
