@@ -143,13 +143,13 @@ class Shared:
         model: nn.Module,
         *,
         buffers: Sequence[torch.Tensor],
-        precision: Precision,
+        precision: Precision | None,
         clip_grad_norm: float,
     ) -> None:
         self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.buffers = list(buffers)
-        self.precision = precision
+        self.precision = precision or Precision("fp32", torch.device("cpu"))
         self.clip_grad_norm = clip_grad_norm
         self.gradient_size = _numel(self.params)
         self.vector_size = self.gradient_size + _numel(self.buffers)
@@ -194,7 +194,7 @@ class LargeBatch(Shared):
         super().__init__(
             model,
             buffers=buffers,
-            precision=precision or Precision("fp32", torch.device("cpu")),
+            precision=precision,
             clip_grad_norm=clip_grad_norm,
         )
         self.task = task
@@ -326,7 +326,7 @@ class LocalSGD(Shared):
         super().__init__(
             model,
             buffers=buffers,
-            precision=precision or Precision("fp32", torch.device("cpu")),
+            precision=precision,
             clip_grad_norm=clip_grad_norm,
         )
         self.task = task
