@@ -609,3 +609,46 @@ async def test_a_joiner_whose_address_members_cannot_use_is_refused_by_the_leade
             assert result.average is not None, result.skipped
             np.testing.assert_allclose(result.average, expected, atol=1e-6)
             assert not any(a.matchmaker.banned(b.me) for b in honest)
+
+
+async def test_a_vector_still_being_made_does_not_make_its_ticket_late():
+    """A trainer's gradients took longer to copy out (1-2 s at 100 M) than the margin it
+    declares within; taken first, its ticket landed after the close and the first try of
+    every step failed. The ticket goes first; the vector is awaited while the gathering is
+    open (here it is ready only after the close)."""
+    config = AveragingConfig(join_timeout=3.0, timeout_floor=5.0)
+    async with averaging_swarm(2, config) as (_, averagers):
+        gather_until = time.time() + 1.0
+        vectors = [np.full(SIZE, 1.0, np.float32), np.full(SIZE, 3.0, np.float32)]
+
+        async def slow_to_make() -> np.ndarray:
+            await trio.sleep(max(0.0, gather_until + 0.3 - time.time()))
+            return vectors[0]
+
+        results: list[AveragingResult | None] = [None, None]
+
+        async def peer(i: int, vector) -> None:
+            results[i] = await averagers[i].average(
+                vector, size=SIZE, weight=1.0, epoch=1, fingerprint=MODEL,
+                gather_until=gather_until,
+            )  # fmt: skip
+
+        with trio.fail_after(30):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(peer, 0, slow_to_make)
+                nursery.start_soon(peer, 1, vectors[1])
+        for result in results:
+            assert result is not None and result.average is not None, result
+            np.testing.assert_array_equal(result.average, np.full(SIZE, 2.0, np.float32))
+        # Past the close, nothing is made: the caller keeps its values where they are.
+        made = []
+
+        async def make() -> np.ndarray:
+            made.append(1)
+            return vectors[0]
+
+        late = await averagers[0].average(
+            make, size=SIZE, weight=1.0, epoch=2, fingerprint=MODEL, gather_until=time.time() - 1
+        )
+        assert late.average is None and late.skipped == ["the gathering closed before we declared"]
+        assert made == []

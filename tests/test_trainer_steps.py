@@ -170,6 +170,44 @@ async def test_failed_averagings_are_counted_and_warn_only_once_they_persist(tmp
     assert trainer.status().failures["averaging_incomplete"] == 4
 
 
+async def test_a_step_declares_before_its_gradients_are_taken(tmp_path, monkeypatch):
+    """The ticket goes out while the torch thread copies the gradients out (at 100 M that took
+    longer than the margin before the close, and the first try of every step failed): the
+    averager is called with the take still queued, and gets the vector from it."""
+    trainer = await make_trainer(tmp_path)
+    for _ in range(2):
+        await trainer.worker.compute()
+    samples = trainer.worker.samples
+    expected = torch.cat([p.grad.reshape(-1) for p in trainer.worker.strategy.params]) / samples  # type: ignore[attr-defined]
+    gate = threading.Event()
+    # The torch thread is busy until the averager runs (or 5 s, for a trainer that waits on
+    # the take first: then the averager finds it done).
+    trainer.worker._thread.submit(gate.wait, 5.0)
+    seen = {}
+
+    class Averager:
+        async def average(self, vector, *, size, weight, **_):
+            seen["untaken"] = trainer.worker.samples
+            seen["weight"] = weight
+            gate.set()
+            seen["vector"] = await vector()
+            assert len(seen["vector"]) == size
+            return AveragingResult(peers_seen=1)
+
+    trainer.averager = Averager()  # type: ignore[assignment]
+
+    async def no_read() -> None:
+        pass
+
+    monkeypatch.setattr(trainer.progress, "read", no_read)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            await trainer._declare(trainer.clock() + 10, 0.0, nursery)
+    assert seen["untaken"] == samples and seen["weight"] == samples
+    torch.testing.assert_close(torch.from_numpy(seen["vector"][: len(expected)]), expected)
+    assert trainer.worker.samples == samples  # a failed averaging gives the work back
+
+
 @pytest.mark.parametrize(("weighting", "expected"), [("samples", 24.0), ("uniform", 1.0)])
 async def test_diloco_pseudo_gradients_are_weighted_by_samples_or_uniformly(
     tmp_path, weighting, expected
@@ -288,6 +326,21 @@ async def test_a_resumed_peer_shows_the_step_of_its_checkpoint(tmp_path):
     assert resumed.step == 3 and resumed.status().step == 3
     assert parameters(resumed) == parameters(trainer) and resumed.digest == trainer.digest
     assert resumed.record().step == 3
+
+
+@pytest.mark.parametrize("mode", ["dedloc", "diloco"])
+async def test_a_restored_donor_state_holds_the_digest_it_was_checked_with(tmp_path, mode):
+    """A joiner holds a downloaded state under the digest computed when it was parsed (no
+    second pass over the state): restoring must copy every certified tensor exactly."""
+    donor = await make_trainer(tmp_path / "donor", mode=mode, inner_steps=INNER_STEPS)
+    await take_steps(donor, 2)
+    snapshot = await donor.snapshot()
+    assert snapshot is not None
+    joiner = await make_trainer(tmp_path / "joiner", mode=mode, inner_steps=INNER_STEPS)
+    state, digest = await joiner.worker.parse(snapshot.blob)
+    assert digest == donor.digest
+    await joiner.worker.restore(state, from_donor=True)
+    assert await joiner.worker.hold(state.step) == digest  # computed afresh from our tensors
 
 
 async def test_a_donor_state_with_a_non_finite_value_is_refused_and_changes_nothing(tmp_path):

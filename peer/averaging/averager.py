@@ -26,11 +26,12 @@ group failed applies nothing and catches up by download.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
 from collections import Counter
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -69,6 +70,10 @@ from peer.roles import share_cap
 log = logging.getLogger("peertrain.averager")
 #: Seconds past the close of a gathering before the tickets are read, at least.
 READ_GRACE = 0.1
+
+
+async def _ready(vector: np.ndarray) -> np.ndarray:
+    return vector
 
 
 def fingerprint(tensors: Sequence[tuple[str, Sequence[int], str]]) -> str:
@@ -123,9 +128,11 @@ async def reduce_in_group(
     min_members: int,
     single: bool,
     norm_factor: float | None = None,
+    original: np.ndarray | None = None,
 ) -> GroupOutcome:
     """One all-reduce round of `spec` on `values` (see `allreduce`); `timeouts` gives a spec's
-    (round length, stall timeout).
+    (round length, stall timeout). `original`: `values` as they are now, kept whole by the
+    caller, for a retry (None: a copy is made here, where a retry may come).
 
     A planned round of several (`single` False) counts only if complete. A single group counts
     if its result is exact over a set S of at least max(2, `min_members`) members (us among
@@ -138,7 +145,8 @@ async def reduce_in_group(
     contributes = any(m.computes for m in spec.members if m.peer_id == me)
     # A failed round leaves `values` half-written; an aggregator-only member never retries
     # (and copying its zeros would touch every page of a vector it never reads).
-    original = values.copy() if single and contributes else None
+    if original is None and single and contributes:
+        original = await trio.to_thread.run_sync(values.copy)
     outcome = GroupOutcome()
     report = await _run_round(spec, values, server, timeouts, norm_factor, single=single)
     outcome.reports.append(report)
@@ -199,7 +207,7 @@ async def reduce_in_group(
         return outcome
     log.info("a round not exact (%s): retrying at once without %s", why, _names(excluded))
     assert original is not None
-    values[:] = original
+    await trio.to_thread.run_sync(np.copyto, values, original)
     retried = await _run_round(derived, values, server, timeouts, norm_factor, single=True)
     outcome.reports.append(retried)
     if retried.exact_over != frozenset(left):
@@ -403,28 +411,52 @@ class Averager:
 
     async def average(
         self,
-        vector: np.ndarray,
+        vector: np.ndarray | Callable[[], Awaitable[np.ndarray]],
         *,
         weight: float,
         epoch: int,
         fingerprint: str,
         gather_until: float,
+        size: int | None = None,
         capabilities: Capabilities | None = None,
         on_round: Callable[[int, RoundReport, np.ndarray], None] = lambda i, report, values: None,
     ) -> AveragingResult:
         """Average `vector` (float32; left as it is) with every peer of the epoch.
 
-        `weight` is the samples behind it; with weight 0 this member adds nothing and still
-        gets the average (a trainer that has no samples yet). `on_round` sees each round's
-        report and our values after it.
+        `vector` may be a function that makes it (then `size` says its length): our ticket is
+        declared first and the function awaited while the gathering is open, so that making
+        the vector (a trainer taking 400 MB of gradients) does not make the ticket late. It
+        is not called if the gathering closed before we declared. `weight` is the samples
+        behind it; with weight 0 this member adds nothing and still gets the average (a
+        trainer that has no samples yet). `on_round` sees each round's report and our values
+        after it.
         """
+        make: Callable[[], Awaitable[np.ndarray]]
+        if isinstance(vector, np.ndarray):
+            size, make = len(vector), functools.partial(_ready, vector)
+        elif size is None:
+            raise TypeError("average: a vector still to be made needs its size")
+        else:
+            make = vector
         namespace = self.namespace(fingerprint, epoch)
-        ticket = self._ticket(capabilities, computes=True, weight=weight, size=len(vector))
-        view = await self._gather(namespace, epoch, ticket, gather_until)
-        if view is None:  # every reader leaves such a ticket out: so do we
+        ticket = self._ticket(capabilities, computes=True, weight=weight, size=size)
+        if ticket.declared_at > gather_until:  # every reader leaves such a ticket out: so do we
+            return AveragingResult(0, skipped=["the gathering closed before we declared"])
+        made: list[np.ndarray] = []
+
+        async def make_it() -> None:
+            made.append(await make())
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(make_it)
+            view = await self._gather(namespace, epoch, ticket, gather_until)
+        (values,) = made
+        if len(values) != size:
+            raise ValueError(f"average: a vector of {len(values)} values, declared {size}")
+        if view is None:
             return AveragingResult(0, skipped=["the gathering closed before we declared"])
         return await self._average_view(
-            namespace, epoch, view, ticket, vector, gather_until, on_round
+            namespace, epoch, view, ticket, values, gather_until, on_round
         )
 
     async def aggregate(
@@ -587,9 +619,10 @@ class Averager:
             view=view_digest(epoch, view) if several else b"",
             evidence=evidence,
         )
-        # Never the caller's: a failed round must leave it whole. An aggregator-only member's
-        # is its own zeros, which it never reads: copying would touch every page.
-        values = vector.copy() if ticket.computes else vector
+        # Never the caller's: a failed round must leave it whole (and a single group's retry
+        # starts again from it). An aggregator-only member's is its own zeros, which it never
+        # reads: copying would touch every page. Off the event loop: 400 MB took 1-1.7 s there.
+        values = await trio.to_thread.run_sync(vector.copy) if ticket.computes else vector
         exact, total, covered = True, weights[number], len(view)
         for index in range(len(moshpit.rounds)):
             members = moshpit.group(index, number)
@@ -609,8 +642,9 @@ class Averager:
             )
             reports = len(result.rounds)
             weight = await self._round(
-                namespace, index, group, view, ticket, values, shape, result, exact=exact
-            )
+                namespace, index, group, view, ticket, values, shape, result, exact=exact,
+                original=vector if not several and ticket.computes else None,
+            )  # fmt: skip
             if weight is None:
                 exact = False
                 continue
@@ -634,9 +668,11 @@ class Averager:
         result: AveragingResult,
         *,
         exact: bool,
+        original: np.ndarray | None,
     ) -> float | None:
         """One round on `values`: the total weight they stand for afterwards, or None if the
-        round was not exact (why: in `result.skipped`)."""
+        round was not exact (why: in `result.skipped`). `original`: `values` before it, kept
+        whole (a single group's retry starts from them)."""
         certificate = self.data_server.identity.certificate
         declared = {t.peer_id: t for t in view}
         try:
@@ -686,6 +722,7 @@ class Averager:
             norm_factor=(
                 self.config.norm_factor if self.config.aggregation == "centered_clip" else None
             ),
+            original=original,
         )
         result.rounds.extend(outcome.reports)
         if not outcome.included:

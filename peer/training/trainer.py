@@ -259,10 +259,11 @@ class Trainer:
                     self._snapshot = snapshot
             return self._snapshot
 
-    async def _hold(self, step: int) -> None:
+    async def _hold(self, step: int, *, digest: str | None = None) -> None:
         """Capture the state as of now as `step` (what donors serve and checkpoints hold) and
-        sign it: we sign only what we hold (`peer.training.certificate`)."""
-        digest = await self.worker.hold(step)
+        sign it: we sign only what we hold (`peer.training.certificate`). `digest`: that of
+        a state just restored, as checked when it was parsed."""
+        digest = await self.worker.hold(step, digest=digest)
         self._snapshot = None
         key = self.dht.node.identity.key_pair.private_key
         name = self.config.collaboration.name
@@ -372,10 +373,21 @@ class Trainer:
         if not self.policy.declare(gather_until, self.clock(), in_background=background):
             return
         self.progress.publish_now()
-        vector, samples = await self.worker.take()
+        # Queued before any later micro-batch, awaited while our ticket is stored: at 100 M
+        # the copy of the gradients took longer than the margin before the close, and made
+        # our ticket late (the first try of every step failed).
+        samples = self.worker.samples
+        taking = self.worker.take_soon()
+
+        async def taken() -> np.ndarray:
+            vector, took = await taking.result()
+            assert took == samples, (took, samples)  # nothing computes before the take
+            return vector
+
         step = self.step
         if not background:
-            result = await self._run_averaging(vector, samples, step, gather_until)
+            result = await self._run_averaging(taken, samples, step, gather_until)
+            vector, _ = await taking.result()
             await self._finish(vector, samples, result, gather_until)
             return
         done = self._background = trio.Event()
@@ -384,7 +396,8 @@ class Trainer:
         async def in_background() -> None:
             try:
                 with self._background_scope:
-                    result = await self._run_averaging(vector, samples, step, gather_until)
+                    result = await self._run_averaging(taken, samples, step, gather_until)
+                    vector, _ = await taking.result()
                     self._background_result = (vector, samples, result, gather_until)
             finally:
                 done.set()
@@ -392,7 +405,11 @@ class Trainer:
         nursery.start_soon(in_background)
 
     async def _run_averaging(
-        self, vector: np.ndarray, samples: int, step: int, gather_until: float
+        self,
+        vector: Callable[[], Awaitable[np.ndarray]],
+        samples: int,
+        step: int,
+        gather_until: float,
     ) -> AveragingResult:
         started = time.monotonic()
         log.debug(
@@ -410,6 +427,7 @@ class Trainer:
             epoch=int(gather_until * 1000),
             fingerprint=self.worker.fingerprint,
             gather_until=gather_until,
+            size=self.worker.vector_size,
             capabilities=self.capabilities(),
         )
         tally = self.tally
@@ -506,7 +524,7 @@ class Trainer:
         # Not older than we hold, unless we go back from a stranded step (`stranded`).
         lowest = target if target < self.step else max(target, self.step)
         try:
-            _, state, _ = await fetch_certified(
+            _, state, digest = await fetch_certified(
                 self.dht,
                 self.download,
                 donors,
@@ -518,7 +536,7 @@ class Trainer:
             await self.worker.restore(state, from_donor=True)
         except RemoteError as error:
             return str(error)
-        await self._hold(state.step)
+        await self._hold(state.step, digest=digest)
         return ""
 
     # ------------------------------------------------------------------ validation, checkpoints

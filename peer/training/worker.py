@@ -21,10 +21,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, Generic, ParamSpec, TypeVar
 
 import numpy as np
 import torch
@@ -95,6 +95,18 @@ class Held:
     digest: str
     live: bool
     """The state's tensors are the model's and optimizer's own (valid until the next change)."""
+
+
+@dataclass(frozen=True)
+class Pending(Generic[R]):
+    """Work queued on the torch thread, to be awaited (as often as wanted)."""
+
+    future: Future[R]
+
+    async def result(self) -> R:
+        # Waits without using CPU; a cancelled caller still waits for the end (trio abandons
+        # no thread that mutates the model).
+        return await trio.to_thread.run_sync(self.future.result)
 
 
 @dataclass(frozen=True)
@@ -169,10 +181,7 @@ class TorchWorker:
         return self.strategy.samples
 
     async def _run(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
-        future = self._thread.submit(fn, *args, **kwargs)
-        # Waits without using CPU; a cancelled caller still waits for the end (trio abandons
-        # no thread that mutates the model).
-        return await trio.to_thread.run_sync(future.result)
+        return await Pending(self._thread.submit(fn, *args, **kwargs)).result()
 
     # ---------------------------------------------------------------- local work and steps
 
@@ -187,7 +196,12 @@ class TorchWorker:
         return await self._run(self._compute)
 
     async def take(self) -> tuple[np.ndarray, int]:
-        return await self._run(self.strategy.take)
+        return await self.take_soon().result()
+
+    def take_soon(self) -> Pending[tuple[np.ndarray, int]]:
+        """Queue the take now (before any micro-batch asked for later), to be awaited later:
+        a trainer declares its ticket while its gradients are copied out."""
+        return Pending(self._thread.submit(self.strategy.take))
 
     async def give_back(self, vector: np.ndarray, samples: int) -> None:
         await self._run(self.strategy.give_back, vector, samples)
@@ -205,7 +219,7 @@ class TorchWorker:
         """What a step certifies of `state` (thread: it hashes every certified tensor)."""
         return states.state_digest(state, self.certified_names, self.strategy.shared)
 
-    def _hold(self, step: int) -> str:
+    def _hold(self, step: int, digest: str | None) -> str:
         # DeDLOC moves parameters and optimizer state only in apply(): the held state can be
         # the live tensors (a whole state's copy less per step) until then. DiLoCo's inner
         # steps move them with every micro-batch: a copy.
@@ -217,15 +231,17 @@ class TorchWorker:
             scheduler_state=self.strategy.schedule.state(),
             copy=not live,
         )
-        held = Held(state, self.digest(state), live)
+        held = Held(state, digest or self.digest(state), live)
         with self._state_lock:
             self.held = held
         return held.digest
 
-    async def hold(self, step: int) -> str:
+    async def hold(self, step: int, *, digest: str | None = None) -> str:
         """Hold the state as of now as `step` (what donors serve and checkpoints write); its
-        digest."""
-        return await self._run(self._hold, step)
+        digest. `digest`: that of the state just restored (`restore`), computed when it was
+        parsed: restoring copies its certified tensors exactly, and another pass over a
+        state of 1.2 GB took 1.2 s (3 s or more on a busy machine) of a late joiner's wait."""
+        return await self._run(self._hold, step, digest)
 
     @contextlib.contextmanager
     def _changing(self) -> Iterator[None]:
@@ -236,11 +252,11 @@ class TorchWorker:
                 self.held = None
             yield
 
-    def _restore(self, state: states.TrainingState, from_donor: bool) -> str:
+    def _restore(self, state: states.TrainingState, from_donor: bool) -> None:
         with self._changing():
-            return self._load(state, from_donor)
+            self._load(state, from_donor)
 
-    def _load(self, state: states.TrainingState, from_donor: bool) -> str:
+    def _load(self, state: states.TrainingState, from_donor: bool) -> None:
         strategy = self.strategy
         if from_donor:
             optimizers = {name: strategy.optimizers()[name] for name in strategy.shared}
@@ -251,7 +267,6 @@ class TorchWorker:
             states.restore(state, self.model, strategy.optimizers())
             strategy.schedule.load(state.scheduler_state)
         strategy.drop_local_work()
-        return self.digest(state)
 
     async def restore(self, state: states.TrainingState, *, from_donor: bool = False) -> None:
         """Load a state: our checkpoint, or (`from_donor`) a downloaded one, of which only the
