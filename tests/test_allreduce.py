@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import itertools
 import threading
 import weakref
@@ -20,6 +21,7 @@ import numpy as np
 import pytest
 import trio
 
+from peer.averaging import allreduce as allreduce_module
 from peer.averaging.allreduce import (
     DataServer,
     Member,
@@ -590,3 +592,25 @@ async def test_hellos_racing_the_end_of_their_round_never_end_the_server():
                     hammers.cancel_scope.cancel()
             assert accepted > 0
             nursery.cancel_scope.cancel()
+
+
+async def test_no_buffer_of_a_finished_round_outlives_it(monkeypatch):
+    """A round's sums outlived it in reference cycles (its tasks' frames) until a full garbage
+    collection: at 100 M parameters, 0.8-1.7 GB of finished rounds were alive at any time.
+    With the collector off, every reducer's sum is freed once the round has returned."""
+    sums: list[weakref.ref] = []
+
+    class Recorded(allreduce_module.PartReducer):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            sums.append(weakref.ref(self.sum))
+
+    monkeypatch.setattr(allreduce_module, "PartReducer", Recorded)
+    gc.collect()
+    gc.disable()
+    try:
+        await run_group(["normal", "normal", "client"], seed=3)
+        alive = [ref for ref in sums if ref() is not None]
+    finally:
+        gc.enable()
+    assert len(sums) == 2 and not alive

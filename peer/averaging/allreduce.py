@@ -392,11 +392,14 @@ async def allreduce(
     senders = {m.peer_id: m.cert for m in spec.members if m.computes and m.peer_id != me}
     server.identity.trust([m.cert for m in spec.members if m.peer_id != me])
     inbox = server.open_inbox(spec.round_id, senders)
+    round_: _Round | None = None
     try:
         round_ = _Round(spec, index, server, vector, stall_timeout, norm_factor)
         return await round_.run(inbox, deadline)
     finally:
         server.close_inbox(spec.round_id)
+        if round_ is not None:
+            round_.release()
 
 
 class _Round:
@@ -435,6 +438,19 @@ class _Round:
         self.part: _PartService | None = None
         self.channels: list[Channel] = []
         self.limiter = trio.CapacityLimiter(WORKER_THREADS)
+
+    def release(self) -> None:
+        """Let go of the round's vectors and buffers once it is over. Its tasks' frames can
+        outlive it in reference cycles (a cancelled task's traceback holds them), which only
+        a full garbage collection frees: at 100 M parameters 2-3 finished rounds' vectors
+        and sums (0.8-1.7 GB) were alive at any time."""
+        self.vector = np.empty(0, np.float32)
+        if self.assembler is not None:
+            self.assembler.release()
+        if self.part is not None:
+            self.part.reducer.release()
+            self.part.spare.clear()
+            self.part.lent.clear()
 
     async def off_loop(self, fn: Callable[[], T]) -> T:
         """fn() in a worker thread. Not abandoned on cancel (the default): a chunk's pass ends

@@ -96,6 +96,14 @@ class PartReducer:
         for index in range(len(self.chunks)):  # without senders every chunk is settled (empty)
             self._settle(index)
 
+    def release(self) -> None:
+        """Let go of the part's sums and buffers (`_Round.release` says why): nothing is
+        added or read after this."""
+        self.sum = np.empty(0, np.float32)
+        self.early = [{} for _ in self.chunks]
+        self.contributions = [[] for _ in self.chunks]
+        self._product = None
+
     def chunk_size(self, index: int) -> int:
         lo, hi = self.chunks[index]
         return hi - lo
@@ -257,6 +265,10 @@ class ResultAssembler:
         self.parts = parts
         self.chunks = [chunk_ranges(lo, hi, chunk_elements) for lo, hi in parts]
         self.received: dict[tuple[int, int], frozenset[str]] = {}  # (part, chunk) -> senders
+
+    def release(self) -> None:
+        """Let go of the vector (`_Round.release` says why)."""
+        self.vector = np.empty(0, np.float32)
 
     def put(self, part: int, index: int, values: np.ndarray, included: frozenset[str]) -> None:
         """Place chunk `index` of `part`, the average over `included`; raises BadPart if it
