@@ -14,6 +14,7 @@ import stat
 import subprocess
 import sys
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -112,7 +113,7 @@ def _truncate(path: Path) -> None:
 @pytest.mark.parametrize(
     ("damage", "file", "message"),
     [
-        (_flip_a_byte, "payload", "sha256"),
+        (_flip_a_byte, "payload", "crc32"),
         (_truncate, "payload", "bytes"),
         (Path.unlink, "payload", "No such file"),
         (_truncate, "step-3.json", "record step-3.json is damaged"),
@@ -273,13 +274,15 @@ def test_a_blob_round_trips_with_its_extra_metadata(tmp_path):
     assert path.read_bytes() == b"more bytes"
 
 
-def test_a_checkpoint_without_extra_keeps_the_format_of_before(tmp_path):
-    """FORMAT 1 as written before records could hold `extra`: exactly these keys, and such a
-    record written by hand loads (the files on users' disks)."""
+def test_records_of_format_1_with_a_sha256_still_load(tmp_path):
+    """Format 2 records a CRC-32 (the SHA-256 took longer than writing the payload); format 1
+    records, exactly as written before (no `extra`, a SHA-256), load from users' disks and are
+    checked against their SHA-256."""
     save_checkpoint(tmp_path, state_of(5))
     record = json.loads((tmp_path / "step-5.json").read_text())
-    assert set(record) == {"format", "file", "step", "serial", "bytes", "sha256"}
+    assert set(record) == {"format", "file", "step", "serial", "bytes", "crc32"}
     data = payload(tmp_path, 5).read_bytes()
+    assert record["format"] == 2 and record["crc32"] == zlib.crc32(data)
     old = {
         "format": 1,
         "file": "step-6-4.safetensors",
@@ -296,12 +299,24 @@ def test_a_checkpoint_without_extra_keeps_the_format_of_before(tmp_path):
     # The payload holds step 5, the record says 6: the blob API does not look inside, but
     # load_latest does, and falls back to step 5.
     assert load_latest(tmp_path).step == 5
+    # A format 1 payload that does not match its SHA-256 is damaged.
+    _flip_a_byte(tmp_path / "step-6-4.safetensors")
+    assert load_latest_blob(tmp_path) == Checkpoint(5, payload(tmp_path, 5), None, serial=1)
 
 
 def _set_extra(value: Any) -> Callable[[Path], None]:
     def edit(path: Path) -> None:
         record = json.loads(path.read_text())
         record["extra"] = value
+        path.write_text(json.dumps(record))
+
+    return edit
+
+
+def _set_format(value: Any) -> Callable[[Path], None]:
+    def edit(path: Path) -> None:
+        record = json.loads(path.read_text())
+        record["format"] = value
         path.write_text(json.dumps(record))
 
     return edit
@@ -320,7 +335,10 @@ def _add_a_key(path: Path) -> None:
         (_set_extra([1, 2]), "unexpected values"),
         (_set_extra(None), "unexpected values"),
         (_add_a_key, "expected an object with keys"),
-        (_flip_a_byte, "sha256"),
+        (_flip_a_byte, "crc32"),
+        (_set_format([1]), "unknown format [1]"),
+        (_set_format(3), "unknown format 3"),
+        (_set_format(1), "expected an object with keys"),  # a format 2 record's keys
     ],
 )
 def test_a_damaged_blob_record_falls_back_to_the_older(tmp_path, caplog, damage, message):

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import io
 import json
+import zlib
 from typing import Any
 
 import pytest
@@ -132,7 +132,7 @@ def test_to_bytes_is_deterministic():
     assert to_bytes(from_bytes(blob)) == blob
 
 
-def test_a_streamed_file_is_a_safetensors_state_and_its_hash_is_the_file_s(tmp_path, monkeypatch):
+def test_a_streamed_file_is_a_safetensors_state_and_its_crc_is_the_file_s(tmp_path, monkeypatch):
     """`write_file` streams the tensors (no `to_bytes` blob); the file loads with the
     safetensors library and back into the same state; equal states give equal files."""
     task, model, optimizers = tiny_setup()
@@ -147,9 +147,9 @@ def test_a_streamed_file_is_a_safetensors_state_and_its_hash_is_the_file_s(tmp_p
     )
     path = tmp_path / "state.safetensors"
     with path.open("wb") as file:
-        sha256 = write_file(state, file)
+        crc32 = write_file(state, file)
     data = path.read_bytes()
-    assert sha256 == hashlib.sha256(data).hexdigest()
+    assert crc32 == zlib.crc32(data)
     assert len(data) > 20 * 1000
     loaded = from_file(path)
     assert loaded.step == 4 and loaded.extra == {"samples": 3}

@@ -3,8 +3,8 @@
 Layout of a checkpoint directory (one per collaboration and task):
 
     step-140-9.safetensors the state of step 140 (safetensors), written by save number 9
-    step-140.json          its commit record: {"format": 1, "file": "step-140-9.safetensors",
-                           "step": 140, "serial": 9, "bytes": ..., "sha256": ...[, "extra": {...}]}
+    step-140.json          its commit record: {"format": 2, "file": "step-140-9.safetensors",
+                           "step": 140, "serial": 9, "bytes": ..., "crc32": ...[, "extra": {...}]}
     step-120-7.safetensors an older checkpoint (the `keep` newest are kept)
     step-120.json
     .lock                  flock()ed by the process that is saving
@@ -36,9 +36,17 @@ directory fsync makes the rename itself durable. Killed before 3's rename, no re
 payload and the old records and payloads are untouched; killed during 4, a record is always gone
 before its payload, so no record names a missing file. Hence after a kill `load_latest_blob` finds
 the newest committed checkpoint without falling back. It still checks each record's fields and
-types, its payload's size and sha256 (bit rot, hand edits, a disk that lied about fsync) and what
+types, its payload's size and checksum (bit rot, hand edits, a disk that lied about fsync) and what
 the caller's `parse` makes of it, and falls back to older checkpoints, with a warning, if the
 newest is damaged: a hand-edited file never makes it raise.
+
+The checksum is a CRC-32 (format 2; format 1 records, with a SHA-256, still load). It guards
+against accidents (bit rot, a torn or truncated file, a hand edit), as torch.save's own CRC-32s
+do; a cryptographic hash would add nothing here, since whoever can rewrite the payload can
+rewrite the record beside it, and it cost more than the write itself (SHA-256 runs at about
+1 GB/s on the machines of docs/benchmarks.md, CRC-32 at over 2). A state's authenticity is the
+certified digest's business (`peer.training.certificate`), checked wherever a state is taken
+from another peer.
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ import json
 import logging
 import os
 import re
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,12 +70,16 @@ from peer.training.state import TrainingState, from_file, write_file
 
 log = logging.getLogger("peertrain.checkpoint")
 
-FORMAT = 1
+FORMAT = 2
 LOCK = ".lock"
 _RECORD = re.compile(r"step-(0|[1-9][0-9]*)\.json")
 # step-N-S (S: the save's serial); step-N from before serials were in the name.
 _PAYLOAD = re.compile(r"step-(0|[1-9][0-9]*)(-[1-9][0-9]*)?\.safetensors")
-_KEYS = frozenset({"format", "file", "step", "serial", "bytes", "sha256"})
+#: A record's keys by format (besides "extra"), the last its checksum's.
+_KEYS = {
+    1: frozenset({"format", "file", "step", "serial", "bytes", "sha256"}),
+    2: frozenset({"format", "file", "step", "serial", "bytes", "crc32"}),
+}
 #: Bytes read at a time when a payload is checked.
 _PIECE = 16 << 20
 
@@ -79,7 +92,7 @@ class _Damaged(ValueError):
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A committed checkpoint whose payload matched its record (size and sha256) when read."""
+    """A committed checkpoint whose payload matched its record (size and checksum) when read."""
 
     step: int
     path: Path
@@ -108,7 +121,7 @@ def save_checkpoint(
     `cancelled()` turned true before the payload was written (nothing changed on disk but a
     temp file, removed)."""
 
-    def write(file: BinaryIO) -> str:
+    def write(file: BinaryIO) -> int:
         return write_file(state, file, cancelled=cancelled)
 
     return _save(directory, state.step, write, extra=None, keep=keep)
@@ -125,11 +138,11 @@ def save_blob(
     """Write `blob` (the state of `step`) as the newest checkpoint in `directory` (created if
     missing), with `extra` (JSON-able) in its record, keep the `keep` newest, and return the
     payload's path. ConfigError if the directory cannot be written."""
-    sha256 = hashlib.sha256(blob).hexdigest()  # before taking the lock: the slow part
+    crc32 = zlib.crc32(blob)  # before taking the lock: the slow part
 
-    def write(file: BinaryIO) -> str:
+    def write(file: BinaryIO) -> int:
         file.write(blob)
-        return sha256
+        return crc32
 
     return _save(directory, step, write, extra=extra, keep=keep)
 
@@ -137,13 +150,13 @@ def save_blob(
 def _save(
     directory: Path,
     step: int,
-    write: Callable[[BinaryIO], str],
+    write: Callable[[BinaryIO], int],
     *,
     extra: dict[str, Any] | None,
     keep: int,
 ) -> Path:
     """The save protocol of the module docstring; `write(file)` writes the payload and returns
-    its sha256."""
+    its CRC-32."""
     assert keep >= 1, keep
     assert step >= 0, step
     name = f"step-{step}"
@@ -152,7 +165,7 @@ def _save(
         record["extra"] = extra
 
     def payload(file: BinaryIO) -> None:
-        record["sha256"] = write(file)
+        record["crc32"] = write(file)
         record["bytes"] = file.tell()
 
     try:
@@ -232,15 +245,21 @@ def load_latest_blob(
 def _load(directory: Path, record: dict[str, Any]) -> Checkpoint:
     """The record's checkpoint, its payload checked piece by piece (no whole-file blob)."""
     path = directory / record["file"]
-    digest, size = hashlib.sha256(), 0
+    sha256 = hashlib.sha256() if record["format"] == 1 else None
+    crc32, size = 0, 0
     with path.open("rb") as file:
         while piece := file.read(_PIECE):
-            digest.update(piece)
+            if sha256 is None:
+                crc32 = zlib.crc32(piece, crc32)
+            else:
+                sha256.update(piece)
             size += len(piece)
     if size != record["bytes"]:
         raise _Damaged(f"{size} bytes, the record says {record['bytes']}")
-    if digest.hexdigest() != record["sha256"]:
+    if sha256 is not None and sha256.hexdigest() != record["sha256"]:
         raise _Damaged("sha256 differs from the record")
+    if sha256 is None and crc32 != record["crc32"]:
+        raise _Damaged("crc32 differs from the record")
     return Checkpoint(record["step"], path, record.get("extra"), record["serial"])
 
 
@@ -254,16 +273,26 @@ def _records(directory: Path, *, warn: bool = False) -> dict[str, dict[str, Any]
         try:
             record = json.loads(path.read_bytes())
             step = int(match.group(1))
-            if not isinstance(record, dict) or set(record) - {"extra"} != _KEYS:
-                raise ValueError(f"expected an object with keys {sorted(_KEYS)} (and 'extra')")
+            if not isinstance(record, dict):
+                raise ValueError("expected a JSON object")
+            version = record.get("format")
+            keys = _KEYS.get(version) if type(version) is int else None
+            if keys is None:
+                raise ValueError(f"unknown format {version!r} (expected one of {sorted(_KEYS)})")
+            if set(record) - {"extra"} != keys:
+                raise ValueError(f"expected an object with keys {sorted(keys)} (and 'extra')")
+            checksum = record.get("crc32", record.get("sha256"))
             if (
-                record["format"] != FORMAT
-                or record["step"] != step
+                record["step"] != step
                 or type(record["serial"]) is not int
                 or record["file"]
                 not in (f"step-{step}-{record['serial']}.safetensors", f"step-{step}.safetensors")
                 or type(record["bytes"]) is not int
-                or not isinstance(record["sha256"], str)
+                or not (
+                    isinstance(checksum, str)
+                    if version == 1
+                    else type(checksum) is int and 0 <= checksum < 1 << 32
+                )
                 or not isinstance(record.get("extra", {}), dict)
             ):
                 raise ValueError(f"unexpected values {record!r}")

@@ -27,6 +27,7 @@ import json
 import math
 import re
 import warnings
+import zlib
 from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -204,7 +205,7 @@ _DTYPES = {
     torch.uint8: "U8",
     torch.bool: "BOOL",
 }
-#: Bytes written (and hashed) at a time: the hash of one piece runs while the next is written.
+#: Bytes written (and summed) at a time: one piece's checksum runs while the next is written.
 _PIECE = 16 << 20
 
 
@@ -238,25 +239,33 @@ class WriteCancelled(Exception):
 
 def write_file(
     state: TrainingState, file: BinaryIO, *, cancelled: Callable[[], bool] = lambda: False
-) -> str:
+) -> int:
     """Write `state` to `file` in the safetensors format, straight from its tensors' memory
-    (no whole-state blob: that doubled a checkpoint's memory and time), and return the sha256
-    of what was written. Hashing runs in a second thread beside the writes (both release the
-    GIL), so the hash costs little more than the write itself. `from_file` (the safetensors
-    library) reads it back. `cancelled()` is asked between pieces: WriteCancelled if true."""
-    digest = hashlib.sha256()
-    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="peertrain-hash") as hasher:
-        pending = hasher.submit(lambda: None)
+    (no whole-state blob: that doubled a checkpoint's memory and time), and return the CRC-32
+    of what was written. The checksum runs in a second thread beside the writes (both release
+    the GIL). `from_file` (the safetensors library) reads it back. `cancelled()` is asked
+    between pieces: WriteCancelled if true."""
+    crc = _Crc32()
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="peertrain-crc") as checksum:
+        pending = checksum.submit(lambda: None)
         for data in _layout(state):
             for start in range(0, len(data), _PIECE):
                 if cancelled():
                     raise WriteCancelled(f"cut short after {file.tell()} bytes")
                 piece = data[start : start + _PIECE]
-                pending.result()  # one piece hashed while the next is written
-                pending = hasher.submit(digest.update, piece)
+                pending.result()  # one piece summed while the next is written
+                pending = checksum.submit(crc.update, piece)
                 file.write(piece)
         pending.result()
-    return digest.hexdigest()
+    return crc.value
+
+
+class _Crc32:
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data: memoryview) -> None:
+        self.value = zlib.crc32(data, self.value)
 
 
 class StaleState(RemoteError):
