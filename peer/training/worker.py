@@ -13,6 +13,8 @@ mutates the model), so the state is never left half-stepped.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import hashlib
 import logging
 import math
@@ -87,6 +89,26 @@ def lower_priority() -> None:
         os.setpriority(
             os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + NICENESS)
         )
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's malloc_trim, or None (another C library: macOS, musl)."""
+    if sys.platform != "linux":
+        return None
+    with contextlib.suppress(OSError, AttributeError):
+        return ctypes.CDLL(None).malloc_trim  # type: ignore[no-any-return]
+    return None
+
+
+def return_free_memory() -> None:
+    """Give the C heap's free pages back to the system (glibc's `malloc_trim`; a no-op where
+    there is none). glibc keeps blocks under its mmap threshold (up to 32 MB, raised as big
+    blocks are freed) in its heaps once freed: a 100 M model's gradients, freed when they are
+    taken, stayed in RSS (about 500 MB) through the averaging."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 @dataclass(frozen=True, eq=False)
@@ -201,7 +223,12 @@ class TorchWorker:
     def take_soon(self) -> Pending[tuple[np.ndarray, int]]:
         """Queue the take now (before any micro-batch asked for later), to be awaited later:
         a trainer declares its ticket while its gradients are copied out."""
-        return Pending(self._thread.submit(self.strategy.take))
+        return Pending(self._thread.submit(self._take))
+
+    def _take(self) -> tuple[np.ndarray, int]:
+        taken = self.strategy.take()
+        return_free_memory()  # the gradients just freed: the averaging's copies come next
+        return taken
 
     async def give_back(self, vector: np.ndarray, samples: int) -> None:
         await self._run(self.strategy.give_back, vector, samples)

@@ -27,6 +27,7 @@ import hashlib
 import itertools
 import json
 import re
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,7 +127,7 @@ class Verdict:
 
 def independent_load(directory: Path, record_name: str) -> Verdict:
     """Check one checkpoint without peer.training.checkpoint: the record's own JSON, then its
-    payload's size and SHA-256, then a safetensors parse, the step in the payload's header and
+    payload's size and checksum (format 1: SHA-256, 2: CRC-32), then a safetensors parse, the step in the payload's header and
     finite tensors."""
     try:
         record = json.loads((directory / record_name).read_bytes())
@@ -143,8 +144,12 @@ def independent_load(directory: Path, record_name: str) -> Verdict:
         return Verdict(record_name, step, serial, False, f"record names {record!r}")
     if len(data) != record.get("bytes"):
         return Verdict(record_name, step, serial, False, f"{len(data)} bytes, record says other")
-    if hashlib.sha256(data).hexdigest() != record.get("sha256"):
+    if record.get("format") == 1 and hashlib.sha256(data).hexdigest() != record.get("sha256"):
         return Verdict(record_name, step, serial, False, "sha256 differs")
+    if record.get("format") == 2 and zlib.crc32(data) != record.get("crc32"):
+        return Verdict(record_name, step, serial, False, "crc32 differs")
+    if record.get("format") not in (1, 2):
+        return Verdict(record_name, step, serial, False, f"format {record.get('format')!r}")
     try:
         tensors = safetensors.torch.load(data)
         size = int.from_bytes(data[:8], "little")
