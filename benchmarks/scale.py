@@ -403,6 +403,17 @@ def steps(records: list[dict]) -> list[tuple[float, int]]:
     return [(when(r), r["applied"]["step"]) for r in records if "applied" in r]
 
 
+def allreduce_seconds(records: list[list[dict]], since: float, until: float) -> list[float]:
+    """The all-reduce rounds' seconds of every step applied in (since, until], as each peer
+    logged them (`applied.allreduce_s`; 0 for a step taken alone)."""
+    return [
+        r["applied"]["allreduce_s"]
+        for peer_records in records
+        for r in peer_records
+        if "applied" in r and since < when(r) <= until and r["applied"].get("allreduce_s")
+    ]
+
+
 CALL = re.compile(r"calling step (\d+): averaging at \+([0-9.]+)s")
 
 
@@ -506,6 +517,8 @@ class Collab:
     counts_all: Counter[str] = field(default_factory=Counter)
     """The same from their start to the end of the window."""
     close_to_step: list[float] = field(default_factory=list)
+    allreduce_s: list[float] = field(default_factory=list)
+    """The all-reduce rounds' seconds of each step applied in the window (every peer's)."""
     """Per step applied in the window: seconds from its gathering's close to the step's log."""
     rss: dict[str, int] = field(default_factory=dict)
     loops: dict[str, dict | None] = field(default_factory=dict)
@@ -607,6 +620,7 @@ def run_collaboration(settings: Settings, args: argparse.Namespace) -> Collab:
         result.steps_in_window = (first, last)
         result.steps_per_minute = (last - first) / (end - start) * 60
         result.close_to_step = close_to_step(records, start, end)
+        result.allreduce_s = allreduce_seconds(records, start, end)
         if result.problem:
             return result
         # 3. A late joiner: it downloads the state, then trains.
@@ -720,9 +734,16 @@ def report(settings: Settings, base: Baselines, run: Collab) -> tuple[list[Row],
 
     # All-reduce.
     floor = base.allreduce_floor
-    rows.append(missing(
-        "all-reduce s in training / floor", "no log line or metric times the all-reduce alone"
-    ))  # fmt: skip
+    if run.allreduce_s and floor:
+        median = statistics.median(run.allreduce_s)
+        rows.append(Row(
+            "all-reduce s in training / floor", f"{seconds(median)} (median of "
+            f"{len(run.allreduce_s)}, max {seconds(max(run.allreduce_s))})",
+            f"floor {seconds(floor)}", f"{median / floor:.1f}x",
+        ))  # fmt: skip
+    else:
+        why = "no floor" if not floor else "no step logged its all-reduce"
+        rows.append(missing("all-reduce s in training / floor", why))
     if run.close_to_step and floor:
         close = statistics.median(run.close_to_step)
         rows.append(Row(

@@ -177,6 +177,7 @@ async def test_exact_weighted_average_for_every_mix_of_roles(n, roles):
         assert reports[i].complete
         assert {c.senders for c in reports[i].chunks} == {len(computing)}
         assert reports[i].exact_over == everyone and not reports[i].undelivered
+        assert reports[i].seconds > 0  # the round's own time, logged with each step
     for i in computing[1:]:
         assert np.array_equal(players[i].vector, players[computing[0]].vector)
     # Wire bytes follow the role solver's model: P (c + g (K - 2c)) each way, plus framing.

@@ -83,7 +83,7 @@ def size_of(trainer: Trainer) -> int:
 
 def group_result(size: int, weight: float, *, complete: bool = True) -> AveragingResult:
     """What the averager returns: the exact average of `weight` samples, or nothing."""
-    report = RoundReport(chunks=[ChunkResult(0, size, 3)])
+    report = RoundReport(chunks=[ChunkResult(0, size, 3)], seconds=1.25, bytes_sent=10)
     if not complete:
         report.dropped_senders["someone"] = "timed out"
         return AveragingResult(peers_seen=3, rounds=[report], skipped=["round 0: incomplete"])
@@ -243,6 +243,7 @@ async def test_a_uniformly_weighted_step_records_no_global_batch(
     assert trainer.status().global_batches == recorded
     applied = [r.applied for r in caplog.records if hasattr(r, "applied")]
     assert applied[-1]["global_batch"] == (recorded[0] if recorded else None)
+    assert applied[-1]["allreduce_s"] == 1.25  # the rounds' time, for benchmarks and operators
     assert ("of 3" in caplog.text) == bool(recorded)
 
 

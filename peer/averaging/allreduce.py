@@ -158,6 +158,8 @@ class RoundReport:
     bytes_received: int = 0
     reduced: float = 0.0
     """The fraction of the vector this member reduced (its part, by the spec's shares)."""
+    seconds: float = 0.0
+    """How long the round took here, from its start to its report."""
 
     @property
     def complete(self) -> bool:
@@ -458,6 +460,7 @@ class _Round:
         return await trio.to_thread.run_sync(fn, limiter=self.limiter)
 
     async def run(self, inbox: trio.MemoryReceiveChannel, deadline: float) -> RoundReport:
+        started = trio.current_time()
         lo, hi = self.parts[self.index]
         if self.me.computes and not await self.off_loop(lambda: _all_finite(self.vector)):
             raise ValueError("the local vector holds NaN or Inf: it cannot be averaged")
@@ -485,6 +488,7 @@ class _Round:
             self.report.chunks = self.assembler.report()
         self.report.bytes_sent += sum(c.bytes_sent for c in self.channels)
         self.report.bytes_received += sum(c.bytes_received for c in self.channels)
+        self.report.seconds = trio.current_time() - started
         return self.report
 
     def _owes_me(self, j: int) -> bool:

@@ -467,9 +467,9 @@ class Trainer:
         assert average is not None  # a step
         await self.worker.apply(average)
         await self._hold(self.step + 1)
-        self._note_step(verdict, samples)
+        self._note_step(verdict, samples, result)
 
-    def _note_step(self, verdict: Verdict, samples: int) -> None:
+    def _note_step(self, verdict: Verdict, samples: int, result: AveragingResult) -> None:
         tally = self.tally
         if verdict.global_batch is not None:
             tally.global_batches.append(verdict.global_batch)
@@ -492,6 +492,15 @@ class Trainer:
                     "peers": verdict.members,
                     "samples": samples,
                     "global_batch": batch,
+                    # Seconds: the all-reduce rounds alone, and the whole averaging call
+                    # (gathering, matchmaking and rounds); bytes on the data plane.
+                    "allreduce_s": round(sum(r.seconds for r in result.rounds), 3),
+                    "averaging_s": (
+                        None
+                        if tally.last_step_seconds is None
+                        else round(tally.last_step_seconds, 3)
+                    ),
+                    "bytes": sum(r.bytes_sent + r.bytes_received for r in result.rounds),
                 }
             },
         )
