@@ -384,7 +384,8 @@ def when(record: dict) -> float:
 
 def outcomes(records: list[dict], since: float, until: float) -> Counter[str]:
     """The trainer's averaging outcomes logged in (since, until]: a step applied ("applied"
-    field), "did not complete" (a failure), "no sample in our group" (routine, not a step)."""
+    field), "did not complete" or "missed the gathering" (a failure: the peer's work did not
+    count in that step), "no sample in our group" (routine, not a step)."""
     counts: Counter[str] = Counter()
     for record in records:
         if record.get("logger") != "peertrain.trainer" or not since < when(record) <= until:
@@ -393,6 +394,8 @@ def outcomes(records: list[dict], since: float, until: float) -> Counter[str]:
         if "applied" in record:
             counts["applied"] += 1
         elif msg.startswith("averaging for step") and "did not complete" in msg:
+            counts["failed"] += 1
+        elif msg.startswith("missed the gathering of step"):
             counts["failed"] += 1
         elif msg.startswith("no sample in our group"):
             counts["no sample"] += 1

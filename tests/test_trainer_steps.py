@@ -446,6 +446,40 @@ async def test_a_donor_cannot_hand_over_a_state_other_than_the_certified_one(
     assert trainer.status().downloads == 1
 
 
+@pytest.mark.parametrize("mode", ["dedloc", "diloco"])
+async def test_a_download_makes_room_first_and_a_diloco_peer_keeps_its_inner_steps(
+    tmp_path, autojump_clock, mode
+):
+    """A peer behind the collaboration downloads with its state and the download's bytes at
+    once: a DeDLOC peer's gradient sums (for a step already taken without it) go before the
+    download, not after it (at 100 M a peer that fell behind peaked at 3.9 GB). A DiLoCo
+    peer's inner steps stay while the download fails."""
+    trainer = await make_trainer(tmp_path, mode=mode, inner_steps=INNER_STEPS)
+    donor = await make_trainer(tmp_path / "a", mode=mode, inner_steps=INNER_STEPS)
+    partner = await make_trainer(tmp_path / "b", mode=mode, inner_steps=INNER_STEPS)
+    await take_steps(donor, 1)
+    await take_steps(partner, 1)
+    for _ in range(2):
+        await trainer.worker.compute()
+    before = [p.detach().clone() for p in trainer.worker.model.parameters()]
+    read(trainer, signed_record(donor, partner))
+    seen = []
+
+    async def download(donors, step):
+        seen.append(trainer.worker.samples)
+        raise RemoteError("busy")
+
+    trainer.download = download
+    await trainer._catch_up(*behind(trainer))
+    if mode == "dedloc":
+        assert seen == [0]
+        assert all(p.grad is None for p in trainer.worker.model.parameters())
+    else:
+        assert seen == [16] and trainer.worker.samples == 16
+    after = list(trainer.worker.model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
 async def test_failed_state_downloads_back_off_and_the_record_says_downloading(
     tmp_path, autojump_clock
 ):

@@ -515,6 +515,7 @@ class Trainer:
         """Download the state of `target` (within `within` seconds, if given), adopt it if
         it is certified, and tell the policy; after a failure, wait as it says."""
         self.progress.publish_now()  # our record says we are downloading
+        await self.worker.before_download()
         problem = "cut short"
         with trio.move_on_after(math.inf if within is None else within):
             problem = await self._download(donors, target)

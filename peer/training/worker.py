@@ -295,6 +295,18 @@ class TorchWorker:
             strategy.schedule.load(state.scheduler_state)
         strategy.drop_local_work()
 
+    def _before_download(self) -> None:
+        if isinstance(self.strategy, LargeBatch):
+            self.strategy.drop_local_work()  # not the state we hold: that stays servable
+        return_free_memory()
+
+    async def before_download(self) -> None:
+        """Make room for a state download (its bytes, then the state they hold): a DeDLOC
+        peer's gradient sums are for a step the collaboration has passed (a restore drops
+        them anyway), so they go now, and freed memory goes back to the system. A DiLoCo
+        peer keeps its inner steps until a download replaces them."""
+        await self._run(self._before_download)
+
     async def restore(self, state: states.TrainingState, *, from_donor: bool = False) -> None:
         """Load a state: our checkpoint, or (`from_donor`) a downloaded one, of which only the
         certified part is taken (`states.restore`): the learning-rate schedule is replayed
