@@ -393,9 +393,9 @@ def outcomes(records: list[dict], since: float, until: float) -> Counter[str]:
         msg = record.get("msg", "")
         if "applied" in record:
             counts["applied"] += 1
-        elif msg.startswith("averaging for step") and "did not complete" in msg:
-            counts["failed"] += 1
-        elif msg.startswith("missed the gathering of step"):
+        elif (msg.startswith("averaging for step") and "did not complete" in msg) or (
+            msg.startswith("missed the gathering of step")
+        ):
             counts["failed"] += 1
         elif msg.startswith("no sample in our group"):
             counts["no sample"] += 1
