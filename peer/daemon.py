@@ -255,6 +255,9 @@ async def find_backbones(dht: DHT, collaboration: str, *, first: Sequence[ID]) -
 
 def load_workload(config: PeerConfig) -> tuple[Task, torch.device]:
     """The task and device a peer computes on (imports torch; raises ConfigError)."""
+    # Imported here, before the event loop has work: in `train_then_stop` the import held
+    # the loop for 0.1-0.2 s while the node was joining.
+    import peer.training.service  # noqa: F401
     from peer.measure.compute import pick_device
     from peer.training.task import load_task
 
