@@ -364,7 +364,8 @@ class LocalSGD(Shared):
     def take(self) -> tuple[np.ndarray, int]:
         """The pseudo-gradient (anchor - local), the buffers, and the inner samples behind it.
         The local work stays in place until `apply` (a failed averaging continues from it)."""
-        pseudo = [a - p.detach().float() for a, p in zip(self.anchor, self.params, strict=True)]
+        # One parameter's difference at a time: a list of them all was a model's worth more.
+        pseudo = (a - p.detach().float() for a, p in zip(self.anchor, self.params, strict=True))
         return self.vector(pseudo, 1), self.samples
 
     def give_back(self, vector: np.ndarray, samples: int) -> None:

@@ -543,6 +543,8 @@ class Trainer:
                 parse=self.worker.parse,
                 lowest=lowest,
             )
+            # Its tensors are about to be replaced: they go with our state, not after the hold.
+            self._snapshot = None
             await self.worker.restore(state, from_donor=True)
         except RemoteError as error:
             return str(error)
