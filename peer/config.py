@@ -256,8 +256,9 @@ class TrainingConfig(_Section):
     outer_momentum: float = 0.9
     """diloco: outer Nesterov SGD momentum (0: plain SGD; with outer_lr 1, parameter averaging)."""
     gather_window: float = 2.0
-    """Seconds between a step being called and its averaging (peers short of their part of the
-    step keep computing meanwhile)."""
+    """Seconds between a step being called and its averaging, at least (peers short of their
+    part of the step keep computing meanwhile); widened where DHT stores are slow or
+    micro-batches long (`peer.training.timing.Timing.window`)."""
     progress_interval: float = 1.0
     """Seconds between progress publications and reads of the collaboration's progress."""
     solo_after: float = 60.0

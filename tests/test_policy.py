@@ -136,11 +136,15 @@ def test_one_dedloc_step_walked_on_a_virtual_clock():
     now = T0 + 1.0
     read(policy, other("z1", samples=16, samples_per_second=10.0, updated_at=now), now=now)
     action = policy.next_action(Local(samples=32, **rate), now)
-    assert action == Call(now + window) and policy.take_changed()
+    # Time for the other to see the call (a progress interval), finish a micro-batch (twice
+    # ours) and declare.
+    called = policy.timing.window(policy.store_seconds, rate["batch_seconds"])
+    assert called == pytest.approx(1.0 + 2 * 0.8 + 0.25) and called > window
+    assert action == Call(now + called) and policy.take_changed()
     assert policy.own_record(Local(samples=32), now).call_step == 0
     assert isinstance(policy.next_action(Local(samples=32, **rate), now + 0.1), Wait)
-    # Half the window later: declare, after one more read.
-    gather_until = now + window
+    # Half the window before the close: declare, after one more read.
+    gather_until = now + called
     action = policy.next_action(Local(samples=32, **rate), gather_until - window / 2)
     assert isinstance(action, Declare) and action.gather_until == gather_until
     assert policy.declare(gather_until, gather_until - window / 2, in_background=False)

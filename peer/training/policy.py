@@ -425,10 +425,12 @@ class StepPolicy:
             self._ready_since = None
         window = self.timing.window(self.store_seconds)
         if self._may_call(view, local, now):
-            call = now + window
+            # Long enough for the others to see the call and finish their micro-batch.
+            ours = self.timing.window(self.store_seconds, local.batch_seconds)
+            call = now + ours
             self.call = (self.held.step, call)
             self.changed = True
-            log.info("calling step %d: averaging at +%.1fs", self.held.step + 1, window)
+            log.info("calling step %d: averaging at +%.1fs", self.held.step + 1, ours)
             return Call(call)
         if call is not None and not local.averaging:
             margin = self.timing.declare_margin(self.store_seconds)

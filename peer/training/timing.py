@@ -48,9 +48,19 @@ class Timing:
     def max_window(self) -> float:
         return max(MAX_WINDOW_FACTOR * self.gather_window, MAX_WINDOW_FLOOR)
 
-    def window(self, store_seconds: float) -> float:
+    def window(self, store_seconds: float, batch_seconds: float = 0.0) -> float:
         """The gathering window of a step we call: `gather_window`, widened where our DHT
-        stores are slow so that tickets still land before it closes, at most `max_window`."""
+        stores are slow so that tickets still land before it closes, and where a micro-batch
+        is long (`batch_seconds`, ours): a peer sees the call within a progress interval,
+        finishes the micro-batch it is in (twice ours: others may be slower), then declares
+        before the margin. At most `max_window`. (At 100 M, 1 s micro-batches and a 2 s
+        window: two peers of three missed a call.)"""
+        seen_and_declared = (
+            self.progress_interval + 2 * batch_seconds + self.declare_margin(store_seconds) / 2
+        )
+        return min(max(self._window(store_seconds), seen_and_declared), self.max_window)
+
+    def _window(self, store_seconds: float) -> float:
         return min(max(self.gather_window, STORES_PER_WINDOW * store_seconds), self.max_window)
 
     def latest_call(self, now: float) -> float:
@@ -61,7 +71,7 @@ class Timing:
     def declare_margin(self, store_seconds: float) -> float:
         """Our ticket must be in the DHT before the gathering closes: stop computing this early
         (at least twice what a store of ours takes)."""
-        return max(min(self.window(store_seconds) / 4, MAX_DECLARE_MARGIN), 2 * store_seconds)
+        return max(min(self._window(store_seconds) / 4, MAX_DECLARE_MARGIN), 2 * store_seconds)
 
     def settle_patience(self, store_seconds: float) -> float:
         """How long a finished peer waits for the others to agree on its step and digest."""
