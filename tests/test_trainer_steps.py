@@ -28,6 +28,7 @@ from peer.config import AveragingConfig, PeerConfig, TaskConfig, TrainingConfig
 from peer.errors import RemoteError
 from peer.training import checkpoint as checkpoints
 from peer.training import state as states
+from peer.training import trainer as trainer_module
 from peer.training import worker as worker_module
 from peer.training.policy import CatchUp, Compute
 from peer.training.progress import CollaborationView, ProgressRecord
@@ -745,6 +746,44 @@ async def test_the_checkpoint_on_the_way_out_is_given_up_when_it_takes_too_long(
         await trainer._checkpoint(force=True)
     assert asked[-1] == (2, True)
     assert checkpoints.load_latest(trainer.checkpoint_dir).step == 1  # the previous one stands
+
+
+async def test_a_cancelled_wait_for_torch_work_still_ends_after_the_work(tmp_path):
+    """The work mutates the model: the caller hears of its cancellation only once the work is
+    done; the worker notes when the cancellation came (a stop's clock starts there)."""
+    trainer = await make_trainer(tmp_path)
+    done = threading.Event()
+
+    def slow() -> None:
+        time.sleep(0.3)
+        done.set()
+
+    before = time.monotonic()
+    with trio.move_on_after(0.05) as scope:
+        await trainer.worker._run(slow)
+    assert scope.cancelled_caught and done.is_set()
+    began = trainer.worker.cancelled_at
+    assert began is not None and before < began < before + 0.3
+
+
+async def test_the_final_save_gets_what_is_left_after_waiting_for_the_torch_thread(tmp_path):
+    """A stop that waited for the torch thread's work in hand (a micro-batch, a digest: 1-2 s
+    at 100 M on a busy machine) then gave the final save its full 1.5 s: 4.3 s to stop. The
+    save must end FINAL_SAVE_BY after the stop began."""
+    trainer = await make_trainer(tmp_path)
+    await take_steps(trainer, 1)
+    await trainer._save()  # a periodic checkpoint: no time limit
+    await take_steps(trainer, 1)
+    trainer.worker._thread.submit(time.sleep, 0.4)  # the work in hand when the stop comes
+    with trio.move_on_after(0.01):
+        await trainer.worker.compute()
+    assert trainer.worker.cancelled_at is not None
+    await trainer._checkpoint(force=True)  # 0.4 s spent of FINAL_SAVE_BY: time for it
+    assert checkpoints.load_latest(trainer.checkpoint_dir).step == 2
+    await take_steps(trainer, 1)
+    trainer.worker.cancelled_at = time.monotonic() - trainer_module.FINAL_SAVE_BY
+    await trainer._checkpoint(force=True)  # none left: the previous checkpoint stands
+    assert checkpoints.load_latest(trainer.checkpoint_dir).step == 2
 
 
 async def test_the_refusal_of_another_task_shows_no_control_characters(tmp_path):
