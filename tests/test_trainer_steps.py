@@ -748,9 +748,9 @@ async def test_the_checkpoint_on_the_way_out_is_given_up_when_it_takes_too_long(
     assert checkpoints.load_latest(trainer.checkpoint_dir).step == 1  # the previous one stands
 
 
-async def test_a_cancelled_wait_for_torch_work_still_ends_after_the_work(tmp_path):
-    """The work mutates the model: the caller hears of its cancellation only once the work is
-    done; the worker notes when the cancellation came (a stop's clock starts there)."""
+async def test_a_stop_is_noted_at_once_while_the_torch_thread_finishes_its_work(tmp_path):
+    """The work in hand mutates the model: the training task waits for it even when told to
+    stop; the stop's time is noted at once beside it (the wait comes out of the final save's)."""
     trainer = await make_trainer(tmp_path)
     done = threading.Event()
 
@@ -758,12 +758,17 @@ async def test_a_cancelled_wait_for_torch_work_still_ends_after_the_work(tmp_pat
         time.sleep(0.3)
         done.set()
 
+    async def training() -> None:
+        await trainer.worker._run(slow)
+
     before = time.monotonic()
     with trio.move_on_after(0.05) as scope:
-        await trainer.worker._run(slow)
-    assert scope.cancelled_caught and done.is_set()
-    began = trainer.worker.cancelled_at
-    assert began is not None and before < began < before + 0.3
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trainer._note_stop)
+            await training()
+    assert scope.cancelled_caught and done.is_set()  # the work ended before the stop did
+    began = trainer._stop_began
+    assert began is not None and before < began < before + 0.25
 
 
 async def test_the_final_save_gets_what_is_left_after_waiting_for_the_torch_thread(tmp_path):
@@ -774,14 +779,11 @@ async def test_the_final_save_gets_what_is_left_after_waiting_for_the_torch_thre
     await take_steps(trainer, 1)
     await trainer._save()  # a periodic checkpoint: no time limit
     await take_steps(trainer, 1)
-    trainer.worker._thread.submit(time.sleep, 0.4)  # the work in hand when the stop comes
-    with trio.move_on_after(0.01):
-        await trainer.worker.compute()
-    assert trainer.worker.cancelled_at is not None
-    await trainer._checkpoint(force=True)  # 0.4 s spent of FINAL_SAVE_BY: time for it
+    trainer._stop_began = time.monotonic() - 0.4  # waited 0.4 s: time is left
+    await trainer._checkpoint(force=True)
     assert checkpoints.load_latest(trainer.checkpoint_dir).step == 2
     await take_steps(trainer, 1)
-    trainer.worker.cancelled_at = time.monotonic() - trainer_module.FINAL_SAVE_BY
+    trainer._stop_began = time.monotonic() - trainer_module.FINAL_SAVE_BY
     await trainer._checkpoint(force=True)  # none left: the previous checkpoint stands
     assert checkpoints.load_latest(trainer.checkpoint_dir).step == 2
 

@@ -260,6 +260,7 @@ async def test_a_member_killed_mid_averaging_leaves_the_others_their_own_gradien
     survivors = [i for i in range(5) if i != victim]
     assert relays[victim].returned == 4000  # it returned some averages before it died
     assert trainers[victim].step == 0
+    assert trainers[victim]._stop_began is not None  # its final save's clock started there
     assert [trainers[i].step for i in survivors] == [steps] * 4
     # The victim's group saw the averaging fail (on a loaded machine a survivor may instead
     # have missed that gathering: then it never took part in the cut round).

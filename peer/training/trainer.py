@@ -162,6 +162,7 @@ class Trainer:
         self.tally = Tally()
         self._saving = False  # a periodic checkpoint is being written
         self._snapshot: Snapshot | None = None
+        self._stop_began: float | None = None  # time.monotonic(), when we were told to stop
         self._serializing = trio.Lock()
         # A delayed averaging in flight (dedloc, delayed_updates) and its result when done.
         self._background: trio.Event | None = None
@@ -296,6 +297,7 @@ class Trainer:
         await self.prepare()
         try:
             async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._note_stop)
                 await nursery.start(self.progress.run)
                 with trio.move_on_after(self.timing.first_read):
                     await self._view_changed.wait()  # the first read, to know if we are behind
@@ -313,6 +315,14 @@ class Trainer:
         finally:
             with trio.CancelScope(shield=True):
                 await self._checkpoint(force=True)
+
+    async def _note_stop(self) -> None:
+        """Note when we are told to stop: at once, while the training task may still wait for
+        the torch thread's work in hand (a wait that comes out of the final save's time)."""
+        try:
+            await trio.sleep_forever()
+        finally:
+            self._stop_began = time.monotonic()
 
     async def _train(self, nursery: trio.Nursery) -> None:
         while True:
@@ -578,7 +588,7 @@ class Trainer:
             return
         # What is left of the stop's budget: waiting for the torch thread's work in hand (a
         # micro-batch, a digest: 1-2 s at 100 M on a busy machine) came out of it.
-        began = self.worker.cancelled_at
+        began = self._stop_began
         spent = 0.0 if began is None else time.monotonic() - began
         await self._save(within=max(0.0, min(FINAL_SAVE_SECONDS, FINAL_SAVE_BY - spent)))
 

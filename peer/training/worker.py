@@ -125,19 +125,11 @@ class Pending(Generic[R]):
     """Work queued on the torch thread, to be awaited (as often as wanted)."""
 
     future: Future[R]
-    on_cancel: Callable[[], None] = lambda: None
-    """Told at once when a caller waiting for it is cancelled (before the work ends)."""
 
     async def result(self) -> R:
-        # Waits without using CPU. A cancelled caller still waits for the end (the work
-        # mutates the model), and hears of its cancellation after it.
-        try:
-            return await trio.to_thread.run_sync(self.future.result, abandon_on_cancel=True)
-        except trio.Cancelled:
-            self.on_cancel()
-            with trio.CancelScope(shield=True):
-                await trio.to_thread.run_sync(self.future.exception)
-            raise
+        # Waits without using CPU; a cancelled caller still waits for the end (trio abandons
+        # no thread that mutates the model).
+        return await trio.to_thread.run_sync(self.future.result)
 
 
 @dataclass(frozen=True)
@@ -207,9 +199,6 @@ class TorchWorker:
         self._saved: weakref.ref[Held] | None = None
         # Taken by whatever changes a live held state and by the checkpoint writer reading it.
         self._state_lock = threading.Lock()
-        #: When a caller waiting for torch work was first cancelled (time.monotonic(); None:
-        #: never): a stop, whose time the wait for that work already spent.
-        self.cancelled_at: float | None = None
 
     @property
     def samples(self) -> int:
@@ -217,14 +206,7 @@ class TorchWorker:
         return self.strategy.samples
 
     async def _run(self, fn: Callable[P, R], *args: P.args, **kwargs: P.kwargs) -> R:
-        return await self._pending(self._thread.submit(fn, *args, **kwargs)).result()
-
-    def _pending(self, future: Future[R]) -> Pending[R]:
-        return Pending(future, self._note_cancelled)
-
-    def _note_cancelled(self) -> None:
-        if self.cancelled_at is None:
-            self.cancelled_at = time.monotonic()
+        return await Pending(self._thread.submit(fn, *args, **kwargs)).result()
 
     # ---------------------------------------------------------------- local work and steps
 
@@ -244,7 +226,7 @@ class TorchWorker:
     def take_soon(self) -> Pending[tuple[np.ndarray, int]]:
         """Queue the take now (before any micro-batch asked for later), to be awaited later:
         a trainer declares its ticket while its gradients are copied out."""
-        return self._pending(self._thread.submit(self._take))
+        return Pending(self._thread.submit(self._take))
 
     def _take(self) -> tuple[np.ndarray, int]:
         taken = self.strategy.take()
