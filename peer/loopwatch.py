@@ -29,6 +29,8 @@ from typing import Any
 
 import trio
 
+from peer.stalltrace import StallTracer
+
 __all__ = ["LagTally", "LoopStatistics", "LoopWatch", "log_statistics_on_stop"]
 
 log = logging.getLogger("peertrain.loop")
@@ -63,6 +65,8 @@ class LoopStatistics:
     worst_stalls: tuple[tuple[float, float], ...] = ()
     """(lateness, when) of the `WORST` longest stalls over `threshold`, longest first: tells
     a stall at start-up from one in steady work."""
+    longest_stall_where: str | None = None
+    """Where the loop thread was during the longest stall (`peer.stalltrace`), if seen."""
 
     def as_log_fields(self) -> dict[str, Any]:
         """The JSON log's `loop` field: milliseconds, rounded to 0.1 ms."""
@@ -76,6 +80,7 @@ class LoopStatistics:
             "wakeups": self.wakeups,
             "watched_s": round(self.watched, 3),
             "worst_stalls": [[round(s * 1000, 1), round(at, 3)] for s, at in self.worst_stalls],
+            "longest_stall_where": self.longest_stall_where,
         }
 
 
@@ -103,9 +108,9 @@ class LagTally:
         self._last_warning: float | None = None
         self._stats = LoopStatistics(threshold=threshold)
 
-    def observe(self, lateness: float, now: float) -> bool:
-        """Note one wake-up `lateness` seconds after it was due, `now` seconds into watching;
-        True if a warning is due for it."""
+    def observe(self, lateness: float, now: float, where: str | None = None) -> bool:
+        """Note one wake-up `lateness` seconds after it was due, `now` seconds into watching
+        (`where`: where the loop was meanwhile, if seen); True if a warning is due for it."""
         lateness = max(0.0, lateness)  # a clock's rounding can wake us a hair early
         s = self._stats
         longest = lateness > s.longest_stall
@@ -120,6 +125,7 @@ class LagTally:
             wakeups=s.wakeups + 1,
             watched=now,
             worst_stalls=worst,
+            longest_stall_where=where if longest else s.longest_stall_where,
         )
         if lateness <= self.warn_threshold:
             return False
@@ -143,9 +149,13 @@ class LoopWatch:
         threshold: float = THRESHOLD,
         warn_threshold: float = WARN_THRESHOLD,
         warn_every: float = WARN_EVERY,
+        trace: bool = True,
     ) -> None:
+        """`trace`: a watchdog thread notes where the loop was during each stall
+        (`peer.stalltrace`); off where the clock is trio's virtual one (tests)."""
         assert interval > 0, interval
         self.interval = interval
+        self.trace = trace
         self.tally = LagTally(
             threshold=threshold, warn_threshold=warn_threshold, warn_every=warn_every
         )
@@ -156,23 +166,39 @@ class LoopWatch:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Wake every `interval` and note how late each wake-up was, until cancelled."""
         started = trio.current_time()
+        tracer = StallTracer(threshold=self.tally.threshold) if self.trace else None
+        if tracer is not None:
+            tracer.start()
         task_status.started()
         due = started + self.interval
-        while True:
-            await trio.sleep_until(due)
-            now = trio.current_time()
-            lateness = now - due
-            if self.tally.observe(lateness, now - started):
-                left_out, self.tally.unwarned = self.tally.unwarned, 0
-                log.warning(
-                    "the event loop stalled for %.2f s (no task ran: synchronous work on its "
-                    "thread, or another thread holding the GIL)%s",
-                    lateness,
-                    f"; {left_out} more such stalls since the last warning" if left_out else "",
-                    extra={"loop_stall_ms": round(lateness * 1000, 1)},
-                )
-            # The next wake-up counts from now: after a stall, no burst of catch-up wake-ups.
-            due = now + self.interval
+        try:
+            while True:
+                await trio.sleep_until(due)
+                now = trio.current_time()
+                lateness = now - due
+                where = None
+                if tracer is not None:
+                    tracer.beat()
+                    where = tracer.take() if lateness > self.tally.threshold else None
+                if self.tally.observe(lateness, now - started, where):
+                    left_out, self.tally.unwarned = self.tally.unwarned, 0
+                    log.warning(
+                        "the event loop stalled for %.2f s (%s)%s",
+                        lateness,
+                        f"in {where}"
+                        if where
+                        else "no task ran: synchronous work on its "
+                        "thread, or another thread holding the GIL",
+                        f"; {left_out} more such stalls since the last warning" if left_out else "",
+                        extra={"loop_stall_ms": round(lateness * 1000, 1)},
+                    )
+                elif where:
+                    log.debug("the event loop stalled for %.3f s in %s", lateness, where)
+                # The next wake-up counts from now: after a stall, no catch-up wake-ups.
+                due = now + self.interval
+        finally:
+            if tracer is not None:
+                tracer.stop()
 
 
 @asynccontextmanager

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -84,6 +85,7 @@ def test_the_log_fields_are_milliseconds():
         "wakeups": 9,
         "watched_s": 5.0,
         "worst_stalls": [],
+        "longest_stall_where": None,
     }
 
 
@@ -97,7 +99,7 @@ def block_the_loop(clock: trio.testing.MockClock, seconds: float) -> None:
 
 
 async def test_an_idle_loop_wakes_on_time(autojump_clock):
-    watch = LoopWatch(interval=0.01)
+    watch = LoopWatch(trace=False, interval=0.01)
     async with trio.open_nursery() as nursery:
         await nursery.start(watch.run)
         await trio.sleep(1.0)
@@ -110,7 +112,7 @@ async def test_an_idle_loop_wakes_on_time(autojump_clock):
 
 
 async def test_a_blocked_loop_is_measured_from_when_the_wake_up_was_due(autojump_clock):
-    watch = LoopWatch(interval=0.01, threshold=0.1)
+    watch = LoopWatch(trace=False, interval=0.01, threshold=0.1)
     async with trio.open_nursery() as nursery:
         await nursery.start(watch.run)  # at t = 0: wake-ups due at 0.01, 0.02, ...
         await trio.sleep(0.105)  # the watcher last woke at 0.10; next due at 0.11
@@ -129,7 +131,7 @@ async def test_a_blocked_loop_is_measured_from_when_the_wake_up_was_due(autojump
 
 
 async def test_a_long_stall_is_logged_as_a_warning_once_per_period(autojump_clock, caplog):
-    watch = LoopWatch(interval=0.01, warn_threshold=1.0, warn_every=60.0)
+    watch = LoopWatch(trace=False, interval=0.01, warn_threshold=1.0, warn_every=60.0)
     with caplog.at_level(logging.WARNING, logger="peertrain.loop"):
         async with trio.open_nursery() as nursery:
             await nursery.start(watch.run)
@@ -148,7 +150,7 @@ async def test_a_long_stall_is_logged_as_a_warning_once_per_period(autojump_cloc
 
 
 async def test_the_daemons_metrics_show_the_loop_figures(autojump_clock):
-    watch = LoopWatch(interval=0.01)
+    watch = LoopWatch(trace=False, interval=0.01)
     async with trio.open_nursery() as nursery:
         await nursery.start(watch.run)
         await trio.sleep(0.1)
@@ -176,7 +178,7 @@ def loop_records(caplog: pytest.LogCaptureFixture) -> list[dict]:
 
 async def watch_then(autojump_clock, ending) -> LoopWatch:
     """A watched nursery that sees one 0.3 s block, then ends by `ending(nursery)`."""
-    watch = LoopWatch(interval=0.01)
+    watch = LoopWatch(trace=False, interval=0.01)
     async with log_statistics_on_stop(watch), trio.open_nursery() as nursery:
         await nursery.start(watch.run)
         await trio.sleep(0.1)
@@ -215,3 +217,34 @@ async def test_a_daemon_that_failed_logs_only_its_error(autojump_clock, caplog):
     with caplog.at_level(logging.INFO, logger="peertrain.loop"), pytest.RaisesGroup(RuntimeError):
         await watch_then(autojump_clock, fail)
     assert loop_records(caplog) == []
+
+
+# ---------------------------------------------------------------------------- where it stalled
+
+
+def sort_a_big_list_on_the_loop() -> None:
+    """Synchronous work on the event-loop thread (real time: the tracer watches real time)."""
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:
+        sorted(range(10_000), key=lambda i: -i)
+
+
+def sleep_in_a_c_call_on_the_loop() -> None:
+    time.sleep(1.0)  # releases the GIL, as a large copy or a hash does
+
+
+@pytest.mark.parametrize("block", [sort_a_big_list_on_the_loop, sleep_in_a_c_call_on_the_loop])
+async def test_a_stall_says_where_the_loop_was(block, caplog):
+    """The monitor hears of a stall when it has ended; the tracer looked while it lasted, and
+    the warning and the statistics name the code that blocked the loop."""
+    watch = LoopWatch(interval=0.01, threshold=0.1, warn_threshold=0.5)
+    with caplog.at_level(logging.WARNING, logger="peertrain.loop"):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(watch.run)
+            await trio.sleep(0.05)
+            block()
+            await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+    where = watch.statistics().longest_stall_where
+    assert where is not None and block.__name__ in where, where
+    assert any(block.__name__ in r.getMessage() for r in caplog.records), caplog.text
