@@ -388,6 +388,32 @@ async def test_a_download_frees_the_optimizer_state_it_replaces(tmp_path):
     assert checkpoints.load_latest(trainer.checkpoint_dir).step == 2
 
 
+async def test_a_diloco_peer_lets_its_held_copy_go_before_making_the_next(tmp_path, monkeypatch):
+    """DiLoCo holds a copy of its state (inner steps move the live one): the copy of the step
+    before stayed until the next one was made, 2 x 1.6 GB at 100 M."""
+    trainer = await make_trainer(tmp_path, mode="diloco", inner_steps=INNER_STEPS)
+    await take_steps(trainer, 1)
+    assert await trainer.snapshot() is not None  # served, cached: it reads the copy too
+    held = trainer.worker.held
+    assert held is not None and not held.live
+    old = weakref.ref(held.state.tensors[next(iter(held.state.tensors))])
+    del held
+    capture, gone = states.capture, []
+
+    def capturing(*args, **kwargs):
+        gone.append(old() is None)
+        return capture(*args, **kwargs)
+
+    monkeypatch.setattr(states, "capture", capturing)
+    gc.collect()
+    gc.disable()
+    try:
+        await take_steps(trainer, 1)
+    finally:
+        gc.enable()
+    assert gone == [True] and trainer.step == 2
+
+
 async def test_a_donor_state_with_a_non_finite_value_is_refused_and_changes_nothing(tmp_path):
     trainer = await make_trainer(tmp_path / "me")
     donor = await make_trainer(tmp_path / "donor")

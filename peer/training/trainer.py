@@ -264,8 +264,9 @@ class Trainer:
         """Capture the state as of now as `step` (what donors serve and checkpoints hold) and
         sign it: we sign only what we hold (`peer.training.certificate`). `digest`: that of
         a state just restored, as checked when it was parsed."""
+        self._snapshot = None  # the state it reads goes now (a copy: before the next is made)
         digest = await self.worker.hold(step, digest=digest)
-        self._snapshot = None
+        self._snapshot = None  # one made meanwhile, of no state
         key = self.dht.node.identity.key_pair.private_key
         name = self.config.collaboration.name
         self.policy.hold(step, digest, sign_step(key, self.me, name, step, digest))
