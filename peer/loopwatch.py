@@ -179,7 +179,11 @@ class LoopWatch:
                 where = None
                 if tracer is not None:
                     tracer.beat()
-                    where = tracer.take() if lateness > self.tally.threshold else None
+                    # Taken at every wake-up: a note of a stall the tally does not count (the
+                    # tracer measures from the last wake-up, we from when it was due) is dropped.
+                    where = tracer.take()
+                    if lateness <= self.tally.threshold:
+                        where = None
                 if self.tally.observe(lateness, now - started, where):
                     left_out, self.tally.unwarned = self.tally.unwarned, 0
                     log.warning(
