@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import resource
 from collections.abc import AsyncIterator, Callable, Sequence
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, suppress
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -261,7 +261,21 @@ def load_workload(config: PeerConfig) -> tuple[Task, torch.device]:
     from peer.measure.compute import pick_device
     from peer.training.task import load_task
 
-    return load_task(config.task.name), pick_device(config.task.device)
+    task = load_task(config.task.name)
+    device = pick_device(config.task.device)
+    warm_imports(task)
+    return task, device
+
+
+def warm_imports(task: Task) -> None:
+    """The first optimizer torch builds imports hundreds of modules (a fused AdamW: ~820 of
+    them, sympy among them, 0.9 s), holding the GIL for long stretches: built in a thread while
+    the node ran, they stalled its event loop 0.1-0.3 s at a time. A throwaway optimizer over
+    one parameter, built now, before the loop has work, imports them."""
+    import torch
+
+    with suppress(Exception):  # the task's real optimizer is built, and checked, later
+        task.make_optimizer([torch.nn.Parameter(torch.zeros(1))])
 
 
 @asynccontextmanager
