@@ -304,19 +304,12 @@ def test_records_of_format_1_with_a_sha256_still_load(tmp_path):
     assert load_latest_blob(tmp_path) == Checkpoint(5, payload(tmp_path, 5), None, serial=1)
 
 
-def _set_extra(value: Any) -> Callable[[Path], None]:
+def _set(key: str, value: Any) -> Callable[[Path], None]:
+    """An edit of a record by hand: `key` set to `value`."""
+
     def edit(path: Path) -> None:
         record = json.loads(path.read_text())
-        record["extra"] = value
-        path.write_text(json.dumps(record))
-
-    return edit
-
-
-def _set_format(value: Any) -> Callable[[Path], None]:
-    def edit(path: Path) -> None:
-        record = json.loads(path.read_text())
-        record["format"] = value
+        record[key] = value
         path.write_text(json.dumps(record))
 
     return edit
@@ -331,14 +324,14 @@ def _add_a_key(path: Path) -> None:
 @pytest.mark.parametrize(
     ("damage", "message"),
     [
-        (_set_extra("a string"), "unexpected values"),
-        (_set_extra([1, 2]), "unexpected values"),
-        (_set_extra(None), "unexpected values"),
+        (_set("extra", "a string"), "unexpected values"),
+        (_set("extra", [1, 2]), "unexpected values"),
+        (_set("extra", None), "unexpected values"),
         (_add_a_key, "expected an object with keys"),
         (_flip_a_byte, "crc32"),
-        (_set_format([1]), "unknown format [1]"),
-        (_set_format(3), "unknown format 3"),
-        (_set_format(1), "expected an object with keys"),  # a format 2 record's keys
+        (_set("format", [1]), "unknown format [1]"),
+        (_set("format", 3), "unknown format 3"),
+        (_set("format", 1), "expected an object with keys"),  # a format 2 record's keys
     ],
 )
 def test_a_damaged_blob_record_falls_back_to_the_older(tmp_path, caplog, damage, message):
