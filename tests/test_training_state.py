@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import io
 import json
+import math
 import zlib
 from typing import Any
 
@@ -22,6 +23,7 @@ from peer.training.state import (
     StateMismatch,
     TrainingState,
     capture,
+    check_finite,
     from_bytes,
     from_file,
     parameters_digest,
@@ -501,3 +503,20 @@ def test_state_bytes_are_the_file_s_bytes_read_in_slices_from_the_tensors(tmp_pa
     moved[0] = True  # the trainer stepped: what the tensors hold is no longer this state
     with pytest.raises(StaleState):
         sliced[0:8]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_check_finite_finds_one_bad_value_and_passes_sums_that_overflow(dtype, bad):
+    """The check sums each tensor (one pass, no per-value temporary): a sum that overflows
+    from finite values must not refuse them, and one NaN or Inf anywhere must be refused."""
+    huge = torch.full((1000,), torch.finfo(dtype).max, dtype=dtype)
+    assert not torch.isfinite(huge.sum())
+    check_finite([huge, torch.zeros(0, dtype=dtype), 1.5, 3])
+    for where in (0, 517, 999):
+        spoiled = huge.clone() if where % 2 else torch.ones(1000, dtype=dtype)
+        spoiled[where] = bad
+        with pytest.raises(StateMismatch, match="NaN or Inf"):
+            check_finite([torch.ones(3, dtype=dtype), spoiled])
+    with pytest.raises(StateMismatch, match="NaN or Inf"):
+        check_finite([bad])

@@ -347,6 +347,19 @@ class LocalSGD(Shared):
     def optimizers(self) -> dict[str, torch.optim.Optimizer]:
         return {"inner": self.inner, "outer": self.outer}
 
+    def anchored_parameters(self) -> dict[str, torch.Tensor] | None:
+        """The parameters as of the last outer step, by name: the anchor, which holds them
+        exactly where they are float32 (None otherwise). Inner steps leave it alone, so a
+        peer serves and checkpoints the step it holds from it without a copy."""
+        if any(p.dtype != torch.float32 for p in self.params):
+            return None
+        anchor = {id(p): a for p, a in zip(self.params, self.anchor, strict=True)}
+        return {
+            name: anchor[id(p)]
+            for name, p in self.model.named_parameters(remove_duplicate=False)
+            if id(p) in anchor
+        }
+
     def schedule_epochs(self, step: int) -> int:
         """Scheduler steps by global `step`: every peer takes exactly H inner steps a step."""
         return step * self.inner_steps

@@ -267,6 +267,8 @@ class Trainer:
         self._snapshot = None  # the state it reads goes now (a copy: before the next is made)
         digest = await self.worker.hold(step, digest=digest)
         self._snapshot = None  # one made meanwhile, of no state
+        if digest is None:
+            return  # we are stopping: the final checkpoint writes it, nobody signs it
         key = self.dht.node.identity.key_pair.private_key
         name = self.config.collaboration.name
         self.policy.hold(step, digest, sign_step(key, self.me, name, step, digest))
@@ -324,6 +326,7 @@ class Trainer:
             await trio.sleep_forever()
         finally:
             self._stop_began = time.monotonic()
+            self.worker.stopping.set()  # a digest in hand ends now
 
     async def _train(self, nursery: trio.Nursery) -> None:
         while True:

@@ -115,7 +115,8 @@ def return_free_memory() -> None:
 @dataclass(frozen=True, eq=False)
 class Held:
     state: states.TrainingState
-    digest: str
+    digest: str | None
+    """None: the stop came before it was digested (the final checkpoint still writes it)."""
     live: bool
     """The state's tensors are the model's and optimizer's own (valid until the next change)."""
 
@@ -199,6 +200,8 @@ class TorchWorker:
         self._saved: weakref.ref[Held] | None = None
         # Taken by whatever changes a live held state and by the checkpoint writer reading it.
         self._state_lock = threading.Lock()
+        #: Set when the peer is told to stop: a hold's digest then ends early (`_hold`).
+        self.stopping = threading.Event()
 
     @property
     def samples(self) -> int:
@@ -245,16 +248,30 @@ class TorchWorker:
 
     # ---------------------------------------------------------------- states
 
-    def digest(self, state: states.TrainingState) -> str:
+    def digest(
+        self, state: states.TrainingState, *, cancelled: Callable[[], bool] = lambda: False
+    ) -> str:
         """What a step certifies of `state` (thread: it hashes every certified tensor)."""
-        return states.state_digest(state, self.certified_names, self.strategy.shared)
+        return states.state_digest(
+            state, self.certified_names, self.strategy.shared, cancelled=cancelled
+        )
 
     def _hold(self, step: int, digest: str | None) -> str:
-        # DeDLOC moves parameters and optimizer state only in apply(): the held state can be
-        # the live tensors (a whole state's copy less per step) until then. DiLoCo's inner
-        # steps move them with every micro-batch: a copy.
-        live = isinstance(self.strategy, LargeBatch) and self.device.type == "cpu"
+        # The held state is the live tensors where they stay put until the next change
+        # (`_changing`): DeDLOC moves parameters and optimizer state only in apply(); DiLoCo's
+        # inner steps move the parameters and the inner optimizer, so it holds its anchor
+        # (the parameters as of the outer step) and outer optimizer, and leaves the inner one,
+        # each peer's own, to checkpoints (`_save`). Otherwise (GPU tensors, or parameters
+        # not in float32 beside a DiLoCo anchor): a copy. A copy of 1.6 GB per DiLoCo step at
+        # 100 M put its peers at 3.6x the state.
+        strategy, cpu = self.strategy, self.device.type == "cpu"
+        optimizers, anchored = strategy.optimizers(), None
+        if isinstance(strategy, LocalSGD):
+            anchored = strategy.anchored_parameters()
+            optimizers = {name: optimizers[name] for name in strategy.shared}
+        live = cpu and (isinstance(strategy, LargeBatch) or anchored is not None)
         if not live:
+            optimizers = strategy.optimizers()
             # The copy we held goes before the new one is made: both at once were 3.2 GB at
             # 100 M in DiLoCo (a download in flight from it is told to ask again).
             with self._state_lock:
@@ -262,20 +279,26 @@ class TorchWorker:
         state = states.capture(
             step,
             self.model,
-            self.strategy.optimizers(),
-            scheduler_state=self.strategy.schedule.state(),
+            optimizers,
+            scheduler_state=strategy.schedule.state(),
             copy=not live,
+            parameters=anchored if live else None,
         )
-        held = Held(state, digest or self.digest(state), live)
+        if digest is None:
+            # 1.2 s at 100 M, more on a busy machine: a stop does not wait for it.
+            with contextlib.suppress(states.DigestCancelled):
+                digest = self.digest(state, cancelled=self.stopping.is_set)
+        held = Held(state, digest, live)
         with self._state_lock:
             self.held = held
         return held.digest
 
-    async def hold(self, step: int, *, digest: str | None = None) -> str:
+    async def hold(self, step: int, *, digest: str | None = None) -> str | None:
         """Hold the state as of now as `step` (what donors serve and checkpoints write); its
-        digest. `digest`: that of the state just restored (`restore`), computed when it was
-        parsed: restoring copies its certified tensors exactly, and another pass over a
-        state of 1.2 GB took 1.2 s (3 s or more on a busy machine) of a late joiner's wait."""
+        digest (None if `stopping` came first). `digest`: that of the state just restored
+        (`restore`), computed when it was parsed: restoring copies its certified tensors
+        exactly, and another pass over a state of 1.2 GB took 1.2 s (3 s or more on a busy
+        machine) of a late joiner's wait."""
         return await self._run(self._hold, step, digest)
 
     @contextlib.contextmanager
@@ -326,8 +349,11 @@ class TorchWorker:
         return state, self.digest(state)
 
     async def parse(self, blob: bytes) -> tuple[states.TrainingState, str]:
-        """A downloaded blob as a state, and its digest (StateMismatch if it is no state)."""
-        return await self._run(self._parse, blob)
+        """A downloaded blob as a state, and its digest (StateMismatch if it is no state).
+        In a thread of its own, not the torch thread: it reads only the blob, and so runs at
+        the event loop's priority, as the download did, not behind the training peers' torch
+        threads at `NICENESS` (a late joiner has nothing else to do meanwhile)."""
+        return await trio.to_thread.run_sync(self._parse, blob)
 
     def _serialize(self) -> Snapshot | None:
         held = self.held
@@ -346,12 +372,20 @@ class TorchWorker:
         held = self.held
         if held is None or (self._saved is not None and held is self._saved()):
             return None
+        state = held.state
+        if missing := set(self.strategy.optimizers()) - set(state.metadata["optimizers"]):
+            # DiLoCo's inner optimizer, as of now (a few inner steps past the held step: its
+            # moments are running averages, and the schedule is the held step's): copied on
+            # the torch thread, between two inner steps, before the lock (an apply() queued
+            # there may be waiting for it).
+            optimizers = {n: o for n, o in self.strategy.optimizers().items() if n in missing}
+            state = self._thread.submit(states.with_optimizers, state, optimizers).result()
         # A live state stays as it is while we write it: apply() waits for the lock.
         with self._state_lock if held.live else contextlib.nullcontext():
             if held is not self.held:
                 return None  # stepped meanwhile: the next save writes the new step
             try:
-                checkpoints.save_checkpoint(directory, held.state, cancelled=cancelled)
+                checkpoints.save_checkpoint(directory, state, cancelled=cancelled)
             except states.WriteCancelled as error:
                 log.warning(
                     "the checkpoint of step %d was not written in time (%s); the previous "
