@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import weakref
+from concurrent.futures import wait
 from types import SimpleNamespace
 
 import msgspec
@@ -473,6 +474,62 @@ async def test_a_stop_does_not_wait_for_the_digest_of_the_step_just_taken(tmp_pa
     assert held is not None and held.state.step == 2 and held.digest is None
     assert trainer.step == 1  # not signed
     assert await trainer.worker.save_checkpoint(trainer.checkpoint_dir) == 2
+
+
+async def test_a_stopping_diloco_peer_writes_its_inner_optimizer_as_is_with_training_held(
+    tmp_path, monkeypatch
+):
+    """The final save copied the inner optimizer first (0.8 GB at 100 M, and the time of a
+    stop): once stopping, the writer reads the live tensors, and the torch thread waits
+    until they are written."""
+    trainer = await make_trainer(tmp_path, mode="diloco", inner_steps=INNER_STEPS)
+    await take_steps(trainer, 1)
+    await trainer.worker.compute()
+    worker = trainer.worker
+    live = {
+        t.data_ptr()
+        for s in worker.strategy.inner.state.values()
+        for t in s.values()
+        if isinstance(t, torch.Tensor) and t.dim()
+    }
+    save, seen = checkpoints.save_checkpoint, []
+
+    def saving(directory, state, **options):
+        inner = [
+            t.data_ptr() for n, t in state.tensors.items() if n.startswith("inner.") and t.dim()
+        ]
+        seen.append(sorted(inner) == sorted(live))
+        later = worker._thread.submit(lambda: None)
+        seen.append(not wait([later], timeout=0.5).done)  # held still while we write
+        return save(directory, state, **options)
+
+    monkeypatch.setattr(checkpoints, "save_checkpoint", saving)
+    worker.stopping.set()
+    assert await worker.save_checkpoint(trainer.checkpoint_dir) == 1
+    assert seen == [True, True]
+    saved = checkpoints.load_latest(trainer.checkpoint_dir)
+    for index, entries in enumerate(worker.strategy.inner.state.values()):
+        assert torch.equal(saved.tensors[f"inner.{index}.exp_avg"], entries["exp_avg"])
+
+
+async def test_a_checkpoint_gives_up_waiting_for_a_busy_torch_thread_at_its_deadline(tmp_path):
+    """The inner optimizer is copied on the torch thread: a final save waited for it beyond
+    its time (4.3 s from SIGINT to exit at 100 M, with nothing written)."""
+    trainer = await make_trainer(tmp_path, mode="diloco", inner_steps=INNER_STEPS)
+    await take_steps(trainer, 1)
+    busy, finished = threading.Event(), threading.Event()
+
+    def long_micro_batch() -> None:
+        busy.wait(20)
+        finished.set()
+
+    trainer.worker._thread.submit(long_micro_batch)
+    try:
+        assert await trainer.worker.save_checkpoint(trainer.checkpoint_dir, within=0.05) is None
+        assert not finished.is_set()  # it did not wait for the torch thread
+    finally:
+        busy.set()
+    assert checkpoints.load_latest(trainer.checkpoint_dir) is None
 
 
 async def test_a_donor_state_with_a_non_finite_value_is_refused_and_changes_nothing(tmp_path):

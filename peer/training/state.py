@@ -114,12 +114,12 @@ def capture(
 
 
 def with_optimizers(
-    state: TrainingState, optimizers: Mapping[str, torch.optim.Optimizer]
+    state: TrainingState, optimizers: Mapping[str, torch.optim.Optimizer], *, copy: bool = True
 ) -> TrainingState:
-    """`state` and a copy of `optimizers`' states as they are now (a DiLoCo checkpoint: the
-    held state lacks the inner optimizer, whose moments each inner step moves)."""
+    """`state` and `optimizers`' states as they are now, copied unless `copy=False` (a DiLoCo
+    checkpoint: the held state lacks the inner optimizer, whose moments each inner step moves)."""
     tensors = dict(state.tensors)
-    added = _capture_optimizers(optimizers, tensors, copy=True)
+    added = _capture_optimizers(optimizers, tensors, copy=copy)
     held = state.metadata["optimizers"]
     assert not set(added) & set(held), sorted(added)
     metadata = {**state.metadata, "optimizers": {**held, **added}}
