@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import sys
+import threading
 from types import SimpleNamespace
 
 import pytest
+import trio
 
 from peer.config import PeerConfig
 from peer.measure.compute import ComputeMeasurement
@@ -12,6 +16,7 @@ from peer.measure.ema import RateEMA
 from peer.measure.probe import LinkMeasurement
 from peer.measure.reachability import BUSY, DialBackResult
 from peer.measure.service import Measurements, best_link, reachability_verdict
+from peer.priority import NICENESS
 
 
 def test_rate_ema_weights_by_time_not_by_count():
@@ -144,3 +149,33 @@ def test_a_backbone_signs_what_its_probes_showed_of_its_own_link():
     assert m.capabilities().attestations == caps.attestations
     served["rates"] = (9e8, 4e8)
     assert attested_link(me, m.capabilities().attestations, evidence({me})) == (9e8, 4e8)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice levels are Linux's")
+def test_the_compute_benchmark_runs_below_the_event_loop_in_a_thread_of_its_own(monkeypatch):
+    """At the event loop's priority, a late joiner's benchmark took cores from its own state
+    download; in trio's thread pool, a lowered priority would stick to a thread others reuse."""
+    import peer.measure.compute as compute_module
+
+    seen: list[tuple[int, int]] = []
+
+    def measure_compute(task, **options) -> ComputeMeasurement:
+        thread = threading.get_native_id()
+        seen.append((thread, os.getpriority(os.PRIO_PROCESS, thread)))
+        return ComputeMeasurement(10.0, "cpu", 1 << 30, 4000)
+
+    monkeypatch.setattr(compute_module, "measure_compute", measure_compute)
+    node = SimpleNamespace(peer_id="me")
+    m = Measurements(node, PeerConfig(), find_backbones=no_backbones)  # type: ignore[arg-type]
+
+    async def main() -> int:
+        await m._measure_compute(SimpleNamespace(name="t"), "cpu")  # type: ignore[arg-type]
+        return await trio.to_thread.run_sync(
+            lambda: os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        )
+
+    pooled = trio.run(main)
+    ours = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert [nice for _, nice in seen] == [min(19, ours + NICENESS)]
+    assert seen[0][0] != threading.get_native_id() and pooled == ours
+    assert m.compute is not None and m.compute.samples_per_s == 10.0

@@ -21,6 +21,7 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import trio
@@ -34,6 +35,7 @@ from peer.measure.ema import RateEMA
 from peer.measure.probe import LinkMeasurement, ProbeServer, measure_link
 from peer.measure.reachability import BUSY, DialBackResult, check_reachable
 from peer.net.host import Node
+from peer.priority import lower_priority
 
 if TYPE_CHECKING:  # torch takes a second or two to import, and backbones never need it
     import torch
@@ -178,10 +180,18 @@ class Measurements:
             finally:
                 finished.set()
 
+        # Torch work, so in a thread of its own at the torch thread's priority: at the
+        # event loop's, a late joiner's benchmark took cores from its own state download
+        # (and from the donors' loops serving it). It also measures what training will get.
+        thread = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="peertrain-benchmark", initializer=lower_priority
+        )
         try:
-            compute = await trio.to_thread.run_sync(benchmark, abandon_on_cancel=True)
+            running = thread.submit(benchmark)
+            compute = await trio.to_thread.run_sync(running.result, abandon_on_cancel=True)
         finally:
             stop.set()
+            thread.shutdown(wait=False)
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(finished.wait, STOP_WAIT)
         assert compute is not None  # None only once stopped, and then we were cancelled

@@ -57,14 +57,19 @@ class Precision:
         return finite
 
     def step(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> bool:
-        """A local optimizer step on `loss` (diloco's inner step); False if fp16 skipped it."""
+        """A local optimizer step on `loss` (diloco's inner step); False if fp16 skipped it.
+        The gradients go after the step: kept until the next, they were a model's worth of
+        memory through every averaging (0.4 GB at 100 M)."""
         optimizer.zero_grad(set_to_none=True)
-        if self.scaler is None:
-            loss.backward()
-            optimizer.step()
-            return True
-        self.scaler.scale(loss).backward()
-        scale = self.scaler.get_scale()
-        self.scaler.step(optimizer)  # skipped (and the scale lowered) if a gradient overflowed
-        self.scaler.update()
-        return self.scaler.get_scale() >= scale
+        try:
+            if self.scaler is None:
+                loss.backward()
+                optimizer.step()
+                return True
+            self.scaler.scale(loss).backward()
+            scale = self.scaler.get_scale()
+            self.scaler.step(optimizer)  # skipped (and the scale lowered) if one overflowed
+            self.scaler.update()
+            return self.scaler.get_scale() >= scale
+        finally:
+            optimizer.zero_grad(set_to_none=True)

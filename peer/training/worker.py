@@ -18,7 +18,6 @@ import functools
 import hashlib
 import logging
 import math
-import os
 import sys
 import threading
 import time
@@ -34,6 +33,7 @@ import torch
 import trio
 
 from peer.config import PeerConfig
+from peer.priority import lower_priority
 from peer.training import checkpoint as checkpoints
 from peer.training import state as states
 from peer.training.layout import averaged_buffers, layout, task_fingerprint
@@ -71,25 +71,6 @@ def task_batches(task: Task, micro_batch: int, seed: int) -> Iterator[tuple[Any,
     generator = torch.Generator().manual_seed(seed)
     while True:
         yield task.sample_batch(micro_batch, generator), micro_batch
-
-
-#: How much lower than the event loop the torch thread runs (Linux nice levels, per thread).
-#: Where cores are short (3 trainers and a backbone on 2 cores) the scheduler then runs the
-#: event loops first: they move the bytes of averagings and state downloads, and a loop that
-#: waits for a core stalled for 0.5-1.7 s at 40 M parameters. The torch thread still gets
-#: every cycle the loops leave idle.
-NICENESS = 10
-
-
-def lower_priority() -> None:
-    """Lower the calling thread's priority by `NICENESS` (best effort: Linux only)."""
-    if not hasattr(os, "setpriority") or sys.platform != "linux":
-        return
-    thread = threading.get_native_id()
-    with contextlib.suppress(OSError):
-        os.setpriority(
-            os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + NICENESS)
-        )
 
 
 @functools.cache
