@@ -15,7 +15,12 @@ from peer.measure.compute import ComputeMeasurement
 from peer.measure.ema import RateEMA
 from peer.measure.probe import LinkMeasurement
 from peer.measure.reachability import BUSY, DialBackResult
-from peer.measure.service import Measurements, best_link, reachability_verdict
+from peer.measure.service import (
+    TRAINING_WAIT,
+    Measurements,
+    best_link,
+    reachability_verdict,
+)
 from peer.priority import NICENESS
 
 
@@ -179,3 +184,59 @@ def test_the_compute_benchmark_runs_below_the_event_loop_in_a_thread_of_its_own(
     assert [nice for _, nice in seen] == [min(19, ours + NICENESS)]
     assert seen[0][0] != threading.get_native_id() and pooled == ours
     assert m.compute is not None and m.compute.samples_per_s == 10.0
+
+
+def benchmarked(monkeypatch) -> list[str]:
+    """measure_compute replaced by a record of its calls."""
+    import peer.measure.compute as compute_module
+
+    calls: list[str] = []
+
+    def measure_compute(task, **options) -> ComputeMeasurement:
+        calls.append(task.name)
+        return ComputeMeasurement(10.0, "cpu", 1 << 30, 4000)
+
+    monkeypatch.setattr(compute_module, "measure_compute", measure_compute)
+    return calls
+
+
+async def measured(m: Measurements) -> None:
+    """Until the benchmark (in a thread: a deadline on the virtual clock would jump past it)
+    is done; a bounded number of polls."""
+    for _ in range(100_000):
+        if m.compute is not None:
+            return
+        await trio.sleep(0.01)
+    raise AssertionError("never measured")
+
+
+async def test_a_peer_benchmarks_its_compute_once_training_computes(monkeypatch, autojump_clock):
+    """A late joiner's benchmark ran beside its state download and load (0.8 GB of model and
+    gradients, and cores, at 100 M): it waits for the first micro-batch of training."""
+    calls = benchmarked(monkeypatch)
+    node = SimpleNamespace(peer_id="me")
+    workload = (SimpleNamespace(name="t"), "cpu")
+    m = Measurements(node, PeerConfig(), find_backbones=no_backbones, workload=workload)  # type: ignore[arg-type]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(m.run)
+        await trio.sleep(TRAINING_WAIT / 2)  # downloading the state
+        assert calls == [] and m.capabilities() is None
+        m.observe_training(4, 1.0)  # the first micro-batch
+        await m.wait_changed()  # no timer left to jump to: the clock stays while it runs
+        nursery.cancel_scope.cancel()
+    assert calls == ["t"] and m.compute is not None and trio.current_time() < TRAINING_WAIT
+
+
+async def test_a_peer_that_never_trains_is_measured_after_a_while(monkeypatch, autojump_clock):
+    calls = benchmarked(monkeypatch)
+    node = SimpleNamespace(peer_id="me")
+    workload = (SimpleNamespace(name="t"), "cpu")
+    m = Measurements(node, PeerConfig(), find_backbones=no_backbones, workload=workload)  # type: ignore[arg-type]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(m.run)
+        await trio.sleep(TRAINING_WAIT - 1)
+        assert calls == []
+        await trio.sleep(2)
+        await measured(m)
+        nursery.cancel_scope.cancel()
+    assert calls == ["t"]

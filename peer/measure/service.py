@@ -53,6 +53,8 @@ RETRY_AFTER_FAILURE = 30.0
 SPEED_HALF_LIFE = 60.0
 # Seconds a stopping daemon waits for the compute benchmark's step in progress.
 STOP_WAIT = 10.0
+#: Seconds a peer's first measurements wait for its first micro-batch of training, at most.
+TRAINING_WAIT = 120.0
 LINK_HALF_LIFE = 300.0
 
 
@@ -96,6 +98,7 @@ class Measurements:
         self.measured_at = 0.0
         self.attestations: dict[str, Attestation] = {}  # signer -> its newest of us
         self._changed = trio.Event()
+        self._training = trio.Event()  # the first micro-batch of training is done
 
     async def wait_changed(self) -> None:
         await self._changed.wait()
@@ -107,6 +110,7 @@ class Measurements:
 
     def observe_training(self, samples: int, seconds: float) -> None:
         """Real training throughput: refines the compute figure (no republish of its own)."""
+        self._training.set()
         if self.speed is not None:
             self.speed.observe(samples, seconds)
 
@@ -155,6 +159,11 @@ class Measurements:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         if self.workload is not None:
+            # Once training computes (a trainer is in step with the collaboration by then),
+            # not beside a late joiner's state download and load, which the benchmark and
+            # the link probes slowed down; a trainer that never gets there is measured anyway.
+            with trio.move_on_after(TRAINING_WAIT):
+                await self._training.wait()
             await self._measure_compute(*self.workload)
         while True:
             ok = await self._measure_links()
