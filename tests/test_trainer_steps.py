@@ -399,6 +399,23 @@ async def test_a_download_frees_the_optimizer_state_it_replaces(tmp_path):
     assert checkpoints.load_latest(trainer.checkpoint_dir).step == 2
 
 
+async def test_a_catch_up_logs_the_seconds_of_its_phases(tmp_path, caplog):
+    """Where a late joiner's wait goes: the download and its check, the load, the whole."""
+    trainer = await make_trainer(tmp_path / "me")
+    donor, partner = await make_trainer(tmp_path / "a"), await make_trainer(tmp_path / "b")
+    await take_steps(donor, 2)
+    await take_steps(partner, 2)
+    read(trainer, signed_record(donor, partner))
+    serving(trainer, await donor.snapshot())
+    with caplog.at_level("INFO", logger="peertrain.trainer"):
+        await trainer._catch_up(*behind(trainer))
+    assert trainer.step == 2
+    done = [r for r in caplog.records if r.getMessage().startswith("downloaded the state")]
+    phases = done[0].catch_up  # type: ignore[attr-defined]
+    assert set(phases) == {"fetch_and_check_s", "load_s", "total_s"}
+    assert 0 <= phases["fetch_and_check_s"] + phases["load_s"] <= phases["total_s"]
+
+
 async def test_a_diloco_peer_holds_its_anchor_and_outer_optimizer_not_a_copy(tmp_path):
     """DiLoCo's inner steps move the parameters and the inner optimizer, so it held a copy of
     its whole state (1.6 GB at 100 M, 3.6x the state per peer). It holds the anchor (the

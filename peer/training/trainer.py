@@ -531,22 +531,32 @@ class Trainer:
         self.progress.publish_now()  # our record says we are downloading
         await self.worker.before_download()
         problem = "cut short"
+        phases: dict[str, float] = {}
         with trio.move_on_after(math.inf if within is None else within):
-            problem = await self._download(donors, target)
+            problem = await self._download(donors, target, phases)
         delay = self.policy.fetched(ok=not problem, now=self.clock())
         self.progress.publish_now()
         if not problem:
             self.tally.downloads += 1
-            log.info("downloaded the state of step %d from %d donors", self.step, len(donors))
+            log.info(
+                "downloaded the state of step %d from %d donors",
+                self.step,
+                len(donors),
+                extra={"catch_up": {k: round(v, 3) for k, v in phases.items()}},
+            )
             return
         self.tally.failures["state_download"] += 1
         log.warning("state download failed: %s; retrying in %.3gs", problem, delay)
         await trio.sleep(delay)
 
-    async def _download(self, donors: list[ProgressRecord], target: int) -> str:
-        """Fetch, check and load a certified state; what went wrong ("" if nothing)."""
+    async def _download(
+        self, donors: list[ProgressRecord], target: int, phases: dict[str, float]
+    ) -> str:
+        """Fetch, check and load a certified state; what went wrong ("" if nothing). Seconds
+        of each phase go into `phases`: the download and check, the load, the hold."""
         # Not older than we hold, unless we go back from a stranded step (`stranded`).
         lowest = target if target < self.step else max(target, self.step)
+        started = time.monotonic()
         try:
             _, state, digest = await fetch_certified(
                 self.dht,
@@ -557,12 +567,15 @@ class Trainer:
                 parse=self.worker.parse,
                 lowest=lowest,
             )
+            phases["fetch_and_check_s"] = time.monotonic() - started
             # Its tensors are about to be replaced: they go with our state, not after the hold.
             self._snapshot = None
             await self.worker.restore(state, from_donor=True)
         except RemoteError as error:
             return str(error)
+        phases["load_s"] = time.monotonic() - started - phases["fetch_and_check_s"]
         await self._hold(state.step, digest=digest)
+        phases["total_s"] = time.monotonic() - started
         return ""
 
     # ------------------------------------------------------------------ validation, checkpoints

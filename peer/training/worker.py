@@ -246,7 +246,7 @@ class TorchWorker:
             state, self.certified_names, self.strategy.shared, cancelled=cancelled
         )
 
-    def _hold(self, step: int, digest: str | None) -> str:
+    def _hold(self, step: int, digest: str | None) -> str | None:
         # The held state is the live tensors where they stay put until the next change
         # (`_changing`): DeDLOC moves parameters and optimizer state only in apply(); DiLoCo's
         # inner steps move the parameters and the inner optimizer, so it holds its anchor
