@@ -399,6 +399,33 @@ async def test_a_download_frees_the_optimizer_state_it_replaces(tmp_path):
     assert checkpoints.load_latest(trainer.checkpoint_dir).step == 2
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice levels are Linux's")
+async def test_a_restore_runs_at_the_loop_s_priority_with_the_torch_thread_held(
+    tmp_path, monkeypatch
+):
+    """A 100 M joiner's load took 6 s on the torch thread at nice +10 beside three training
+    peers: it runs at the caller's priority, one operation at a time all the same."""
+    trainer, donor = await make_trainer(tmp_path / "me"), await make_trainer(tmp_path / "a")
+    await take_steps(donor, 1)
+    state = await state_of(donor)
+    worker = trainer.worker
+    torch_thread = await worker._run(threading.get_native_id)
+    restore, seen = states.restore, []
+
+    def restoring(*args, **options):
+        thread = threading.get_native_id()
+        seen.append((thread != torch_thread, os.getpriority(os.PRIO_PROCESS, thread)))
+        later = worker._thread.submit(lambda: None)
+        seen.append(not wait([later], timeout=0.5).done)  # the torch thread waits
+        return restore(*args, **options)
+
+    monkeypatch.setattr(states, "restore", restoring)
+    await worker.restore(state, from_donor=True)
+    ours = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert seen == [(True, ours), True]
+    assert parameters(trainer) == parameters(donor)
+
+
 async def test_a_catch_up_logs_the_seconds_of_its_phases(tmp_path, caplog):
     """Where a late joiner's wait goes: the download and its check, the load, the whole."""
     trainer = await make_trainer(tmp_path / "me")
