@@ -3,7 +3,7 @@
 `TorchWorker` owns the model and the collaborative optimizer (`Strategy`); its public methods
 are coroutines that run the work in a thread of its own (one operation at a time: they mutate
 the same tensors), at a lower scheduling priority than the event loop (`priority.NICENESS`).
-Two run elsewhere: `parse` reads only a downloaded blob; `restore` and a stopping DiLoCo
+Some run elsewhere: `parse` reads only a downloaded blob; `restore` and a stopping DiLoCo
 checkpoint run in a thread at the loop's priority while the torch thread is held still, so
 still one at a time. The trainer holds no tensor, so no torch work can land on the trio
 event loop by mistake: an optimizer step, a state capture and digest or a serialization of a
