@@ -7,9 +7,10 @@ in the same run.
 
 Per size, first in this process or its plain children (one torch thread, before any peer
 starts): the product's training state (`TorchWorker` after one step, `state.capture`), its size in
-bytes (parameters + optimizer state, as checkpoints and state downloads carry it); one
+bytes (parameters + optimizer state, as checkpoints carry it); one
 thread's samples/s; `torch.save` / `torch.load` of the same model and optimizer state dicts
-next to `save_checkpoint` / `load_latest`; a raw loopback TCP transfer of the state's bytes
+next to `save_checkpoint` / `load_latest`; a raw loopback TCP transfer of the bytes a donor
+serves (the state; DiLoCo's without its inner optimizer, each peer's own)
 between two processes; the all-reduce raw-TCP floor for 3 peers and the vector's size
 (`benchmarks.allreduce`); a plain process holding the model and AdamW ended by SIGINT.
 Then per mode: a backbone and 3 peers train (`--minutes` from the moment each has applied a
@@ -54,7 +55,7 @@ import trio
 from benchmarks.scale_task import SIZES, ScaleGPTTask
 from peer.config import load_config
 from peer.loopwatch import WORST
-from peer.training.state import TrainingState, capture, to_bytes
+from peer.training.state import StateBytes, TrainingState, capture, to_bytes
 from peer.training.worker import TorchWorker
 from tests.collab_processes import Collaboration, Proc
 
@@ -113,7 +114,9 @@ class Baselines:
     parameters: int
     vector_bytes: int
     state_bytes: int
-    """`to_bytes(capture(...))`: parameters + optimizer state, as saved and downloaded."""
+    """`to_bytes(capture(...))`: parameters + optimizer state, as checkpoints save it."""
+    served_bytes: int
+    """What a donor serves and a joiner downloads (DiLoCo: no inner optimizer)."""
     rate: float
     """Samples/s of this mode's fastest micro-batch on one thread, in this process."""
     checkpoint: dict[str, float]
@@ -766,13 +769,14 @@ def report(settings: Settings, base: Baselines, run: Collab) -> tuple[list[Row],
     joiner, raw = run.joiner, base.raw_tcp
     if joiner and joiner.download_s is not None and raw:
         assert joiner.catch_up_s is not None and joiner.to_first_step_s is not None
+        moved = f"raw TCP {seconds(raw)} ({mb(base.served_bytes)})"
         rows.append(Row(
             "late joiner: download", f"{seconds(joiner.download_s)} ({mb(joiner.state_bytes or 0)})",
-            f"raw TCP {seconds(raw)}", f"{joiner.download_s / raw:.1f}x",
+            moved, f"{joiner.download_s / raw:.1f}x",
         ))  # fmt: skip
         rows.append(Row(
             "late joiner: download start -> training", seconds(joiner.catch_up_s),
-            f"raw TCP {seconds(raw)}", f"{joiner.catch_up_s / raw:.1f}x", f"<= {JOIN_GOAL}x",
+            moved, f"{joiner.catch_up_s / raw:.1f}x", f"<= {JOIN_GOAL}x",
             verdict(joiner.catch_up_s <= JOIN_GOAL * raw),
         ))  # fmt: skip
         rows.append(
@@ -876,6 +880,9 @@ def measure_baselines(
     worker, state, rate = product_state(size, mode, micro_batch, rate_seconds=args.rate_seconds)
 
     state_bytes = len(to_bytes(state))
+    trio.run(worker.hold, 1)  # the state it serves, as a trainer holds it after a step
+    assert worker.held is not None
+    served_bytes = len(StateBytes(worker.held.state))
     parameters = sum(p.numel() for p in worker.model.parameters())
     vector_bytes = worker.vector_size * 4
     with tempfile.TemporaryDirectory(prefix="peertrain-scale-ck-") as folder:
@@ -891,9 +898,10 @@ def measure_baselines(
         parameters=parameters,
         vector_bytes=vector_bytes,
         state_bytes=state_bytes,
+        served_bytes=served_bytes,
         rate=rate,
         checkpoint=checkpoint,
-        raw_tcp=raw_tcp_seconds(state_bytes, runs=args.repeats),
+        raw_tcp=raw_tcp_seconds(served_bytes, runs=args.repeats),
         allreduce_floor=floor[0] if floor else None,  # type: ignore[index]
         allreduce_round=floor[1] if floor else None,  # type: ignore[index]
         plain_stop=plain_stop,
