@@ -23,6 +23,7 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
+from peer import heap
 from peer.averaging.allreduce import RoundReport
 from peer.averaging.averager import AveragingResult
 from peer.averaging.reduce import ChunkResult
@@ -899,7 +900,7 @@ async def test_torch_work_runs_in_one_thread_below_the_event_loop_s_priority(tmp
 FREED_BLOCKS = """
 import torch
 from pathlib import Path
-from peer.training.worker import return_free_memory
+from peer.heap import return_free_memory
 
 def rss():
     return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
@@ -915,7 +916,7 @@ print(before - rss())
 """
 
 
-@pytest.mark.skipif(worker_module._malloc_trim() is None, reason="glibc's malloc_trim only")
+@pytest.mark.skipif(heap.malloc_trim() is None, reason="glibc's malloc_trim only")
 def test_freed_blocks_under_the_mmap_threshold_go_back_to_the_system():
     """glibc keeps freed blocks under its mmap threshold in its heap (a 100 M model's
     gradients: about 500 MB through each averaging); `return_free_memory` gives them back.

@@ -16,12 +16,9 @@ mutates the model), so the state is never left half-stepped.
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import functools
 import hashlib
 import logging
 import math
-import sys
 import threading
 import time
 import weakref
@@ -36,6 +33,7 @@ import torch
 import trio
 
 from peer.config import PeerConfig
+from peer.heap import return_free_memory
 from peer.priority import lower_priority
 from peer.training import checkpoint as checkpoints
 from peer.training import state as states
@@ -74,26 +72,6 @@ def task_batches(task: Task, micro_batch: int, seed: int) -> Iterator[tuple[Any,
     generator = torch.Generator().manual_seed(seed)
     while True:
         yield task.sample_batch(micro_batch, generator), micro_batch
-
-
-@functools.cache
-def _malloc_trim() -> Callable[[int], int] | None:
-    """glibc's malloc_trim, or None (another C library: macOS, musl)."""
-    if sys.platform != "linux":
-        return None
-    with contextlib.suppress(OSError, AttributeError):
-        return ctypes.CDLL(None).malloc_trim  # type: ignore[no-any-return]
-    return None
-
-
-def return_free_memory() -> None:
-    """Give the C heap's free pages back to the system (glibc's `malloc_trim`; a no-op where
-    there is none). glibc keeps blocks under its mmap threshold (up to 32 MB, raised as big
-    blocks are freed) in its heaps once freed: a 100 M model's gradients, freed when they are
-    taken, stayed in RSS (about 500 MB) through the averaging."""
-    trim = _malloc_trim()
-    if trim is not None:
-        trim(0)
 
 
 @dataclass(frozen=True, eq=False)
