@@ -156,22 +156,36 @@ def test_a_backbone_signs_what_its_probes_showed_of_its_own_link():
     assert attested_link(me, m.capabilities().attestations, evidence({me})) == (9e8, 4e8)
 
 
+class Benchmarked(list):
+    """measure_compute replaced by a record of its calls: (task name, thread, nice level)."""
+
+    def __init__(self, monkeypatch) -> None:
+        super().__init__()
+        import peer.measure.compute as compute_module
+
+        def measure_compute(task, **options) -> ComputeMeasurement:
+            thread = threading.get_native_id()
+            self.append((task.name, thread, os.getpriority(os.PRIO_PROCESS, thread)))
+            return ComputeMeasurement(10.0, "cpu", 1 << 30, 4000)
+
+        monkeypatch.setattr(compute_module, "measure_compute", measure_compute)
+
+    def tasks(self) -> list[str]:
+        return [name for name, _, _ in self]
+
+
+def peer_measurements(*, workload: bool = True) -> Measurements:
+    node = SimpleNamespace(peer_id="me")
+    work = (SimpleNamespace(name="t"), "cpu") if workload else None
+    return Measurements(node, PeerConfig(), find_backbones=no_backbones, workload=work)  # type: ignore[arg-type]
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice levels are Linux's")
 def test_the_compute_benchmark_runs_below_the_event_loop_in_a_thread_of_its_own(monkeypatch):
     """At the event loop's priority, a late joiner's benchmark took cores from its own state
     download; in trio's thread pool, a lowered priority would stick to a thread others reuse."""
-    import peer.measure.compute as compute_module
-
-    seen: list[tuple[int, int]] = []
-
-    def measure_compute(task, **options) -> ComputeMeasurement:
-        thread = threading.get_native_id()
-        seen.append((thread, os.getpriority(os.PRIO_PROCESS, thread)))
-        return ComputeMeasurement(10.0, "cpu", 1 << 30, 4000)
-
-    monkeypatch.setattr(compute_module, "measure_compute", measure_compute)
-    node = SimpleNamespace(peer_id="me")
-    m = Measurements(node, PeerConfig(), find_backbones=no_backbones)  # type: ignore[arg-type]
+    calls = Benchmarked(monkeypatch)
+    m = peer_measurements()
 
     async def main() -> int:
         await m._measure_compute(SimpleNamespace(name="t"), "cpu")  # type: ignore[arg-type]
@@ -181,23 +195,9 @@ def test_the_compute_benchmark_runs_below_the_event_loop_in_a_thread_of_its_own(
 
     pooled = trio.run(main)
     ours = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    assert [nice for _, nice in seen] == [min(19, ours + NICENESS)]
-    assert seen[0][0] != threading.get_native_id() and pooled == ours
+    assert [nice for _, _, nice in calls] == [min(19, ours + NICENESS)]
+    assert calls[0][1] != threading.get_native_id() and pooled == ours
     assert m.compute is not None and m.compute.samples_per_s == 10.0
-
-
-def benchmarked(monkeypatch) -> list[str]:
-    """measure_compute replaced by a record of its calls."""
-    import peer.measure.compute as compute_module
-
-    calls: list[str] = []
-
-    def measure_compute(task, **options) -> ComputeMeasurement:
-        calls.append(task.name)
-        return ComputeMeasurement(10.0, "cpu", 1 << 30, 4000)
-
-    monkeypatch.setattr(compute_module, "measure_compute", measure_compute)
-    return calls
 
 
 async def measured(m: Measurements) -> None:
@@ -213,33 +213,30 @@ async def measured(m: Measurements) -> None:
 async def test_a_peer_benchmarks_its_compute_once_training_computes(monkeypatch, autojump_clock):
     """A late joiner's benchmark ran beside its state download and load (0.8 GB of model and
     gradients, and cores, at 100 M): it waits for the first micro-batch of training."""
-    calls = benchmarked(monkeypatch)
-    node = SimpleNamespace(peer_id="me")
-    workload = (SimpleNamespace(name="t"), "cpu")
-    m = Measurements(node, PeerConfig(), find_backbones=no_backbones, workload=workload)  # type: ignore[arg-type]
+    calls = Benchmarked(monkeypatch)
+    m = peer_measurements()
     async with trio.open_nursery() as nursery:
         await nursery.start(m.run)
         await trio.sleep(TRAINING_WAIT / 2)  # downloading the state
-        assert calls == [] and m.capabilities() is None
+        assert calls.tasks() == [] and m.capabilities() is None
         m.observe_training(4, 1.0)  # the first micro-batch
         await m.wait_changed()  # no timer left to jump to: the clock stays while it runs
         nursery.cancel_scope.cancel()
-    assert calls == ["t"] and m.compute is not None and trio.current_time() < TRAINING_WAIT
+    assert calls.tasks() == ["t"] and m.compute is not None
+    assert trio.current_time() < TRAINING_WAIT
 
 
 async def test_a_peer_that_never_trains_is_measured_after_a_while(monkeypatch, autojump_clock):
-    calls = benchmarked(monkeypatch)
-    node = SimpleNamespace(peer_id="me")
-    workload = (SimpleNamespace(name="t"), "cpu")
-    m = Measurements(node, PeerConfig(), find_backbones=no_backbones, workload=workload)  # type: ignore[arg-type]
+    calls = Benchmarked(monkeypatch)
+    m = peer_measurements()
     async with trio.open_nursery() as nursery:
         await nursery.start(m.run)
         await trio.sleep(TRAINING_WAIT - 1)
-        assert calls == []
+        assert calls.tasks() == []
         await trio.sleep(2)
         await measured(m)
         nursery.cancel_scope.cancel()
-    assert calls == ["t"]
+    assert calls.tasks() == ["t"]
 
 
 async def test_the_compute_benchmark_gives_its_freed_memory_back(monkeypatch):
@@ -247,10 +244,9 @@ async def test_the_compute_benchmark_gives_its_freed_memory_back(monkeypatch):
     stayed in glibc's heap (0.46 GB at 100 M) on top of the trainer's peak."""
     import peer.measure.service as service
 
-    benchmarked(monkeypatch)
+    Benchmarked(monkeypatch)
     returned: list[int] = []
     monkeypatch.setattr(service, "return_free_memory", lambda: returned.append(1))
-    node = SimpleNamespace(peer_id="me")
-    m = Measurements(node, PeerConfig(), find_backbones=no_backbones)  # type: ignore[arg-type]
+    m = peer_measurements(workload=False)
     await m._measure_compute(SimpleNamespace(name="t"), "cpu")  # type: ignore[arg-type]
     assert returned == [1] and m.compute is not None

@@ -102,12 +102,12 @@ class Computed:
     seconds: float
 
 
-def _waited(done: Callable[[], bool], cancelled: Callable[[], bool]) -> bool:
-    """Wait (in a thread) until `done()`; False if `cancelled()` came first."""
-    while not done():
+def _waited(done: threading.Event, cancelled: Callable[[], bool]) -> bool:
+    """Wait (in a thread, never the event loop's) until `done` is set; False if `cancelled()`
+    came first (asked every 20 ms)."""
+    while not done.wait(0.02):
         if cancelled():
             return False
-        time.sleep(0.02)
     return True
 
 
@@ -235,14 +235,13 @@ class TorchWorker:
         # each peer's own, to checkpoints (`_save`). Otherwise (GPU tensors, or parameters
         # not in float32 beside a DiLoCo anchor): a copy. A copy of 1.6 GB per DiLoCo step at
         # 100 M put its peers at 3.6x the state.
-        strategy, cpu = self.strategy, self.device.type == "cpu"
-        optimizers, anchored = strategy.optimizers(), None
-        if isinstance(strategy, LocalSGD):
-            anchored = strategy.anchored_parameters()
+        strategy, optimizers = self.strategy, self.strategy.optimizers()
+        anchored = strategy.anchored_parameters() if isinstance(strategy, LocalSGD) else None
+        diloco_live = anchored is not None  # its inner optimizer stays out (each peer's own)
+        live = self.device.type == "cpu" and (isinstance(strategy, LargeBatch) or diloco_live)
+        if live and diloco_live:
             optimizers = {name: optimizers[name] for name in strategy.shared}
-        live = cpu and (isinstance(strategy, LargeBatch) or anchored is not None)
         if not live:
-            optimizers = strategy.optimizers()
             # The copy we held goes before the new one is made: both at once were 3.2 GB at
             # 100 M in DiLoCo (a download in flight from it is told to ask again).
             with self._state_lock:
@@ -386,8 +385,12 @@ class TorchWorker:
             yield state
             return
         if not self.stopping.is_set():
-            copied = self._thread.submit(states.with_optimizers, state, lacking)
-            yield copied.result() if _waited(copied.done, cancelled) else None
+            copied, done = (
+                self._thread.submit(states.with_optimizers, state, lacking),
+                threading.Event(),
+            )
+            copied.add_done_callback(lambda _: done.set())
+            yield copied.result() if _waited(done, cancelled) else None
             return
         with self._torch_thread_still(cancelled) as ready:
             yield states.with_optimizers(state, lacking, copy=False) if ready else None
@@ -405,7 +408,7 @@ class TorchWorker:
 
         self._thread.submit(hold_still)
         try:
-            yield _waited(still.is_set, cancelled)
+            yield _waited(still, cancelled)
         finally:
             go_on.set()
 
