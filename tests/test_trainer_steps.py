@@ -12,6 +12,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from concurrent.futures import wait
 from types import SimpleNamespace
 
@@ -46,6 +47,20 @@ from peer.training.worker import data_seed
 INNER_STEPS = 2
 
 
+class FakeMonotonic:
+    """A monotonic clock for `Trainer(monotonic=...)` that moves only when a test says."""
+
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        assert seconds >= 0  # monotonic
+        self.now += seconds
+
+
 async def make_trainer(
     tmp_path,
     task=None,
@@ -53,6 +68,7 @@ async def make_trainer(
     max_steps: int = 0,
     min_group_size: int = 2,
     clock=None,
+    monotonic: Callable[[], float] | None = None,
     **training,
 ) -> Trainer:
     key_pair = create_new_key_pair()
@@ -78,6 +94,7 @@ async def make_trainer(
         device=torch.device("cpu"),
         download=None,  # type: ignore[arg-type]
         **({"clock": clock} if clock else {}),
+        **({"monotonic": monotonic} if monotonic else {}),
     )
     await trainer.prepare()
     trainer.policy.started()
@@ -845,7 +862,8 @@ async def test_a_periodic_checkpoint_is_written_while_training_goes_on(tmp_path,
     model). The held state is the live parameters (no copy): a step that completes meanwhile
     waits for the write, so the checkpoint holds the step it names. One save at a time; the
     final one writes the newest state, once."""
-    trainer = await make_trainer(tmp_path, checkpoint_interval=3600.0)
+    monotonic = FakeMonotonic()
+    trainer = await make_trainer(tmp_path, checkpoint_interval=3600.0, monotonic=monotonic)
     await take_steps(trainer, 1)
     assert trainer.worker.held.live
     step_1 = trainer.digest
@@ -858,13 +876,17 @@ async def test_a_periodic_checkpoint_is_written_while_training_goes_on(tmp_path,
         return real(directory, state, **options)
 
     monkeypatch.setattr(checkpoints, "save_checkpoint", held_up)
-    trainer._last_checkpoint = -math.inf  # due
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
+            monotonic.advance(3599.0)
+            await trainer._checkpoint(nursery)  # not due yet: no save started
+            assert not nursery.child_tasks
+            monotonic.advance(1.0)  # the interval since the trainer began: due
             await trainer._checkpoint(nursery)
+            assert len(nursery.child_tasks) == 1
             await trio.to_thread.run_sync(started.wait, 30)
             await trainer.worker.compute()  # the training thread is free
-            trainer._last_checkpoint = -math.inf
+            monotonic.advance(3600.0)
             await trainer._checkpoint(nursery)  # due again, but one is being written
             nursery.start_soon(take_steps, trainer, 1)  # its apply waits for the write
             await trio.sleep(0.2)
@@ -965,41 +987,50 @@ async def test_the_checkpoint_on_the_way_out_is_given_up_when_it_takes_too_long(
 async def test_a_stop_is_noted_at_once_while_the_torch_thread_finishes_its_work(tmp_path):
     """The work in hand mutates the model: the training task waits for it even when told to
     stop; the stop's time is noted at once beside it (the wait comes out of the final save's)."""
-    trainer = await make_trainer(tmp_path)
+    monotonic = FakeMonotonic()
+    trainer = await make_trainer(tmp_path, monotonic=monotonic)
     done = threading.Event()
 
     def slow() -> None:
-        time.sleep(0.3)
+        time.sleep(0.3)  # real time: the stop (0.05 s) comes while this runs
+        monotonic.advance(1.0)  # the trainer's clock when the work in hand ends
         done.set()
 
     async def training() -> None:
         await trainer.worker._run(slow)
 
-    before = time.monotonic()
     with trio.move_on_after(0.05) as scope:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(trainer._note_stop)
             await training()
     assert scope.cancelled_caught and done.is_set()  # the work ended before the stop did
-    began = trainer._stop_began
-    assert began is not None and before < began < before + 0.25
+    assert trainer._stop_began == 0.0  # noted before the work ended, not at 1.0
 
 
-async def test_the_final_save_gets_what_is_left_after_waiting_for_the_torch_thread(tmp_path):
+@pytest.mark.parametrize(
+    ("waited", "saved"),
+    [
+        (0.4, 2),  # time is left: the state we hold is written
+        (trainer_module.FINAL_SAVE_BY, 1),  # none left: the previous checkpoint stands
+    ],
+)
+async def test_the_final_save_gets_what_is_left_after_waiting_for_the_torch_thread(
+    tmp_path, waited: float, saved: int
+):
     """A stop that waited for the torch thread's work in hand (a micro-batch, a digest: 1-2 s
     at 100 M on a busy machine) then gave the final save its full 1.5 s: 4.3 s to stop. The
     save must end FINAL_SAVE_BY after the stop began."""
-    trainer = await make_trainer(tmp_path)
+    monotonic = FakeMonotonic()
+    trainer = await make_trainer(tmp_path, monotonic=monotonic)
     await take_steps(trainer, 1)
     await trainer._save()  # a periodic checkpoint: no time limit
     await take_steps(trainer, 1)
-    trainer._stop_began = time.monotonic() - 0.4  # waited 0.4 s: time is left
+    with trio.CancelScope() as stop:
+        stop.cancel()
+        await trainer._note_stop()  # told to stop now (it sets the worker stopping, as in run)
+    monotonic.advance(waited)  # spent waiting for the torch thread's work in hand
     await trainer._checkpoint(force=True)
-    assert checkpoints.load_latest(trainer.checkpoint_dir).step == 2
-    await take_steps(trainer, 1)
-    trainer._stop_began = time.monotonic() - trainer_module.FINAL_SAVE_BY
-    await trainer._checkpoint(force=True)  # none left: the previous checkpoint stands
-    assert checkpoints.load_latest(trainer.checkpoint_dir).step == 2
+    assert checkpoints.load_latest(trainer.checkpoint_dir).step == saved
 
 
 async def test_the_refusal_of_another_task_shows_no_control_characters(tmp_path):

@@ -117,7 +117,9 @@ class Tally:
     downloads: int = 0
     compute_seconds: float = 0.0
     samples_computed: int = 0
-    started_at: float = field(default_factory=time.monotonic)
+    #: The trainer's monotonic clock when training began (no default: a default factory
+    #: would read the real clock, not the one the trainer was given).
+    started_at: float = field(kw_only=True)
     #: (monotonic time, compute_seconds) when the first step was applied: utilisation from
     #: there on leaves out start-up (measurements, the first gathering, any download).
     first_step: tuple[float, float] | None = None
@@ -141,10 +143,13 @@ class Trainer:
         capabilities: Callable[[], Capabilities | None] = lambda: None,
         observe_training: Callable[[int, float], None] = lambda samples, seconds: None,
         clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
         worker: TorchWorker | None = None,
     ) -> None:
         """`worker`: the model and optimizers, built beforehand off the event loop (the
-        daemon builds it in a thread); built here, on the calling thread, if not given."""
+        daemon builds it in a thread); built here, on the calling thread, if not given.
+        `clock`: wall time (deadlines shared with other peers); `monotonic`: durations here
+        (step timings, the checkpoint interval, the stop's budget), injectable for tests."""
         self.dht = dht
         self.averager = averager
         self.config = config
@@ -153,16 +158,17 @@ class Trainer:
         self.capabilities = capabilities
         self.observe_training = observe_training
         self.clock = clock
+        self.monotonic = monotonic
         self.me = dht.node.peer_id.to_base58()
         self.worker = worker or TorchWorker(
             task, config, device=device, peer_id=self.me, batches=batches
         )
         self.policy = StepPolicy(me=self.me, config=config, vector_size=self.worker.vector_size)
         self.timing = self.policy.timing
-        self.tally = Tally()
+        self.tally = Tally(started_at=monotonic())
         self._saving = False  # a periodic checkpoint is being written
         self._snapshot: Snapshot | None = None
-        self._stop_began: float | None = None  # time.monotonic(), when we were told to stop
+        self._stop_began: float | None = None  # self.monotonic(), when we were told to stop
         self._serializing = trio.Lock()
         # A delayed averaging in flight (dedloc, delayed_updates) and its result when done.
         self._background: trio.Event | None = None
@@ -182,7 +188,7 @@ class Trainer:
             clock=clock,
         )
         self.finished = trio.Event()
-        self._last_checkpoint = time.monotonic()
+        self._last_checkpoint = self.monotonic()
         self.checkpoint_dir: Path | None = state_folder(
             self.training.checkpoint_dir, config.collaboration.name, task.name
         )
@@ -308,7 +314,7 @@ class Trainer:
                     raise ConfigError(self._refusal(self._foreign))
                 self.policy.started()
                 task_status.started()
-                self.tally.started_at = time.monotonic()
+                self.tally.started_at = self.monotonic()
                 await self._train(nursery)
                 if self._validate_due:  # the last step's evaluation, e.g. at max_steps
                     await self._validate()
@@ -325,7 +331,7 @@ class Trainer:
         try:
             await trio.sleep_forever()
         finally:
-            self._stop_began = time.monotonic()
+            self._stop_began = self.monotonic()
             self.worker.stopping.set()  # a digest in hand ends now
 
     async def _train(self, nursery: trio.Nursery) -> None:
@@ -339,7 +345,7 @@ class Trainer:
             settling = self.policy.phase is Phase.SETTLING
             action = self.policy.next_action(self.local(), self.clock())
             if self.policy.phase is Phase.SETTLING and not settling:
-                self.tally.ended_at = time.monotonic()  # the last step (before settling)
+                self.tally.ended_at = self.monotonic()  # the last step (before settling)
                 self._background_scope.cancel()  # a step we no longer take
                 self._background = self._background_result = None
             if self.policy.take_changed():
@@ -425,7 +431,7 @@ class Trainer:
         step: int,
         gather_until: float,
     ) -> AveragingResult:
-        started = time.monotonic()
+        started = self.monotonic()
         log.debug(
             "averaging toward step %d: %d samples, gathering until %.3f (in %.3fs)",
             step + 1,
@@ -445,7 +451,7 @@ class Trainer:
             capabilities=self.capabilities(),
         )
         tally = self.tally
-        tally.last_step_seconds = time.monotonic() - started
+        tally.last_step_seconds = self.monotonic() - started
         tally.averaging_seconds += tally.last_step_seconds
         tally.averagings += 1
         tally.step_bytes = sum(r.bytes_sent + r.bytes_received for r in result.rounds)
@@ -489,7 +495,7 @@ class Trainer:
             tally.global_batches.append(verdict.global_batch)
         tally.steps_applied += 1
         if tally.first_step is None:
-            tally.first_step = (time.monotonic(), tally.compute_seconds)
+            tally.first_step = (self.monotonic(), tally.compute_seconds)
         if tally.loss is not None:
             tally.recent_losses.append(tally.loss)
         batch = verdict.global_batch
@@ -556,7 +562,7 @@ class Trainer:
         of each phase go into `phases`: the download and check, the load, the hold."""
         # Not older than we hold, unless we go back from a stranded step (`stranded`).
         lowest = target if target < self.step else max(target, self.step)
-        started = time.monotonic()
+        started = self.monotonic()
         try:
             _, state, digest = await fetch_certified(
                 self.dht,
@@ -567,15 +573,15 @@ class Trainer:
                 parse=self.worker.parse,
                 lowest=lowest,
             )
-            phases["fetch_and_check_s"] = time.monotonic() - started
+            phases["fetch_and_check_s"] = self.monotonic() - started
             # Its tensors are about to be replaced: they go with our state, not after the hold.
             self._snapshot = None
             await self.worker.restore(state, from_donor=True)
         except RemoteError as error:
             return str(error)
-        phases["load_s"] = time.monotonic() - started - phases["fetch_and_check_s"]
+        phases["load_s"] = self.monotonic() - started - phases["fetch_and_check_s"]
         await self._hold(state.step, digest=digest)
-        phases["total_s"] = time.monotonic() - started
+        phases["total_s"] = self.monotonic() - started
         return ""
 
     # ------------------------------------------------------------------ validation, checkpoints
@@ -597,16 +603,16 @@ class Trainer:
         if self.checkpoint_dir is None or self.step == 0:
             return
         if not force:
-            due = time.monotonic() - self._last_checkpoint >= self.training.checkpoint_interval
+            due = self.monotonic() - self._last_checkpoint >= self.training.checkpoint_interval
             if due and not self._saving and nursery is not None:
-                self._last_checkpoint = time.monotonic()
+                self._last_checkpoint = self.monotonic()
                 self._saving = True
                 nursery.start_soon(self._save)
             return
         # What is left of the stop's budget: waiting for the torch thread's work in hand (a
         # micro-batch, a digest: 1-2 s at 100 M on a busy machine) came out of it.
         began = self._stop_began
-        spent = 0.0 if began is None else time.monotonic() - began
+        spent = 0.0 if began is None else self.monotonic() - began
         await self._save(within=max(0.0, min(FINAL_SAVE_SECONDS, FINAL_SAVE_BY - spent)))
 
     async def _save(self, *, within: float = math.inf) -> None:
@@ -642,7 +648,7 @@ class Trainer:
             if tally.first_step is None:
                 return 0.0
             since, computed = tally.first_step
-        wall = (tally.ended_at or time.monotonic()) - since
+        wall = (tally.ended_at or self.monotonic()) - since
         return (tally.compute_seconds - computed) / wall if wall > 0 else 0.0
 
     def _report(self) -> None:
@@ -652,7 +658,7 @@ class Trainer:
             "steps_applied": tally.steps_applied,
             "samples": tally.samples_computed,
             "compute_s": round(tally.compute_seconds, 3),
-            "wall_s": round((tally.ended_at or time.monotonic()) - tally.started_at, 3),
+            "wall_s": round((tally.ended_at or self.monotonic()) - tally.started_at, 3),
             "utilisation": round(self.utilisation(), 4),
             "utilisation_after_first_step": round(self.utilisation(after_first_step=True), 4),
             "averaged_bytes": tally.averaged_bytes,
