@@ -62,10 +62,16 @@ import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, TypeVar, overload
+from typing import Any, TypeVar, overload
 
 from peer.errors import ConfigError, ProtocolError
-from peer.files import fsync_directory, remove_temps, write_atomically, write_atomically_with
+from peer.files import (
+    Sink,
+    fsync_directory,
+    remove_temps,
+    write_atomically,
+    write_atomically_with,
+)
 from peer.training.state import TrainingState, from_file, write_file
 
 log = logging.getLogger("peertrain.checkpoint")
@@ -121,7 +127,7 @@ def save_checkpoint(
     `cancelled()` turned true before the payload was written (nothing changed on disk but a
     temp file, removed)."""
 
-    def write(file: BinaryIO) -> int:
+    def write(file: Sink) -> int:
         return write_file(state, file, cancelled=cancelled)
 
     return _save(directory, state.step, write, extra=None, keep=keep)
@@ -140,7 +146,7 @@ def save_blob(
     payload's path. ConfigError if the directory cannot be written."""
     crc32 = zlib.crc32(blob)  # before taking the lock: the slow part
 
-    def write(file: BinaryIO) -> int:
+    def write(file: Sink) -> int:
         file.write(blob)
         return crc32
 
@@ -150,7 +156,7 @@ def save_blob(
 def _save(
     directory: Path,
     step: int,
-    write: Callable[[BinaryIO], int],
+    write: Callable[[Sink], int],
     *,
     extra: dict[str, Any] | None,
     keep: int,
@@ -164,7 +170,7 @@ def _save(
     if extra is not None:
         record["extra"] = extra
 
-    def payload(file: BinaryIO) -> None:
+    def payload(file: Sink) -> None:
         record["crc32"] = write(file)
         record["bytes"] = file.tell()
 
@@ -175,7 +181,8 @@ def _save(
             records = _records(directory)
             record["serial"] = max((r["serial"] for r in records.values()), default=0) + 1
             record["file"] = f"{name}-{record['serial']}.safetensors"
-            write_atomically_with(directory, record["file"], payload)
+            # Around the page cache: gigabytes written once, read back only to resume.
+            write_atomically_with(directory, record["file"], payload, direct=True)
             write_atomically(directory, f"{name}.json", json.dumps(record).encode())
             records[f"{name}.json"] = record
             _prune(directory, records, keep)

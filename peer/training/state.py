@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import accumulate, chain
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import safetensors
 import safetensors.torch
@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from peer.errors import ProtocolError, RemoteError
+from peer.files import Sink
 
 FORMAT = 1
 HEADER_KEY = "peertrain"
@@ -269,7 +270,7 @@ class WriteCancelled(Exception):
 
 
 def write_file(
-    state: TrainingState, file: BinaryIO, *, cancelled: Callable[[], bool] = lambda: False
+    state: TrainingState, file: Sink, *, cancelled: Callable[[], bool] = lambda: False
 ) -> int:
     """Write `state` to `file` in the safetensors format, straight from its tensors' memory
     (no whole-state blob: that doubled a checkpoint's memory and time), and return the CRC-32
