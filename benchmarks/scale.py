@@ -3,7 +3,7 @@
 in the same run.
 
     .venv/bin/python -m benchmarks.scale [--sizes 10 40 100] [--modes dedloc diloco]
-        [--minutes 3] [--step-seconds 20]
+        [--minutes 3] [--step-seconds 20] [--link-mbit 1000]
 
 Per size, first in this process or its plain children (one torch thread, before any peer
 starts): the product's training state (`TorchWorker` after one step, `state.capture`), its size in
@@ -18,7 +18,9 @@ step; target batch or inner steps chosen from the measured speed so a step takes
 `--step-seconds`); then a 4th peer joins late (it downloads the state, then trains); then
 peer 0 gets SIGINT; then everyone does. Peak RSS is the kernel's VmHWM of each process,
 read every second and every 10 ms while it stops; the rest comes from the processes' JSON
-logs (what could not be measured from them says so in the table).
+logs (what could not be measured from them says so in the table). `--link-mbit N` (root)
+runs it all in a network namespace of its own whose loopback is shaped to N Mbit/s, shared by
+every connection as through one link: where the network, not the CPU, sets the pace.
 Goals (the scale issue, at 100 M): peak RSS <= 2.5x the state; no event-loop stall over
 100 ms; >= 95 % of averaging attempts succeed; checkpoint save <= 1.5x torch.save; stop
 within 3 s; a late joiner training within 2x the time raw TCP needs to move the state.
@@ -52,6 +54,7 @@ import numpy as np
 import torch
 import trio
 
+from benchmarks.common import SHAPED_ENV, rerun_on_shaped_loopback
 from benchmarks.scale_task import SIZES, ScaleGPTTask
 from peer.config import load_config
 from peer.loopwatch import WORST
@@ -164,8 +167,10 @@ def checkpoint_times(
     worker: TorchWorker, state: TrainingState, directory: Path, *, repeats: int
 ) -> dict[str, float]:
     """Median seconds of the product's checkpoint save and load of `state`, next to torch.save
-    and torch.load of the same model and optimizer state dicts, interleaved. (One function:
-    the checkpoint API may move to a background writer.)"""
+    and torch.load of the same model and optimizer state dicts, interleaved. Both loads read
+    from the disk, as a resume does: checkpoints are written around the page cache (O_DIRECT,
+    `peer.files.DirectFile`), and torch.save's file is dropped from the cache after its fsync.
+    (One function: the checkpoint API may move to a background writer.)"""
     from peer.training.checkpoint import load_latest, save_checkpoint
 
     plain = {"model": worker.model.state_dict()}
@@ -183,6 +188,7 @@ def checkpoint_times(
         descriptor = os.open(target, os.O_RDONLY)
         try:
             os.fsync(descriptor)
+            os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)  # clean now: dropped
         finally:
             os.close(descriptor)
 
@@ -931,7 +937,20 @@ def main() -> None:
     parser.add_argument(
         "--min-free-gb", type=float, default=1.5, help="kill the run below this MemAvailable"
     )
+    parser.add_argument(
+        "--link-mbit", type=int, default=0, help="shape the loopback to this rate (root)"
+    )
     args = parser.parse_args()
+    if args.link_mbit and SHAPED_ENV not in os.environ:
+        argv, rest = [], iter(sys.argv[1:])
+        for arg in rest:  # the same arguments less "--link-mbit N" (or "--link-mbit=N")
+            if arg == "--link-mbit":
+                next(rest, None)
+            elif not arg.startswith("--link-mbit="):
+                argv.append(arg)
+        sys.exit(rerun_on_shaped_loopback(args.link_mbit, ["-m", "benchmarks.scale", *argv]))
+    if SHAPED_ENV in os.environ:
+        print(f"loopback shaped to {os.environ[SHAPED_ENV]} Mbit/s (tbf) in a namespace of its own")
     torch.set_num_threads(1)
     cores = len(os.sched_getaffinity(0))
     summary: list[tuple[str, list[Row]]] = []
