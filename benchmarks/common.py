@@ -9,7 +9,11 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import os
+import shutil
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Sequence
 
@@ -77,3 +81,36 @@ async def raw_tcp_round_trips(count: int) -> list[float]:
         )
         nursery.cancel_scope.cancel()
     return samples
+
+
+#: Set in a benchmark re-run by `rerun_on_shaped_loopback`: the rate its loopback is shaped to.
+SHAPED_ENV = "PEERTRAIN_BENCH_LINK_MBIT"
+
+
+def rerun_on_shaped_loopback(mbit: int, argv: Sequence[str]) -> int:
+    """Run `python argv` in a network namespace of its own whose loopback is shaped to `mbit`
+    Mbit/s (tbf, all traffic together, as through one link), then delete the namespace; the
+    child's exit code. Everything the benchmark starts, its raw-TCP baselines included, runs
+    there. Root with `ip` and `tc` (iproute2), Linux only."""
+    if os.geteuid() != 0 or not (shutil.which("ip") and shutil.which("tc")):
+        sys.exit("a shaped link needs root with ip and tc (iproute2): run it with sudo")
+    namespace = f"peertrain-bench-{os.getpid()}"
+    rate_bytes = mbit * 1_000_000 // 8
+    burst = max(1 << 20, rate_bytes // 100)  # >= rate / HZ, and above lo's 64 KiB packets
+
+    def ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
+
+    ip("netns", "add", namespace)
+    try:
+        ip("-n", namespace, "link", "set", "lo", "up")
+        inside = ["ip", "netns", "exec", namespace]
+        subprocess.run(
+            [*inside, "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", f"{mbit}mbit",
+             "burst", str(burst), "latency", "100ms"],
+            check=True, capture_output=True, timeout=30,
+        )  # fmt: skip
+        env = {**os.environ, SHAPED_ENV: str(mbit)}
+        return subprocess.run([*inside, sys.executable, *argv], env=env).returncode
+    finally:
+        subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=30)
