@@ -84,7 +84,7 @@ async def raw_tcp_round_trips(count: int) -> list[float]:
 
 
 #: Set in a benchmark re-run by `rerun_on_shaped_loopback`: the rate its loopback is shaped to.
-SHAPED_ENV = "PEERTRAIN_BENCH_LINK_MBIT"
+SHAPED_ENV = "BENCH_LINK_MBIT"  # not PEERTRAIN_*: the daemons refuse unknown ones
 
 
 def rerun_on_shaped_loopback(mbit: int, argv: Sequence[str]) -> int:
