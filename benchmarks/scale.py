@@ -665,7 +665,8 @@ def run_collaboration(settings: Settings, args: argparse.Namespace) -> Collab:
     finally:
         sampling.set()
         collab.close()
-        sampler.join(timeout=5)
+        if sampler.is_alive():  # not started if the backbone did not start
+            sampler.join(timeout=5)
         for folder in workdir.glob("checkpoints*"):  # GBs at 100 M; the logs stay
             shutil.rmtree(folder, ignore_errors=True)
 
