@@ -537,7 +537,8 @@ def restore(
     """Load `state` into `model` and `optimizers`, or raise StateMismatch and change nothing.
 
     Everything is checked before anything is written, so a bad donor cannot leave a half-loaded
-    model behind. Optimizer tensors are cloned: the state stays valid for serving to others.
+    model behind. Optimizer tensors are copied into the optimizer's own (or cloned): the state
+    stays valid for serving to others.
 
     `from_donor`: the state came from another peer. Then every tensor loaded must be finite,
     the optimizers' hyperparameters (learning rate, betas, weight decay, ...) stay ours (the
@@ -561,23 +562,33 @@ def restore(
     # Checked; from here on nothing raises on account of the state.
     model.load_state_dict(model_state, strict=True)  # copies into the existing parameters
     for name, optimizer in optimizers.items():
-        # The old moments go before the new are made: both at once were 2x the optimizer's
-        # state at the peak of a joiner's memory.
-        optimizer.state.clear()
-        optimizer.load_state_dict(_cloned(optimizer_states[name]))
+        optimizer.load_state_dict(_into_own(optimizer, optimizer_states[name]))
 
 
-def _cloned(optimizer_state: dict[str, Any]) -> dict[str, Any]:
-    """`optimizer_state` with its tensors cloned: load_state_dict keeps same-dtype tensors as
+def _into_own(optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any]) -> dict[str, Any]:
+    """`optimizer_state` with its tensors copied into the optimizer's own where it has them
+    alike (same shape and dtype), else cloned: load_state_dict keeps same-dtype tensors as
     they are, and training must not write into the state (a view of a download, or a state we
-    may still be serving to other peers)."""
-    return {
-        "state": {
-            index: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in values.items()}
-            for index, values in optimizer_state["state"].items()
-        },
-        "param_groups": optimizer_state["param_groups"],
-    }
+    may still be serving to other peers). Copying in place makes no new moments. Freeing the
+    old ones before cloning did not keep the peak down: a trained 100 M DeDLOC worker's RSS
+    rose 0.76 GB during a restore (the restore's thread did not reuse the memory the torch
+    thread had freed), and a peer that caught up peaked at 3.05x its state."""
+    ids = chain.from_iterable(group["params"] for group in optimizer_state["param_groups"])
+    params = chain.from_iterable(group["params"] for group in optimizer.param_groups)
+    by_id = dict(zip(ids, params, strict=True))  # as load_state_dict pairs them
+
+    def into(own: Any, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        if isinstance(own, torch.Tensor) and own.shape == value.shape and own.dtype == value.dtype:
+            return own.copy_(value)
+        return value.clone()
+
+    state = {}
+    for index, values in optimizer_state["state"].items():
+        own = optimizer.state.get(by_id[index], {})
+        state[index] = {key: into(own.get(key), value) for key, value in values.items()}
+    return {"state": state, "param_groups": optimizer_state["param_groups"]}
 
 
 def _model_state(state: TrainingState, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -677,7 +688,7 @@ def _optimizer_state(
             raise StateMismatch(
                 f"{where} state {name!r} has shape {tuple(value.shape)}, expected {tuple(parameter.shape)} or ()"
             )
-        values[key] = value  # cloned once loading can no longer fail (`_cloned`)
+        values[key] = value  # copied once loading can no longer fail (`_into_own`)
     for index, entries in entry["scalars"].items():
         values, _ = slot(index)
         for key, value in entries.items():
