@@ -571,6 +571,7 @@ def collaboration_env(settings: Settings, args: argparse.Namespace) -> dict[str,
         "PEERTRAIN_TRAINING_TARGET_VALIDATION_LOSS": "0",
         # Checkpoints during the run too, so their memory and stalls are in the figures.
         "PEERTRAIN_TRAINING_CHECKPOINT_INTERVAL": str(args.checkpoint_interval),
+        "PEERTRAIN_LOG_LEVEL": args.log_level,
     }
 
 
@@ -941,6 +942,7 @@ def main() -> None:
     parser.add_argument(
         "--link-mbit", type=int, default=0, help="shape the loopback to this rate (root)"
     )
+    parser.add_argument("--log-level", choices=["debug", "info"], default="info", help="peers'")
     args = parser.parse_args()
     if args.link_mbit and SHAPED_ENV not in os.environ:
         argv, rest = [], iter(sys.argv[1:])
