@@ -959,6 +959,39 @@ async def test_taking_the_gradients_gives_their_memory_back(tmp_path, monkeypatc
     assert returned == [1] and samples == 8
 
 
+async def test_a_periodic_checkpoint_gives_way_to_a_stop(tmp_path, monkeypatch):
+    """A periodic save has no deadline of its own: one that had waited for the torch thread,
+    then wrote 1.6 GB, made a DiLoCo stop take 7-9 s. At a stop it ends between two pieces,
+    and the final save writes the state we hold within the stop's budget."""
+    monotonic = FakeMonotonic()
+    trainer = await make_trainer(tmp_path, checkpoint_interval=60.0, monotonic=monotonic)
+    await take_steps(trainer, 1)
+    started = threading.Event()
+    real = checkpoints.save_checkpoint
+
+    def slow_disk(directory, state, *, cancelled, **options):
+        started.set()
+        for _ in range(1000):  # 10 s of pieces, unless cut short
+            if cancelled():
+                raise states.WriteCancelled("cut short between two pieces")
+            time.sleep(0.01)
+        return real(directory, state, cancelled=cancelled, **options)
+
+    monkeypatch.setattr(checkpoints, "save_checkpoint", slow_disk)
+    with trio.fail_after(5):  # the slow disk alone takes 10 s
+        async with trio.open_nursery() as nursery:
+            monotonic.advance(60.0)
+            await trainer._checkpoint(nursery)  # due: a periodic save starts
+            await trio.to_thread.run_sync(started.wait, 5)
+            with trio.CancelScope() as stop:
+                stop.cancel()
+                await trainer._note_stop()  # told to stop: the periodic save gives way
+    assert checkpoints.load_latest(trainer.checkpoint_dir) is None
+    monkeypatch.setattr(checkpoints, "save_checkpoint", real)
+    await trainer._checkpoint(force=True)  # the final save, within the stop's budget
+    assert checkpoints.load_latest(trainer.checkpoint_dir).step == trainer.step == 1
+
+
 async def test_the_checkpoint_on_the_way_out_is_given_up_when_it_takes_too_long(
     tmp_path, monkeypatch
 ):

@@ -341,7 +341,12 @@ class TorchWorker:
         hold it; None if we hold none (between an apply and its hold)."""
         return await self._run(self._serialize)
 
-    def _save(self, directory: Path, cancelled: Callable[[], bool]) -> int | None:
+    def _save(
+        self, directory: Path, late: Callable[[], bool], gives_way: Callable[[], bool]
+    ) -> int | None:
+        def cancelled() -> bool:
+            return late() or gives_way()
+
         held = self.held
         if held is None or (self._saved is not None and held is self._saved()):
             return None
@@ -357,12 +362,15 @@ class TorchWorker:
                     raise states.WriteCancelled("cut short before the torch thread was free")
                 checkpoints.save_checkpoint(directory, state, cancelled=cancelled)
             except states.WriteCancelled as error:
-                log.warning(
-                    "the checkpoint of step %d was not written in time (%s); the previous "
-                    "one stands",
-                    held.state.step,
-                    error,
-                )
+                if gives_way():
+                    log.info("the checkpoint of step %d gave way (%s)", held.state.step, error)
+                else:
+                    log.warning(
+                        "the checkpoint of step %d was not written in time (%s); the previous "
+                        "one stands",
+                        held.state.step,
+                        error,
+                    )
                 return None
         self._saved = weakref.ref(held)
         return held.state.step
@@ -390,7 +398,11 @@ class TorchWorker:
                 threading.Event(),
             )
             copied.add_done_callback(lambda _: done.set())
-            yield copied.result() if _waited(done, cancelled) else None
+            if _waited(done, cancelled):
+                yield copied.result()
+            else:
+                copied.cancel()  # not started yet: the torch thread need not copy for nobody
+                yield None
             return
         with self._torch_thread_still(cancelled) as ready:
             yield states.with_optimizers(state, lacking, copy=False) if ready else None
@@ -412,11 +424,18 @@ class TorchWorker:
         finally:
             go_on.set()
 
-    async def save_checkpoint(self, directory: Path, *, within: float = math.inf) -> int | None:
+    async def save_checkpoint(
+        self,
+        directory: Path,
+        *,
+        within: float = math.inf,
+        gives_way: Callable[[], bool] = lambda: False,
+    ) -> int | None:
         """Write the held state to a checkpoint in a thread of its own, beside the training
         thread: training goes on while it is written (DeDLOC: a step that completes meanwhile
-        waits for the end of the write to apply). Given up after `within` seconds (the old
-        checkpoints stand). The step saved; None if nothing new was saved."""
+        waits for the end of the write to apply). Given up after `within` seconds, or once
+        `gives_way()` (a periodic save at a stop); the old checkpoints stand. The step saved;
+        None if nothing new was saved."""
         late = threading.Event()
         async with trio.open_nursery() as nursery:
 
@@ -427,7 +446,7 @@ class TorchWorker:
             if math.isfinite(within):
                 nursery.start_soon(deadline)
             saved = await trio.to_thread.run_sync(
-                self._save, directory, late.is_set, limiter=self._writer
+                self._save, directory, late.is_set, gives_way, limiter=self._writer
             )
             nursery.cancel_scope.cancel()
         return saved
