@@ -944,14 +944,10 @@ def main() -> None:
     )
     parser.add_argument("--log-level", choices=["debug", "info"], default="info", help="peers'")
     args = parser.parse_args()
-    if args.link_mbit and SHAPED_ENV not in os.environ:
-        argv, rest = [], iter(sys.argv[1:])
-        for arg in rest:  # the same arguments less "--link-mbit N" (or "--link-mbit=N")
-            if arg == "--link-mbit":
-                next(rest, None)
-            elif not arg.startswith("--link-mbit="):
-                argv.append(arg)
-        sys.exit(rerun_on_shaped_loopback(args.link_mbit, ["-m", "benchmarks.scale", *argv]))
+    if args.link_mbit and SHAPED_ENV not in os.environ:  # the same run, in the namespace
+        sys.exit(
+            rerun_on_shaped_loopback(args.link_mbit, ["-m", "benchmarks.scale", *sys.argv[1:]])
+        )
     if SHAPED_ENV in os.environ:
         print(f"loopback shaped to {os.environ[SHAPED_ENV]} Mbit/s (tbf) in a namespace of its own")
     torch.set_num_threads(1)
