@@ -41,7 +41,7 @@ def test_a_direct_file_reads_back_exactly_what_was_written(tmp_path, seed):
     pieces = _pieces(seed)
     path = tmp_path / "out"
     path.touch()
-    with DirectFile(files._open_direct(str(path)), stage_bytes=2 * DIRECT_ALIGN) as file:
+    with DirectFile(path, stage_bytes=2 * DIRECT_ALIGN) as file:
         for piece in pieces:
             assert file.write(memoryview(piece)) == len(piece)
         assert file.tell() == sum(map(len, pieces))
@@ -93,7 +93,7 @@ def test_a_file_system_that_refuses_o_direct_writes_gets_ordinary_ones(tmp_path,
     pieces = _pieces(3)
     path = tmp_path / "out"
     path.touch()
-    with DirectFile(files._open_direct(str(path)), stage_bytes=2 * DIRECT_ALIGN) as file:
+    with DirectFile(path, stage_bytes=2 * DIRECT_ALIGN) as file:
         for piece in pieces:
             file.write(piece)
     assert refused == [2 * DIRECT_ALIGN]  # once: the descriptor is ordinary from then on

@@ -125,6 +125,17 @@ def test_round_trip_is_bit_identical_and_training_continues_identically():
     assert to_bytes(state) == blob == to_bytes(loaded)
 
 
+def _state_addresses(optimizers: Optimizers) -> dict[tuple[str, int, str], int]:
+    """Where each optimizer state tensor lives, by (optimizer, parameter, key)."""
+    return {
+        (name, id(p), key): value.data_ptr()
+        for name, opt in optimizers.items()
+        for p, values in opt.state.items()
+        for key, value in values.items()
+        if isinstance(value, torch.Tensor)
+    }
+
+
 def test_a_restore_into_a_trained_optimizer_writes_into_its_own_moments():
     """A peer catching up already holds moments of the same shapes: the downloaded ones are
     copied into them, so no second set is allocated (at 100 M, 0.8 GB more at the peak of
@@ -135,23 +146,10 @@ def test_a_restore_into_a_trained_optimizer_writes_into_its_own_moments():
 
     _, behind, behind_optimizers = tiny_setup()
     train(task, behind, behind_optimizers, steps=1, seed=5)  # its own, older moments
-    own = {
-        (name, id(p), key): value.data_ptr()
-        for name, opt in behind_optimizers.items()
-        for p, values in opt.state.items()
-        for key, value in values.items()
-        if isinstance(value, torch.Tensor)
-    }
+    own = _state_addresses(behind_optimizers)
     loaded = from_bytes(blob)
     restore(loaded, behind, behind_optimizers)
-    after = {
-        (name, id(p), key): value.data_ptr()
-        for name, opt in behind_optimizers.items()
-        for p, values in opt.state.items()
-        for key, value in values.items()
-        if isinstance(value, torch.Tensor)
-    }
-    assert after == own  # the same memory, every tensor
+    assert _state_addresses(behind_optimizers) == own  # the same memory, every tensor
     assert_same(current(behind, behind_optimizers), current(model, optimizers))
 
     train(task, model, optimizers, steps=2, seed=2)

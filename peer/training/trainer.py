@@ -560,7 +560,7 @@ class Trainer:
         self, donors: list[ProgressRecord], target: int, phases: dict[str, float]
     ) -> str:
         """Fetch, check and load a certified state; what went wrong ("" if nothing). Seconds
-        of each phase go into `phases`: the download and check, the load, the hold."""
+        go into `phases`: the download and check, the load, and the total (the hold too)."""
         # Not older than we hold, unless we go back from a stranded step (`stranded`).
         lowest = target if target < self.step else max(target, self.step)
         started = self.monotonic()

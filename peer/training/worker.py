@@ -393,10 +393,8 @@ class TorchWorker:
             yield state
             return
         if not self.stopping.is_set():
-            copied, done = (
-                self._thread.submit(states.with_optimizers, state, lacking),
-                threading.Event(),
-            )
+            done = threading.Event()
+            copied = self._thread.submit(states.with_optimizers, state, lacking)
             copied.add_done_callback(lambda _: done.set())
             if _waited(done, cancelled):
                 yield copied.result()
