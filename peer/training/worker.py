@@ -3,11 +3,12 @@
 `TorchWorker` owns the model and the collaborative optimizer (`Strategy`); its public methods
 are coroutines that run the work in a thread of its own (one operation at a time: they mutate
 the same tensors), at a lower scheduling priority than the event loop (`priority.NICENESS`).
-Some run elsewhere: `parse` reads only a downloaded blob; `restore` and a stopping DiLoCo
-checkpoint run in a thread at the loop's priority while the torch thread is held still, so
-still one at a time. The trainer holds no tensor, so no torch work can land on the trio
-event loop by mistake: an optimizer step, a state capture and digest or a serialization of a
-1 B-parameter model takes seconds, and yamux resets a stream whose reader stalls 5 s.
+Some run elsewhere: `parse` reads only a downloaded blob and `serialize` only takes views of
+the held state; `restore` and a stopping DiLoCo checkpoint run in a thread at the loop's
+priority while the torch thread is held still, so still one at a time. The trainer holds no
+tensor, so no torch work can land on the trio event loop by mistake: an optimizer step, a
+state capture and digest of a 1 B-parameter model takes seconds, and yamux resets a stream
+whose reader stalls 5 s.
 
 A call that is cancelled still finishes its work in the thread (trio abandons no thread that
 mutates the model), so the state is never left half-stepped.
@@ -338,8 +339,10 @@ class TorchWorker:
 
     async def serialize(self) -> Snapshot | None:
         """The held state as bytes read from its tensors when sliced (no blob), valid while we
-        hold it; None if we hold none (between an apply and its hold)."""
-        return await self._run(self._serialize)
+        hold it; None if we hold none (between an apply and its hold). Not on the torch
+        thread: it only takes views of the held tensors, and a donor's answer to a late
+        joiner waited there for a training step (5-6 s at 100 M beside three peers)."""
+        return await trio.to_thread.run_sync(self._serialize)
 
     def _save(
         self, directory: Path, late: Callable[[], bool], gives_way: Callable[[], bool]
