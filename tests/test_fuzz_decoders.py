@@ -196,7 +196,7 @@ CASES = [
             chunks.Manifest(
                 3,
                 10,
-                chunks.MIN_CHUNK_BYTES,
+                [10],
                 [bytes(32)],
                 "127.0.0.1",
                 4003,

@@ -33,7 +33,7 @@ from peer.training import checkpoint as checkpoint_module
 from peer.training import state as states
 from peer.training.certificate import StepSignature, sign_step
 from peer.training.checkpoint import Checkpoint, load_latest_blob
-from peer.training.chunks import MIN_CHUNK_BYTES, chunk_count
+from peer.training.chunks import MIN_CHUNK_BYTES, fixed_ends
 from peer.training.keeper import KEEP, StateKeeper, run_keeper, state_digester
 from peer.training.progress import (
     ProgressRecord,
@@ -101,7 +101,7 @@ def kept_step(config: PeerConfig) -> int | None:
 def blob_digest(blob: bytes) -> str:
     """The digest of a state blob, as a trainer holding it would report it."""
     names = [name for name, _ in TinyTask().build_model().named_parameters()]
-    return states.state_digest(states.from_bytes(blob), names, LargeBatch.shared)
+    return states.state_digest(states.from_bytes(blob), names, LargeBatch.shared).digest
 
 
 def held_step(trainers: list[Trainer], config: PeerConfig) -> int | None:
@@ -314,9 +314,8 @@ def a_state(step: int, *, padding: int = 0) -> tuple[Snapshot, str]:
     if padding:  # a buffer (not in the digest) that makes the blob `padding` bytes bigger
         state.tensors["model.padding"] = torch.zeros(padding, dtype=torch.uint8)
     names = [name for name, _ in model.named_parameters()]
-    return Snapshot(step, states.to_bytes(state)), states.state_digest(
-        state, names, LargeBatch.shared
-    )
+    digest = states.state_digest(state, names, LargeBatch.shared).digest
+    return Snapshot(step, states.to_bytes(state)), digest
 
 
 async def test_a_restarted_keeper_serves_what_it_saved_unless_the_blob_does_not_match(tmp_path):
@@ -411,7 +410,7 @@ async def test_a_state_newer_than_its_donors_records_is_kept_only_under_its_own_
             keeper, _ = await start_keeper(s, config)
             # Asking for 3, the keeper gets 4, whose digest no record names: it keeps nothing
             # (and asks again next round), rather than name 4's parameters by 3's digest.
-            chunks = chunk_count(len(new_state.blob), MIN_CHUNK_BYTES)
+            chunks = len(fixed_ends(len(new_state.blob), MIN_CHUNK_BYTES))
             await wait_until(lambda: donor.statistics().chunks_served >= 2 * chunks)
             assert await keeper.snapshot() is None
             assert kept(config) is None

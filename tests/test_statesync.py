@@ -7,6 +7,7 @@ sends, or that stops after a few chunks while the test kills its donor.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -33,9 +34,10 @@ from peer.training.chunks import (
     Released,
     check_manifest,
     choose_manifest,
-    chunk_count,
-    chunk_range,
+    chunk_ends,
+    chunk_span,
     donor_chunk_bytes,
+    fixed_ends,
     servable_chunks,
 )
 from peer.training.statesync import (
@@ -47,6 +49,7 @@ from peer.training.statesync import (
     StateDownloadFailed,
     held,
 )
+from peer.training.statesync import donor as donor_module
 from peer.training.statesync.wire import KIND_ERROR, MAGIC, REQUEST
 from tests.helpers import LOOPBACK, ForwardingStream, new_identity, nodes
 
@@ -71,7 +74,7 @@ def manifest(
     return Manifest(
         step=step,
         total_bytes=total_bytes,
-        chunk_bytes=chunk_bytes,
+        ends=fixed_ends(total_bytes, chunk_bytes),
         hashes=hashes,
         data_host="127.0.0.1",
         data_port=1,
@@ -80,15 +83,40 @@ def manifest(
     )
 
 
+TWO = 2 * MIN_CHUNK_BYTES  # two chunks' bytes
+
+
+def ends(given: Manifest, new: list[int]) -> Manifest:
+    return msgspec.structs.replace(given, ends=new)
+
+
 def digests(count: int, *, differ: tuple[int, ...] = (), salt: int = 1) -> list[bytes]:
     return [bytes([i % 256, salt if i in differ else 0]) + bytes(30) for i in range(count)]
 
 
-def test_chunk_ranges_cover_the_state_with_a_short_last_chunk():
-    assert chunk_count(0, 10) == 0
-    assert chunk_count(30, 10) == 3
-    assert chunk_count(31, 10) == 4
-    assert [chunk_range(i, 31, 10) for i in range(4)] == [(0, 10), (10, 20), (20, 30), (30, 31)]
+def test_fixed_chunks_cover_the_state_with_a_short_last_chunk():
+    assert fixed_ends(0, 10) == []
+    assert fixed_ends(30, 10) == [10, 20, 30]
+    assert fixed_ends(31, 10) == [10, 20, 30, 31]
+    assert manifest(digests(4), chunk_bytes=10, total_bytes=31).chunk(3) == (30, 31)
+
+
+def test_chunks_follow_the_layout_large_tensors_cut_from_their_own_start():
+    # A header of 100 bytes, a 10-byte tensor, a 90-byte one, three small ones of 30, 30 and
+    # 50, then one of 25. Pieces of 40: every part is large (10 bytes or more).
+    parts = [100, 110, 200, 230, 260, 310, 335]
+    assert chunk_ends(335, parts, 40) == [40, 80, 100, 110, 150, 190, 200, 230, 260, 300, 310, 335]
+    # Pieces of 200: parts under 50 bytes share chunks (the two of 30), large ones start theirs.
+    assert chunk_ends(335, parts, 200) == [100, 110, 200, 260, 310, 335]
+    # Pieces of 1000: all small, one chunk.
+    assert chunk_ends(335, parts, 1000) == [335]
+    # Small parts share a chunk up to a piece: six of 9 bytes in pieces of 40.
+    assert chunk_ends(54, [9, 18, 27, 36, 45, 54], 40) == [36, 54]
+    # Empty tensors (parts ending where the one before did) change nothing.
+    assert chunk_ends(335, [100, 100, *parts[1:]], 40) == chunk_ends(335, parts, 40)
+    # Parts that do not tile the blob: fixed chunks.
+    assert chunk_ends(335, [100, 90, 335], 200) == [200, 335]
+    assert chunk_ends(335, [100, 300], 200) == [200, 335]
 
 
 def test_donor_chunk_size_is_clamped_and_grows_to_fit_one_manifest():
@@ -108,17 +136,27 @@ def test_a_well_formed_manifest_passes():
     ("bad", "complaint"),
     [
         (manifest(digests(3), step=6), "step 6, but step >= 7"),
-        (manifest(digests(2), total_bytes=3 * MIN_CHUNK_BYTES), "2 chunk hashes .* expected 3"),
-        (manifest(digests(4), total_bytes=3 * MIN_CHUNK_BYTES), "4 chunk hashes .* expected 3"),
-        (manifest([], total_bytes=1), "0 chunk hashes .* expected 1"),
-        (manifest(digests(1), chunk_bytes=1024, total_bytes=1000), "chunk size 1024"),
-        (manifest(digests(1), chunk_bytes=MAX_CHUNK_BYTES + 1), "chunk size 67108865"),
+        (manifest(digests(2), total_bytes=3 * MIN_CHUNK_BYTES), "2 chunk hashes for 3 chunks"),
+        (manifest(digests(4), total_bytes=3 * MIN_CHUNK_BYTES), "4 chunk hashes for 3 chunks"),
+        (manifest([], total_bytes=1), "0 chunk hashes for 1 chunks"),
+        (ends(manifest(digests(3), total_bytes=TWO), [10, 5, TWO]), "chunk 1 ends at 5 after 10"),
+        (ends(manifest(digests(2)), [TWO, TWO]), f"chunk 1 ends at {TWO} after {TWO}"),
+        (ends(manifest(digests(2)), [5, TWO - 1]), "do not end at the state's"),
         (manifest(digests(40)), "state of 2621440 bytes, above the 1048576"),
     ],
 )
 def test_malformed_manifests_are_rejected_with_the_value(bad: Manifest, complaint: str):
     with pytest.raises(BadManifest, match=complaint):
         check_manifest(bad, min_step=7, max_total_bytes=1 << 20)
+
+
+def test_a_chunk_over_the_largest_size_is_rejected():
+    with pytest.raises(BadManifest, match="chunk 0 ends at 67108865 after 0"):
+        check_manifest(
+            manifest(digests(1), chunk_bytes=MAX_CHUNK_BYTES + 1),
+            min_step=7,
+            max_total_bytes=1 << 30,
+        )
 
 
 def test_the_schema_rejects_wrong_hash_and_ticket_lengths_and_ports():
@@ -145,6 +183,9 @@ def test_a_donor_serves_the_chunks_it_holds_byte_for_byte():
     assert servable_chunks(chosen, same_length) == {0, 2, 3}
     assert servable_chunks(chosen, manifest(digests(4), step=8)) == set()
     assert servable_chunks(chosen, manifest(digests(2), chunk_bytes=2 * MIN_CHUNK_BYTES)) == set()
+    # Chunks 0 and 1 of the same hashes but other bytes (a boundary moved): not servable.
+    shifted = ends(chosen, [MIN_CHUNK_BYTES - 1, *chosen.ends[1:]])
+    assert servable_chunks(chosen, shifted) == {2, 3}
 
 
 def test_the_step_most_donors_hold_wins_then_the_higher_one():
@@ -383,12 +424,43 @@ async def test_three_donors_give_the_exact_bytes_and_step_in_parallel():
             assert snapshot.blob == state.blob
             assert isinstance(snapshot.blob, bytes)
             served = [r.donor.statistics().chunks_served for r in running]
-            assert sum(served) == chunk_count(BLOB_BYTES, CHUNK)
+            assert sum(served) == len(fixed_ends(BLOB_BYTES, CHUNK))
             assert sum(1 for n in served if n) >= 2, served
             assert len(stats.chunks_from) >= 2
             assert stats.rejected == {} and stats.dropped == {}
             # every ticket was released at the end
             assert [r.donor.statistics().downloads for r in running] == [0, 0, 0]
+
+
+async def test_a_donor_hashes_only_what_its_snapshot_does_not_know(monkeypatch):
+    """A trainer's snapshot names its layout and the hashes its step's digest took: the donor
+    cuts chunks along the layout, hashes only the rest, and a download hands on the hashes
+    its checks verified (a joiner's digest takes them: `state.BlobLayout.known`)."""
+    data = blob()
+    parts = (1000, 1000 + 3 * CHUNK + 77, BLOB_BYTES)  # a header, a large tensor, the rest
+    big = [(1000 + i * CHUNK, min(1000 + (i + 1) * CHUNK, parts[1])) for i in range(4)]
+    known = {span: hashlib.sha256(data[span[0] : span[1]]).digest() for span in big}
+    hashed: list[int] = []
+
+    def counted(view):
+        hashed.append(len(view))
+        return hashlib.sha256(view).digest()
+
+    monkeypatch.setattr(donor_module, "sha256", counted)
+    state = Snapshot(7, data, parts=parts, hashes=known)
+    with trio.fail_after(TIMEOUT):
+        async with nodes(1) as (downloader,), donors([state]) as running:
+            snapshot, _ = await fetch(downloader, await connect(downloader, running))
+    assert snapshot.blob == data
+    assert sum(hashed) == BLOB_BYTES - (parts[1] - parts[0])
+    assert set(big) <= set(snapshot.hashes)
+    assert sorted(snapshot.hashes) == [
+        chunk_span(ends, i)
+        for ends in [chunk_ends(BLOB_BYTES, parts, CHUNK)]
+        for i in range(len(ends))
+    ]
+    for (start, end), digest in snapshot.hashes.items():
+        assert digest == hashlib.sha256(data[start:end]).digest()
 
 
 async def test_donors_whose_bytes_partly_differ_give_the_followed_manifest_exactly():
@@ -475,7 +547,7 @@ async def test_a_busy_donor_refuses_and_the_download_uses_others_or_fails_clearl
             )
             snapshot, _ = await fetch(downloader, peers[:1])
             assert snapshot.blob == state.blob
-            assert other.donor.statistics().chunks_served == chunk_count(len(state.blob), CHUNK)
+            assert other.donor.statistics().chunks_served == len(fixed_ends(len(state.blob), CHUNK))
 
 
 async def test_an_unused_ticket_expires_and_frees_its_slot():

@@ -372,7 +372,7 @@ async def test_a_restored_donor_state_holds_the_digest_it_was_checked_with(tmp_p
     snapshot = await donor.snapshot()
     assert snapshot is not None
     joiner = await make_trainer(tmp_path / "joiner", mode=mode, inner_steps=INNER_STEPS)
-    state, digest = await joiner.worker.parse(snapshot.blob)
+    state, digest = await joiner.worker.parse(snapshot)
     assert digest == donor.digest
     await joiner.worker.restore(state, from_donor=True)
     assert await joiner.worker.hold(state.step) == digest  # computed afresh from our tensors
@@ -501,7 +501,7 @@ async def test_a_diloco_peer_holds_its_anchor_and_outer_optimizer_not_a_copy(tmp
     moved = zip(strategy.params, strategy.anchor, strict=True)
     assert trainer.worker.samples > 0 and not all(torch.equal(p, a) for p, a in moved)
     assert bytes(snapshot.blob) == before  # still valid, and still the step's state
-    assert trainer.worker.digest(held.state) == trainer.digest
+    assert trainer.worker.certify(held.state).digest == trainer.digest
 
 
 @pytest.mark.parametrize("precision", ["fp32", "fp16"])
@@ -547,14 +547,14 @@ async def test_a_stop_does_not_wait_for_the_digest_of_the_step_just_taken(tmp_pa
     started = threading.Event()
     digest = states.state_digest
 
-    def digesting(state, names, shared, *, cancelled):
+    def digesting(state, names, shared, *, cancelled, known):
         def stop_seen() -> bool:
             if not started.is_set():
                 started.set()
                 trainer.worker.stopping.wait(timeout=20)  # the digest is under way when it comes
             return cancelled()
 
-        return digest(state, names, shared, cancelled=stop_seen)
+        return digest(state, names, shared, cancelled=stop_seen, known=known)
 
     monkeypatch.setattr(states, "state_digest", digesting)
     async with trio.open_nursery() as nursery:
@@ -911,11 +911,11 @@ async def test_a_periodic_checkpoint_is_written_while_training_goes_on(tmp_path,
             release.set()
     assert trainer.step == 2
     saved = checkpoints.load_latest(trainer.checkpoint_dir)
-    assert saved.step == 1 and trainer.worker.digest(saved) == step_1
+    assert saved.step == 1 and trainer.worker.certify(saved).digest == step_1
     saves = len(list(trainer.checkpoint_dir.glob("*.json")))
     await trainer._checkpoint(force=True)  # on the way out: the step we hold now
     saved = checkpoints.load_latest(trainer.checkpoint_dir)
-    assert saved.step == 2 and trainer.worker.digest(saved) == trainer.digest
+    assert saved.step == 2 and trainer.worker.certify(saved).digest == trainer.digest
     await trainer._checkpoint(force=True)  # nothing new to write
     assert len(list(trainer.checkpoint_dir.glob("*.json"))) == saves + 1
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import io
 import json
 import math
@@ -17,6 +18,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from peer.errors import ProtocolError
+from peer.training.chunks import PIECE_BYTES, chunk_ends, chunk_span
 from peer.training.state import (
     StaleState,
     StateBytes,
@@ -27,7 +29,9 @@ from peer.training.state import (
     from_bytes,
     from_file,
     parameters_digest,
+    parse_blob,
     restore,
+    state_digest,
     to_bytes,
     write_file,
 )
@@ -553,3 +557,68 @@ def test_check_finite_finds_one_bad_value_and_passes_sums_that_overflow(dtype, b
             check_finite([torch.ones(3, dtype=dtype), spoiled])
     with pytest.raises(StateMismatch, match="NaN or Inf"):
         check_finite([bad])
+
+
+def large_state() -> TrainingState:
+    """A header, a tensor of 2.5 pieces (the digest's PIECE_BYTES), small ones around it."""
+    generator = torch.Generator().manual_seed(3)
+    large = torch.randn(PIECE_BYTES * 5 // 8, generator=generator)  # float32: 2.5 pieces
+    return TrainingState(
+        4,
+        {
+            "model.a_bias": torch.randn(5, generator=generator),
+            "model.weight": large,
+            "model.z_bias": torch.randn(7, generator=generator),
+        },
+        {"model_aliases": {}, "optimizers": {}, "scheduler": None, "extra": None},
+    )
+
+
+def test_a_donor_s_chunks_of_a_large_tensor_are_its_digest_s_pieces():
+    """A donor serves a trainer's held state without hashing it again: the chunks it cuts
+    along the layout are the pieces its step's digest hashed."""
+    state = large_state()
+    names = ["a_bias", "weight", "z_bias"]
+    certified = state_digest(state, names, ())
+    assert [len(certified.pieces[f"model.{n}"]) for n in names] == [1, 3, 1]
+    blob = StateBytes(state)
+    known = blob.layout.piece_hashes(certified.pieces)
+    ends = chunk_ends(len(blob), blob.layout.parts, PIECE_BYTES)
+    spans = [chunk_span(ends, i) for i in range(len(ends))]
+    start, end = blob.layout.spans["model.weight"]
+    covered = [span for span in spans if start <= span[0] < end]
+    assert len(covered) == 3 and all(span in known for span in covered)
+    for span, digest in known.items():
+        assert digest == hashlib.sha256(blob[span[0] : span[1]]).digest()
+
+
+def test_a_joiner_takes_the_pieces_its_chunk_checks_hashed():
+    """The digest of a download takes each piece's hash from the chunk checks (they hashed
+    the bytes received), so a joiner hashes its state once. Only checked hashes may be
+    given: a wrong one makes another digest."""
+    state = large_state()
+    names = ["a_bias", "weight", "z_bias"]
+    expected = state_digest(state, names, ()).digest
+    data = bytes(StateBytes(state))
+    ends = chunk_ends(len(data), StateBytes(state).layout.parts, PIECE_BYTES)
+    checked = {
+        span: hashlib.sha256(data[span[0] : span[1]]).digest()
+        for span in (chunk_span(ends, i) for i in range(len(ends)))
+    }
+    parsed, layout = parse_blob(data)
+    taken: list[tuple[str, int]] = []
+    known = layout.known(checked)
+
+    def counted(name: str, index: int) -> bytes | None:
+        digest = known(name, index)
+        if digest is not None:
+            taken.append((name, index))
+        return digest
+
+    assert state_digest(parsed, names, (), known=counted).digest == expected
+    assert [(n, i) for n, i in taken if n == "model.weight"] == [
+        ("model.weight", i) for i in range(3)
+    ]
+    first = layout.spans["model.weight"][0]
+    wrong = {**checked, (first, first + PIECE_BYTES): bytes(32)}
+    assert state_digest(parsed, names, (), known=layout.known(wrong)).digest != expected

@@ -3,15 +3,18 @@
 Theory of operation (the shell is `peer.training.statesync`):
 
 1. **Offers.** The downloader asks several donors for a `Manifest` of their state at
-   `step >= min_step`: chunk size, total length, the SHA-256 of every chunk, and a ticket for
-   the donor's data port. `check_manifest` rejects anything malformed (a hash count that does
-   not match the length, a chunk size out of bounds, a step below the one asked for).
+   `step >= min_step`: total length, where each chunk ends, the SHA-256 of every chunk, and a
+   ticket for the donor's data port. `check_manifest` rejects anything malformed (ends that do
+   not tile the length, a chunk over MAX_CHUNK_BYTES, a hash count that does not match, a step
+   below the one asked for). Chunks follow the state's layout (`chunk_ends`): a large tensor
+   is cut into chunks of its own from its first byte, so their hashes are those its step's
+   digest already took (`peer.training.state.state_digest`), and small parts share a chunk.
 2. **One manifest.** `choose_manifest` takes the step that the most donors hold (ties: the
    higher step), then, among the donors at that step, the manifest whose chunks the most
    donors can serve. Donors at one step may hold blobs that differ in some bytes (per-peer
    optimizer state in DiLoCo), so the result is exactly the chosen donor's blob.
-3. **Who serves what.** A donor may serve chunk i when its manifest has the same chunk size,
-   the same length for chunk i and the same hash for it (`servable_chunks`).
+3. **Who serves what.** A donor may serve chunk i when its manifest's chunk i covers the same
+   bytes and has the same hash (`servable_chunks`).
 4. **Work stealing.** Up to `parallel` donors fetch at once; each pulls the lowest pending chunk
    it may serve (`claim`). A received chunk is checked against the chosen manifest's hash; a
    bad one goes back to pending and drops its donor. When a donor's connection ends, only its
@@ -34,8 +37,9 @@ restarted when chunks come back) or DROPPED (failed: never used again).
 from __future__ import annotations
 
 import enum
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import Annotated, Generic, TypeVar
 
 import msgspec
@@ -48,7 +52,10 @@ HASH_BYTES = 32  # SHA-256
 TICKET_BYTES = 32
 MIN_CHUNK_BYTES = 64 * 1024
 MAX_CHUNK_BYTES = 64 * 1024 * 1024
-MAX_CHUNKS = 16384  # ~560 KB of hashes in a manifest
+MAX_CHUNKS = 16384  # ~700 KB of hashes and ends in a manifest
+#: A donor's chunk size by default, and the pieces a step's digest hashes large tensors in
+#: (`peer.training.state.state_digest`): a donor's chunks of them are the digest's pieces.
+PIECE_BYTES = 4 << 20
 MAX_HOST_CHARS = 255
 
 D = TypeVar("D", bound=Hashable)
@@ -66,7 +73,8 @@ class Manifest(msgspec.Struct, frozen=True):
 
     step: Annotated[int, msgspec.Meta(ge=0)]
     total_bytes: Annotated[int, msgspec.Meta(ge=0)]
-    chunk_bytes: Annotated[int, msgspec.Meta(ge=1)]
+    ends: Annotated[list[Annotated[int, msgspec.Meta(ge=1)]], msgspec.Meta(max_length=MAX_CHUNKS)]
+    """Where each chunk ends (exclusive), ascending; the last is `total_bytes`."""
     hashes: Annotated[
         list[Annotated[bytes, msgspec.Meta(min_length=HASH_BYTES, max_length=HASH_BYTES)]],
         msgspec.Meta(max_length=MAX_CHUNKS),
@@ -76,6 +84,10 @@ class Manifest(msgspec.Struct, frozen=True):
     ticket: Annotated[bytes, msgspec.Meta(min_length=TICKET_BYTES, max_length=TICKET_BYTES)]
     data_cert: Annotated[bytes, msgspec.Meta(max_length=MAX_CERT_BYTES)]
     """The donor's data-plane TLS certificate (`peer.net.tls`); it must name the donor."""
+
+    def chunk(self, index: int) -> tuple[int, int]:
+        """[start, end) of chunk `index` (of a checked manifest)."""
+        return chunk_span(self.ends, index)
 
 
 class Release(msgspec.Struct, frozen=True):
@@ -93,14 +105,39 @@ class BadManifest(ProtocolError):
     """A donor's manifest is malformed or is not what was asked for."""
 
 
-def chunk_count(total_bytes: int, chunk_bytes: int) -> int:
-    return -(-total_bytes // chunk_bytes)
+def chunk_span(ends: Sequence[int], index: int) -> tuple[int, int]:
+    """[start, end) of chunk `index` of chunks that end at `ends`."""
+    return (ends[index - 1] if index else 0), ends[index]
 
 
-def chunk_range(index: int, total_bytes: int, chunk_bytes: int) -> tuple[int, int]:
-    """[start, end) of chunk `index`; the last chunk may be short."""
-    start = index * chunk_bytes
-    return start, min(start + chunk_bytes, total_bytes)
+def fixed_ends(total_bytes: int, chunk_bytes: int) -> list[int]:
+    """Chunk ends for chunks of `chunk_bytes` (the last may be short)."""
+    return [*range(chunk_bytes, total_bytes, chunk_bytes), total_bytes] if total_bytes else []
+
+
+def chunk_ends(total_bytes: int, parts: Sequence[int], piece: int) -> list[int]:
+    """Chunk ends for a blob whose parts (a state's header, then each tensor) end at `parts`:
+    a part of at least `piece // 4` bytes is cut into chunks of `piece` from its own start
+    (the pieces its step's digest hashed, where `piece` is the digest's); smaller parts share
+    chunks of at most `piece`. Without parts that tile the blob, fixed chunks of `piece`."""
+    if not parts or parts[-1] != total_bytes or any(b < a for a, b in pairwise([0, *parts])):
+        return fixed_ends(total_bytes, piece)
+    ends: list[int] = []
+    start = part_start = 0  # start: of the chunk that small parts share
+    for part_end in parts:
+        if part_end - part_start >= piece // 4:
+            if start < part_start:
+                ends.append(part_start)
+            ends.extend(range(part_start + piece, part_end, piece))
+            ends.append(part_end)
+            start = part_end
+        elif part_end - start > piece:
+            ends.append(part_start)
+            start = part_start
+        part_start = part_end
+    if start < total_bytes:
+        ends.append(total_bytes)
+    return ends
 
 
 def donor_chunk_bytes(total_bytes: int, preferred: int, *, max_chunks: int = MAX_CHUNKS) -> int:
@@ -116,36 +153,35 @@ def check_manifest(manifest: Manifest, *, min_step: int, max_total_bytes: int) -
     The schema has already checked types, hash and ticket lengths, the port and the host."""
     if manifest.step < min_step:
         raise BadManifest(f"manifest of step {manifest.step}, but step >= {min_step} was asked for")
-    if not MIN_CHUNK_BYTES <= manifest.chunk_bytes <= MAX_CHUNK_BYTES:
-        raise BadManifest(
-            f"chunk size {manifest.chunk_bytes!r}, expected {MIN_CHUNK_BYTES} to {MAX_CHUNK_BYTES}"
-        )
     if manifest.total_bytes > max_total_bytes:
         raise BadManifest(
             f"state of {manifest.total_bytes} bytes, above the {max_total_bytes} we accept"
         )
-    expected = chunk_count(manifest.total_bytes, manifest.chunk_bytes)
-    if len(manifest.hashes) != expected:
-        raise BadManifest(
-            f"{len(manifest.hashes)} chunk hashes for {manifest.total_bytes} bytes in chunks "
-            f"of {manifest.chunk_bytes}, expected {expected}"
-        )
+    if len(manifest.hashes) != len(manifest.ends):
+        raise BadManifest(f"{len(manifest.hashes)} chunk hashes for {len(manifest.ends)} chunks")
+    if (manifest.ends[-1] if manifest.ends else 0) != manifest.total_bytes:
+        raise BadManifest(f"chunks that do not end at the state's {manifest.total_bytes} bytes")
+    start = 0
+    for index, end in enumerate(manifest.ends):
+        if not start < end <= start + MAX_CHUNK_BYTES:
+            raise BadManifest(
+                f"chunk {index} ends at {end} after {start}: not ascending, or over "
+                f"{MAX_CHUNK_BYTES} bytes"
+            )
+        start = end
 
 
 def servable_chunks(chosen: Manifest, offer: Manifest) -> frozenset[int]:
     """Chunks of `chosen` that the donor of `offer` holds byte for byte (same hash, same range)."""
-    if offer.step != chosen.step or offer.chunk_bytes != chosen.chunk_bytes:
+    if offer.step != chosen.step:
         return frozenset()
-    size = chosen.chunk_bytes
-    out = []
-    for index, digest in enumerate(chosen.hashes):
-        if index >= len(offer.hashes) or offer.hashes[index] != digest:
-            continue
-        if chunk_range(index, chosen.total_bytes, size) == chunk_range(
-            index, offer.total_bytes, size
-        ):
-            out.append(index)
-    return frozenset(out)
+    return frozenset(
+        index
+        for index, digest in enumerate(chosen.hashes)
+        if index < len(offer.hashes)
+        and offer.hashes[index] == digest
+        and offer.chunk(index) == chosen.chunk(index)
+    )
 
 
 def choose_manifest(offers: Mapping[D, Manifest]) -> D | None:
@@ -236,9 +272,9 @@ class DownloadPlan(Generic[D]):
         servable = servable_chunks(self.manifest, manifest)
         if not servable and self.chunks:
             return (
-                f"holds no chunk of the chosen state (step {manifest.step}, chunks of "
-                f"{manifest.chunk_bytes} bytes; chosen: step {self.manifest.step}, "
-                f"{self.manifest.chunk_bytes})"
+                f"holds no chunk of the chosen state (step {manifest.step}, "
+                f"{len(manifest.ends)} chunks; chosen: step {self.manifest.step}, "
+                f"{len(self.manifest.ends)})"
             )
         self.donors[donor] = DonorState.RESERVE
         self.servable[donor] = servable
@@ -354,6 +390,7 @@ __all__ = [
     "MAX_CHUNKS",
     "MAX_CHUNK_BYTES",
     "MIN_CHUNK_BYTES",
+    "PIECE_BYTES",
     "SERVICE",
     "BadManifest",
     "ChunkState",
@@ -366,8 +403,9 @@ __all__ = [
     "Released",
     "check_manifest",
     "choose_manifest",
-    "chunk_count",
-    "chunk_range",
+    "chunk_ends",
+    "chunk_span",
     "donor_chunk_bytes",
+    "fixed_ends",
     "servable_chunks",
 ]

@@ -15,6 +15,7 @@ loads the newest intact one at start. A folder of a version before that (`kept.j
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -50,8 +51,9 @@ log = logging.getLogger("peertrain.keeper")
 
 #: Fetches the state of `step` (or newer) from the given holders.
 Fetch = Callable[[list[ProgressRecord], int], Awaitable[Snapshot]]
-#: The digest of a state's bytes (`state.state_digest`); StateMismatch if they are no state.
-Digest = Callable[[bytes], str]
+#: The digest of a state (`state.state_digest`), and where its blob's layout parts end;
+#: StateMismatch if it is no state.
+Digest = Callable[[Snapshot], tuple[str, tuple[int, ...]]]
 #: What is kept: the state, its certified digest and the signatures of (step, digest).
 Kept = tuple[Snapshot, str, list[StepSignature]]
 
@@ -129,11 +131,12 @@ class StateKeeper:
         if step <= held_step or not donors:
             return False
 
-        async def parse(blob: bytes) -> tuple[None, str]:
-            return None, await trio.to_thread.run_sync(self.digest_of, blob)
+        async def parse(snapshot: Snapshot) -> tuple[tuple[int, ...], str]:
+            digest, parts = await trio.to_thread.run_sync(self.digest_of, snapshot)
+            return parts, digest
 
         try:
-            snapshot, _, digest = await fetch_certified(
+            snapshot, parts, digest = await fetch_certified(
                 self.dht, self.fetch, donors, step, view=lambda: view, parse=parse, lowest=step
             )
         except RemoteError as error:
@@ -145,7 +148,8 @@ class StateKeeper:
             # names the newer step and its signatures.
             log.info("got step %d when asking for step %d; next round", snapshot.step, step)
             return False
-        self.held, self.digest = snapshot, digest
+        # Served along its layout (`Snapshot.parts`) with the hashes its download checked.
+        self.held, self.digest = dataclasses.replace(snapshot, parts=parts), digest
         signed = [
             s for r in view.records if r.step == step and r.digest == digest for s in r.signatures
         ]
@@ -205,7 +209,12 @@ class StateKeeper:
     def _kept(self, step: int, blob: bytes, digest: str, signed: list[StepSignature]) -> Kept:
         """The signatures loaded back are checked again: a hand-edited file certifies nothing."""
         name = self.config.collaboration.name
-        return Snapshot(step, blob), digest, valid_signatures(signed, name, step, digest)
+        try:  # served along its layout, as trainers serve theirs (`Snapshot.parts`)
+            parts = states.parse_blob(blob)[1].parts
+        except states.StateMismatch:
+            parts = ()
+        signatures = valid_signatures(signed, name, step, digest)
+        return Snapshot(step, blob, parts=parts), digest, signatures
 
     def _load_old_format(self) -> Kept | None:
         """kept.json and the blob it names, if they are intact, else None."""
@@ -293,7 +302,9 @@ def state_digester(config: PeerConfig) -> tuple[Digest, Fingerprint]:
     names = layout(model, average_buffers=training.average_buffers).certified
     shared = SHARED_OPTIMIZERS[config.training.mode]
 
-    def digest(blob: bytes) -> str:
-        return states.state_digest(states.from_bytes(blob), names, shared)
+    def digest(snapshot: Snapshot) -> tuple[str, tuple[int, ...]]:
+        state, layout = states.parse_blob(bytes(snapshot.blob))
+        certified = states.state_digest(state, names, shared, known=layout.known(snapshot.hashes))
+        return certified.digest, layout.parts
 
     return digest, fingerprint

@@ -127,7 +127,7 @@ async def fetch_certified(
     target: int,
     *,
     view: Callable[[], CollaborationView],
-    parse: Callable[[bytes], Awaitable[tuple[T, str]]],
+    parse: Callable[[Snapshot], Awaitable[tuple[T, str]]],
     lowest: int,
 ) -> tuple[Snapshot, T, str]:
     """The catch-up a trainer and the keeper share: fetch `target`'s state from `donors`,
@@ -138,7 +138,7 @@ async def fetch_certified(
     for record in donors:
         dht.node.remember_addrs(ID.from_base58(record.peer_id), parse_addrs(record.addrs))
     snapshot = await download(donors, target)
-    parsed, digest = await parse(snapshot.blob)
+    parsed, digest = await parse(snapshot)
     if snapshot.step < lowest:
         raise RemoteError(f"donors sent step {snapshot.step}, expected {target}")
     if not view().certified(snapshot.step, digest):

@@ -42,6 +42,7 @@ from torch import nn
 
 from peer.errors import ProtocolError, RemoteError
 from peer.files import Sink
+from peer.training.chunks import PIECE_BYTES
 
 FORMAT = 1
 HEADER_KEY = "peertrain"
@@ -241,10 +242,11 @@ _DTYPES = {
 _PIECE = 16 << 20
 
 
-def _layout(state: TrainingState) -> list[memoryview]:
+def _layout(state: TrainingState) -> tuple[list[str], list[memoryview]]:
     """The pieces of a state's safetensors layout: the length-prefixed header, then each
-    tensor's bytes (their own memory, not copies). Widest dtype first, then by name, so each
-    tensor starts aligned to its element size (as safetensors orders them)."""
+    tensor's bytes (their own memory, not copies), and the tensors' names in that order. Widest
+    dtype first, then by name, so each tensor starts aligned to its element size (as
+    safetensors orders them)."""
     order = sorted(state.tensors, key=lambda n: (-state.tensors[n].element_size(), n))
     entries: dict[str, Any] = {"__metadata__": {HEADER_KEY: _header_text(state)}}
     offset = 0
@@ -262,7 +264,38 @@ def _layout(state: TrainingState) -> list[memoryview]:
     header = json.dumps(entries, separators=(",", ":")).encode()
     header += b" " * (-len(header) % 8)
     prefix = memoryview(len(header).to_bytes(8, "little") + header)
-    return [prefix, *(_raw(state.tensors[name]) for name in order)]
+    return order, [prefix, *(_raw(state.tensors[name]) for name in order)]
+
+
+@dataclass(frozen=True)
+class BlobLayout:
+    """Where a state's blob keeps what: each tensor's [start, end), and where the parts of the
+    layout end (the header, then each tensor, in blob order)."""
+
+    spans: Mapping[str, tuple[int, int]]
+    parts: tuple[int, ...]
+
+    def piece_hashes(self, pieces: Mapping[str, Sequence[bytes]]) -> dict[tuple[int, int], bytes]:
+        """The SHA-256 of blob ranges, from `pieces` (a tensor's digest pieces: `Certified`)."""
+        out = {}
+        for name, hashes in pieces.items():
+            start, end = self.spans[name]
+            for index, digest in enumerate(hashes):
+                first = start + index * PIECE_BYTES
+                out[first, min(first + PIECE_BYTES, end)] = digest
+        return out
+
+    def known(self, hashes: Mapping[tuple[int, int], bytes]) -> Callable[[str, int], bytes | None]:
+        """`state_digest`'s `known` from the SHA-256 of blob ranges (`Snapshot.hashes`)."""
+
+        def piece(name: str, index: int) -> bytes | None:
+            span = self.spans.get(name)
+            if span is None:
+                return None
+            first = span[0] + index * PIECE_BYTES
+            return hashes.get((first, min(first + PIECE_BYTES, span[1])))
+
+        return piece
 
 
 class WriteCancelled(Exception):
@@ -280,7 +313,7 @@ def write_file(
     crc = _Crc32()
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="peertrain-crc") as checksum:
         pending = checksum.submit(lambda: None)
-        for data in _layout(state):
+        for data in _layout(state)[1]:
             for start in range(0, len(data), _PIECE):
                 if cancelled():
                     raise WriteCancelled(f"cut short after {file.tell()} bytes")
@@ -313,9 +346,13 @@ class StateBytes:
     downloader checks every chunk's SHA-256 and drops such a donor."""
 
     def __init__(self, state: TrainingState, valid: Callable[[], bool] = lambda: True) -> None:
-        self._parts = _layout(state)
+        names, self._parts = _layout(state)
         self._starts = list(accumulate((len(p) for p in self._parts), initial=0))
         self._valid = valid
+        ends = self._starts[1:]
+        self.layout = BlobLayout(
+            {name: (ends[i], ends[i + 1]) for i, name in enumerate(names)}, tuple(ends)
+        )
 
     def __len__(self) -> int:
         return self._starts[-1]
@@ -363,15 +400,20 @@ def from_file(path: Path) -> TrainingState:
 def from_bytes(data: bytes | StateBytes) -> TrainingState:
     """Parse a blob from `to_bytes` (or `write_file`'s bytes); StateMismatch (a ProtocolError)
     if it is anything else. The tensors are views of `data`, not copies (`_views`)."""
-    data = data if isinstance(data, bytes) else bytes(data)
-    return _state(_views(data), _header_payload(data))
+    return parse_blob(data if isinstance(data, bytes) else bytes(data))[0]
+
+
+def parse_blob(data: bytes) -> tuple[TrainingState, BlobLayout]:
+    """`from_bytes`, and where the blob keeps each tensor."""
+    tensors, layout = _views(data)
+    return _state(tensors, _header_payload(data)), layout
 
 
 _FROM_NAME = {name: dtype for dtype, name in _DTYPES.items()}
 
 
-def _views(data: bytes) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors blob as read-only views of it.
+def _views(data: bytes) -> tuple[dict[str, torch.Tensor], BlobLayout]:
+    """The tensors of a safetensors blob as read-only views of it, and where they lie.
 
     `safetensors.torch.load` copies every tensor out of the blob: a joiner held the download
     and a copy of it (twice the state) before loading either. So the framing is checked here,
@@ -390,7 +432,8 @@ def _views(data: bytes) -> dict[str, torch.Tensor]:
     if not isinstance(header, dict):
         raise StateMismatch("not a safetensors state: the header is no JSON object")
     start, length = 8 + size, len(data) - 8 - size
-    spans, tensors = [], {}
+    spans: dict[str, tuple[int, int]] = {}
+    tensors = {}
     for name, entry in header.items():
         if name == "__metadata__":
             continue
@@ -410,16 +453,17 @@ def _views(data: bytes) -> dict[str, torch.Tensor]:
         count = math.prod(shape)
         if not (0 <= begin <= end <= length and end - begin == count * dtype.itemsize):
             raise StateMismatch(f"not a safetensors state: entry {name[:80]!r} has bad offsets")
-        spans.append((begin, end))
+        spans[name] = (start + begin, start + end)
         tensors[name] = _view(data, dtype, shape, start + begin, count)
-    covered = 0
-    for begin, end in sorted(spans):
+    covered = start
+    for begin, end in sorted(spans.values()):
         if begin != covered:
             raise StateMismatch("not a safetensors state: its tensors overlap or leave gaps")
         covered = end
-    if covered != length:
+    if covered != len(data):
         raise StateMismatch("not a safetensors state: bytes past its last tensor")
-    return tensors
+    parts = (start, *sorted(end for _, end in spans.values()))
+    return tensors, BlobLayout(spans, parts)
 
 
 def _view(
@@ -753,19 +797,34 @@ class DigestCancelled(Exception):
     """`state_digest` was told to stop (the peer is stopping)."""
 
 
+@dataclass(frozen=True)
+class Certified:
+    """What a step certifies of a state (`state_digest`)."""
+
+    digest: str
+    pieces: Mapping[str, Sequence[bytes]]
+    """Each certified tensor's SHA-256 per PIECE_BYTES of its bytes, by tensor name (a donor's
+    chunks of it: `BlobLayout.piece_hashes`)."""
+
+
 def state_digest(
     state: TrainingState,
     parameters: Sequence[str],
     shared: Collection[str],
     *,
     cancelled: Callable[[], bool] = lambda: False,
-) -> str:
-    """Short hex digest of what a step certifies (`peer.training.certificate`): the named model
-    parameters and the tensors and scalars of the `shared` optimizers (those every member of an
-    averaging holds bit-identical: dedloc's optimizer, diloco's outer one), in name order.
-    Equal digests mean bit-identical certified state. Buffers and per-peer optimizers (diloco's
-    inner one) are left out: peers may hold them apart. StateMismatch if a tensor is missing;
-    DigestCancelled once `cancelled()` (asked every `_PIECE` bytes: a stop waits for no more)."""
+    known: Callable[[str, int], bytes | None] = lambda name, index: None,
+) -> Certified:
+    """What a step certifies (`peer.training.certificate`): the named model parameters and the
+    tensors and scalars of the `shared` optimizers (those every member of an averaging holds
+    bit-identical: dedloc's optimizer, diloco's outer one), in name order. Each tensor counts
+    as its name, dtype and shape and the SHA-256 of each PIECE_BYTES of its bytes: a donor's
+    chunks of a large tensor are those pieces (`peer.training.chunks.chunk_ends`), so it serves
+    them without hashing again, and `known(name, index)` gives a piece's hash where one was
+    checked already (a download's chunks), so a joiner hashes its state once. Equal digests
+    mean bit-identical certified state. Buffers and per-peer optimizers (diloco's inner one)
+    are left out: peers may hold them apart. StateMismatch if a tensor is missing;
+    DigestCancelled once `cancelled()` (asked every piece: a stop waits for no more)."""
     digest = hashlib.blake2b(digest_size=16)
     aliases = state.metadata.get("model_aliases", {})
     names = [f"model.{aliases.get(name, name)}" for name in sorted(set(parameters))]
@@ -776,6 +835,7 @@ def state_digest(
         names += sorted(n for n in state.tensors if n.startswith(f"{opt_name}."))
         scalars = json.dumps(optimizers[opt_name]["scalars"], sort_keys=True).encode()
         digest.update(len(scalars).to_bytes(8, "little") + scalars)
+    pieces: dict[str, list[bytes]] = {}
     for name in names:
         if name not in state.tensors:
             raise StateMismatch(f"state lacks tensor {name!r}")
@@ -783,8 +843,11 @@ def state_digest(
         label = f"{name}\0{data.dtype}\0{tuple(data.shape)}".encode()
         digest.update(len(label).to_bytes(8, "little") + label)
         raw = data.reshape(-1).view(torch.uint8).numpy()
-        for start in range(0, len(raw), _PIECE):
+        hashes = pieces[name] = []
+        for index, start in enumerate(range(0, len(raw), PIECE_BYTES)):
             if cancelled():
                 raise DigestCancelled(f"the digest of step {state.step} was cancelled")
-            digest.update(raw[start : start + _PIECE])
-    return digest.hexdigest()
+            piece = known(name, index) or hashlib.sha256(raw[start : start + PIECE_BYTES]).digest()
+            hashes.append(piece)
+            digest.update(piece)
+    return Certified(digest.hexdigest(), pieces)

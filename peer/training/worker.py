@@ -23,9 +23,9 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Generic, ParamSpec, TypeVar
 
@@ -82,6 +82,9 @@ class Held:
     """None: the stop came before it was digested (the final checkpoint still writes it)."""
     live: bool
     """The state's tensors are the model's and optimizer's own (valid until the next change)."""
+    pieces: Mapping[str, Sequence[bytes]] = field(default_factory=dict)
+    """The digest's hashes of the certified tensors' pieces (`states.Certified`), if it took
+    them: a donor serves those chunks without hashing them again."""
 
 
 @dataclass(frozen=True)
@@ -220,12 +223,17 @@ class TorchWorker:
 
     # ---------------------------------------------------------------- states
 
-    def digest(
-        self, state: states.TrainingState, *, cancelled: Callable[[], bool] = lambda: False
-    ) -> str:
-        """What a step certifies of `state` (thread: it hashes every certified tensor)."""
+    def certify(
+        self,
+        state: states.TrainingState,
+        *,
+        cancelled: Callable[[], bool] = lambda: False,
+        known: Callable[[str, int], bytes | None] = lambda name, index: None,
+    ) -> states.Certified:
+        """What a step certifies of `state` (thread: it hashes every certified tensor not
+        `known`; see `states.state_digest`)."""
         return states.state_digest(
-            state, self.certified_names, self.strategy.shared, cancelled=cancelled
+            state, self.certified_names, self.strategy.shared, cancelled=cancelled, known=known
         )
 
     def _hold(self, step: int, digest: str | None) -> str | None:
@@ -255,11 +263,13 @@ class TorchWorker:
             copy=not live,
             parameters=anchored if live else None,
         )
+        pieces: Mapping[str, Sequence[bytes]] = {}
         if digest is None:
             # 1.2 s at 100 M, more on a busy machine: a stop does not wait for it.
             with contextlib.suppress(states.DigestCancelled):
-                digest = self.digest(state, cancelled=self.stopping.is_set)
-        held = Held(state, digest, live)
+                certified = self.certify(state, cancelled=self.stopping.is_set)
+                digest, pieces = certified.digest, certified.pieces
+        held = Held(state, digest, live, pieces)
         with self._state_lock:
             self.held = held
         return held.digest
@@ -318,16 +328,17 @@ class TorchWorker:
         three training peers a 100 M joiner's load took 6 s."""
         await trio.to_thread.run_sync(self._restore, state, from_donor)
 
-    def _parse(self, blob: bytes) -> tuple[states.TrainingState, str]:
-        state = states.from_bytes(blob)
-        return state, self.digest(state)
+    def _parse(self, snapshot: Snapshot) -> tuple[states.TrainingState, str]:
+        state, layout = states.parse_blob(bytes(snapshot.blob))
+        return state, self.certify(state, known=layout.known(snapshot.hashes)).digest
 
-    async def parse(self, blob: bytes) -> tuple[states.TrainingState, str]:
-        """A downloaded blob as a state, and its digest (StateMismatch if it is no state).
-        In a thread of its own, not the torch thread: it reads only the blob, and so runs at
-        the event loop's priority, as the download did, not behind the training peers' torch
-        threads at `NICENESS` (a late joiner has nothing else to do meanwhile)."""
-        return await trio.to_thread.run_sync(self._parse, blob)
+    async def parse(self, snapshot: Snapshot) -> tuple[states.TrainingState, str]:
+        """A downloaded state, and its digest (StateMismatch if it is no state): the pieces
+        its chunks' checks hashed are not hashed again. In a thread of its own, not the torch
+        thread: it reads only the blob, and so runs at the event loop's priority, as the
+        download did, not behind the training peers' torch threads at `NICENESS` (a late
+        joiner has nothing else to do meanwhile)."""
+        return await trio.to_thread.run_sync(self._parse, snapshot)
 
     def _serialize(self) -> Snapshot | None:
         held = self.held
@@ -335,7 +346,9 @@ class TorchWorker:
             return None
         # Valid while we hold it: live tensors change at the next step, and a copy is let go
         # then (`_hold`).
-        return Snapshot(held.state.step, states.StateBytes(held.state, lambda: self.held is held))
+        blob = states.StateBytes(held.state, lambda: self.held is held)
+        hashes = blob.layout.piece_hashes(held.pieces)
+        return Snapshot(held.state.step, blob, parts=blob.layout.parts, hashes=hashes)
 
     async def serialize(self) -> Snapshot | None:
         """The held state as bytes read from its tensors when sliced (no blob), valid while we

@@ -6,7 +6,7 @@ import functools
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 import trio
@@ -22,15 +22,17 @@ from peer.net.tls import DataIdentity, TlsStream
 from peer.training.chunks import (
     HASH_BYTES,
     MAX_CHUNKS,
+    PIECE_BYTES,
     SERVICE,
     TICKET_BYTES,
     Manifest,
     ManifestRequest,
     Release,
     Released,
-    chunk_count,
-    chunk_range,
+    chunk_ends,
+    chunk_span,
     donor_chunk_bytes,
+    fixed_ends,
 )
 from peer.training.statesync.wire import (
     CONNECTION_ERRORS,
@@ -52,24 +54,32 @@ log = logging.getLogger("peertrain.statesync")
 SEND_SLICE = 1 << 20  # a stalled receiver is noticed within a slice
 MAX_CONNECTIONS_PER_TICKET = 2
 TICKET_STATES = 2  # a ticket serves at most this many times the state's bytes
-DEFAULT_CHUNK_BYTES = 4 << 20
+DEFAULT_CHUNK_BYTES = PIECE_BYTES
 
 
-async def _hash_chunks(view: memoryview | Sliced, chunk_bytes: int) -> list[bytes]:
-    """SHA-256 of every chunk, in HASH_WORKERS threads (hashlib releases the GIL)."""
-    count = chunk_count(len(view), chunk_bytes)
-    out = [b""] * count
-    workers = min(HASH_WORKERS, count)
+async def _hash_chunks(
+    view: memoryview | Sliced, ends: list[int], known: Mapping[tuple[int, int], bytes]
+) -> list[bytes]:
+    """SHA-256 of every chunk not in `known`, in HASH_WORKERS threads (hashlib releases the
+    GIL)."""
+    ranges = _spans(ends)
+    out = [known.get(span, b"") for span in ranges]
+    todo = [i for i, digest in enumerate(out) if not digest]
+    workers = min(HASH_WORKERS, len(todo))
 
     def work(first: int) -> None:
-        for index in range(first, count, workers):
-            start, end = chunk_range(index, len(view), chunk_bytes)
+        for index in todo[first::workers]:
+            start, end = ranges[index]
             out[index] = sha256(view[start:end])
 
     async with trio.open_nursery() as nursery:
         for first in range(workers):
             nursery.start_soon(functools.partial(trio.to_thread.run_sync, work, first))
     return out
+
+
+def _spans(ends: list[int]) -> list[tuple[int, int]]:
+    return [chunk_span(ends, index) for index in range(len(ends))]
 
 
 @dataclass(frozen=True)
@@ -88,9 +98,12 @@ class DonorStatistics:
 @dataclass(frozen=True)
 class _Hashed:
     snapshot: Snapshot
-    chunk_bytes: int
+    ends: list[int]
     hashes: list[bytes]
     view: memoryview | Sliced
+
+    def chunk(self, index: int) -> tuple[int, int]:
+        return chunk_span(self.ends, index)
 
 
 @dataclass(eq=False)
@@ -167,8 +180,9 @@ class StateDonor:
         self.admission = Admission(node.network_key_bytes, admission_limits)
         # Manifests per caller, in thousandths so that caller_states may be fractional.
         self.budgets = ByteBudgets(capacity=round(caller_states * 1000), window=caller_window)
-        # The manifest must fit one RPC message: 34 bytes per msgpack'd hash, plus slack.
-        self.max_chunks = min(MAX_CHUNKS, (node.rpc.max_message_bytes - 1024) // (HASH_BYTES + 2))
+        # The manifest must fit one RPC message: 34 bytes per msgpack'd hash and up to 9 per
+        # end, plus slack.
+        self.max_chunks = min(MAX_CHUNKS, (node.rpc.max_message_bytes - 1024) // (HASH_BYTES + 11))
         self._data: tuple[str, int] | None = None
         self._hashed: _Hashed | None = None
         self._hash_lock = trio.Lock()
@@ -252,7 +266,7 @@ class StateDonor:
         return Manifest(
             step=snapshot.step,
             total_bytes=len(hashed.view),
-            chunk_bytes=hashed.chunk_bytes,
+            ends=hashed.ends,
             hashes=hashed.hashes,
             data_host=host,
             data_port=port,
@@ -308,24 +322,29 @@ class StateDonor:
                 and cached.snapshot.step == snapshot.step
             ):
                 return cached
-            size = donor_chunk_bytes(
-                len(snapshot.blob), self.chunk_bytes, max_chunks=self.max_chunks
-            )
-            if chunk_count(len(snapshot.blob), size) > self.max_chunks:
-                raise RpcError("unavailable", f"a state of {len(snapshot.blob)} bytes is too large")
+            total = len(snapshot.blob)
+            size = donor_chunk_bytes(total, self.chunk_bytes, max_chunks=self.max_chunks)
+            ends = chunk_ends(total, snapshot.parts, size)
+            if len(ends) > self.max_chunks:  # many small parts: fixed chunks fit
+                ends = fixed_ends(total, size)
+            if len(ends) > self.max_chunks:
+                raise RpcError("unavailable", f"a state of {total} bytes is too large")
             view = sliceable(snapshot.blob)
             started = time.perf_counter()
             # Shielded: a caller giving up must not waste the work (the threads would finish
             # anyway), or a state that takes longer to hash than an RPC deadline never would be.
             with trio.CancelScope(shield=True):
-                hashes = await _hash_chunks(view, size)
+                hashes = await _hash_chunks(view, ends, snapshot.hashes)
+            reused = sum(snapshot.hashes.get(span) is not None for span in _spans(ends))
             log.debug(
-                "hashed the state of step %d (%d bytes) in %.3f s",
+                "hashed the state of step %d (%d bytes, %d of %d chunk hashes known) in %.3f s",
                 snapshot.step,
-                len(view),
+                total,
+                reused,
+                len(ends),
                 time.perf_counter() - started,
             )
-            self._hashed = _Hashed(snapshot, size, hashes, view)
+            self._hashed = _Hashed(snapshot, ends, hashes, view)
             return self._hashed
 
     # ------------------------------------------------------------ data (TCP)
@@ -398,7 +417,7 @@ class StateDonor:
                 await self._send_error(stream, f"chunk {index} does not exist (0 to {count - 1})")
                 return
             ticket.last_used = trio.current_time()
-            start, end = chunk_range(index, len(hashed.view), hashed.chunk_bytes)
+            start, end = hashed.chunk(index)
             if ticket.bytes_served + (end - start) > TICKET_STATES * len(hashed.view):
                 self._refused += 1
                 await self._send_error(stream, "this ticket is used up; ask for a manifest again")

@@ -29,7 +29,6 @@ from peer.training.chunks import (
     Released,
     check_manifest,
     choose_manifest,
-    chunk_range,
 )
 from peer.training.statesync.wire import (
     CONNECTION_ERRORS,
@@ -239,7 +238,10 @@ class StateDownload:
         if failure is not None:
             raise StateDownloadFailed(self._failure(failure))
         self._view = memoryview(b"")
-        return Snapshot(plan.manifest.step, result.take())
+        manifest = plan.manifest
+        # Every chunk has passed its check: these are the hashes of the bytes we hold.
+        checked = {manifest.chunk(i): digest for i, digest in enumerate(manifest.hashes)}
+        return Snapshot(manifest.step, result.take(), hashes=checked)
 
     def _follow(self, owner: ID) -> None:
         self._plan = plan = DownloadPlan(owner, self._offers[owner], parallel=self.parallel)
@@ -363,7 +365,7 @@ class StateDownload:
             if not requested:
                 return
             index = requested.popleft()
-            start, end = chunk_range(index, plan.manifest.total_bytes, plan.manifest.chunk_bytes)
+            start, end = plan.manifest.chunk(index)
             await self._receive_into(stream, memoryview(header))
             kind, got, length = REPLY.unpack(header)
             if kind == KIND_ERROR:
@@ -398,7 +400,7 @@ class StateDownload:
     async def _check(self, donor: ID, index: int) -> None:
         plan = self._plan
         assert plan is not None
-        start, end = chunk_range(index, plan.manifest.total_bytes, plan.manifest.chunk_bytes)
+        start, end = plan.manifest.chunk(index)
         # A worker thread, so hashing overlaps receiving the next chunk.
         digest = await trio.to_thread.run_sync(sha256, self._view[start:end], limiter=self._hashers)
         if digest == plan.manifest.hashes[index]:

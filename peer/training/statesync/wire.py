@@ -8,7 +8,8 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import trio
@@ -45,6 +46,12 @@ class Snapshot:
     step: int
     blob: bytes | Sliced
     """Bytes (a download, a keeper's checkpoint), or slices read from the tensors (a trainer)."""
+    parts: tuple[int, ...] = field(default=(), compare=False)
+    """Where the parts of the blob's layout end (its header, then each tensor), where known: a
+    donor cuts its chunks along them (`chunks.chunk_ends`)."""
+    hashes: Mapping[tuple[int, int], bytes] = field(default_factory=dict, compare=False)
+    """SHA-256 of byte ranges [start, end) of the blob, where known: a trainer's from its
+    step's digest, a download's from its chunks, each checked against the bytes received."""
 
 
 def sliceable(blob: bytes | Sliced) -> memoryview | Sliced:
