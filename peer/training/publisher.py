@@ -142,8 +142,10 @@ async def fetch_certified(
     if snapshot.step < lowest:
         raise RemoteError(f"donors sent step {snapshot.step}, expected {target}")
     if not view().certified(snapshot.step, digest):
+        consensus = view().consensus(snapshot.step)
         raise RemoteError(
             f"donors sent step {snapshot.step} with digest {digest[:12]}, which fewer than "
-            f"{view().quorum} peers signed"
+            f"{view().quorum} peers signed (the collaboration's at that step: "
+            f"{consensus[:12] if consensus else 'none'})"
         )
     return snapshot, parsed, digest

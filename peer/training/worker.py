@@ -353,8 +353,8 @@ class TorchWorker:
     async def serialize(self) -> Snapshot | None:
         """The held state as bytes read from its tensors when sliced (no blob), valid while we
         hold it; None if we hold none (between an apply and its hold). Not on the torch
-        thread: it only takes views of the held tensors, and a donor's answer to a late
-        joiner waited there for a training step (5-6 s at 100 M beside three peers)."""
+        thread: it only takes views of the held tensors, and there a donor's answer to a
+        late joiner waited behind a training step (seconds at 100 M beside three peers)."""
         return await trio.to_thread.run_sync(self._serialize)
 
     def _save(
