@@ -120,15 +120,16 @@ def save_checkpoint(
     *,
     keep: int = 2,
     cancelled: Callable[[], bool] = lambda: False,
+    written: Callable[[str], None] = lambda name: None,
 ) -> Path:
     """Write `state` as the newest checkpoint in `directory` (created if missing), keep the `keep`
     newest, and return the payload's path. The payload is streamed from the state's tensors
-    (`state.write_file`). ConfigError if the directory cannot be written; WriteCancelled if
-    `cancelled()` turned true before the payload was written (nothing changed on disk but a
-    temp file, removed)."""
+    (`state.write_file`, which calls `written(name)` once a tensor is on its way). ConfigError
+    if the directory cannot be written; WriteCancelled if `cancelled()` turned true before the
+    payload was written (nothing changed on disk but a temp file, removed)."""
 
     def write(file: Sink) -> int:
-        return write_file(state, file, cancelled=cancelled)
+        return write_file(state, file, cancelled=cancelled, written=written)
 
     return _save(directory, state.step, write, extra=None, keep=keep)
 

@@ -303,17 +303,23 @@ class WriteCancelled(Exception):
 
 
 def write_file(
-    state: TrainingState, file: Sink, *, cancelled: Callable[[], bool] = lambda: False
+    state: TrainingState,
+    file: Sink,
+    *,
+    cancelled: Callable[[], bool] = lambda: False,
+    written: Callable[[str], None] = lambda name: None,
 ) -> int:
     """Write `state` to `file` in the safetensors format, straight from its tensors' memory
     (no whole-state blob: that doubled a checkpoint's memory and time), and return the CRC-32
     of what was written. The checksum runs in a second thread beside the writes (both release
     the GIL). `from_file` (the safetensors library) reads it back. `cancelled()` is asked
-    between pieces: WriteCancelled if true."""
+    between pieces: WriteCancelled if true. `written(name)` once a tensor's bytes are written
+    and summed: nothing reads them after that, so they may change."""
     crc = _Crc32()
+    names, parts = _layout(state)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="peertrain-crc") as checksum:
         pending = checksum.submit(lambda: None)
-        for data in _layout(state)[1]:
+        for name, data in zip([None, *names], parts, strict=True):
             for start in range(0, len(data), _PIECE):
                 if cancelled():
                     raise WriteCancelled(f"cut short after {file.tell()} bytes")
@@ -321,6 +327,9 @@ def write_file(
                 pending.result()  # one piece summed while the next is written
                 pending = checksum.submit(crc.update, piece)
                 file.write(piece)
+            if name is not None:
+                pending.result()
+                written(name)
         pending.result()
     return crc.value
 
