@@ -49,6 +49,7 @@ PIPELINE = 2  # chunk requests a downloader keeps outstanding per donor (hides o
 DEFAULT_MAX_TOTAL_BYTES = 64 << 30
 IN_PLACE_MIN_BYTES = 1 << 20  # below this, one copy at the end is cheaper than the trick
 EXTRA_ASKED = 2  # donors asked for a manifest beyond `parallel`, as reserves
+YIELD_BYTES = 256 << 10  # received between two chances for other tasks to run
 
 
 class StateDownloadFailed(RemoteError):
@@ -383,8 +384,11 @@ class StateDownload:
             nursery.start_soon(self._check, donor, index)
 
     async def _receive_into(self, stream: TlsStream, view: memoryview) -> None:
-        """Fill `view`; DeadlineExceeded after `stall_timeout` without a byte."""
-        got = 0
+        """Fill `view`; DeadlineExceeded after `stall_timeout` without a byte. Lets other
+        tasks run every YIELD_BYTES: a read returns at once while bytes wait in the socket,
+        and fast donors keep it full, so a 4 MiB chunk held a 100 M joiner's event loop for
+        up to 327 ms (TLS decrypting one record at a time beside the hashing threads)."""
+        got = unyielded = 0
         with trio.CancelScope() as scope:
             while got < len(view):
                 scope.deadline = trio.current_time() + self.stall_timeout
@@ -394,6 +398,10 @@ class StateDownload:
                         f"connection closed {got} bytes into a {len(view)}-byte read"
                     )
                 got += count
+                unyielded += count
+                if unyielded >= YIELD_BYTES:
+                    unyielded = 0
+                    await trio.lowlevel.checkpoint()
         if scope.cancelled_caught:
             raise DeadlineExceeded(f"no bytes for {self.stall_timeout:.3g} s")
 
