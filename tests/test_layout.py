@@ -67,11 +67,11 @@ def test_a_step_certifies_the_averaged_buffers():
     state = states.capture(0, worker.model, worker.strategy.optimizers())
     drifted = states.TrainingState(0, dict(state.tensors), state.metadata)
     drifted.tensors["model.1.running_mean"] = state.tensors["model.1.running_mean"] + 0.01
-    assert worker.digest(drifted) != worker.digest(state)
+    assert worker.certify(drifted).digest != worker.certify(state).digest
     # Buffers kept apart (average_buffers = false) are each peer's own: not certified.
     apart = dataclasses.replace(
         config, training=dataclasses.replace(config.training, average_buffers=False)
     )
     own = TorchWorker(NormTask(), apart, device=torch.device("cpu"), peer_id="p")
-    assert own.digest(drifted) == own.digest(state)
+    assert own.certify(drifted).digest == own.certify(state).digest
     assert own.vector_size == worker.vector_size - 257

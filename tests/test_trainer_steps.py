@@ -615,6 +615,42 @@ async def test_a_diloco_checkpoint_writes_its_inner_optimizer_as_is_with_trainin
         assert torch.equal(saved.tensors[f"inner.{index}.exp_avg"], entries["exp_avg"])
 
 
+async def test_a_disk_too_slow_for_the_inner_optimizer_lets_training_go_on_and_later_saves_copy(
+    tmp_path, monkeypatch, caplog
+):
+    """Writing the inner optimizer as it is holds training still: a disk slower than
+    HOLD_SECONDS gives that save up (training goes on), and later saves copy it first."""
+    trainer = await make_trainer(tmp_path, mode="diloco", inner_steps=INNER_STEPS)
+    await take_steps(trainer, 1)
+    await trainer.worker.compute()
+    worker = trainer.worker
+    monkeypatch.setattr(worker_module, "HOLD_SECONDS", 0.05)
+    save, calls, seen = checkpoints.save_checkpoint, [], []
+
+    def slow_disk(directory, state, *, written, **options):
+        calls.append(state)
+        if len(calls) > 1:
+            return save(directory, state, written=written, **options)
+        later = worker._thread.submit(lambda: None)
+
+        def slowly(name: str) -> None:
+            if name.startswith("inner.") and not seen:
+                seen.append(bool(wait([later], timeout=20).done))  # training went on
+            written(name)
+
+        return save(directory, state, written=slowly, **options)
+
+    monkeypatch.setattr(checkpoints, "save_checkpoint", slow_disk)
+    with caplog.at_level(logging.WARNING, logger="peertrain.trainer"):
+        assert await worker.save_checkpoint(trainer.checkpoint_dir) is None
+    assert seen == [True] and "later ones copy it first" in caplog.text
+    assert checkpoints.load_latest(trainer.checkpoint_dir) is None
+    live = {id(t) for s in worker.strategy.inner.state.values() for t in s.values()}
+    assert await worker.save_checkpoint(trainer.checkpoint_dir) == 1
+    copied = [t for n, t in calls[1].tensors.items() if n.startswith("inner.")]
+    assert copied and not any(id(t) in live for t in copied)
+
+
 async def test_a_checkpoint_gives_up_waiting_for_a_busy_torch_thread_at_its_deadline(tmp_path):
     """The inner optimizer is copied on the torch thread: a final save waited for it beyond
     its time (4.3 s from SIGINT to exit at 100 M, with nothing written)."""
@@ -733,6 +769,30 @@ async def test_a_donor_cannot_hand_over_a_state_other_than_the_certified_one(
     assert trainer.step == 2 and trainer.digest == record.digest
     assert learning_rate(trainer) == learning_rate(partner) != 1e-9
     assert trainer.status().downloads == 1
+
+
+async def test_a_certified_state_is_taken_though_its_signers_stepped_on_meanwhile(
+    tmp_path, autojump_clock
+):
+    """A step certified when the download began stays certified (signatures cannot be
+    forged), though by its end the signers' records name their next step and no longer carry
+    the signatures of this one."""
+    trainer = await make_trainer(tmp_path / "me")
+    honest, partner = await make_trainer(tmp_path / "a"), await make_trainer(tmp_path / "b")
+    await take_steps(honest, 2)
+    await take_steps(partner, 2)
+    read(trainer, signed_record(honest, partner))
+    snapshot = await honest.snapshot()
+
+    async def download(donors, step):
+        moved_on = msgspec.structs.replace(honest.record(), step=3, digest="f" * 32)
+        read(trainer, moved_on)
+        return snapshot
+
+    trainer.download = download
+    await trainer._catch_up(*behind(trainer))
+    assert trainer.step == 2 and trainer.digest == honest.digest
+    assert trainer.status().failures["state_download"] == 0
 
 
 @pytest.mark.parametrize("mode", ["dedloc", "diloco"])

@@ -506,6 +506,18 @@ F32x2 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
         ({"model.w": F32x2, "model.v": F32x2}, bytes(8), "overlap or leave gaps"),
         ({"model.w": {**F32x2, "data_offsets": [4, 12]}}, bytes(12), "overlap or leave gaps"),
         ({"model.w": F32x2}, bytes(9), "past its last tensor"),
+        # Empty, but of a shape torch cannot stride (it raised RuntimeError past the parser).
+        (
+            {
+                "model.e": {
+                    "dtype": "F32",
+                    "shape": [0, 2**63 - 1, 2**63 - 1],
+                    "data_offsets": [0, 0],
+                }
+            },
+            b"",
+            "entry 'model.e': .*overflow",
+        ),
     ],
 )
 def test_from_bytes_refuses_bad_framing_without_a_copy(entries, data, message):

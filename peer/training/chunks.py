@@ -175,12 +175,11 @@ def servable_chunks(chosen: Manifest, offer: Manifest) -> frozenset[int]:
     """Chunks of `chosen` that the donor of `offer` holds byte for byte (same hash, same range)."""
     if offer.step != chosen.step:
         return frozenset()
+    same_cuts = offer.ends == chosen.ends  # as donors at one step cut: no range compared then
     return frozenset(
         index
-        for index, digest in enumerate(chosen.hashes)
-        if index < len(offer.hashes)
-        and offer.hashes[index] == digest
-        and offer.chunk(index) == chosen.chunk(index)
+        for index, (ours, theirs) in enumerate(zip(chosen.hashes, offer.hashes, strict=False))
+        if ours == theirs and (same_cuts or offer.chunk(index) == chosen.chunk(index))
     )
 
 

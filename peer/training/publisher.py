@@ -132,20 +132,24 @@ async def fetch_certified(
 ) -> tuple[Snapshot, T, str]:
     """The catch-up a trainer and the keeper share: fetch `target`'s state from `donors`,
     parse and digest it (`parse`, off the event loop) and take it only if it is at least
-    `lowest` and its (step, digest) is certified in the view as it is now: a donor cannot
-    hand over a state of its own making, whatever its record claims. RemoteError otherwise
-    (donors that stepped since our read: the next try)."""
+    `lowest` and its (step, digest) is certified, in the view the download began with or in
+    the view as it is now: a donor cannot hand over a state of its own making, whatever its
+    record claims. Signatures cannot be forged, so a step certified once stays certified; the
+    view as it is now may have moved past the step (its signers' records name the next one,
+    and signatures of the step before leave with them). RemoteError otherwise."""
     for record in donors:
         dht.node.remember_addrs(ID.from_base58(record.peer_id), parse_addrs(record.addrs))
+    began = view()
     snapshot = await download(donors, target)
     parsed, digest = await parse(snapshot)
     if snapshot.step < lowest:
         raise RemoteError(f"donors sent step {snapshot.step}, expected {target}")
-    if not view().certified(snapshot.step, digest):
-        consensus = view().consensus(snapshot.step)
+    now = view()
+    if not (began.certified(snapshot.step, digest) or now.certified(snapshot.step, digest)):
+        consensus = now.consensus(snapshot.step) or began.consensus(snapshot.step)
         raise RemoteError(
             f"donors sent step {snapshot.step} with digest {digest[:12]}, which fewer than "
-            f"{view().quorum} peers signed (the collaboration's at that step: "
+            f"{now.quorum} peers signed (the collaboration's at that step: "
             f"{consensus[:12] if consensus else 'none'})"
         )
     return snapshot, parsed, digest

@@ -463,7 +463,12 @@ def _views(data: bytes) -> tuple[dict[str, torch.Tensor], BlobLayout]:
         if not (0 <= begin <= end <= length and end - begin == count * dtype.itemsize):
             raise StateMismatch(f"not a safetensors state: entry {name[:80]!r} has bad offsets")
         spans[name] = (start + begin, start + end)
-        tensors[name] = _view(data, dtype, shape, start + begin, count)
+        try:  # an empty tensor of a shape torch cannot stride, say
+            tensors[name] = _view(data, dtype, shape, start + begin, count)
+        except (RuntimeError, ValueError, OverflowError) as error:
+            raise StateMismatch(
+                f"not a safetensors state: entry {name[:80]!r}: {_first_line(error)}"
+            ) from error
     covered = start
     for begin, end in sorted(spans.values()):
         if begin != covered:

@@ -106,8 +106,16 @@ class Computed:
     seconds: float
 
 
+#: The longest a checkpoint holds training still to write DiLoCo's inner optimizer as it is.
+HOLD_SECONDS = 10.0
+
+
 def _ignore(name: str) -> None:
     pass
+
+
+def _never() -> bool:
+    return False
 
 
 def _waited(done: threading.Event, cancelled: Callable[[], bool]) -> bool:
@@ -177,6 +185,8 @@ class TorchWorker:
         # The last state written, weakly: a live one's tensors must not outlive it (a restore
         # replaces the optimizer's tensors; kept here, the old ones were 0.8 GB at 100 M).
         self._saved: weakref.ref[Held] | None = None
+        #: A DiLoCo checkpoint copies the inner optimizer first (a disk too slow: `_completed`).
+        self._copy_lacking = False
         # Taken by whatever changes a live held state and by the checkpoint writer reading it.
         self._state_lock = threading.Lock()
         #: Set when the peer is told to stop: a hold's digest then ends early (`_hold`).
@@ -372,7 +382,7 @@ class TorchWorker:
             return None
         # A live state stays as it is while we write it: apply() waits for the lock.
         with (
-            self._completed(held.state, cancelled) as (state, written),
+            self._completed(held.state, cancelled) as (state, written, too_slow),
             self._state_lock if held.live else contextlib.nullcontext(),
         ):
             if held is not self.held:
@@ -380,7 +390,12 @@ class TorchWorker:
             try:
                 if state is None:
                     raise states.WriteCancelled("cut short before the torch thread was free")
-                checkpoints.save_checkpoint(directory, state, cancelled=cancelled, written=written)
+                checkpoints.save_checkpoint(
+                    directory,
+                    state,
+                    cancelled=lambda: cancelled() or too_slow(),
+                    written=written,
+                )
             except states.WriteCancelled as error:
                 if gives_way():
                     log.info("the checkpoint of step %d gave way (%s)", held.state.step, error)
@@ -398,25 +413,38 @@ class TorchWorker:
     @contextlib.contextmanager
     def _completed(
         self, state: states.TrainingState, cancelled: Callable[[], bool]
-    ) -> Iterator[tuple[states.TrainingState | None, Callable[[str], None]]]:
+    ) -> Iterator[tuple[states.TrainingState | None, Callable[[str], None], Callable[[], bool]]]:
         """`state` with the optimizers it lacks, as they are now (DiLoCo's inner one: each
-        peer's own, moved by every inner step, so not held), for a checkpoint, and what the
-        writer calls as each tensor is written; None if `cancelled()` came first. The torch
-        thread is held still (once its inner step in hand is done) until the lacking
-        optimizer's tensors are written, which come first in the file (a float32 optimizer's
-        "inner." sorts before "model." and "outer."): no copy of them (0.8 GB at 100 M, made
-        while training went on, put DiLoCo peers at 2.35-2.53x the state), for a pause of
-        the time it takes to write them. Its moments are a few inner steps past the held step
-        (they are running averages; the schedule is the held step's)."""
+        peer's own, moved by every inner step, so not held), for a checkpoint; what the writer
+        calls as each tensor is written; and when the write must stop. None if `cancelled()`
+        came first. The torch thread is held still (once its inner step in hand is done)
+        until the lacking optimizer's tensors are written, which come first in the file (a
+        float32 optimizer's "inner." sorts before "model." and "outer."): no copy of them
+        (0.8 GB at 100 M, made while training went on, put DiLoCo peers at 2.35-2.53x the
+        state), for a pause of the time it takes to write them (~0.6 s at 100 M here). A disk
+        that takes over HOLD_SECONDS for them lets training go on, gives that save up, and
+        later saves copy them first instead. Its moments are a few inner steps past the held
+        step (they are running averages; the schedule is the held step's)."""
         optimizers = self.strategy.optimizers()
         lacking = {n: o for n, o in optimizers.items() if n not in state.metadata["optimizers"]}
         if not lacking:
-            yield state, _ignore
+            yield state, _ignore, _never
             return
-        go_on = threading.Event()
-        with self._torch_thread_still(cancelled, go_on) as ready:
+        if self._copy_lacking and not self.stopping.is_set():
+            done = threading.Event()
+            copied = self._thread.submit(states.with_optimizers, state, lacking)
+            copied.add_done_callback(lambda _: done.set())
+            if _waited(done, cancelled):
+                yield copied.result(), _ignore, _never
+            else:
+                copied.cancel()  # not started yet: the torch thread need not copy for nobody
+                yield None, _ignore, _never
+            return
+        go_on, expired = threading.Event(), threading.Event()
+        limit = math.inf if self.stopping.is_set() else HOLD_SECONDS  # a stop has its deadline
+        with self._torch_thread_still(cancelled, go_on, limit=limit, expired=expired) as ready:
             if not ready:
-                yield None, _ignore
+                yield None, _ignore, _never
                 return
             completed = states.with_optimizers(state, lacking, copy=False)
             unwritten = set(completed.tensors) - set(state.tensors)
@@ -426,21 +454,43 @@ class TorchWorker:
                 if not unwritten:
                     go_on.set()  # training goes on while the held state is written
 
-            yield completed, written
+            def too_slow() -> bool:
+                if not expired.is_set():
+                    return False
+                if not self._copy_lacking:
+                    self._copy_lacking = True
+                    log.warning(
+                        "writing the inner optimizer held training still for %.0f s: this "
+                        "checkpoint is given up, and later ones copy it first (more memory "
+                        "while they are written); a faster disk for training.checkpoint_dir "
+                        "avoids both",
+                        HOLD_SECONDS,
+                    )
+                return True
+
+            yield completed, written, too_slow
 
     @contextlib.contextmanager
     def _torch_thread_still(
-        self, cancelled: Callable[[], bool] = lambda: False, go_on: threading.Event | None = None
+        self,
+        cancelled: Callable[[], bool] = lambda: False,
+        go_on: threading.Event | None = None,
+        *,
+        limit: float = math.inf,
+        expired: threading.Event | None = None,
     ) -> Iterator[bool]:
         """Hold the torch thread still (once its work in hand is done) for the block, which
         may then do torch work in the calling thread: still one operation at a time. True once
         it is still; False if `cancelled()` came first. Setting `go_on` lets it go before the
-        block ends (the block then touches its tensors no more)."""
+        block ends (the block then touches its tensors no more). After `limit` seconds still
+        it goes on by itself, having set `expired` first (the block must then stop touching
+        its tensors)."""
         still, go_on = threading.Event(), go_on or threading.Event()
 
         def hold_still() -> None:
             still.set()
-            go_on.wait()
+            if not go_on.wait(None if math.isinf(limit) else limit) and expired is not None:
+                expired.set()
 
         self._thread.submit(hold_still)
         try:

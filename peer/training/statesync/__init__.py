@@ -3,7 +3,7 @@
 Control over libp2p, bulk bytes over TLS 1.3 on TCP. A py-libp2p Noise + yamux stream tops out
 near 0.3 GB/s and keeps a core busy (docs/benchmarks.md), a tenth of loopback TCP, so:
 
-    /peertrain/state/1 (RPC)  manifest{min_step} -> Manifest{step, total_bytes, chunk_bytes,
+    /peertrain/state/1 (RPC)  manifest{min_step} -> Manifest{step, total_bytes, ends,
                                                    hashes, data_host, data_port, data_cert,
                                                    ticket}
                                                 | Err{unavailable}   nothing new enough / busy
@@ -22,10 +22,13 @@ a donor serves at once (`max_downloads`); it travels inside TLS, so no eavesdrop
 it or read the state.
 
 A donor pins, per ticket, the exact `Snapshot` its manifest describes, so a step that ends
-mid-download does not change the bytes under the downloader. Chunk hashes are computed once
-per snapshot, in worker threads (SHA-256 releases the GIL: ~0.5 s/GB per thread here). The
-downloader receives straight into its result buffer and hashes each chunk in a worker thread
-while the next one arrives. Protocol decisions (which manifest, who serves which chunk,
+mid-download does not change the bytes under the downloader. Chunks follow the state's
+layout (`chunks.chunk_ends`), so a large tensor's chunks are the pieces its step's digest
+hashed: a trainer's snapshot brings those hashes (`Snapshot.hashes`), and the donor hashes only
+the rest, once per snapshot, in worker threads (SHA-256 releases the GIL: ~0.85 s/GB per thread
+here). The downloader receives straight into its result buffer and hashes each chunk in a
+worker thread while the next one arrives; the finished `Snapshot` carries those checked hashes,
+which the joiner's digest takes instead of hashing the state again. Protocol decisions (which manifest, who serves which chunk,
 requeueing) are pure code in `peer.training.chunks`. Nothing received is unpickled.
 
 Modules: `wire` (the `Snapshot` and the data-plane framing both sides share), `donor`
