@@ -4,11 +4,12 @@
 are coroutines that run the work in a thread of its own (one operation at a time: they mutate
 the same tensors), at a lower scheduling priority than the event loop (`priority.NICENESS`).
 Some run elsewhere: `parse` reads only a downloaded blob and `serialize` only takes views of
-the held state; `restore` and a stopping DiLoCo checkpoint run in a thread at the loop's
-priority while the torch thread is held still, so still one at a time. The trainer holds no
-tensor, so no torch work can land on the trio event loop by mistake: an optimizer step, a
-state capture and digest of a 1 B-parameter model takes seconds, and yamux resets a stream
-whose reader stalls 5 s.
+the held state; `restore`, and a DiLoCo checkpoint's write of the inner optimizer, run in a
+thread at the loop's priority while the torch thread is held still, so still one at a time
+(a checkpoint lets it go once those tensors are written). The trainer holds no tensor, so
+no torch work can land on the trio event loop by mistake: an optimizer step, a state capture
+and digest of a 1 B-parameter model takes seconds, and yamux resets a stream whose reader
+stalls 5 s.
 
 A call that is cancelled still finishes its work in the thread (trio abandons no thread that
 mutates the model), so the state is never left half-stepped.

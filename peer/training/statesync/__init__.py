@@ -28,8 +28,9 @@ hashed: a trainer's snapshot brings those hashes (`Snapshot.hashes`), and the do
 the rest, once per snapshot, in worker threads (SHA-256 releases the GIL: ~0.85 s/GB per thread
 here). The downloader receives straight into its result buffer and hashes each chunk in a
 worker thread while the next one arrives; the finished `Snapshot` carries those checked hashes,
-which the joiner's digest takes instead of hashing the state again. Protocol decisions (which manifest, who serves which chunk,
-requeueing) are pure code in `peer.training.chunks`. Nothing received is unpickled.
+which the joiner's digest takes instead of hashing the state again. Protocol decisions (which
+manifest, who serves which chunk, requeueing) are pure code in `peer.training.chunks`. Nothing
+received is unpickled.
 
 Modules: `wire` (the `Snapshot` and the data-plane framing both sides share), `donor`
 (`StateDonor`), `download` (`StateDownload`, `download_state`, `StateDownloadFailed`).
