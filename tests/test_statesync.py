@@ -50,7 +50,7 @@ from peer.training.statesync import (
     held,
 )
 from peer.training.statesync import donor as donor_module
-from peer.training.statesync.download import YIELD_BYTES
+from peer.training.statesync.download import YIELD_BYTES, receive_into
 from peer.training.statesync.wire import KIND_ERROR, MAGIC, REQUEST
 from tests.helpers import LOOPBACK, ForwardingStream, new_identity, nodes
 
@@ -696,12 +696,10 @@ async def test_a_chunk_arriving_faster_than_it_is_read_lets_other_tasks_run():
             turns += 1
             await trio.sleep(0)
 
-    download = StateDownload.__new__(StateDownload)
-    download.stall_timeout = 5.0
     async with trio.open_nursery() as nursery:
         nursery.start_soon(other_task)
         await trio.sleep(0)
         before = turns
-        await download._receive_into(Full(), memoryview(bytearray(4 << 20)))  # type: ignore[arg-type]
+        await receive_into(Full(), memoryview(bytearray(4 << 20)), 5.0)
         assert turns - before >= (4 << 20) // YIELD_BYTES - 1
         nursery.cancel_scope.cancel()

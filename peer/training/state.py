@@ -277,25 +277,26 @@ class BlobLayout:
 
     def piece_hashes(self, pieces: Mapping[str, Sequence[bytes]]) -> dict[tuple[int, int], bytes]:
         """The SHA-256 of blob ranges, from `pieces` (a tensor's digest pieces: `Certified`)."""
-        out = {}
-        for name, hashes in pieces.items():
-            start, end = self.spans[name]
-            for index, digest in enumerate(hashes):
-                first = start + index * PIECE_BYTES
-                out[first, min(first + PIECE_BYTES, end)] = digest
-        return out
+        return {
+            _piece(self.spans[name], index): digest
+            for name, hashes in pieces.items()
+            for index, digest in enumerate(hashes)
+        }
 
     def known(self, hashes: Mapping[tuple[int, int], bytes]) -> Callable[[str, int], bytes | None]:
         """`state_digest`'s `known` from the SHA-256 of blob ranges (`Snapshot.hashes`)."""
 
         def piece(name: str, index: int) -> bytes | None:
             span = self.spans.get(name)
-            if span is None:
-                return None
-            first = span[0] + index * PIECE_BYTES
-            return hashes.get((first, min(first + PIECE_BYTES, span[1])))
+            return None if span is None else hashes.get(_piece(span, index))
 
         return piece
+
+
+def _piece(span: tuple[int, int], index: int) -> tuple[int, int]:
+    """The blob range of piece `index` of the tensor at `span` (the last may be short)."""
+    first = span[0] + index * PIECE_BYTES
+    return first, min(first + PIECE_BYTES, span[1])
 
 
 class WriteCancelled(Exception):

@@ -422,7 +422,7 @@ class TorchWorker:
         until the lacking optimizer's tensors are written, which come first in the file (a
         float32 optimizer's "inner." sorts before "model." and "outer."): no copy of them
         (0.8 GB at 100 M, made while training went on, put DiLoCo peers at 2.35-2.53x the
-        state), for a pause of the time it takes to write them (~0.6 s at 100 M here). A disk
+        state), for a pause of the time it takes to write them. A disk
         that takes over HOLD_SECONDS for them lets training go on, gives that save up, and
         later saves copy them first instead. Its moments are a few inner steps past the held
         step (they are running averages; the schedule is the held step's)."""

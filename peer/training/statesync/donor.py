@@ -58,11 +58,12 @@ DEFAULT_CHUNK_BYTES = PIECE_BYTES
 
 
 async def _hash_chunks(
-    view: memoryview | Sliced, ends: list[int], known: Mapping[tuple[int, int], bytes]
+    view: memoryview | Sliced,
+    ranges: list[tuple[int, int]],
+    known: Mapping[tuple[int, int], bytes],
 ) -> list[bytes]:
     """SHA-256 of every chunk not in `known`, in HASH_WORKERS threads (hashlib releases the
     GIL)."""
-    ranges = _spans(ends)
     out = [known.get(span, b"") for span in ranges]
     todo = [i for i, digest in enumerate(out) if not digest]
     workers = min(HASH_WORKERS, len(todo))
@@ -76,10 +77,6 @@ async def _hash_chunks(
         for first in range(workers):
             nursery.start_soon(functools.partial(trio.to_thread.run_sync, work, first))
     return out
-
-
-def _spans(ends: list[int]) -> list[tuple[int, int]]:
-    return [chunk_span(ends, index) for index in range(len(ends))]
 
 
 @dataclass(frozen=True)
@@ -333,9 +330,10 @@ class StateDonor:
             started = time.perf_counter()
             # Shielded: a caller giving up must not waste the work (the threads would finish
             # anyway), or a state that takes longer to hash than an RPC deadline never would be.
+            ranges = [chunk_span(ends, index) for index in range(len(ends))]
             with trio.CancelScope(shield=True):
-                hashes = await _hash_chunks(view, ends, snapshot.hashes)
-            reused = sum(snapshot.hashes.get(span) is not None for span in _spans(ends))
+                hashes = await _hash_chunks(view, ranges, snapshot.hashes)
+            reused = sum(span in snapshot.hashes for span in ranges)
             log.debug(
                 "hashed the state of step %d (%d bytes, %d of %d chunk hashes known) in %.3f s",
                 snapshot.step,

@@ -10,6 +10,7 @@ from collections import deque
 from collections.abc import Sequence
 from contextlib import suppress
 from dataclasses import dataclass
+from typing import Protocol
 
 import trio
 from libp2p.peer.id import ID
@@ -367,11 +368,11 @@ class StateDownload:
                 return
             index = requested.popleft()
             start, end = plan.manifest.chunk(index)
-            await self._receive_into(stream, memoryview(header))
+            await receive_into(stream, memoryview(header), self.stall_timeout)
             kind, got, length = REPLY.unpack(header)
             if kind == KIND_ERROR:
                 message = bytearray(min(length, MAX_ERROR_BYTES))
-                await self._receive_into(stream, memoryview(message))
+                await receive_into(stream, memoryview(message), self.stall_timeout)
                 raise RemoteError(f"it refused: {message.decode(errors='replace')}")
             if kind != KIND_CHUNK or got != index or length != end - start:
                 raise ProtocolError(
@@ -379,31 +380,9 @@ class StateDownload:
                     f"{index} of {end - start} bytes"
                 )
             # Straight into the result buffer: no copy on the way in.
-            await self._receive_into(stream, self._view[start:end])
+            await receive_into(stream, self._view[start:end], self.stall_timeout)
             plan.received(donor, index)
             nursery.start_soon(self._check, donor, index)
-
-    async def _receive_into(self, stream: TlsStream, view: memoryview) -> None:
-        """Fill `view`; DeadlineExceeded after `stall_timeout` without a byte. Lets other
-        tasks run every YIELD_BYTES: a read returns at once while bytes wait in the socket,
-        and fast donors keep it full, so a 4 MiB chunk held a 100 M joiner's event loop for
-        up to 327 ms (TLS decrypting one record at a time beside the hashing threads)."""
-        got = unyielded = 0
-        with trio.CancelScope() as scope:
-            while got < len(view):
-                scope.deadline = trio.current_time() + self.stall_timeout
-                count = await stream.receive_into(view[got:])
-                if not count:
-                    raise ProtocolError(
-                        f"connection closed {got} bytes into a {len(view)}-byte read"
-                    )
-                got += count
-                unyielded += count
-                if unyielded >= YIELD_BYTES:
-                    unyielded = 0
-                    await trio.lowlevel.checkpoint()
-        if scope.cancelled_caught:
-            raise DeadlineExceeded(f"no bytes for {self.stall_timeout:.3g} s")
 
     async def _check(self, donor: ID, index: int) -> None:
         plan = self._plan
@@ -428,6 +407,33 @@ class StateDownload:
             f"state download of step >= {self.min_step} failed: {what} ({progress}); "
             f"donors: {donors}; retry later or with other donors"
         )
+
+
+class Receiver(Protocol):
+    """What `receive_into` reads from (a `TlsStream`)."""
+
+    async def receive_into(self, view: memoryview) -> int: ...
+
+
+async def receive_into(stream: Receiver, view: memoryview, stall_timeout: float) -> None:
+    """Fill `view`; DeadlineExceeded after `stall_timeout` without a byte. Lets other tasks
+    run every YIELD_BYTES: a read returns at once while bytes wait in the socket, and fast
+    donors keep it full, so a 4 MiB chunk held a 100 M joiner's event loop for up to 327 ms
+    (TLS decrypting one record at a time beside the hashing threads)."""
+    got = unyielded = 0
+    with trio.CancelScope() as scope:
+        while got < len(view):
+            scope.deadline = trio.current_time() + stall_timeout
+            count = await stream.receive_into(view[got:])
+            if not count:
+                raise ProtocolError(f"connection closed {got} bytes into a {len(view)}-byte read")
+            got += count
+            unyielded += count
+            if unyielded >= YIELD_BYTES:
+                unyielded = 0
+                await trio.lowlevel.checkpoint()
+    if scope.cancelled_caught:
+        raise DeadlineExceeded(f"no bytes for {stall_timeout:.3g} s")
 
 
 async def download_state(
@@ -476,4 +482,10 @@ def _ranges(indices: list[int]) -> str:
     return shown + (f" and {len(indices) - 8} more" if len(indices) > 8 else "")
 
 
-__all__ = ["DownloadStatistics", "StateDownload", "StateDownloadFailed", "download_state"]
+__all__ = [
+    "DownloadStatistics",
+    "StateDownload",
+    "StateDownloadFailed",
+    "download_state",
+    "receive_into",
+]
