@@ -419,7 +419,7 @@ async def test_a_download_frees_the_optimizer_state_it_replaces(tmp_path):
 
 @pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice levels are Linux's")
 async def test_a_donor_serves_its_held_state_while_the_torch_thread_is_busy(tmp_path):
-    """A donor's manifest waited for the torch thread's training step (5-6 s at 100 M beside
+    """A donor's manifest waited for the torch thread's training step (seconds at 100 M beside
     three peers): the held state's bytes are views, taken without it."""
     trainer = await make_trainer(tmp_path)
     await take_steps(trainer, 1)
