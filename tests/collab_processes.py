@@ -35,11 +35,14 @@ class Proc:
     name: str
     popen: subprocess.Popen[bytes]
     log: Path
+    offset: int = 0
+    """Where this process's lines begin in the log (a restart appends to the same file)."""
 
     def records(self) -> list[dict]:
-        """The JSON log lines written so far."""
+        """The JSON log lines this process wrote so far."""
         out = []
-        for line in self.log.read_text(errors="replace").splitlines():
+        text = self.log.read_bytes()[self.offset :].decode(errors="replace")
+        for line in text.splitlines():
             with contextlib.suppress(ValueError):  # a line cut by a kill
                 out.append(json.loads(line))
         return out
@@ -67,10 +70,13 @@ class Collaboration:
     procs: list[Proc] = field(default_factory=list)
     backbone_addr: str = ""
     global_steps: list[int] = field(default_factory=list)
+    status_reads: list[str] = field(default_factory=list)
+    """Per global step recorded: the records behind it, for a failure's message."""
     _stop_watch: threading.Event = field(default_factory=threading.Event)
 
     def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Proc:
         log = self.workdir / f"{name}.log"
+        offset = log.stat().st_size if log.exists() else 0
         popen = subprocess.Popen(
             [sys.executable, "-m", *args],
             # Only the backbone's address is read; an unread pipe would block a chatty peer.
@@ -79,7 +85,7 @@ class Collaboration:
             env={**os.environ, **BASE_ENV, **self.env, **(env or {})},
             cwd=ROOT,
         )
-        proc = Proc(name, popen, log)
+        proc = Proc(name, popen, log, offset)
         self.procs.append(proc)
         return proc
 
@@ -140,6 +146,7 @@ class Collaboration:
                         report = await collect_status(config)
                     if report.progress:
                         self.global_steps.append(report.training.global_step)
+                        self.status_reads.append(describe_read(report.progress))
                 except* (RemoteError, trio.TooSlowError):
                     pass  # no backbone answered this time (collect_status raises a group)
                 await trio.sleep(0.5)
@@ -157,6 +164,24 @@ class Collaboration:
             proc.popen.wait(timeout=10)
             if proc.popen.stdout is not None:
                 proc.popen.stdout.close()
+
+
+def describe_read(records: list) -> str:
+    """One read of the progress records in a line: each peer's role, step, digest, signers."""
+    return f"{time.monotonic():.2f}: " + ", ".join(
+        f"{r.peer_id[-4:]} {r.role[0]} {r.step}/{r.digest[:6]}/{len(r.signatures)}"
+        + ("/dl" if r.downloading else "")
+        for r in records
+    )
+
+
+def steps_went_back(collab: Collaboration) -> str:
+    """'' if the recorded global steps never decrease, else the reads around the first fall."""
+    steps = collab.global_steps
+    for i in range(1, len(steps)):
+        if steps[i] < steps[i - 1]:
+            return f"steps {steps}; reads:\n" + "\n".join(collab.status_reads[i - 2 : i + 2])
+    return ""
 
 
 def wait_all(procs: list[Proc], timeout: float) -> None:

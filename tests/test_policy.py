@@ -16,6 +16,7 @@ from peer.config import AveragingConfig, PeerConfig, TaskConfig, TrainingConfig
 from peer.training.certificate import StepSignature
 from peer.training.policy import (
     MAX_WAIT_FOR_OTHERS,
+    REMEASURE_STEPS,
     TRANSITIONS,
     Call,
     CatchUp,
@@ -419,6 +420,38 @@ def test_warming_up_peers_deal_quotas_from_the_rates_they_published():
         read(policy, other(me, samples_per_second=10.0), other(peer, samples_per_second=10.0))
         quotas.append(policy.quota(policy.view, Local(samples_per_second=30.0)))
     assert quotas == [4, 4]
+
+
+def test_a_peer_dealt_no_micro_batch_computes_one_now_and_then_to_measure_its_speed_again():
+    """The quotas come from the published rates, and a peer dealt none computes nothing that
+    would measure its rate again: a restarted peer whose first (warm-up) micro-batch was slow
+    stayed idle for the rest of the churn test's run (19 of 22 steps with 0 samples). It
+    computes one micro-batch when it never has, and again after REMEASURE_STEPS without."""
+
+    def at(step: int) -> list[ProgressRecord]:
+        fast = [
+            msgspec.structs.replace(
+                rec(0, cosigners=(1,), step=step, digest=f"d{step}", updated_at=T0),
+                peer_id=f"a{i}",  # below ours: one of them calls the step
+                samples_per_second=1000.0,
+            )
+            for i in range(3)
+        ]
+        return [*fast, other(ME, step=step, digest=f"d{step}", samples_per_second=1.0)]
+
+    policy = make_policy()
+    read(policy, *at(0))
+    idle = Local(samples=0, samples_per_second=1.0)
+    assert policy.quota(policy.view, idle) == 0
+    assert isinstance(policy.next_action(idle, T0), Compute)  # a rate we never measured
+    assert not isinstance(policy.next_action(Local(samples=8), T0), Compute)
+    for step in range(1, REMEASURE_STEPS):
+        policy.hold(step, f"d{step}", own_signature(step))
+        read(policy, *at(step))
+        assert not isinstance(policy.next_action(idle, T0), Compute), step
+    policy.hold(REMEASURE_STEPS, f"d{REMEASURE_STEPS}", own_signature(REMEASURE_STEPS))
+    read(policy, *at(REMEASURE_STEPS))
+    assert isinstance(policy.next_action(idle, T0), Compute)
 
 
 def test_a_dedloc_peer_stops_when_the_others_already_hold_the_batch():

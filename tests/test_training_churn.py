@@ -4,13 +4,12 @@ to an undisturbed run's (slow suite: two runs of ~1 minute each)."""
 
 from __future__ import annotations
 
-import itertools
 import random
 import time
 
 import pytest
 
-from tests.collab_processes import Collaboration, kill, wait_all
+from tests.collab_processes import Collaboration, kill, steps_went_back, wait_all
 
 pytestmark = pytest.mark.slow
 
@@ -69,6 +68,11 @@ def test_churn_finishes_without_going_backwards_and_matches_the_undisturbed_run(
     assert codes == [0, 0, 0, 0], [p.log.read_text()[-1500:] for p in stormy.procs]
     steps = stormy.global_steps
     assert steps and max(steps) >= STEPS - 1
-    assert all(b >= a for a, b in itertools.pairwise(steps)), steps
+    assert not steps_went_back(stormy), steps_went_back(stormy)
+    # The restarted peer computes its part again: a slow first micro-batch once dealt it no
+    # quota, and it contributed nothing in 19 of its last 22 steps.
+    restarted = [p for p in stormy.procs if p.name == "peer3"][-1]
+    applied = [r["applied"]["samples"] for r in restarted.records() if "applied" in r]
+    assert sum(samples > 0 for samples in applied) >= len(applied) / 2, applied
     calm_loss, stormy_loss = final_validation(calm), final_validation(stormy)
     assert stormy_loss <= calm_loss * 1.2, (calm_loss, stormy_loss)

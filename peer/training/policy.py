@@ -61,6 +61,10 @@ WARN_AFTER_FAILURES = 3
 MAX_DOWNLOAD_BACKOFF = 30.0
 #: Seconds at most that a peer holds its calls for others still in a failed averaging.
 MAX_WAIT_FOR_OTHERS = 600.0
+#: Steps after which a peer dealt no micro-batch computes one anyway. Its rate is the quotas'
+#: only input, and without a micro-batch it is never measured again: a restarted peer whose
+#: first (warm-up) micro-batch was slow got no quota and stayed idle for the rest of the run.
+REMEASURE_STEPS = 10
 
 
 class Phase(enum.Enum):
@@ -247,6 +251,7 @@ class StepPolicy:
         self._moves = Moves()
         self._company_at: float | None = None
         self._ready_since: float | None = None  # when the step could first be called
+        self._computed_at: int | None = None  # the last step we computed a micro-batch for
         self._settle_patience = math.inf
         self._settle_deadline = math.inf
 
@@ -387,6 +392,8 @@ class StepPolicy:
         if self.phase not in (Phase.COMPUTING, Phase.HOLDING):
             raise PhaseError(f"no action to take in phase {self.phase.value!r}")
         view = self.view_with(local, now)
+        if local.samples > 0:
+            self._computed_at = self.held.step
         if self._done(local, now):
             self._move(Event.DONE)
             self._settle_patience = now + self.timing.settle_patience(self.store_seconds)
@@ -596,7 +603,10 @@ class StepPolicy:
         micro_batch = self.config.task.micro_batch
         if self.training.mode == "diloco":
             return local.samples >= self.training.inner_steps * micro_batch
-        if local.samples >= self.quota(view, local) * micro_batch:
+        quota = self.quota(view, local)
+        if quota == 0 and self._rate_is_stale():
+            quota = 1
+        if local.samples >= quota * micro_batch:
             return True
         projected = view.projected_samples(
             self.held.step, now=now, horizon=self.timing.projection_horizon
@@ -628,6 +638,11 @@ class StepPolicy:
         for peer in by_remainder[:left]:
             quota[peer] += 1
         return quota[self.me]
+
+    def _rate_is_stale(self) -> bool:
+        """We computed no micro-batch for REMEASURE_STEPS steps (or never, e.g. a restart
+        whose old record still shows a rate): the rate our quota comes from is old news."""
+        return self._computed_at is None or self.held.step - self._computed_at >= REMEASURE_STEPS
 
     def _step_company(self, view: CollaborationView) -> list[ProgressRecord]:
         """The trainers about to take our next step with us: at our step, or one behind (a

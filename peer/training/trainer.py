@@ -118,6 +118,7 @@ class Tally:
     downloads: int = 0
     compute_seconds: float = 0.0
     samples_computed: int = 0
+    micro_batches: int = 0
     #: The trainer's monotonic clock when training began (no default: a default factory
     #: would read the real clock, not the one the trainer was given).
     started_at: float = field(kw_only=True)
@@ -376,10 +377,15 @@ class Trainer:
         tally = self.tally
         tally.compute_seconds += done.seconds
         tally.samples_computed += done.samples
-        self.observe_training(done.samples, done.seconds)
-        tally.batch_seconds = ema(tally.batch_seconds, done.seconds, 0.2)
-        rate = done.samples / done.seconds if done.seconds > 0 else 0.0
-        tally.samples_per_second = ema(tally.samples_per_second, rate, 0.2)
+        tally.micro_batches += 1
+        self.observe_training(done.samples, done.seconds)  # time-weighted: a blip counts little
+        # Not the first micro-batch's time: torch's warm-up (8.7 ms against 0.2 ms for the
+        # tiny task), far longer on a GPU. Published as our speed, it dealt a restarted peer
+        # no quota, and so no micro-batch to measure again (`policy.REMEASURE_STEPS`).
+        if tally.micro_batches > 1:
+            tally.batch_seconds = ema(tally.batch_seconds, done.seconds, 0.2)
+            rate = done.samples / done.seconds if done.seconds > 0 else 0.0
+            tally.samples_per_second = ema(tally.samples_per_second, rate, 0.2)
         if math.isfinite(done.loss):
             tally.loss = done.loss if tally.loss is None else ema(tally.loss, done.loss, 0.1)
 
