@@ -7,7 +7,6 @@ sends, or that stops after a few chunks while the test kills its donor.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 import msgspec
 import pytest
 import trio
+from blake3 import blake3
 
 from peer.errors import RemoteError
 from peer.net.host import Node, open_node
@@ -246,7 +246,7 @@ def test_a_bad_chunk_is_refetched_and_drops_its_donor():
     assert plan.claim("b") == 1
     stats = plan.statistics()
     assert stats.rejected == {"a": 1}
-    assert "SHA-256" in stats.dropped["a"]
+    assert "hash check" in stats.dropped["a"]
 
 
 def test_a_failed_donor_hands_back_what_it_fetched_but_not_what_it_is_checking():
@@ -440,14 +440,14 @@ async def test_a_donor_hashes_only_what_its_snapshot_does_not_know(monkeypatch):
     data = blob()
     parts = (1000, 1000 + 3 * CHUNK + 77, BLOB_BYTES)  # a header, a large tensor, the rest
     big = [(1000 + i * CHUNK, min(1000 + (i + 1) * CHUNK, parts[1])) for i in range(4)]
-    known = {span: hashlib.sha256(data[span[0] : span[1]]).digest() for span in big}
+    known = {span: blake3(data[span[0] : span[1]]).digest() for span in big}
     hashed: list[int] = []
 
     def counted(view):
         hashed.append(len(view))
-        return hashlib.sha256(view).digest()
+        return blake3(view).digest()
 
-    monkeypatch.setattr(donor_module, "sha256", counted)
+    monkeypatch.setattr(donor_module, "chunk_hash", counted)
     state = Snapshot(7, data, parts=parts, hashes=known)
     with trio.fail_after(TIMEOUT):
         async with nodes(1) as (downloader,), donors([state]) as running:
@@ -461,7 +461,7 @@ async def test_a_donor_hashes_only_what_its_snapshot_does_not_know(monkeypatch):
         for i in range(len(ends))
     ]
     for (start, end), digest in snapshot.hashes.items():
-        assert digest == hashlib.sha256(data[start:end]).digest()
+        assert digest == blake3(data[start:end]).digest()
 
 
 async def test_donors_whose_bytes_partly_differ_give_the_followed_manifest_exactly():
@@ -492,7 +492,7 @@ async def test_corrupted_chunks_are_rejected_and_fetched_from_others():
             snapshot, stats = await fetch(downloader, peers)
             assert snapshot.blob == state.blob
             assert stats.rejected.get(str(peers[0]), 0) >= 1
-            assert "SHA-256" in stats.dropped[str(peers[0])]
+            assert "hash check" in stats.dropped[str(peers[0])]
             assert str(peers[0]) not in stats.chunks_from
             assert running[0].donor.statistics().chunks_served >= 1
 

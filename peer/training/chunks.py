@@ -3,7 +3,7 @@
 Theory of operation (the shell is `peer.training.statesync`):
 
 1. **Offers.** The downloader asks several donors for a `Manifest` of their state at
-   `step >= min_step`: total length, where each chunk ends, the SHA-256 of every chunk, and a
+   `step >= min_step`: total length, where each chunk ends, the hash (`chunk_hash`) of every chunk, and a
    ticket for the donor's data port. `check_manifest` rejects anything malformed (ends that do
    not tile the length, a chunk over MAX_CHUNK_BYTES, a hash count that does not match, a step
    below the one asked for). Chunks follow the state's layout (`chunk_ends`): a large tensor
@@ -43,12 +43,13 @@ from itertools import pairwise
 from typing import Annotated, Generic, TypeVar
 
 import msgspec
+from blake3 import blake3
 
 from peer.errors import ProtocolError
 from peer.net.tls import MAX_CERT_BYTES
 
 SERVICE = "state"
-HASH_BYTES = 32  # SHA-256
+HASH_BYTES = 32  # BLAKE3's default output
 TICKET_BYTES = 32
 MIN_CHUNK_BYTES = 64 * 1024
 MAX_CHUNK_BYTES = 64 * 1024 * 1024
@@ -57,6 +58,15 @@ MAX_CHUNKS = 16384  # ~700 KB of hashes and ends in a manifest
 #: (`peer.training.state.state_digest`): a donor's chunks of them are the digest's pieces.
 PIECE_BYTES = 4 << 20
 MAX_HOST_CHARS = 255
+
+
+def chunk_hash(data: memoryview | bytes) -> bytes:
+    """The hash of a chunk or of a digest's piece: BLAKE3, a cryptographic hash at 5.4-5.7 GB/s
+    on one core of this machine class, where SHA-256 ran 1.35 GB/s (64 MiB inputs). A joiner
+    hashes everything it receives once; so did a trainer's digest at every step. Releases the
+    GIL, like hashlib."""
+    return blake3(data).digest()
+
 
 D = TypeVar("D", bound=Hashable)
 
@@ -331,7 +341,7 @@ class DownloadPlan(Generic[D]):
         self._move(index, "rejected")
         del self.holder[index]
         self.rejected_from[donor] = self.rejected_from.get(donor, 0) + 1
-        self.drop(donor, f"chunk {index} failed its SHA-256 check")
+        self.drop(donor, f"chunk {index} failed its hash check")
 
     def drop(self, donor: D, reason: str) -> None:
         """Use `donor` no more. Its claimed chunks stay claimed until its task calls stopped()."""

@@ -42,7 +42,7 @@ from torch import nn
 
 from peer.errors import ProtocolError, RemoteError
 from peer.files import Sink
-from peer.training.chunks import PIECE_BYTES
+from peer.training.chunks import PIECE_BYTES, chunk_hash
 
 FORMAT = 1
 HEADER_KEY = "peertrain"
@@ -276,7 +276,7 @@ class BlobLayout:
     parts: tuple[int, ...]
 
     def piece_hashes(self, pieces: Mapping[str, Sequence[bytes]]) -> dict[tuple[int, int], bytes]:
-        """The SHA-256 of blob ranges, from `pieces` (a tensor's digest pieces: `Certified`)."""
+        """The hashes (`chunk_hash`) of blob ranges, from `pieces` (a tensor's digest pieces: `Certified`)."""
         return {
             _piece(self.spans[name], index): digest
             for name, hashes in pieces.items()
@@ -284,7 +284,7 @@ class BlobLayout:
         }
 
     def known(self, hashes: Mapping[tuple[int, int], bytes]) -> Callable[[str, int], bytes | None]:
-        """`state_digest`'s `known` from the SHA-256 of blob ranges (`Snapshot.hashes`)."""
+        """`state_digest`'s `known` from the hashes of blob ranges (`Snapshot.hashes`)."""
 
         def piece(name: str, index: int) -> bytes | None:
             span = self.spans.get(name)
@@ -353,7 +353,7 @@ class StateBytes:
     safetensors copies every tensor to bytes, then joins them). `valid()` says whether the
     tensors still hold the state (a trainer's live state lasts until its next step); a read
     after that raises `StaleState`. A read racing a step can still see torn bytes: the
-    downloader checks every chunk's SHA-256 and drops such a donor."""
+    downloader checks every chunk's hash and drops such a donor."""
 
     def __init__(self, state: TrainingState, valid: Callable[[], bool] = lambda: True) -> None:
         names, self._parts = _layout(state)
@@ -818,7 +818,7 @@ class Certified:
 
     digest: str
     pieces: Mapping[str, Sequence[bytes]]
-    """Each certified tensor's SHA-256 per PIECE_BYTES of its bytes, by tensor name (a donor's
+    """Each certified tensor's `chunk_hash` per PIECE_BYTES of its bytes, by tensor name (a donor's
     chunks of it: `BlobLayout.piece_hashes`)."""
 
 
@@ -833,7 +833,7 @@ def state_digest(
     """What a step certifies (`peer.training.certificate`): the named model parameters and the
     tensors and scalars of the `shared` optimizers (those every member of an averaging holds
     bit-identical: dedloc's optimizer, diloco's outer one), in name order. Each tensor counts
-    as its name, dtype and shape and the SHA-256 of each PIECE_BYTES of its bytes: a donor's
+    as its name, dtype and shape and the `chunk_hash` (BLAKE3) of each PIECE_BYTES of its bytes: a donor's
     chunks of a large tensor are those pieces (`peer.training.chunks.chunk_ends`), so it serves
     them without hashing again, and `known(name, index)` gives a piece's hash where one was
     checked already (a download's chunks), so a joiner hashes its state once. Equal digests
@@ -862,7 +862,7 @@ def state_digest(
         for index, start in enumerate(range(0, len(raw), PIECE_BYTES)):
             if cancelled():
                 raise DigestCancelled(f"the digest of step {state.step} was cancelled")
-            piece = known(name, index) or hashlib.sha256(raw[start : start + PIECE_BYTES]).digest()
+            piece = known(name, index) or chunk_hash(raw[start : start + PIECE_BYTES])
             hashes.append(piece)
             digest.update(piece)
     return Certified(digest.hexdigest(), pieces)

@@ -16,7 +16,7 @@ near 0.3 GB/s and keeps a core busy (docs/benchmarks.md), a tenth of loopback TC
                                       bytes (the chunk, or a UTF-8 error that ends the connection)
 
 The manifest travels over the Noise-authenticated RPC, so the donor's certificate is the one
-its libp2p identity vouches for, and every chunk is also checked against its SHA-256 before it
+its libp2p identity vouches for, and every chunk is also checked against its hash (BLAKE3) before it
 is accepted. The ticket (32 random bytes) is the admission token that bounds how many downloads
 a donor serves at once (`max_downloads`); it travels inside TLS, so no eavesdropper can replay
 it or read the state.
@@ -25,7 +25,7 @@ A donor pins, per ticket, the exact `Snapshot` its manifest describes, so a step
 mid-download does not change the bytes under the downloader. Chunks follow the state's
 layout (`chunks.chunk_ends`), so a large tensor's chunks are the pieces its step's digest
 hashed: a trainer's snapshot brings those hashes (`Snapshot.hashes`), and the donor hashes only
-the rest, once per snapshot, in worker threads (SHA-256 releases the GIL: ~0.85 s/GB per thread
+the rest, once per snapshot, in worker threads (BLAKE3 releases the GIL: ~0.18 s/GB per thread
 here). The downloader receives straight into its result buffer and hashes each chunk in a
 worker thread while the next one arrives; the finished `Snapshot` carries those checked hashes,
 which the joiner's digest takes instead of hashing the state again. Protocol decisions (which

@@ -30,6 +30,7 @@ from peer.training.chunks import (
     Release,
     Released,
     chunk_ends,
+    chunk_hash,
     chunk_span,
     donor_chunk_bytes,
     fixed_ends,
@@ -45,7 +46,6 @@ from peer.training.statesync.wire import (
     REQUEST,
     Sliced,
     Snapshot,
-    sha256,
     sliceable,
 )
 
@@ -62,7 +62,7 @@ async def _hash_chunks(
     ranges: list[tuple[int, int]],
     known: Mapping[tuple[int, int], bytes],
 ) -> list[bytes]:
-    """SHA-256 of every chunk not in `known`, in HASH_WORKERS threads (hashlib releases the
+    """`chunk_hash` of every chunk not in `known`, in HASH_WORKERS threads (it releases the
     GIL)."""
     out = [known.get(span, b"") for span in ranges]
     todo = [i for i, digest in enumerate(out) if not digest]
@@ -71,7 +71,7 @@ async def _hash_chunks(
     def work(first: int) -> None:
         for index in todo[first::workers]:
             start, end = ranges[index]
-            out[index] = sha256(view[start:end])
+            out[index] = chunk_hash(view[start:end])
 
     async with trio.open_nursery() as nursery:
         for first in range(workers):

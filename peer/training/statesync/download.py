@@ -30,6 +30,7 @@ from peer.training.chunks import (
     Released,
     check_manifest,
     choose_manifest,
+    chunk_hash,
 )
 from peer.training.statesync.wire import (
     CONNECTION_ERRORS,
@@ -41,7 +42,6 @@ from peer.training.statesync.wire import (
     REPLY,
     REQUEST,
     Snapshot,
-    sha256,
 )
 
 log = logging.getLogger("peertrain.statesync")
@@ -118,7 +118,7 @@ class DownloadStatistics:
     chunks_from: dict[str, int]
     """Verified chunks per donor (peer id)."""
     rejected: dict[str, int]
-    """Chunks per donor that failed their SHA-256 check."""
+    """Chunks per donor that failed their hash check."""
     dropped: dict[str, str]
     """Donors dropped mid-download, and why."""
     refused: dict[str, str]
@@ -130,7 +130,7 @@ class StateDownload:
 
     Asks `parallel + 2` donors for a manifest at a time, follows one manifest
     (`chunks.choose_manifest`), fetches from up to `parallel` donors at once, each chunk
-    checked against its SHA-256, and replaces donors that fail. `stall_timeout` bounds every
+    checked against its hash, and replaces donors that fail. `stall_timeout` bounds every
     wait for a donor's bytes, `rpc_timeout` every control call; `run(deadline=)` the whole.
     """
 
@@ -389,13 +389,15 @@ class StateDownload:
         assert plan is not None
         start, end = plan.manifest.chunk(index)
         # A worker thread, so hashing overlaps receiving the next chunk.
-        digest = await trio.to_thread.run_sync(sha256, self._view[start:end], limiter=self._hashers)
+        digest = await trio.to_thread.run_sync(
+            chunk_hash, self._view[start:end], limiter=self._hashers
+        )
         if digest == plan.manifest.hashes[index]:
             plan.verified(donor, index)
         else:
             plan.rejected(donor, index)
             self._pulls[donor].cancel()
-            log.debug("chunk %d from %s failed its SHA-256 check", index, donor)
+            log.debug("chunk %d from %s failed its hash check", index, donor)
         self._wake()
 
     def _failure(self, what: str) -> str:

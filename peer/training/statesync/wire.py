@@ -1,11 +1,10 @@
-"""State download, the parts both sides share: `Snapshot`, the data-plane framing, SHA-256.
+"""State download, the parts both sides share: `Snapshot` and the data-plane framing.
 
 The protocol is described in the package docstring (`peer.training.statesync`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
 import struct
 from collections.abc import Mapping
@@ -50,17 +49,13 @@ class Snapshot:
     """Where the parts of the blob's layout end (its header, then each tensor), where known: a
     donor cuts its chunks along them (`chunks.chunk_ends`)."""
     hashes: Mapping[tuple[int, int], bytes] = field(default_factory=dict, compare=False)
-    """SHA-256 of byte ranges [start, end) of the blob, where known: a trainer's from its
+    """`chunk_hash` of byte ranges [start, end) of the blob, where known: a trainer's from its
     step's digest, a download's from its chunks, each checked against the bytes received."""
 
 
 def sliceable(blob: bytes | Sliced) -> memoryview | Sliced:
     """What chunks are cut from without copying the whole: a view of bytes, or `blob` itself."""
     return memoryview(blob).cast("B") if isinstance(blob, bytes | bytearray) else blob
-
-
-def sha256(data: memoryview | bytes) -> bytes:
-    return hashlib.sha256(data).digest()
 
 
 __all__ = [
@@ -74,6 +69,5 @@ __all__ = [
     "REQUEST",
     "Sliced",
     "Snapshot",
-    "sha256",
     "sliceable",
 ]
