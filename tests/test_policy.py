@@ -253,6 +253,33 @@ def finished(policy: StepPolicy, now: float) -> None:
     assert policy.phase in (Phase.SETTLING, Phase.STOPPED)
 
 
+def stored(step: int, *cosigners: str) -> ProgressRecord:
+    """Our own record as a read returns it: at `step`, signed by us and `cosigners`."""
+    signatures = [own_signature(step), *(StepSignature(c, bytes(64)) for c in cosigners)]
+    return other(ME, step=step, digest=f"d{step}", signatures=signatures)
+
+
+def test_the_last_finished_peer_leaves_only_once_its_stored_record_certifies_the_step():
+    """Settled peers withdraw their records as they stop. The last one's stored record carried
+    only its own signature (the others' were merged, not yet stored): a status read between
+    their leaving and its own saw the step uncertified, and global step 0 after step 29."""
+    policy = make_policy(max_steps=3)
+    peer = other("z1", step=3, digest="d3", signatures=[StepSignature("z1", bytes(64))])
+    finished(policy, T0)
+    policy.take_changed()
+    read(policy, peer, stored(3))
+    assert policy.take_changed()  # z1's signature merged: publish it
+    assert {s.signer for s in policy.held.signatures} == {ME, "z1"}
+    assert isinstance(policy.next_action(Local(), T0), Wait)  # everyone holds d3, but
+    read(policy, peer, stored(3), now=T0 + 1)  # our stored record has our signature only
+    assert isinstance(policy.next_action(Local(), T0 + 1), Wait)
+    # z1 left (its signature stays ours); z2, at our step too, signed only for itself.
+    z2 = other("z2", step=3, digest="d3", signatures=[StepSignature("z2", bytes(64))])
+    read(policy, stored(3, "z1"), z2, now=T0 + 2)
+    assert {s.signer for s in policy.held.signatures} == {ME, "z1", "z2"}
+    assert policy.next_action(Local(), T0 + 2) == Stop()
+
+
 def test_a_finished_peer_waits_for_one_behind_it_up_to_a_download_deadline():
     """Finished peers used to leave after 2 gather_window + 4 progress_interval + 5 s (13 s)
     whatever the others did: a laggard mid-way through a 20 s download lost its donors."""
@@ -263,7 +290,8 @@ def test_a_finished_peer_waits_for_one_behind_it_up_to_a_download_deadline():
     read(policy, laggard)
     finished(policy, T0)
     assert isinstance(policy.next_action(Local(), T0 + 40), Wait)
-    read(policy, msgspec.structs.replace(laggard, step=3, digest="d3"), now=T0 + 40)
+    caught_up = msgspec.structs.replace(laggard, step=3, digest="d3")
+    read(policy, caught_up, stored(3, "z1"), now=T0 + 40)
     assert policy.next_action(Local(), T0 + 40) == Stop()
     # One that never catches up (e.g. a dead peer's record, not yet expired) is waited for no
     # longer than a download's deadline after the usual bound.

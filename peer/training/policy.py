@@ -283,7 +283,8 @@ class StepPolicy:
         self.view = view
         held = self.held
         # The others who hold our step and digest signed it too: carry their signatures, so
-        # that our record certifies the state after they leave (decode checked them).
+        # that our record certifies the state after they leave (decode checked them). Those
+        # we carry already stay (their records may have left); new ones are published now.
         theirs = [
             signature
             for r in view.records
@@ -291,7 +292,10 @@ class StepPolicy:
             for signature in r.signatures
         ]
         if theirs and held.signatures:
-            held.signatures = merge_signatures(held.signatures[0], theirs)
+            merged = merge_signatures(held.signatures[0], [*held.signatures[1:], *theirs])
+            if {s.signer for s in merged} != {s.signer for s in held.signatures}:
+                held.signatures = merged
+                self.changed = True
         signers = view.signers(held.step, held.digest) | {s.signer for s in held.signatures}
         if held.step == 0 or len(signers) >= self.quorum:
             self._uncertified_since = None
@@ -484,11 +488,26 @@ class StepPolicy:
         view = self.view_with(local, now)
         if donors := self.donors(view, now):
             return self._catch_up(donors, view.global_step, left)
-        if view.settled(self.held.step, self.held.digest):
+        if view.settled(self.held.step, self.held.digest) and self._stored_certificate():
             return self._stop("")
         if now > self._settle_patience and not view.catching_up(self.held.step):
             return self._stop(f"stopping at step {self.held.step} before every peer agreed")
         return Wait(min(self.training.progress_interval / 2, left))
+
+    def _stored_certificate(self) -> bool:
+        """Our record as the last read shows it (stored, not as we would publish it) certifies
+        our step on its own. Settled peers withdraw their records as they stop: the last to
+        go must leave one that carries the step's certificate, or a read in between sees the
+        step uncertified (the churn test's status client read global step 0 after step 29)."""
+        held = self.held
+        if held.step == 0:
+            return True
+        ours = next((r for r in self.view.records if r.peer_id == self.me), None)
+        return (
+            ours is not None
+            and (ours.step, ours.digest) == (held.step, held.digest)
+            and len({s.signer for s in ours.signatures}) >= self.quorum
+        )
 
     def _stop(self, reason: str) -> Stop:
         self._move(Event.SETTLED)
