@@ -11,7 +11,7 @@ process is the downloader. Per run, in alternation:
   buffer (the floor: nothing is hashed, checked or copied);
 - raw TCP, k streams: a k-th of the blob from each of k donors at once;
 - `download_state` from k donors (`parallel=k`): manifests over libp2p RPC, chunks over TCP,
-  every chunk SHA-256-checked, the result copied into the `bytes` of a `Snapshot`.
+  every chunk hash-checked (BLAKE3), the result received into the buffer of a `Snapshot`.
 Reported: median seconds, GB/s, and the ratio to the one-stream raw transfer of the same run.
 """
 

@@ -278,6 +278,13 @@ def test_the_last_finished_peer_leaves_only_once_its_stored_record_certifies_the
     read(policy, stored(3, "z1"), z2, now=T0 + 2)
     assert {s.signer for s in policy.held.signatures} == {ME, "z1", "z2"}
     assert policy.next_action(Local(), T0 + 2) == Stop()
+    # Where our stores keep failing: no longer than the usual bound, and everyone agreed.
+    unstored = make_policy(max_steps=3)
+    finished(unstored, T0)
+    read(unstored, peer)
+    patience = unstored.timing.settle_patience(unstored.store_seconds)
+    assert isinstance(unstored.next_action(Local(), T0 + patience - 1), Wait)
+    assert unstored.next_action(Local(), T0 + patience + 0.1) == Stop()
 
 
 def test_a_finished_peer_waits_for_one_behind_it_up_to_a_download_deadline():

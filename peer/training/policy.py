@@ -488,10 +488,14 @@ class StepPolicy:
         view = self.view_with(local, now)
         if donors := self.donors(view, now):
             return self._catch_up(donors, view.global_step, left)
-        if view.settled(self.held.step, self.held.digest) and self._stored_certificate():
+        settled = view.settled(self.held.step, self.held.digest)
+        if settled and self._stored_certificate():
             return self._stop("")
         if now > self._settle_patience and not view.catching_up(self.held.step):
-            return self._stop(f"stopping at step {self.held.step} before every peer agreed")
+            # Settled, our record not shown stored with the certificate (a store that failed):
+            # everyone agreed all the same.
+            agreed = "" if settled else "before every peer agreed"
+            return self._stop(agreed and f"stopping at step {self.held.step} {agreed}")
         return Wait(min(self.training.progress_interval / 2, left))
 
     def _stored_certificate(self) -> bool:
