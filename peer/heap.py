@@ -27,3 +27,37 @@ def return_free_memory() -> None:
     trim = malloc_trim()
     if trim is not None:
         trim(0)
+
+
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    if sys.platform != "linux":
+        return None
+    with contextlib.suppress(OSError, AttributeError):
+        return ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)(
+            ("madvise", ctypes.CDLL(None))
+        )
+    return None
+
+
+MADV_DONTNEED = 4  # Linux
+PAGE_BYTES = 4096
+
+
+def span_of(data: bytes) -> tuple[int, int]:
+    """Where the bytes of `data` lie in memory: (address, size)."""
+    return ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value or 0, len(data)
+
+
+def drop_pages(address: int, size: int, *, within: tuple[int, int]) -> None:
+    """Give the whole pages of [address, address + size) back to the system (Linux
+    `madvise(MADV_DONTNEED)`: they read as zeros afterwards), if the range lies inside
+    `within`, a buffer of ours that nothing reads again. Best effort: a no-op elsewhere."""
+    start, length = within
+    madvise = _madvise()
+    if madvise is None or address < start or address + size > start + length:
+        return
+    first = -(-address // PAGE_BYTES) * PAGE_BYTES
+    end = (address + size) // PAGE_BYTES * PAGE_BYTES
+    if end > first:
+        madvise(first, end - first, MADV_DONTNEED)

@@ -436,6 +436,35 @@ async def test_a_download_frees_the_optimizer_state_it_replaces(tmp_path):
     assert checkpoints.load_latest(trainer.checkpoint_dir).step == 2
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="madvise(MADV_DONTNEED) is Linux's")
+@pytest.mark.parametrize("disposable", [True, False])
+async def test_a_download_s_buffer_goes_back_as_it_is_loaded_and_no_other_blob_does(
+    tmp_path, disposable
+):
+    """A fresh 100 M joiner peaked with AdamW's moments cloned beside the whole download
+    (0.8 GB): the pages of a download's own buffer (`Snapshot.disposable`) go back to the
+    system as its tensors are loaded; they read as zeros after. A blob that is not the
+    download's alone is left as it was."""
+    trainer = await make_trainer(tmp_path / "me")
+    donor, partner = await make_trainer(tmp_path / "a"), await make_trainer(tmp_path / "b")
+    await take_steps(donor, 2)
+    await take_steps(partner, 2)
+    read(trainer, signed_record(donor, partner))
+    served = await donor.snapshot()
+    assert served is not None
+    blob = bytes(served.blob)
+    before = bytearray(blob)  # a copy
+    snapshot = Snapshot(2, blob, parts=served.parts, hashes=served.hashes, disposable=disposable)
+    serving(trainer, snapshot)
+    await trainer._catch_up(*behind(trainer))
+    assert trainer.step == 2 and trainer.digest == donor.digest  # loaded all the same
+    changed = [i for i in range(len(blob)) if blob[i] != before[i]]
+    assert bool(changed) == disposable
+    assert all(blob[i] == 0 for i in changed)
+    if disposable:  # the first layer's weights (32 KiB) at least: whole pages of them
+        assert len(changed) >= 4096
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice levels are Linux's")
 async def test_a_donor_serves_its_held_state_while_the_torch_thread_is_busy(tmp_path):
     """A donor's manifest waited for the torch thread's training step (seconds at 100 M beside
@@ -1024,6 +1053,23 @@ async def test_torch_work_runs_in_one_thread_below_the_event_loop_s_priority(tmp
     assert first[0] == second[0] != threading.get_native_id()
     ours = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     assert first[1] == min(19, ours + NICENESS)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="madvise(MADV_DONTNEED) is Linux's")
+def test_pages_are_given_back_only_inside_the_buffer_named():
+    pattern = bytes(range(1, 256)) * 1024  # 255 KiB, no zero byte
+    buffer, other = bytes(bytearray(pattern)), bytes(bytearray(pattern))
+    within = heap.span_of(buffer)
+    start = within[0]
+    heap.drop_pages(*heap.span_of(other), within=within)  # another buffer: left alone
+    heap.drop_pages(start - heap.PAGE_BYTES, 2 * heap.PAGE_BYTES, within=within)  # reaches out
+    assert buffer == pattern and other == pattern
+    heap.drop_pages(start + 100, 5 * heap.PAGE_BYTES, within=within)
+    first = -(-(start + 100) // heap.PAGE_BYTES) * heap.PAGE_BYTES - start
+    end = (start + 100 + 5 * heap.PAGE_BYTES) // heap.PAGE_BYTES * heap.PAGE_BYTES - start
+    assert end - first >= 4 * heap.PAGE_BYTES  # whole pages only
+    assert buffer[first:end] == bytes(end - first)
+    assert buffer[:first] == pattern[:first] and buffer[end:] == pattern[end:]
 
 
 FREED_BLOCKS = """

@@ -41,6 +41,7 @@ from peer.config import PeerConfig
 from peer.dht.node import DHT
 from peer.errors import ConfigError, RemoteError
 from peer.files import state_folder
+from peer.heap import span_of
 from peer.measure.capabilities import Capabilities
 from peer.training.certificate import sign_step
 from peer.training.policy import (
@@ -571,7 +572,7 @@ class Trainer:
         lowest = target if target < self.step else max(target, self.step)
         started = self.monotonic()
         try:
-            _, state, digest = await fetch_certified(
+            snapshot, state, digest = await fetch_certified(
                 self.dht,
                 self.download,
                 donors,
@@ -583,7 +584,12 @@ class Trainer:
             phases["fetch_and_check_s"] = self.monotonic() - started
             # Its tensors are about to be replaced: they go with our state, not after the hold.
             self._snapshot = None
-            await self.worker.restore(state, from_donor=True)
+            # A download's buffer is read no more once loaded: given back as it is (a fresh
+            # 100 M joiner peaked with the optimizer state cloned beside the whole download).
+            blob = snapshot.blob
+            release = span_of(blob) if snapshot.disposable and isinstance(blob, bytes) else None
+            del snapshot, blob
+            await self.worker.restore(state, from_donor=True, release=release)
         except RemoteError as error:
             return str(error)
         phases["load_s"] = self.monotonic() - started - phases["fetch_and_check_s"]

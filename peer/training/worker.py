@@ -306,15 +306,19 @@ class TorchWorker:
                 self.held = None
             yield
 
-    def _restore(self, state: states.TrainingState, from_donor: bool) -> None:
+    def _restore(
+        self, state: states.TrainingState, from_donor: bool, release: tuple[int, int] | None
+    ) -> None:
         with self._torch_thread_still(), self._changing():
-            self._load(state, from_donor)
+            self._load(state, from_donor, release)
 
-    def _load(self, state: states.TrainingState, from_donor: bool) -> None:
+    def _load(
+        self, state: states.TrainingState, from_donor: bool, release: tuple[int, int] | None
+    ) -> None:
         strategy = self.strategy
         if from_donor:
             optimizers = {name: strategy.optimizers()[name] for name in strategy.shared}
-            states.restore(state, self.model, optimizers, from_donor=True)
+            states.restore(state, self.model, optimizers, from_donor=True, release=release)
             strategy.schedule.replay(strategy.schedule_epochs(state.step))
         else:
             strategy.schedule.check(state.scheduler_state)  # before anything changes
@@ -334,14 +338,21 @@ class TorchWorker:
         peer keeps its inner steps until a download replaces them."""
         await self._run(self._before_download)
 
-    async def restore(self, state: states.TrainingState, *, from_donor: bool = False) -> None:
+    async def restore(
+        self,
+        state: states.TrainingState,
+        *,
+        from_donor: bool = False,
+        release: tuple[int, int] | None = None,
+    ) -> None:
         """Load a state: our checkpoint, or (`from_donor`) a downloaded one, of which only the
         certified part is taken (`states.restore`): the learning-rate schedule is replayed
         from our own task, and diloco's inner optimizer stays ours. Local work is dropped.
         In a thread at the event loop's priority, the torch thread held still meanwhile: a
         peer catching up has nothing else to do, and at the torch thread's nice +10 beside
-        three training peers a 100 M joiner's load took 6 s."""
-        await trio.to_thread.run_sync(self._restore, state, from_donor)
+        three training peers a 100 M joiner's load took 6 s. `release`: the download's buffer
+        that `state` is a view of, given back as it is loaded (`states.restore`)."""
+        await trio.to_thread.run_sync(self._restore, state, from_donor, release)
 
     def _parse(self, snapshot: Snapshot) -> tuple[states.TrainingState, str]:
         state, layout = states.parse_blob(bytes(snapshot.blob))

@@ -243,7 +243,7 @@ class StateDownload:
         manifest = plan.manifest
         # Every chunk has passed its check: these are the hashes of the bytes we hold.
         checked = {manifest.chunk(i): digest for i, digest in enumerate(manifest.hashes)}
-        return Snapshot(manifest.step, result.take(), hashes=checked)
+        return Snapshot(manifest.step, result.take(), hashes=checked, disposable=True)
 
     def _follow(self, owner: ID) -> None:
         self._plan = plan = DownloadPlan(owner, self._offers[owner], parallel=self.parallel)

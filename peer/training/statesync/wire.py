@@ -51,6 +51,9 @@ class Snapshot:
     hashes: Mapping[tuple[int, int], bytes] = field(default_factory=dict, compare=False)
     """`chunk_hash` of byte ranges [start, end) of the blob, where known: a trainer's from its
     step's digest, a download's from its chunks, each checked against the bytes received."""
+    disposable: bool = field(default=False, compare=False)
+    """The blob is this snapshot's alone (a download's result): whoever loads it may give its
+    pages back as it goes (`state.restore`'s `release`)."""
 
 
 def sliceable(blob: bytes | Sliced) -> memoryview | Sliced:
