@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import mmap
 import sys
 from collections.abc import Callable
 
@@ -41,7 +42,9 @@ def _madvise() -> Callable[[int, int, int], int] | None:
 
 
 MADV_DONTNEED = 4  # Linux
-PAGE_BYTES = 4096
+#: The kernel's page: madvise rounds its range to whole ones (64 KiB on some arm64 kernels, where
+#: rounding to 4 KiB zeroed up to 60 KiB of the next tensor, not yet loaded).
+PAGE_BYTES = mmap.PAGESIZE
 
 
 def span_of(data: bytes) -> tuple[int, int]:
@@ -57,7 +60,8 @@ def drop_pages(address: int, size: int, *, within: tuple[int, int]) -> None:
     madvise = _madvise()
     if madvise is None or address < start or address + size > start + length:
         return
-    first = -(-address // PAGE_BYTES) * PAGE_BYTES
-    end = (address + size) // PAGE_BYTES * PAGE_BYTES
+    page = PAGE_BYTES
+    first = -(-address // page) * page
+    end = (address + size) // page * page
     if end > first:
         madvise(first, end - first, MADV_DONTNEED)

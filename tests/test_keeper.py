@@ -216,6 +216,7 @@ async def test_the_keeper_follows_the_trainers_and_saves_their_state(tmp_path):
     (digest,) = digests
     assert held is not None and held.step == f.step
     assert held.blob == trainer_blob  # the consensus state, bit for bit
+    assert not held.disposable  # served: nobody may give its pages back
     assert f.keeper.digest == digest
     # On disk: a checkpoint of the blob, its record naming the digest and signatures.
     saved = kept(f.config)

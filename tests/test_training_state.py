@@ -6,6 +6,7 @@ import ctypes
 import io
 import json
 import math
+import sys
 import zlib
 from typing import Any
 
@@ -17,6 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from peer import heap
 from peer.errors import ProtocolError
 from peer.training.chunks import PIECE_BYTES, chunk_ends, chunk_span
 from peer.training.state import (
@@ -160,6 +162,49 @@ def test_a_restore_into_a_trained_optimizer_writes_into_its_own_moments():
     train(task, behind, behind_optimizers, steps=2, seed=2)
     assert_same(current(behind, behind_optimizers), current(model, optimizers))
     assert to_bytes(loaded) == blob  # the download was not written into
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="madvise(MADV_DONTNEED) is Linux's")
+@pytest.mark.parametrize("page", [4096, 65536])
+def test_a_released_download_loads_exactly_whatever_the_kernel_s_page(monkeypatch, page):
+    """`release` gives a download's pages back as its tensors are loaded, and must never take
+    one still to be loaded: madvise rounds its range to the kernel's page (64 KiB on some
+    arm64 kernels, where 4 KiB rounding zeroed the start of the next tensor). The kernel is
+    emulated here: a misaligned address refused, a length rounded up to `page`."""
+    real = heap._madvise()
+    assert real is not None
+    calls = []
+
+    def kernel(address: int, length: int, advice: int) -> int:
+        calls.append(address)
+        if address % page:
+            return -1  # EINVAL
+        return real(address, -(-length // page) * page, advice)
+
+    monkeypatch.setattr(heap, "PAGE_BYTES", page)
+    monkeypatch.setattr(heap, "_madvise", lambda: kernel)
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(256, 256) for _ in range(6)))  # 256 KiB weights
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 256)).sum().backward()
+    optimizer.step()
+    blob = to_bytes(capture(1, model, {"optimizer": optimizer}))
+    expected = {n: t.clone() for n, t in from_bytes(blob).tensors.items()}
+    torch.manual_seed(1)
+    fresh = nn.Sequential(*(nn.Linear(256, 256) for _ in range(6)))
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters())
+    restore(
+        from_bytes(blob),
+        fresh,
+        {"optimizer": fresh_optimizer},
+        from_donor=True,
+        release=heap.span_of(blob),
+    )
+    assert calls  # pages went back
+    loaded = capture(1, fresh, {"optimizer": fresh_optimizer}).tensors
+    assert all(torch.equal(loaded[n], expected[n]) for n in expected if n in loaded)
+    assert sum(n in loaded for n in expected) >= 24  # weights, biases and their moments
+    assert blob.count(0) > 6 * 256 * 256  # most of the weights' bytes were given back
 
 
 def test_to_bytes_is_deterministic():

@@ -149,7 +149,9 @@ class StateKeeper:
             log.info("got step %d when asking for step %d; next round", snapshot.step, step)
             return False
         # Served along its layout (`Snapshot.parts`) with the hashes its download checked.
-        self.held, self.digest = dataclasses.replace(snapshot, parts=parts), digest
+        # Served from now on: no longer a buffer anyone may give back.
+        held = dataclasses.replace(snapshot, parts=parts, disposable=False)
+        self.held, self.digest = held, digest
         signed = [
             s for r in view.records if r.step == step and r.digest == digest for s in r.signatures
         ]

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 from peer.averaging.averager import AveragingResult, longest_averaging
 from peer.config import PeerConfig
-from peer.training.certificate import StepSignature, merge_signatures
+from peer.training.certificate import MAX_SIGNATURES, StepSignature, merge_signatures
 from peer.training.progress import (
     CollaborationView,
     Moves,
@@ -510,7 +510,8 @@ class StepPolicy:
         return (
             ours is not None
             and (ours.step, ours.digest) == (held.step, held.digest)
-            and len({s.signer for s in ours.signatures}) >= self.quorum
+            # A record carries at most MAX_SIGNATURES: a larger quorum needs several records.
+            and len({s.signer for s in ours.signatures}) >= min(self.quorum, MAX_SIGNATURES)
         )
 
     def _stop(self, reason: str) -> Stop:
