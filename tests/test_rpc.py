@@ -317,3 +317,10 @@ async def test_one_peer_cannot_take_the_whole_byte_budget():
         assert info.value.code == "unavailable"
         reply = await other.rpc.call(server.peer_id, "test", "echo", huge, Echo, timeout=5)
         assert reply.text == huge.text  # the server had room: only the greedy peer was capped
+
+
+def test_a_service_names_its_version_in_its_protocol_id():
+    """A service whose messages changed takes the next version: a peer of the old one is
+    refused when the stream is negotiated, not fed messages it misreads."""
+    assert protocol_id("dht") == "/peertrain/dht/1"
+    assert protocol_id("state/2") == "/peertrain/state/2"

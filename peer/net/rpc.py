@@ -64,7 +64,11 @@ TRANSPORT_ERRORS = (BaseLibp2pError, trio.BrokenResourceError, trio.ClosedResour
 
 
 def protocol_id(service: str) -> str:
-    return f"/peertrain/{service}/1"
+    """`/peertrain/<name>/<version>` for a service "name" (version 1) or "name/version": a
+    service whose messages change takes the next version, and a peer of the old one is
+    refused when the stream is negotiated ("protocol not supported")."""
+    name, _, version = service.partition("/")
+    return f"/peertrain/{name}/{version or 1}"
 
 
 class Request(msgspec.Struct, tag=True):

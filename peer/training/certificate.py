@@ -28,7 +28,9 @@ from libp2p.crypto.keys import PrivateKey
 
 from peer.dht.records import owner_key, signed_by
 
-DOMAIN = b"peertrain/step/1"
+#: Version 2: the digest signed hashes its pieces with BLAKE3 (SHA-256 in version 1), so a
+#: version 1 signature never certifies a version 2 digest of other bytes, nor the reverse.
+DOMAIN = b"peertrain/step/2"
 MAX_SIGNATURES = 16
 """Signatures a record carries at most (a certificate needs `min_group_size` of them)."""
 

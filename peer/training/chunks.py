@@ -48,7 +48,8 @@ from blake3 import blake3
 from peer.errors import ProtocolError
 from peer.net.tls import MAX_CERT_BYTES
 
-SERVICE = "state"
+#: Version 2: each chunk's end in the manifest (not one chunk size), and BLAKE3 chunk hashes.
+SERVICE = "state/2"
 HASH_BYTES = 32  # BLAKE3's default output
 TICKET_BYTES = 32
 MIN_CHUNK_BYTES = 64 * 1024

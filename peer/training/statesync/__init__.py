@@ -3,7 +3,7 @@
 Control over libp2p, bulk bytes over TLS 1.3 on TCP. A py-libp2p Noise + yamux stream tops out
 near 0.3 GB/s and keeps a core busy (docs/benchmarks.md), a tenth of loopback TCP, so:
 
-    /peertrain/state/1 (RPC)  manifest{min_step} -> Manifest{step, total_bytes, ends,
+    /peertrain/state/2 (RPC)  manifest{min_step} -> Manifest{step, total_bytes, ends,
                                                    hashes, data_host, data_port, data_cert,
                                                    ticket}
                                                 | Err{unavailable}   nothing new enough / busy
