@@ -16,6 +16,7 @@ from peer.measure.ema import RateEMA
 from peer.measure.probe import LinkMeasurement
 from peer.measure.reachability import BUSY, DialBackResult
 from peer.measure.service import (
+    TRAINED_MICRO_BATCHES,
     TRAINING_WAIT,
     Measurements,
     best_link,
@@ -223,6 +224,31 @@ async def test_a_peer_benchmarks_its_compute_once_training_computes(monkeypatch,
         await m.wait_changed()  # no timer left to jump to: the clock stays while it runs
         nursery.cancel_scope.cancel()
     assert calls.tasks() == ["t"] and m.compute is not None
+    assert trio.current_time() < TRAINING_WAIT
+
+
+async def test_a_trainer_s_compute_is_measured_from_its_own_micro_batches(
+    monkeypatch, autojump_clock
+):
+    """The benchmark's model and gradients (0.8 GB at 100 M) came on top of a late joiner's
+    optimizer state: its peak. A peer that names its model measures its real micro-batches
+    instead, after the first (torch's warm-up), TRAINED_MICRO_BATCHES of them and at least
+    `measure.compute_seconds` (1 s)."""
+    calls = Benchmarked(monkeypatch)
+    m = peer_measurements()
+    m.observe_model(gradient_bytes=4000)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(m.run)
+        m.observe_training(4, 30.0)  # warm-up: not counted
+        for _ in range(TRAINED_MICRO_BATCHES):
+            await trio.sleep(1)
+            assert m.compute is None
+            m.observe_training(4, 0.5)
+        await m.wait_changed()
+        nursery.cancel_scope.cancel()
+    assert calls.tasks() == []  # no benchmark
+    assert m.compute is not None and m.compute.samples_per_s == pytest.approx(8.0)
+    assert m.compute.gradient_bytes == 4000
     assert trio.current_time() < TRAINING_WAIT
 
 

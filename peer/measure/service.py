@@ -56,6 +56,8 @@ SPEED_HALF_LIFE = 60.0
 STOP_WAIT = 10.0
 #: Seconds a peer's first measurements wait for its first micro-batch of training, at most.
 TRAINING_WAIT = 120.0
+#: Real micro-batches (after the first: torch's warm-up) that measure a trainer's compute.
+TRAINED_MICRO_BATCHES = 3
 LINK_HALF_LIFE = 300.0
 
 
@@ -100,6 +102,9 @@ class Measurements:
         self.attestations: dict[str, Attestation] = {}  # signer -> its newest of us
         self._changed = trio.Event()
         self._training = trio.Event()  # the first micro-batch of training is done
+        self._gradient_bytes: int | None = None  # the trainer's model (`observe_model`)
+        self._trained = (0, 0, 0.0)  # micro-batches, samples and seconds after the first
+        self._trained_enough = trio.Event()
 
     async def wait_changed(self) -> None:
         await self._changed.wait()
@@ -109,8 +114,20 @@ class Measurements:
         self._changed.set()
         self._changed = trio.Event()
 
+    def observe_model(self, gradient_bytes: int) -> None:
+        """The trainer's model: once it trains, its compute is measured from its own
+        micro-batches, not by a benchmark of a model of its own beside it (at 100 M, 0.8 GB of
+        model and gradients on top of a late joiner's optimizer state: that joiner's peak)."""
+        self._gradient_bytes = gradient_bytes
+
     def observe_training(self, samples: int, seconds: float) -> None:
         """Real training throughput: refines the compute figure (no republish of its own)."""
+        if self._training.is_set():  # the first micro-batch is torch's warm-up
+            count, total, spent = self._trained
+            self._trained = count + 1, total + samples, spent + seconds
+            enough = count + 1 >= TRAINED_MICRO_BATCHES
+            if enough and spent + seconds >= self.config.measure.compute_seconds:
+                self._trained_enough.set()
         self._training.set()
         if self.speed is not None:
             self.speed.observe(samples, seconds)
@@ -165,10 +182,41 @@ class Measurements:
             # the link probes slowed down; a trainer that never gets there is measured anyway.
             with trio.move_on_after(TRAINING_WAIT):
                 await self._training.wait()
-            await self._measure_compute(*self.workload)
+                if self._gradient_bytes is not None:
+                    await self._trained_enough.wait()
+            if self._trained_enough.is_set():
+                self._measured_from_training(self.workload[1])
+            else:
+                await self._measure_compute(*self.workload)
         while True:
             ok = await self._measure_links()
             await trio.sleep(self.config.measure.interval if ok else RETRY_AFTER_FAILURE)
+
+    def _measured_from_training(self, device: torch.device) -> None:
+        import torch
+
+        from peer.measure.compute import ComputeMeasurement, free_memory
+
+        count, samples, seconds = self._trained
+        assert self._gradient_bytes is not None and seconds > 0
+        free = free_memory(torch.device(device))
+        self._set_compute(
+            ComputeMeasurement(samples / seconds, str(device), free, self._gradient_bytes),
+            f"from {count} micro-batches of training",
+        )
+
+    def _set_compute(self, compute: ComputeMeasurement, how: str) -> None:
+        self.compute = compute
+        self.speed = RateEMA(compute.samples_per_s, half_life=SPEED_HALF_LIFE)
+        task = self.workload[0].name if self.workload else "?"
+        log.info(
+            "compute: %.1f samples/s of task %r on %s (%s)",
+            compute.samples_per_s,
+            task,
+            compute.device,
+            how,
+        )
+        self._announce_change()
 
     async def _measure_compute(self, task: Task, device: torch.device) -> None:
         from peer.measure.compute import measure_compute  # torch: only peers import it
@@ -209,15 +257,7 @@ class Measurements:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(finished.wait, STOP_WAIT)
         assert compute is not None  # None only once stopped, and then we were cancelled
-        self.compute = compute
-        self.speed = RateEMA(self.compute.samples_per_s, half_life=SPEED_HALF_LIFE)
-        log.info(
-            "compute: %.1f samples/s of task %r on %s",
-            self.compute.samples_per_s,
-            task.name,
-            self.compute.device,
-        )
-        self._announce_change()
+        self._set_compute(compute, "benchmark")
 
     async def _measure_links(self) -> bool:
         """Probe the backbones (and, on a peer, ask for a dial-back); True if done.

@@ -69,6 +69,9 @@ async def run_training(
         # cyclic GC's reach, or each full collection scans it all on the event loop (a full
         # collection of a shared heap was the whole p99 of the DHT benchmark's stores).
         gc.freeze()
+        measurements.observe_model(
+            sum(p.numel() * p.element_size() for p in worker.model.parameters() if p.requires_grad)
+        )
         trainer = Trainer(
             worker=worker,
             dht=dht,
