@@ -216,6 +216,7 @@ async def test_the_first_micro_batch_s_warm_up_is_not_taken_for_our_speed(tmp_pa
     monkeypatch.setattr(trainer.worker, "compute", compute)
     await trainer._compute()
     assert trainer.local().samples_per_second == 0.0  # unknown: the quotas deal equally
+    assert trainer.local().batch_seconds == 1.0  # meanwhile, a micro-batch's time at most
     await trainer._compute()
     await trainer._compute()
     assert trainer.local().samples_per_second == pytest.approx(800.0)

@@ -1,7 +1,9 @@
 """The node's measurements, kept current: what its presence record advertises.
 
-A peer measures its compute once at start (in a worker thread: torch must not block the trio
-loop), then its links and reachability against up to `measure.max_backbones` backbones, again
+A peer measures its compute once at start: a trainer from its own first micro-batches (after
+torch's warm-up, `TRAINED_MICRO_BATCHES` and at least `measure.compute_seconds`), otherwise by a
+benchmark of the task's model in a worker thread (torch must not block the trio loop); then its
+links and reachability against up to `measure.max_backbones` backbones, again
 every `measure.interval` seconds (sooner after a failure). Figures from several backbones are
 combined by taking the best, because a probe measures the slower end of the path. Between
 measurements, real work refines the figures: training throughput (`observe_training`) and the

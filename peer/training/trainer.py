@@ -380,11 +380,16 @@ class Trainer:
         tally.samples_computed += done.samples
         tally.micro_batches += 1
         self.observe_training(done.samples, done.seconds)  # time-weighted: a blip counts little
-        # Not the first micro-batch's time: torch's warm-up (8.7 ms against 0.2 ms for the
-        # tiny task), far longer on a GPU. Published as our speed, it dealt a restarted peer
-        # no quota, and so no micro-batch to measure again (`policy.REMEASURE_STEPS`).
-        if tally.micro_batches > 1:
+        # The first micro-batch is torch's warm-up (8.7 ms against 0.2 ms for the tiny task,
+        # far longer on a GPU). Published as our speed, it dealt a restarted peer no quota,
+        # and so no micro-batch to measure again (`policy.REMEASURE_STEPS`): the rate starts
+        # at the second. Its time stands for a micro-batch's until the second's replaces it
+        # (an overestimate only makes us declare a little early).
+        if tally.micro_batches <= 2:
+            tally.batch_seconds = done.seconds
+        else:
             tally.batch_seconds = ema(tally.batch_seconds, done.seconds, 0.2)
+        if tally.micro_batches > 1:
             rate = done.samples / done.seconds if done.seconds > 0 else 0.0
             tally.samples_per_second = ema(tally.samples_per_second, rate, 0.2)
         if math.isfinite(done.loss):
