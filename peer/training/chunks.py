@@ -3,12 +3,13 @@
 Theory of operation (the shell is `peer.training.statesync`):
 
 1. **Offers.** The downloader asks several donors for a `Manifest` of their state at
-   `step >= min_step`: total length, where each chunk ends, the hash (`chunk_hash`) of every chunk, and a
-   ticket for the donor's data port. `check_manifest` rejects anything malformed (ends that do
-   not tile the length, a chunk over MAX_CHUNK_BYTES, a hash count that does not match, a step
-   below the one asked for). Chunks follow the state's layout (`chunk_ends`): a large tensor
-   is cut into chunks of its own from its first byte, so their hashes are those its step's
-   digest already took (`peer.training.state.state_digest`), and small parts share a chunk.
+   `step >= min_step`: total length, where each chunk ends, the hash (`chunk_hash`) of every
+   chunk, and a ticket for the donor's data port. `check_manifest` rejects anything malformed
+   (ends that do not tile the length, a chunk over MAX_CHUNK_BYTES, a hash count that does not
+   match, a step below the one asked for). Chunks follow the state's layout (`chunk_ends`): a
+   large tensor is cut into chunks of its own from its first byte, so their hashes are those
+   its step's digest already took (`peer.training.state.state_digest`), and small parts share
+   a chunk.
 2. **One manifest.** `choose_manifest` takes the step that the most donors hold (ties: the
    higher step), then, among the donors at that step, the manifest whose chunks the most
    donors can serve. Donors at one step may hold blobs that differ in some bytes (per-peer

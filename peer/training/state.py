@@ -277,7 +277,8 @@ class BlobLayout:
     parts: tuple[int, ...]
 
     def piece_hashes(self, pieces: Mapping[str, Sequence[bytes]]) -> dict[tuple[int, int], bytes]:
-        """The hashes (`chunk_hash`) of blob ranges, from `pieces` (a tensor's digest pieces: `Certified`)."""
+        """The hashes (`chunk_hash`) of blob ranges, from `pieces` (a tensor's digest pieces:
+        `Certified`)."""
         return {
             _piece(self.spans[name], index): digest
             for name, hashes in pieces.items()
@@ -856,9 +857,9 @@ def state_digest(
     """What a step certifies (`peer.training.certificate`): the named model parameters and the
     tensors and scalars of the `shared` optimizers (those every member of an averaging holds
     bit-identical: dedloc's optimizer, diloco's outer one), in name order. Each tensor counts
-    as its name, dtype and shape and the `chunk_hash` (BLAKE3) of each PIECE_BYTES of its bytes: a donor's
-    chunks of a large tensor are those pieces (`peer.training.chunks.chunk_ends`), so it serves
-    them without hashing again, and `known(name, index)` gives a piece's hash where one was
+    as its name, dtype and shape and the `chunk_hash` (BLAKE3) of each PIECE_BYTES of its
+    bytes: a donor's chunks of a large tensor are those pieces (`chunks.chunk_ends`), so it
+    serves them without hashing again, and `known(name, index)` gives a piece's hash where one was
     checked already (a download's chunks), so a joiner hashes its state once. Equal digests
     mean bit-identical certified state. Buffers and per-peer optimizers (diloco's inner one)
     are left out: peers may hold them apart. StateMismatch if a tensor is missing;
