@@ -180,7 +180,9 @@ def steps_went_back(collab: Collaboration) -> str:
     steps = collab.global_steps
     for i in range(1, len(steps)):
         if steps[i] < steps[i - 1]:
-            return f"steps {steps}; reads:\n" + "\n".join(collab.status_reads[i - 2 : i + 2])
+            return f"steps {steps}; reads:\n" + "\n".join(
+                collab.status_reads[max(0, i - 2) : i + 2]
+            )
     return ""
 
 
