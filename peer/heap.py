@@ -47,20 +47,33 @@ MADV_DONTNEED = 4  # Linux
 PAGE_BYTES = mmap.PAGESIZE
 
 
+def releaser(data: bytes) -> Callable[[int, int], None]:
+    """What gives back the pages of (address, size) ranges inside `data`'s own buffer, which
+    nothing reads again (`state.restore`'s `release`)."""
+    return functools.partial(drop_pages, within=span_of(data))
+
+
 def span_of(data: bytes) -> tuple[int, int]:
     """Where the bytes of `data` lie in memory: (address, size)."""
     return ctypes.cast(ctypes.c_char_p(data), ctypes.c_void_p).value or 0, len(data)
 
 
-def drop_pages(address: int, size: int, *, within: tuple[int, int]) -> None:
+def drop_pages(
+    address: int,
+    size: int,
+    *,
+    within: tuple[int, int],
+    page: int = PAGE_BYTES,
+    madvise: Callable[[int, int, int], int] | None = None,
+) -> None:
     """Give the whole pages of [address, address + size) back to the system (Linux
     `madvise(MADV_DONTNEED)`: they read as zeros afterwards), if the range lies inside
-    `within`, a buffer of ours that nothing reads again. Best effort: a no-op elsewhere."""
+    `within`, a buffer of ours that nothing reads again. Best effort: a no-op elsewhere.
+    `page` and `madvise`: the kernel's (tests stand in for another kernel)."""
     start, length = within
-    madvise = _madvise()
+    madvise = madvise or _madvise()
     if madvise is None or address < start or address + size > start + length:
         return
-    page = PAGE_BYTES
     first = -(-address // page) * page
     end = (address + size) // page * page
     if end > first:

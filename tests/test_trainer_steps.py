@@ -412,10 +412,7 @@ async def test_a_download_frees_the_optimizer_state_it_replaces(tmp_path):
     name = next(n for n in held.state.tensors if n.startswith("optimizer.") and "exp_avg" in n)
     old = weakref.ref(held.state.tensors[name])  # a view of the optimizer's tensor
     del held
-    donor, partner = await make_trainer(tmp_path / "a"), await make_trainer(tmp_path / "b")
-    await take_steps(donor, 2)
-    await take_steps(partner, 2)
-    read(trainer, signed_record(donor, partner))
+    donor = await two_ahead(tmp_path, trainer)
     serving(trainer, await donor.snapshot())
     restore, cached = trainer.worker.restore, []
 
@@ -447,10 +444,7 @@ async def test_a_download_s_buffer_goes_back_as_it_is_loaded_and_no_other_blob_d
     system as its tensors are loaded; they read as zeros after. A blob that is not the
     download's alone is left as it was."""
     trainer = await make_trainer(tmp_path / "me")
-    donor, partner = await make_trainer(tmp_path / "a"), await make_trainer(tmp_path / "b")
-    await take_steps(donor, 2)
-    await take_steps(partner, 2)
-    read(trainer, signed_record(donor, partner))
+    donor = await two_ahead(tmp_path, trainer)
     served = await donor.snapshot()
     assert served is not None
     blob = bytes(served.blob)
@@ -518,10 +512,7 @@ async def test_a_restore_runs_at_the_loop_s_priority_with_the_torch_thread_held(
 async def test_a_catch_up_logs_the_seconds_of_its_phases(tmp_path, caplog):
     """Where a late joiner's wait goes: the download and its check, the load, the whole."""
     trainer = await make_trainer(tmp_path / "me")
-    donor, partner = await make_trainer(tmp_path / "a"), await make_trainer(tmp_path / "b")
-    await take_steps(donor, 2)
-    await take_steps(partner, 2)
-    read(trainer, signed_record(donor, partner))
+    donor = await two_ahead(tmp_path, trainer)
     serving(trainer, await donor.snapshot())
     with caplog.at_level("INFO", logger="peertrain.trainer"):
         await trainer._catch_up(*behind(trainer))
@@ -782,6 +773,15 @@ def read(trainer: Trainer, *records: ProgressRecord) -> None:
     trainer.policy.observe(CollaborationView(list(records), trainer.policy.quorum), trainer.clock())
 
 
+async def two_ahead(tmp_path, trainer: Trainer) -> Trainer:
+    """Two peers at step 2 whose records (signed by both) `trainer` has read: one of them."""
+    donor, partner = await make_trainer(tmp_path / "a"), await make_trainer(tmp_path / "b")
+    await take_steps(donor, 2)
+    await take_steps(partner, 2)
+    read(trainer, signed_record(donor, partner))
+    return donor
+
+
 def behind(trainer: Trainer) -> tuple[list[ProgressRecord], int]:
     """The catch-up the policy asks for now (the test's records put us behind)."""
     action = trainer.policy.next_action(trainer.local(), trainer.clock())
@@ -832,10 +832,7 @@ async def test_a_certified_state_is_taken_though_its_signers_stepped_on_meanwhil
     forged), though by its end the signers' records name their next step and no longer carry
     the signatures of this one."""
     trainer = await make_trainer(tmp_path / "me")
-    honest, partner = await make_trainer(tmp_path / "a"), await make_trainer(tmp_path / "b")
-    await take_steps(honest, 2)
-    await take_steps(partner, 2)
-    read(trainer, signed_record(honest, partner))
+    honest = await two_ahead(tmp_path, trainer)
     snapshot = await honest.snapshot()
 
     async def download(donors, step):

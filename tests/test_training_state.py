@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import io
 import json
 import math
@@ -166,12 +167,12 @@ def test_a_restore_into_a_trained_optimizer_writes_into_its_own_moments():
 
 @pytest.mark.skipif(sys.platform != "linux", reason="madvise(MADV_DONTNEED) is Linux's")
 @pytest.mark.parametrize("page", [4096, 65536])
-def test_a_released_download_loads_exactly_whatever_the_kernel_s_page(monkeypatch, page):
+def test_a_released_download_loads_exactly_whatever_the_kernel_s_page(page):
     """`release` gives a download's pages back as its tensors are loaded, and must never take
     one still to be loaded: madvise rounds its range to the kernel's page (64 KiB on some
     arm64 kernels, where 4 KiB rounding zeroed the start of the next tensor). The kernel is
     emulated here: a misaligned address refused, a length rounded up to `page`."""
-    real = heap._madvise()
+    real = heap._madvise()  # read, not replaced: the emulated kernel calls it
     assert real is not None
     calls = []
 
@@ -181,8 +182,6 @@ def test_a_released_download_loads_exactly_whatever_the_kernel_s_page(monkeypatc
             return -1  # EINVAL
         return real(address, -(-length // page) * page, advice)
 
-    monkeypatch.setattr(heap, "PAGE_BYTES", page)
-    monkeypatch.setattr(heap, "_madvise", lambda: kernel)
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(256, 256) for _ in range(6)))  # 256 KiB weights
     optimizer = torch.optim.AdamW(model.parameters())
@@ -198,7 +197,9 @@ def test_a_released_download_loads_exactly_whatever_the_kernel_s_page(monkeypatc
         fresh,
         {"optimizer": fresh_optimizer},
         from_donor=True,
-        release=heap.span_of(blob),
+        release=functools.partial(
+            heap.drop_pages, within=heap.span_of(blob), page=page, madvise=kernel
+        ),
     )
     assert calls  # pages went back
     loaded = capture(1, fresh, {"optimizer": fresh_optimizer}).tensors

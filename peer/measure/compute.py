@@ -108,9 +108,11 @@ def measure_compute(
                     break
     except _Stopped:
         return None
-    gradient_bytes = sum(
-        p.numel() * p.element_size() for p in model.parameters() if p.requires_grad
-    )
     return ComputeMeasurement(
-        steps * micro_batch / elapsed, str(device), free_memory(device), gradient_bytes
+        steps * micro_batch / elapsed, str(device), free_memory(device), gradient_bytes(model)
     )
+
+
+def gradient_bytes(model: torch.nn.Module) -> int:
+    """Bytes of one full gradient of `model` (its trainable parameters)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)

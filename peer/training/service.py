@@ -18,6 +18,7 @@ from libp2p.peer.id import ID
 from peer.averaging.averager import start_averager
 from peer.config import PeerConfig
 from peer.dht.node import DHT
+from peer.measure.compute import gradient_bytes
 from peer.measure.service import Measurements
 from peer.net.host import Node, data_plane_hosts
 from peer.training.progress import ProgressRecord
@@ -69,9 +70,7 @@ async def run_training(
         # cyclic GC's reach, or each full collection scans it all on the event loop (a full
         # collection of a shared heap was the whole p99 of the DHT benchmark's stores).
         gc.freeze()
-        measurements.observe_model(
-            sum(p.numel() * p.element_size() for p in worker.model.parameters() if p.requires_grad)
-        )
+        measurements.observe_model(gradient_bytes(worker.model))
         trainer = Trainer(
             worker=worker,
             dht=dht,

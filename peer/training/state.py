@@ -42,7 +42,6 @@ from torch import nn
 
 from peer.errors import ProtocolError, RemoteError
 from peer.files import Sink
-from peer.heap import drop_pages
 from peer.training.chunks import PIECE_BYTES, chunk_hash
 
 FORMAT = 1
@@ -594,7 +593,7 @@ def restore(
     optimizers: Mapping[str, torch.optim.Optimizer],
     *,
     from_donor: bool = False,
-    release: tuple[int, int] | None = None,
+    release: Callable[[int, int], None] | None = None,
 ) -> None:
     """Load `state` into `model` and `optimizers`, or raise StateMismatch and change nothing.
 
@@ -607,11 +606,11 @@ def restore(
     task's: a donor once set AdamW's lr to 1e-9 in every peer), and `optimizers` may name only
     some of the state's (diloco's inner optimizer is each peer's own).
 
-    `release`: (address, size) of a buffer the state's tensors are views of, ours alone and
-    read no more after this (a download: `Snapshot.disposable`). Each tensor's pages go back
-    to the system once it is loaded, so the peak is the download beside the model, not also
-    beside the optimizer state cloned from it (a fresh 100 M joiner: 0.8 GB less).
-    Unchecked: a caller that passes a buffer still in use reads zeros from it."""
+    `release`: told each tensor's (address, size) once it is loaded, to give its pages back
+    (`heap.releaser` of a buffer the state's tensors are views of, ours alone and read no
+    more after this: a download, `Snapshot.disposable`). Then the peak is the download beside
+    the model, not also beside the optimizer state cloned from it (a fresh 100 M joiner: 0.8 GB
+    less). Unchecked: a caller that passes a buffer still in use reads zeros from it."""
     check_structure(state)
     model_state = _model_state(state, model)
     held = set(state.metadata["optimizers"])
@@ -632,7 +631,7 @@ def restore(
 
     def loaded_from(tensor: torch.Tensor) -> None:
         if release is not None and tensor.device.type == "cpu":
-            drop_pages(tensor.data_ptr(), tensor.nbytes, within=release)
+            release(tensor.data_ptr(), tensor.nbytes)
 
     for tensor in model_state.values():
         loaded_from(tensor)

@@ -41,7 +41,7 @@ from peer.config import PeerConfig
 from peer.dht.node import DHT
 from peer.errors import ConfigError, RemoteError
 from peer.files import state_folder
-from peer.heap import span_of
+from peer.heap import releaser
 from peer.measure.capabilities import Capabilities
 from peer.training.certificate import sign_step
 from peer.training.policy import (
@@ -592,7 +592,7 @@ class Trainer:
             # A download's buffer is read no more once loaded: given back as it is (a fresh
             # 100 M joiner peaked with the optimizer state cloned beside the whole download).
             blob = snapshot.blob
-            release = span_of(blob) if snapshot.disposable and isinstance(blob, bytes) else None
+            release = releaser(blob) if snapshot.disposable and isinstance(blob, bytes) else None
             del snapshot, blob
             await self.worker.restore(state, from_donor=True, release=release)
         except RemoteError as error:

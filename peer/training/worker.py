@@ -45,6 +45,9 @@ from peer.training.statesync.wire import Snapshot
 from peer.training.strategies import LargeBatch, LocalSGD, Strategy
 from peer.training.task import Task
 
+#: Told each loaded tensor's (address, size): `heap.releaser`.
+Releaser = Callable[[int, int], None]
+
 log = logging.getLogger("peertrain.trainer")
 
 #: One micro-batch: (batch, samples in it). The default draws from the task.
@@ -307,13 +310,13 @@ class TorchWorker:
             yield
 
     def _restore(
-        self, state: states.TrainingState, from_donor: bool, release: tuple[int, int] | None
+        self, state: states.TrainingState, from_donor: bool, release: Releaser | None
     ) -> None:
         with self._torch_thread_still(), self._changing():
             self._load(state, from_donor, release)
 
     def _load(
-        self, state: states.TrainingState, from_donor: bool, release: tuple[int, int] | None
+        self, state: states.TrainingState, from_donor: bool, release: Releaser | None
     ) -> None:
         strategy = self.strategy
         if from_donor:
@@ -343,7 +346,7 @@ class TorchWorker:
         state: states.TrainingState,
         *,
         from_donor: bool = False,
-        release: tuple[int, int] | None = None,
+        release: Releaser | None = None,
     ) -> None:
         """Load a state: our checkpoint, or (`from_donor`) a downloaded one, of which only the
         certified part is taken (`states.restore`): the learning-rate schedule is replayed
