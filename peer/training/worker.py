@@ -12,7 +12,8 @@ and digest of a 1 B-parameter model takes seconds, and yamux resets a stream who
 stalls 5 s.
 
 A call that is cancelled still finishes its work in the thread (trio abandons no thread that
-mutates the model), so the state is never left half-stepped.
+mutates the model), so the state is never left half-stepped; once the peer is stopping, a
+micro-batch in hand ends at its next layer instead (`_cut_short_on`), adding nothing.
 """
 
 from __future__ import annotations
@@ -114,6 +115,28 @@ class Computed:
 HOLD_SECONDS = 10.0
 
 
+class _CutShort(Exception):
+    """A micro-batch ended at a layer because the peer is stopping."""
+
+
+def _cut_short_on(model: torch.nn.Module, cut: Callable[[], bool]) -> None:
+    """Make the model's forward (before each module) and backward (at each parameter's
+    gradient) raise `_CutShort` once `cut()`. A stop waited for the micro-batch in hand: 1-3 s
+    at 100 M beside three training peers, out of the 3 s a stop may take (one stop took 3.8 s).
+    Measured cost: within the noise for a GPT of 50 modules, +0.01 ms on the tiny task's
+    0.12 ms micro-batch."""
+
+    def check(*_: object) -> None:
+        if cut():
+            raise _CutShort
+
+    for module in model.modules():
+        module.register_forward_pre_hook(check)
+    for parameter in model.parameters():
+        if parameter.requires_grad:
+            parameter.register_hook(check)  # returns None: the gradient as it is
+
+
 def _ignore(name: str) -> None:
     pass
 
@@ -193,8 +216,11 @@ class TorchWorker:
         self._copy_lacking = False
         # Taken by whatever changes a live held state and by the checkpoint writer reading it.
         self._state_lock = threading.Lock()
-        #: Set when the peer is told to stop: a hold's digest then ends early (`_hold`).
+        #: Set when the peer is told to stop: a hold's digest then ends early (`_hold`), and
+        #: so does a micro-batch (`_compute`).
         self.stopping = threading.Event()
+        self._computing = False  # read and written by the torch thread alone
+        _cut_short_on(model, lambda: self._computing and self.stopping.is_set())
 
     @property
     def samples(self) -> int:
@@ -209,11 +235,22 @@ class TorchWorker:
     def _compute(self) -> Computed:
         batch, size = self.next_batch()
         started = time.perf_counter()
-        loss = self.strategy.accumulate(to_device(batch, self.device), size)
+        self._computing = True
+        try:
+            loss = self.strategy.accumulate(to_device(batch, self.device), size)
+        except _CutShort:
+            # DeDLOC's sums are partly added to: nobody's sum (a stop drops local work anyway).
+            # DiLoCo's inner step clears its gradients itself and moved nothing.
+            if isinstance(self.strategy, LargeBatch):
+                self.strategy.drop_local_work()
+            return Computed(0, math.nan, time.perf_counter() - started)
+        finally:
+            self._computing = False
         return Computed(size, loss, time.perf_counter() - started)
 
     async def compute(self) -> Computed:
-        """One micro-batch: drawn, moved to the device and accumulated."""
+        """One micro-batch: drawn, moved to the device and accumulated. Once `stopping`, one
+        under way ends at its next layer, adding nothing (0 samples)."""
         return await self._run(self._compute)
 
     async def take(self) -> tuple[np.ndarray, int]:
