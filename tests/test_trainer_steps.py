@@ -613,13 +613,22 @@ async def test_a_stop_does_not_wait_for_the_digest_of_the_step_just_taken(tmp_pa
     assert await trainer.worker.save_checkpoint(trainer.checkpoint_dir) == 2
 
 
-@pytest.mark.parametrize("mode", ["dedloc", "diloco"])
+@pytest.mark.parametrize(
+    ("mode", "training"),
+    [
+        ("dedloc", {}),  # sums in .grad
+        ("dedloc", {"delayed_updates": True}),  # sums of their own, from autograd.grad
+        ("dedloc", {"precision": "fp16"}),  # the scaler's .grad, then sums of their own
+        ("diloco", {}),
+    ],
+    ids=["dedloc", "dedloc-delayed", "dedloc-fp16", "diloco"],
+)
 @pytest.mark.parametrize("where", ["forward", "backward"])
-async def test_a_stop_cuts_the_micro_batch_in_hand_short(tmp_path, mode, where):
+async def test_a_stop_cuts_the_micro_batch_in_hand_short(tmp_path, mode, training, where):
     """A stop waited for the micro-batch in hand (1-3 s at 100 M beside three training peers;
     one stop took 3.8 s of its 3): it now ends at the next layer or parameter gradient, adds
     nothing, and leaves no half-added gradient behind (nor moves a DiLoCo peer's parameters)."""
-    trainer = await make_trainer(tmp_path, mode=mode)
+    trainer = await make_trainer(tmp_path, mode=mode, **training)
     worker = trainer.worker
     await worker.compute()  # local work from before the stop
     before = [p.detach().clone() for p in worker.model.parameters()]
@@ -642,6 +651,7 @@ async def test_a_stop_cuts_the_micro_batch_in_hand_short(tmp_path, mode, where):
     assert all(torch.equal(a, p) for a, p in zip(before, worker.model.parameters(), strict=True))
     if mode == "dedloc":
         assert worker.samples == 0  # its sums, partly added to, are dropped
+        assert all(not t.any() for t in worker.strategy.gradient_sums())
     for hook in hooks:
         hook.remove()
     worker.stopping.clear()  # nothing else is changed: micro-batches add again

@@ -487,7 +487,9 @@ def _view(
 ) -> torch.Tensor:
     if count == 0:
         return torch.empty(shape, dtype=dtype)
-    with warnings.catch_warnings():  # read-only: loading copies out of it, nothing writes
+    # Read-only, unless the blob is ours alone (`restore`'s `release`): optimizers then keep
+    # their tensors in it and write into them.
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         flat = torch.frombuffer(data, dtype=dtype, count=count, offset=offset)
     return flat.view(shape)
@@ -599,7 +601,7 @@ def restore(
 
     Everything is checked before anything is written, so a bad donor cannot leave a half-loaded
     model behind. Optimizer tensors are copied into the optimizer's own (or cloned): the state
-    stays valid for serving to others.
+    stays valid for serving to others (unless `release` says it is ours alone, below).
 
     `from_donor`: the state came from another peer. Then every tensor loaded must be finite,
     the optimizers' hyperparameters (learning rate, betas, weight decay, ...) stay ours (the
@@ -609,11 +611,14 @@ def restore(
     `release`: given for a buffer the state's tensors are views of, ours alone and read by
     no one else after this (a download, `Snapshot.disposable`). The optimizers then keep their
     tensors in it where they fit as they are (`_into_own`'s `adopt`), and `release` is told
-    the (address, size) of every other tensor once it is loaded, to give its pages back
-    (`heap.releaser`). Then the peak is the download beside the model, not also beside the
-    optimizer state cloned from it (a fresh 100 M joiner: 0.8 GB less), and the moments are
-    not copied at all. Unchecked: a caller that passes a buffer still in use reads zeros from
-    it, and sees the optimizers write into it."""
+    the (address, size) of every other tensor, to give its pages back (`heap.releaser`): each
+    one copied as soon as it is, then whatever the optimizers did not keep (the tensors of
+    optimizers not loaded: a donor's DiLoCo inner one, or anything a hostile donor added).
+    Then the peak is the download beside the model, not also beside the optimizer state
+    cloned from it (a fresh 100 M joiner: 0.8 GB less), the moments are not copied at all,
+    and nothing else of the download stays resident while the kept ones keep it alive.
+    Unchecked: a caller that passes a buffer still in use reads zeros from it, and sees the
+    optimizers write into it."""
     check_structure(state)
     model_state = _model_state(state, model)
     held = set(state.metadata["optimizers"])
@@ -643,6 +648,19 @@ def restore(
         optimizer.load_state_dict(
             _into_own(optimizer, optimizer_states[name], loaded_from, adopt=adopt)
         )
+    if release is not None:
+        kept = {
+            value.data_ptr()
+            for optimizer in optimizers.values()
+            for values in optimizer.state.values()
+            for value in values.values()
+            if isinstance(value, torch.Tensor)
+        }
+        # The state's tensors tile the buffer (`_views`) and release rounds inward to whole
+        # pages: no page of a kept tensor goes (one given back twice is no harm).
+        for tensor in state.tensors.values():
+            if tensor.data_ptr() not in kept:
+                loaded_from(tensor)
 
 
 def _into_own(
@@ -653,17 +671,18 @@ def _into_own(
     adopt: bool = False,
 ) -> dict[str, Any]:
     """`optimizer_state` with its tensors copied into the optimizer's own where it has them
-    alike (same shape and dtype), else cloned: load_state_dict keeps same-dtype tensors as
-    they are, and training must not write into the state (a view of a download, or a state we
-    may still be serving to other peers). Copying in place makes no new moments. Freeing the
+    alike (same shape and dtype), else cloned (unless `adopt`, below): load_state_dict keeps
+    same-dtype tensors as they are, and training must not write into a state we may still
+    serve to other peers or read again (a checkpoint's, a keeper's). Copying in place makes no new moments. Freeing the
     old ones before cloning did not keep the peak down: a trained 100 M DeDLOC worker's RSS
     rose 0.76 GB during a restore (the restore's thread did not reuse the memory the torch
     thread had freed), and a peer that caught up peaked at 3.05x its state. `loaded_from` is
     told of each tensor once it is copied or cloned.
 
     `adopt`: the state's tensors are views of a buffer ours alone (a download): those on the
-    device and of the dtype of their parameter are kept as they are, the optimizer's from now
-    on (no copy, and no new memory to fault in: beside three training peers, cloning a fresh
+    device and of the dtype of their parameter, and aligned to their element size (a donor
+    chooses the layout), are kept as they are, the optimizer's from now on, which writes into
+    them (no copy, and no new memory to fault in: beside three training peers, cloning a fresh
     100 M joiner's AdamW moments took 1.4-2.5 s, against 0.15 s on an idle machine)."""
     ids = chain.from_iterable(group["params"] for group in optimizer_state["param_groups"])
     params = chain.from_iterable(group["params"] for group in optimizer.param_groups)
@@ -672,7 +691,12 @@ def _into_own(
     def into(own: Any, value: Any, parameter: torch.Tensor) -> Any:
         if not isinstance(value, torch.Tensor):
             return value
-        if adopt and value.device == parameter.device and value.dtype == parameter.dtype:
+        if (
+            adopt
+            and value.device == parameter.device
+            and value.dtype == parameter.dtype
+            and value.data_ptr() % value.element_size() == 0
+        ):
             return value  # load_state_dict keeps it as it is; never given back
         if isinstance(own, torch.Tensor) and own.shape == value.shape and own.dtype == value.dtype:
             copied = own.copy_(value)
@@ -748,6 +772,12 @@ def _optimizer_state(
         if len(saved["params"]) != len(current["params"]):
             raise StateMismatch(
                 f"{where} group {number} has {len(saved['params'])} params, expected {len(current['params'])}"
+            )
+        if saved["params"] != current["params"]:
+            # They pair the state's moments with our parameters, and no digest covers them: a
+            # donor that reordered them swapped the moments of parameters of the same shape.
+            raise StateMismatch(
+                f"{where} group {number} numbers its params otherwise than the optimizer does"
             )
         if set(saved) != set(current):
             raise StateMismatch(

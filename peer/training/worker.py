@@ -219,7 +219,7 @@ class TorchWorker:
         #: Set when the peer is told to stop: a hold's digest then ends early (`_hold`), and
         #: so does a micro-batch (`_compute`).
         self.stopping = threading.Event()
-        self._computing = False  # read and written by the torch thread alone
+        self._computing = False  # written by the torch thread alone
         _cut_short_on(model, lambda: self._computing and self.stopping.is_set())
 
     @property
@@ -240,9 +240,11 @@ class TorchWorker:
             loss = self.strategy.accumulate(to_device(batch, self.device), size)
         except _CutShort:
             # DeDLOC's sums are partly added to: nobody's sum (a stop drops local work anyway).
-            # DiLoCo's inner step clears its gradients itself and moved nothing.
+            # A backward cut short leaves part of a gradient in .grad (DeDLOC with fp16; DiLoCo
+            # clears its own), a model's worth of memory; neither moved any parameter.
             if isinstance(self.strategy, LargeBatch):
                 self.strategy.drop_local_work()
+            self.model.zero_grad(set_to_none=True)
             return Computed(0, math.nan, time.perf_counter() - started)
         finally:
             self._computing = False
