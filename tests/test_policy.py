@@ -180,6 +180,23 @@ def test_a_missed_gathering_is_not_joined_late_and_not_called_again():
     assert policy._current_call(policy.view, T0 + 1.0) is None
 
 
+def test_a_dedloc_peer_declares_while_a_slow_micro_batch_would_still_end_in_time():
+    """A micro-batch may run twice its moving average beside busy peers (at 100 M one ran past
+    the margin, and its peer missed the step it had called): a computing peer declares once
+    a micro-batch of twice its average would end past the margin, not just one of it."""
+    policy = make_policy()
+    margin = policy.timing.declare_margin(policy.store_seconds)
+    gather_until = T0 + 10.0
+    read(policy, other("0", call_step=0, gather_until=gather_until))
+    rate = dict(samples_per_second=1.0, batch_seconds=1.0)
+    # Time for a slow micro-batch (and then some): compute.
+    now = gather_until - margin - 2.5
+    assert policy.next_action(Local(samples=8, **rate), now) == Compute()
+    # An average micro-batch would end 0.5 s before the margin, a slow one 0.5 s past it.
+    action = policy.next_action(Local(samples=8, **rate), now + 1.0)
+    assert action == Declare(gather_until, read_for=margin / 4)
+
+
 # ---------------------------------------------------------------------------- alone
 
 

@@ -65,6 +65,10 @@ MAX_WAIT_FOR_OTHERS = 600.0
 #: only input, and without a micro-batch it is never measured again: a restarted peer whose
 #: first (warm-up) micro-batch was slow got no quota and stayed idle for the rest of the run.
 REMEASURE_STEPS = 10
+#: A micro-batch started before a gathering closes may run this many times its moving average
+#: (`Local.batch_seconds`): a DeDLOC peer stops computing that early. At 100 M beside three
+#: training peers on 2 cores one ran past the margin, and its peer missed the step it called.
+SLOW_BATCH = 2.0
 
 
 class Phase(enum.Enum):
@@ -452,12 +456,14 @@ class StepPolicy:
                 self._failed_before = call
                 call = None
             elif (full and now >= call - window / 2) or (
-                self.training.mode == "dedloc" and now + local.batch_seconds >= call - margin
+                self.training.mode == "dedloc"
+                and now + SLOW_BATCH * local.batch_seconds >= call - margin
             ):
                 # Our part is done, half the window is left (time for an earlier call of the
                 # step to show: it wins, and a ticket in ours would pin us here), and our
-                # ticket lands well before the close; or (dedloc) the gathering is about to
-                # close. A diloco peer averages only with exactly its H inner steps.
+                # ticket lands well before the close; or (dedloc) the gathering closes before
+                # a slow micro-batch would end. A diloco peer averages only with exactly its
+                # H inner steps.
                 return Declare(call, read_for=margin / 4)
         if full:  # done: wait for the call, for its time to declare, or for our averaging
             wait = self.training.progress_interval / 2
