@@ -673,11 +673,11 @@ def _into_own(
     """`optimizer_state` with its tensors copied into the optimizer's own where it has them
     alike (same shape and dtype), else cloned (unless `adopt`, below): load_state_dict keeps
     same-dtype tensors as they are, and training must not write into a state we may still
-    serve to other peers or read again (a checkpoint's, a keeper's). Copying in place makes no new moments. Freeing the
-    old ones before cloning did not keep the peak down: a trained 100 M DeDLOC worker's RSS
-    rose 0.76 GB during a restore (the restore's thread did not reuse the memory the torch
-    thread had freed), and a peer that caught up peaked at 3.05x its state. `loaded_from` is
-    told of each tensor once it is copied or cloned.
+    serve to other peers or read again (a checkpoint's, a keeper's). Copying in place makes
+    no new moments. Freeing the old ones before cloning did not keep the peak down: a trained
+    100 M DeDLOC worker's RSS rose 0.76 GB during a restore (the restore's thread did not
+    reuse the memory the torch thread had freed), and a peer that caught up peaked at 3.05x
+    its state. `loaded_from` is told of each tensor once it is copied or cloned.
 
     `adopt`: the state's tensors are views of a buffer ours alone (a download): those on the
     device and of the dtype of their parameter, and aligned to their element size (a donor
