@@ -280,13 +280,12 @@ def test_a_streamed_file_is_a_safetensors_state_and_its_crc_is_the_file_s(tmp_pa
     state.tensors["model.flag"] = torch.tensor([True, False])  # 1-byte and 8-byte tensors
     state.tensors["model.count"] = torch.tensor(2**62 + 1, dtype=torch.int64)
     state.tensors["model.half"] = torch.tensor([1.0009765625, -0.0], dtype=torch.bfloat16)
-    monkeypatch.setattr("peer.training.state._PIECE", 1000)  # many pieces per tensor
     monkeypatch.setattr(
         "peer.training.state.to_bytes", lambda state: pytest.fail("a whole-state blob")
     )
     path = tmp_path / "state.safetensors"
     with path.open("wb") as file:
-        crc32 = write_file(state, file)
+        crc32 = write_file(state, file, piece_bytes=1000)  # many pieces per tensor
     data = path.read_bytes()
     assert crc32 == zlib.crc32(data)
     assert len(data) > 20 * 1000

@@ -51,7 +51,7 @@ from peer.training.progress import (
     company,
     should_call,
 )
-from peer.training.timing import Timing
+from peer.training.timing import SLOW_BATCH, Timing
 
 log = logging.getLogger("peertrain.trainer")
 
@@ -65,10 +65,6 @@ MAX_WAIT_FOR_OTHERS = 600.0
 #: only input, and without a micro-batch it is never measured again: a restarted peer whose
 #: first (warm-up) micro-batch was slow got no quota and stayed idle for the rest of the run.
 REMEASURE_STEPS = 10
-#: A micro-batch started before a gathering closes may run this many times its moving average
-#: (`Local.batch_seconds`): a DeDLOC peer stops computing that early. At 100 M beside three
-#: training peers on 2 cores one ran past the margin, and its peer missed the step it called.
-SLOW_BATCH = 2.0
 
 
 class Phase(enum.Enum):
@@ -500,8 +496,8 @@ class StepPolicy:
         if now > self._settle_patience and not view.catching_up(self.held.step):
             # Settled, our record not shown stored with the certificate (a store that failed):
             # everyone agreed all the same.
-            agreed = "" if settled else "before every peer agreed"
-            return self._stop(agreed and f"stopping at step {self.held.step} {agreed}")
+            early = f"stopping at step {self.held.step} before every peer agreed"
+            return self._stop("" if settled else early)
         return Wait(min(self.training.progress_interval / 2, left))
 
     def _stored_certificate(self) -> bool:

@@ -310,22 +310,24 @@ def write_file(
     *,
     cancelled: Callable[[], bool] = lambda: False,
     written: Callable[[str], None] = lambda name: None,
+    piece_bytes: int = _PIECE,
 ) -> int:
     """Write `state` to `file` in the safetensors format, straight from its tensors' memory
     (no whole-state blob: that doubled a checkpoint's memory and time), and return the CRC-32
     of what was written. The checksum runs in a second thread beside the writes (both release
     the GIL). `from_file` (the safetensors library) reads it back. `cancelled()` is asked
     between pieces: WriteCancelled if true. `written(name)` once a tensor's bytes are written
-    and summed: nothing reads them after that, so they may change."""
+    and summed: nothing reads them after that, so they may change. `piece_bytes`: written
+    (and summed) at a time."""
     crc = _Crc32()
     names, parts = _layout(state)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="peertrain-crc") as checksum:
         pending = checksum.submit(lambda: None)
         for name, data in zip([None, *names], parts, strict=True):
-            for start in range(0, len(data), _PIECE):
+            for start in range(0, len(data), piece_bytes):
                 if cancelled():
                     raise WriteCancelled(f"cut short after {file.tell()} bytes")
-                piece = data[start : start + _PIECE]
+                piece = data[start : start + piece_bytes]
                 pending.result()  # one piece summed while the next is written
                 pending = checksum.submit(crc.update, piece)
                 file.write(piece)

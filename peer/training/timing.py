@@ -20,6 +20,10 @@ MAX_WINDOW_FLOOR = 30.0
 seconds (stores over the testbed's high-latency links took 4-5 s, so 20 s windows): also the
 furthest ahead any call is believed (`latest_call`), so one peer's call cannot hold the others
 for longer."""
+SLOW_BATCH = 2.0
+"""A micro-batch may run this many times its moving average (beside busy peers): a call leaves
+the others time for one that slow, and a computing DeDLOC peer stops that early (at 100 M on
+2 cores one ran past the declare margin, and its peer missed the step it had called)."""
 MAX_DECLARE_MARGIN = 1.0
 """Seconds before a gathering closes that a peer stops computing, at most (`peer doctor` warns
 about clock skew against it)."""
@@ -52,11 +56,13 @@ class Timing:
         """The gathering window of a step we call: `gather_window`, widened where our DHT
         stores are slow so that tickets still land before it closes, and where a micro-batch
         is long (`batch_seconds`, ours): a peer sees the call within a progress interval,
-        finishes the micro-batch it is in (twice ours: others may be slower), then declares
+        finishes the micro-batch it is in (`SLOW_BATCH` times ours), then declares
         before the margin. At most `max_window`. (At 100 M, 1 s micro-batches and a 2 s
         window: two peers of three missed a call.)"""
         seen_and_declared = (
-            self.progress_interval + 2 * batch_seconds + self.declare_margin(store_seconds) / 2
+            self.progress_interval
+            + SLOW_BATCH * batch_seconds
+            + self.declare_margin(store_seconds) / 2
         )
         return min(max(self._window(store_seconds), seen_and_declared), self.max_window)
 
