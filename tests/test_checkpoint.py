@@ -473,9 +473,8 @@ def test_sigkill_at_random_moments_never_leaves_a_corrupt_newest_checkpoint(tmp_
     print(f"{kills_mid_save} of {rounds} kills landed mid-save")
 
 
-def test_a_save_cancelled_midway_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+def test_a_save_cancelled_midway_leaves_the_previous_checkpoint(tmp_path):
     save_checkpoint(tmp_path, state_of(1))
-    monkeypatch.setattr("peer.training.state._PIECE", 256)  # many pieces
     asked = []
 
     def cancelled() -> bool:
@@ -483,6 +482,6 @@ def test_a_save_cancelled_midway_leaves_the_previous_checkpoint(tmp_path, monkey
         return len(asked) > 3  # three pieces written, then given up
 
     with pytest.raises(WriteCancelled, match="cut short after"):
-        save_checkpoint(tmp_path, state_of(2), cancelled=cancelled)
+        save_checkpoint(tmp_path, state_of(2), cancelled=cancelled, piece_bytes=256)
     assert load_latest(tmp_path).step == 1
     assert files(tmp_path) == ["step-1.json", "step-1.safetensors"]  # no temp file left

@@ -72,7 +72,7 @@ from peer.files import (
     write_atomically,
     write_atomically_with,
 )
-from peer.training.state import TrainingState, from_file, write_file
+from peer.training.state import WRITE_PIECE_BYTES, TrainingState, from_file, write_file
 
 log = logging.getLogger("peertrain.checkpoint")
 
@@ -121,15 +121,19 @@ def save_checkpoint(
     keep: int = 2,
     cancelled: Callable[[], bool] = lambda: False,
     written: Callable[[str], None] = lambda name: None,
+    piece_bytes: int = WRITE_PIECE_BYTES,
 ) -> Path:
     """Write `state` as the newest checkpoint in `directory` (created if missing), keep the `keep`
     newest, and return the payload's path. The payload is streamed from the state's tensors
-    (`state.write_file`, which calls `written(name)` once a tensor is on its way). ConfigError
-    if the directory cannot be written; WriteCancelled if `cancelled()` turned true before the
-    payload was written (nothing changed on disk but a temp file, removed)."""
+    (`state.write_file`, which calls `written(name)` once a tensor is on its way, and writes
+    `piece_bytes` at a time). ConfigError if the directory cannot be written; WriteCancelled if
+    `cancelled()` turned true before the payload was written (nothing changed on disk but a temp
+    file, removed)."""
 
     def write(file: Sink) -> int:
-        return write_file(state, file, cancelled=cancelled, written=written)
+        return write_file(
+            state, file, cancelled=cancelled, written=written, piece_bytes=piece_bytes
+        )
 
     return _save(directory, state.step, write, extra=None, keep=keep)
 

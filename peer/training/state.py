@@ -239,7 +239,7 @@ _DTYPES = {
     torch.bool: "BOOL",
 }
 #: Bytes written (and summed) at a time: one piece's checksum runs while the next is written.
-_PIECE = 16 << 20
+WRITE_PIECE_BYTES = 16 << 20
 
 
 def _layout(state: TrainingState) -> tuple[list[str], list[memoryview]]:
@@ -310,7 +310,7 @@ def write_file(
     *,
     cancelled: Callable[[], bool] = lambda: False,
     written: Callable[[str], None] = lambda name: None,
-    piece_bytes: int = _PIECE,
+    piece_bytes: int = WRITE_PIECE_BYTES,
 ) -> int:
     """Write `state` to `file` in the safetensors format, straight from its tensors' memory
     (no whole-state blob: that doubled a checkpoint's memory and time), and return the CRC-32
