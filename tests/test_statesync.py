@@ -11,10 +11,12 @@ import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import msgspec
 import pytest
 import trio
+import trio.testing
 from blake3 import blake3
 
 from peer.errors import RemoteError
@@ -50,6 +52,7 @@ from peer.training.statesync import (
     held,
 )
 from peer.training.statesync import donor as donor_module
+from peer.training.statesync import download as download_module
 from peer.training.statesync.download import YIELD_BYTES, receive_into
 from peer.training.statesync.wire import KIND_ERROR, MAGIC, REQUEST
 from tests.helpers import LOOPBACK, ForwardingStream, new_identity, nodes
@@ -226,6 +229,30 @@ def test_donors_steal_the_lowest_chunk_they_may_serve():
     assert plan.statistics().chunks_from == {"a": 2, "b": 2}
 
 
+def test_held_back_chunks_wait_to_be_admitted_and_skipped_ones_are_never_fetched():
+    """A download into our own tensors goes in rounds (`statesync.inplace`): the header, what
+    the state's check needs, then the rest, less what we have no use for."""
+    plan = DownloadPlan("a", manifest(digests(5)), parallel=1, held_back=True)
+    assert plan.settled and not plan.complete
+    assert plan.donors_to_start() == [] and plan.unservable() == []  # nothing to do yet
+    plan.admit([3])
+    assert not plan.settled and plan.donors_to_start() == ["a"]
+    assert plan.claim("a") == 3 and plan.claim("a") is None
+    plan.received("a", 3)
+    plan.verified("a", 3)
+    assert plan.settled and plan.held_back() == [0, 1, 2, 4]
+    plan.stopped("a", None)  # idle until more is admitted
+    plan.skip([1, 4])
+    plan.admit([0, 2])
+    assert plan.donors_to_start() == ["a"]
+    assert [plan.claim("a"), plan.claim("a"), plan.claim("a")] == [0, 2, None]
+    for index in (0, 2):
+        plan.received("a", index)
+        plan.verified("a", index)
+    assert plan.complete and plan.statistics().done == 5
+    assert plan.statistics().chunks_from == {"a": 3}
+
+
 def test_a_bad_chunk_is_refetched_and_drops_its_donor():
     plan = DownloadPlan("a", manifest(digests(3)), parallel=1)
     plan.add_donor("b", manifest(digests(3)))
@@ -358,6 +385,7 @@ async def donors(
     ticket_idle: float = 10.0,
     getters: dict[int, SnapshotSource] | None = None,
     caller_states: float = 20.0,
+    chunk_bytes: int = CHUNK,
 ) -> AsyncIterator[list[Running]]:
     """One node + StateDonor per snapshot, each killable on its own."""
     wraps = wraps or {}
@@ -374,7 +402,7 @@ async def donors(
                     getters.get(i, held(snapshot)),
                     max_downloads=max_downloads,
                     ticket_idle=ticket_idle,
-                    chunk_bytes=CHUNK,
+                    chunk_bytes=chunk_bytes,
                     wrap_stream=wraps.get(i),
                     stall_timeout=5.0,
                     caller_states=caller_states,
@@ -413,6 +441,31 @@ def with_differences(original: bytes, chunks: tuple[int, ...]) -> bytes:
     for index in chunks:
         out[index * CHUNK + 5] ^= 0x55
     return bytes(out)
+
+
+async def test_a_donor_still_connecting_when_a_round_ends_is_idle_for_the_next(monkeypatch):
+    """A round (`run_into`) ends once its chunks are in, cancelling donors that were still
+    connecting: they must be idle, not active forever, or the next round never starts them
+    and counts them as live donors when it is stuck."""
+    node = SimpleNamespace(peer_id="me", network_key_bytes=None, public_addrs=lambda: [])
+    job = StateDownload(node, ["a"], min_step=7)  # type: ignore[arg-type]
+    job._offers["a"] = manifest(digests(2))  # type: ignore[index]
+    job._follow("a", held_back=True)  # type: ignore[arg-type]
+    plan = job._plan
+    assert plan is not None
+    plan.admit([0])
+
+    async def connecting(*args, **kwargs):
+        await trio.sleep_forever()
+
+    monkeypatch.setattr(download_module, "connect", connecting)
+    monkeypatch.setattr(download_module, "pinned_client_context", lambda certificates: None)
+    async with trio.open_nursery() as nursery:
+        assert plan.donors_to_start() == ["a"]
+        nursery.start_soon(job._fetch_from, nursery, "a")
+        await trio.testing.wait_all_tasks_blocked()
+        nursery.cancel_scope.cancel()
+    assert plan.donors_to_start() == ["a"]  # idle, so started again
 
 
 async def test_three_donors_give_the_exact_bytes_and_step_in_parallel():

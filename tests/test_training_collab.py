@@ -116,6 +116,8 @@ class Joinable:
         self.downloads: list[StateDownload] = []
         #: (trainer index, the step it held, the step it fetched) of each state download
         self.catch_ups: list[tuple[int, int, int]] = []
+        #: Catch-ups download into the trainers' own tensors (the daemon's way), or beside.
+        self.in_place = True
 
     async def add(
         self, dht, *, relay: int | None = None, relays: dict[int, CuttingRelay] | None = None
@@ -137,14 +139,18 @@ class Joinable:
             data_port=port,
         )
 
-        async def download(donors, step):
+        async def download(donors, step, sink=None):
             job = StateDownload(
                 dht.node, [ID.from_base58(r.peer_id) for r in donors], min_step=step, parallel=3
             )
             self.downloads.append(job)
             at = ref[0].step
             self.catch_ups.append((index, at, step))
-            result = await job.run(deadline=trio.current_time() + 20 * load_factor())
+            deadline = trio.current_time() + 20 * load_factor()
+            if sink is None:
+                result = await job.run(deadline=deadline)
+            else:  # as the daemon does: into the trainer's own tensors
+                result = await job.run_into(sink, deadline=deadline)
             if self.recorder:  # (on a loaded machine a peer that missed a gathering downloads)
                 self.recorder.dropped(index, at)
             return result
@@ -163,6 +169,7 @@ class Joinable:
             task=type(self.recorder.task)() if self.recorder else TinyTask(),
             device=torch.device("cpu"),
             download=download,
+            download_into=download if self.in_place else None,
             batches=self.recorder.source(index, ref) if self.recorder else None,
         )
         ref.append(trainer)

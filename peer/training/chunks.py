@@ -23,6 +23,9 @@ Theory of operation (the shell is `peer.training.statesync`):
    a chunk's bytes while the first one might still be writing them.
 5. **The end.** `complete` when every chunk is verified. `unservable()` lists pending chunks
    that no live donor can serve: the shell asks more donors, or gives up with a clear error.
+6. **In turn** (a download into the downloader's own tensors): `DownloadPlan(held_back=True)`
+   holds every chunk back; the shell `admit`s some (the header first, then what the state's
+   check needs), and once they are `settled`, the rest, `skip`ping those it has no use for.
 
 Chunk states and the events that move them (anything else is our own bug):
 
@@ -38,7 +41,7 @@ restarted when chunks come back) or DROPPED (failed: never used again).
 from __future__ import annotations
 
 import enum
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from typing import Annotated, Generic, TypeVar
@@ -239,6 +242,7 @@ CHUNK_TRANSITIONS: dict[tuple[str, ChunkState], ChunkState] = {
     ("verified", ChunkState.CHECKING): ChunkState.DONE,
     ("rejected", ChunkState.CHECKING): ChunkState.PENDING,
     ("stopped", ChunkState.FETCHING): ChunkState.PENDING,
+    ("skipped", ChunkState.PENDING): ChunkState.DONE,
 }
 LIVE = (DonorState.RESERVE, DonorState.ACTIVE, DonorState.IDLE)
 
@@ -258,7 +262,10 @@ class PlanStatistics(Generic[D]):
 class DownloadPlan(Generic[D]):
     """Which donor fetches which chunk of the chosen manifest; see the module docstring."""
 
-    def __init__(self, owner: D, manifest: Manifest, *, parallel: int) -> None:
+    def __init__(
+        self, owner: D, manifest: Manifest, *, parallel: int, held_back: bool = False
+    ) -> None:
+        """`held_back`: no chunk may be claimed until it is `admit`ted."""
         if parallel < 1:
             raise ValueError(f"parallel={parallel!r}, expected at least 1")
         self.manifest = manifest
@@ -270,7 +277,9 @@ class DownloadPlan(Generic[D]):
         self.reasons: dict[D, str] = {}
         self.chunks_from: dict[D, int] = {}
         self.rejected_from: dict[D, int] = {}
-        self._pending = set(range(len(self.chunks)))
+        everything = set(range(len(self.chunks)))
+        self._held_back = everything if held_back else set()
+        self._pending = set() if held_back else everything  # PENDING, and admitted
         self._done = 0
         self.add_donor(owner, manifest)
 
@@ -363,13 +372,28 @@ class DownloadPlan(Generic[D]):
         elif self.donors[donor] is DonorState.ACTIVE:
             self.donors[donor] = DonorState.IDLE
 
+    def admit(self, indices: Iterable[int]) -> None:
+        """Chunks held back that may now be claimed."""
+        admitted = self._held_back & set(indices)
+        self._held_back -= admitted
+        self._pending |= admitted
+
+    def skip(self, indices: Iterable[int]) -> None:
+        """Chunks held back that are never to be fetched: done as they are."""
+        for index in sorted(self._held_back & set(indices)):
+            self._held_back.discard(index)
+            self._move(index, "skipped")
+
+    def held_back(self) -> list[int]:
+        return sorted(self._held_back)
+
     def _move(self, index: int, event: str) -> None:
         before = self.chunks[index]
         after = CHUNK_TRANSITIONS.get((event, before))
         assert after is not None, f"chunk {index}: no transition {event!r} from {before}"
         self.chunks[index] = after
         if before is ChunkState.PENDING:
-            self._pending.discard(index)
+            self._pending.discard(index)  # (admitted or, when skipped, held back)
         if after is ChunkState.PENDING:
             self._pending.add(index)
         if after is ChunkState.DONE:
@@ -380,6 +404,11 @@ class DownloadPlan(Generic[D]):
     @property
     def complete(self) -> bool:
         return self._done == len(self.chunks)
+
+    @property
+    def settled(self) -> bool:
+        """Every chunk admitted is done (the rest are held back)."""
+        return self._done + len(self._held_back) == len(self.chunks)
 
     def unservable(self) -> list[int]:
         """Pending chunks that no live donor may serve."""

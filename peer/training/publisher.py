@@ -1,6 +1,6 @@
 """What a trainer and the state keeper share: the progress exchange (our record into
 `<collaboration>/progress` and everyone's out of it, every interval or when asked) and the
-certified catch-up (`fetch_certified`).
+certified catch-up (`fetch_certified`, `check_certified`).
 
 Each exchange stores our record (if we have one) and reads every record, under one deadline
 (`max(interval, net.rpc_timeout)`); how long the store took is reported (`on_store_time`, also
@@ -132,24 +132,42 @@ async def fetch_certified(
 ) -> tuple[Snapshot, T, str]:
     """The catch-up a trainer and the keeper share: fetch `target`'s state from `donors`,
     parse and digest it (`parse`, off the event loop) and take it only if it is at least
-    `lowest` and its (step, digest) is certified, in the view the download began with or in
-    the view as it is now: a donor cannot hand over a state of its own making, whatever its
-    record claims. Signatures cannot be forged, so a step certified once stays certified; the
-    view as it is now may have moved past the step (its signers' records name the next one,
-    and signatures of the step before leave with them). RemoteError otherwise."""
-    for record in donors:
-        dht.node.remember_addrs(ID.from_base58(record.peer_id), parse_addrs(record.addrs))
+    `lowest` and certified (`check_certified`): a donor cannot hand over a state of its own
+    making, whatever its record claims. RemoteError otherwise."""
+    remember_donors(dht, donors)
     began = view()
     snapshot = await download(donors, target)
     parsed, digest = await parse(snapshot)
-    if snapshot.step < lowest:
-        raise RemoteError(f"donors sent step {snapshot.step}, expected {target}")
-    now = view()
-    if not (began.certified(snapshot.step, digest) or now.certified(snapshot.step, digest)):
-        consensus = now.consensus(snapshot.step) or began.consensus(snapshot.step)
+    check_certified(began, view(), snapshot.step, digest, lowest=lowest, target=target)
+    return snapshot, parsed, digest
+
+
+def remember_donors(dht: DHT, donors: list[ProgressRecord]) -> None:
+    """Dial `donors` at the addresses their records give."""
+    for record in donors:
+        dht.node.remember_addrs(ID.from_base58(record.peer_id), parse_addrs(record.addrs))
+
+
+def check_certified(
+    began: CollaborationView,
+    now: CollaborationView,
+    step: int,
+    digest: str,
+    *,
+    lowest: int,
+    target: int,
+) -> None:
+    """RemoteError unless a state of `step` with `digest` is at least `lowest` and certified in
+    the view a download began with (`began`) or in the view as it is `now`. Signatures cannot
+    be forged, so a step certified once stays certified; the view as it is now may have moved
+    past the step (its signers' records name the next one, and signatures of the step before
+    leave with them)."""
+    if step < lowest:
+        raise RemoteError(f"donors sent step {step}, expected {target}")
+    if not (began.certified(step, digest) or now.certified(step, digest)):
+        consensus = now.consensus(step) or began.consensus(step)
         raise RemoteError(
-            f"donors sent step {snapshot.step} with digest {digest[:12]}, which fewer than "
+            f"donors sent step {step} with digest {digest[:12]}, which fewer than "
             f"{now.quorum} peers signed (the collaboration's at that step: "
             f"{consensus[:12] if consensus else 'none'})"
         )
-    return snapshot, parsed, digest

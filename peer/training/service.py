@@ -22,7 +22,8 @@ from peer.measure.compute import gradient_bytes
 from peer.measure.service import Measurements
 from peer.net.host import Node, data_plane_hosts
 from peer.training.progress import ProgressRecord
-from peer.training.statesync import Snapshot, StateDonor, download_state
+from peer.training.statesync import Snapshot, StateDonor, StateDownload
+from peer.training.statesync.inplace import Sink
 from peer.training.task import Task
 from peer.training.trainer import Trainer
 from peer.training.worker import TorchWorker
@@ -45,19 +46,28 @@ async def run_training(
         averager = await start_averager(nursery, node, dht, config)
         identity = averager.data_server.identity
 
-        async def download(donors: list[ProgressRecord], step: int) -> Snapshot:
+        def job(donors: list[ProgressRecord], step: int) -> tuple[StateDownload, float]:
+            """A download of `step` from `donors`, and its deadline."""
             limit = state_bytes_limit(trainer.worker.model)
             capabilities = measurements.capabilities()
             bandwidth = capabilities.download_bps if capabilities else None
-            return await download_state(
+            download = StateDownload(
                 node,
                 [ID.from_base58(r.peer_id) for r in donors],
                 min_step=step,
                 parallel=config.state.parallel_donors,
-                deadline=trio.current_time() + download_seconds(config, limit, bandwidth),
                 max_total_bytes=limit,
                 rpc_timeout=manifest_seconds(config, limit),
             )
+            return download, trio.current_time() + download_seconds(config, limit, bandwidth)
+
+        async def download(donors: list[ProgressRecord], step: int) -> Snapshot:
+            state, deadline = job(donors, step)
+            return await state.run(deadline=deadline)
+
+        async def download_into(donors: list[ProgressRecord], step: int, sink: Sink) -> int:
+            state, deadline = job(donors, step)
+            return await state.run_into(sink, deadline=deadline)
 
         # Building a large model (its initialisation, the optimizers, the accumulators) takes
         # seconds: in a thread, or the event loop stalls (1.4 s at 10 M parameters).
@@ -79,6 +89,7 @@ async def run_training(
             task=task,
             device=device,
             download=download,
+            download_into=download_into,
             capabilities=measurements.capabilities,
             observe_training=measurements.observe_training,
             clock=dht.clock,

@@ -264,7 +264,7 @@ def _layout(state: TrainingState) -> tuple[list[str], list[memoryview]]:
     header = json.dumps(entries, separators=(",", ":")).encode()
     header += b" " * (-len(header) % 8)
     prefix = memoryview(len(header).to_bytes(8, "little") + header)
-    return order, [prefix, *(_raw(state.tensors[name]) for name in order)]
+    return order, [prefix, *(raw_bytes(state.tensors[name]) for name in order)]
 
 
 @dataclass(frozen=True)
@@ -292,6 +292,11 @@ class BlobLayout:
             return None if span is None else hashes.get(_piece(span, index))
 
         return piece
+
+    @staticmethod
+    def piece_range(span: tuple[int, int], at: int) -> tuple[int, int]:
+        """The blob range of the digest's piece that holds byte `at` of the tensor at `span`."""
+        return _piece(span, (at - span[0]) // PIECE_BYTES)
 
 
 def _piece(span: tuple[int, int], index: int) -> tuple[int, int]:
@@ -390,7 +395,7 @@ class StateBytes:
         return b"".join(self._parts)
 
 
-def _raw(tensor: torch.Tensor) -> memoryview:
+def raw_bytes(tensor: torch.Tensor) -> memoryview:
     """The bytes of a CPU tensor, without a copy (little-endian machines: x86, ARM)."""
     flat = tensor.contiguous().reshape(-1)
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
@@ -429,24 +434,60 @@ def _views(data: bytes) -> tuple[dict[str, torch.Tensor], BlobLayout]:
     """The tensors of a safetensors blob as read-only views of it, and where they lie.
 
     `safetensors.torch.load` copies every tensor out of the blob: a joiner held the download
-    and a copy of it (twice the state) before loading either. So the framing is checked here,
-    as strictly as the safetensors parser does: a header length within the blob, a JSON object
-    of entries with a known dtype, a shape of non-negative integers, and data offsets whose
-    length is the shape's; the entries tile the data region exactly (no gap, no overlap)."""
-    if len(data) < 8:
-        raise StateMismatch(f"not a safetensors state: {len(data)} bytes")
-    size = int.from_bytes(data[:8], "little")
-    if size > len(data) - 8:
-        raise StateMismatch(f"not a safetensors state: a {size}-byte header in {len(data)} bytes")
+    and a copy of it (twice the state) before loading either. So the framing is checked here
+    (`_entries`), as strictly as the safetensors parser does."""
+    entries, layout = _entries(data, len(data))
+    tensors = {}
+    for name, (dtype, shape) in entries.items():
+        start, _ = layout.spans[name]
+        try:  # an empty tensor of a shape torch cannot stride, say
+            tensors[name] = _view(data, dtype, shape, start, math.prod(shape))
+        except (RuntimeError, ValueError, OverflowError) as error:
+            raise StateMismatch(
+                f"not a safetensors state: entry {name[:80]!r}: {_first_line(error)}"
+            ) from error
+    return tensors, layout
+
+
+def header_bytes(head: bytes | memoryview) -> int:
+    """How many of a blob's first bytes hold its header (the length prefix and the JSON), from
+    at least its first 8."""
+    if len(head) < 8:
+        raise StateMismatch(f"not a safetensors state: {len(head)} bytes")
+    return 8 + int.from_bytes(head[:8], "little")
+
+
+def parse_header(head: bytes, total_bytes: int) -> tuple[TrainingState, BlobLayout]:
+    """The state a blob of `total_bytes` holds, from its first bytes (`header_bytes` of them at
+    least), checked as `from_bytes` checks it: its tensors are meta tensors (a shape and a
+    dtype, no data), for checks that need no values (`restore`'s, of shapes and dtypes)."""
+    entries, layout = _entries(head, total_bytes)
+    tensors = {
+        name: torch.empty(shape, dtype=dtype, device="meta")
+        for name, (dtype, shape) in entries.items()
+    }
+    return _state(tensors, _header_payload(head)), layout
+
+
+def _entries(
+    data: bytes | memoryview, total_bytes: int
+) -> tuple[dict[str, tuple[torch.dtype, list[int]]], BlobLayout]:
+    """Each tensor's dtype and shape in a blob of `total_bytes` whose first bytes are `data`,
+    and where they lie: a header length within the blob, a JSON object of entries with a known
+    dtype, a shape of non-negative integers, and data offsets whose length is the shape's; the
+    entries tile the data region exactly (no gap, no overlap)."""
+    size = header_bytes(data) - 8
+    if size > total_bytes - 8 or size > len(data) - 8:
+        raise StateMismatch(f"not a safetensors state: a {size}-byte header in {total_bytes} bytes")
     try:
         header = json.loads(data[8 : 8 + size])
     except (ValueError, RecursionError) as error:
         raise StateMismatch(f"not a safetensors state: {_first_line(error)}") from error
     if not isinstance(header, dict):
         raise StateMismatch("not a safetensors state: the header is no JSON object")
-    start, length = 8 + size, len(data) - 8 - size
+    start, length = 8 + size, total_bytes - 8 - size
     spans: dict[str, tuple[int, int]] = {}
-    tensors = {}
+    entries = {}
     for name, entry in header.items():
         if name == "__metadata__":
             continue
@@ -463,25 +504,19 @@ def _views(data: bytes) -> tuple[dict[str, torch.Tensor], BlobLayout]:
             raise StateMismatch(f"not a safetensors state: entry {name[:80]!r} is malformed")
         dtype, shape = _FROM_NAME[entry["dtype"]], entry["shape"]
         begin, end = entry["data_offsets"]
-        count = math.prod(shape)
-        if not (0 <= begin <= end <= length and end - begin == count * dtype.itemsize):
+        if not (0 <= begin <= end <= length and end - begin == math.prod(shape) * dtype.itemsize):
             raise StateMismatch(f"not a safetensors state: entry {name[:80]!r} has bad offsets")
         spans[name] = (start + begin, start + end)
-        try:  # an empty tensor of a shape torch cannot stride, say
-            tensors[name] = _view(data, dtype, shape, start + begin, count)
-        except (RuntimeError, ValueError, OverflowError) as error:
-            raise StateMismatch(
-                f"not a safetensors state: entry {name[:80]!r}: {_first_line(error)}"
-            ) from error
+        entries[name] = (dtype, shape)
     covered = start
     for begin, end in sorted(spans.values()):
         if begin != covered:
             raise StateMismatch("not a safetensors state: its tensors overlap or leave gaps")
         covered = end
-    if covered != len(data):
+    if covered != total_bytes:
         raise StateMismatch("not a safetensors state: bytes past its last tensor")
     parts = (start, *sorted(end for _, end in spans.values()))
-    return tensors, BlobLayout(spans, parts)
+    return entries, BlobLayout(spans, parts)
 
 
 def _view(
@@ -513,7 +548,7 @@ def _state(tensors: dict[str, torch.Tensor], payload: dict[str, Any]) -> Trainin
 
 
 def _header_payload(data: bytes) -> dict[str, Any]:
-    # safetensors.torch.load has validated the framing: 8-byte little-endian length, JSON header.
+    # `_entries` has validated the framing: 8-byte little-endian length, JSON header.
     size = int.from_bytes(data[:8], "little")
     try:
         header = json.loads(bytes(data[8 : 8 + size]))
@@ -621,15 +656,7 @@ def restore(
     and nothing else of the download stays resident while the kept ones keep it alive.
     Unchecked: a caller that passes a buffer still in use reads zeros from it, and sees the
     optimizers write into it."""
-    check_structure(state)
-    model_state = _model_state(state, model)
-    held = set(state.metadata["optimizers"])
-    if not (set(optimizers) <= held if from_donor else set(optimizers) == held):
-        raise StateMismatch(f"state has optimizers {sorted(held)}, expected {sorted(optimizers)}")
-    optimizer_states = {
-        name: _optimizer_state(state, name, opt, keep_settings=from_donor)
-        for name, opt in optimizers.items()
-    }
+    model_state, optimizer_states = _fitted(state, model, optimizers, from_donor=from_donor)
     if from_donor:
         loaded = [*model_state.values()]
         loaded += [
@@ -663,6 +690,78 @@ def restore(
         for tensor in state.tensors.values():
             if tensor.data_ptr() not in kept:
                 loaded_from(tensor)
+
+
+def _fitted(
+    state: TrainingState,
+    model: nn.Module,
+    optimizers: Mapping[str, torch.optim.Optimizer],
+    *,
+    from_donor: bool,
+) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+    """What `restore` loads into the model and each optimizer, checked against them (shapes,
+    dtypes, groups: no values), or StateMismatch."""
+    check_structure(state)
+    model_state = _model_state(state, model)
+    held = set(state.metadata["optimizers"])
+    if not (set(optimizers) <= held if from_donor else set(optimizers) == held):
+        raise StateMismatch(f"state has optimizers {sorted(held)}, expected {sorted(optimizers)}")
+    optimizer_states = {
+        name: _optimizer_state(state, name, opt, keep_settings=from_donor)
+        for name, opt in optimizers.items()
+    }
+    return model_state, optimizer_states
+
+
+def receivers(
+    state: TrainingState, model: nn.Module, optimizers: Mapping[str, torch.optim.Optimizer]
+) -> dict[str, torch.Tensor]:
+    """Where each tensor of a donor's `state` that `restore(from_donor=True)` loads may be
+    written before it is loaded (`parse_header`'s state: shapes and dtypes, no data), or
+    StateMismatch: the model's or the optimizer's own tensor, where it is a contiguous CPU
+    tensor alike in shape and dtype (then written in place: no second copy of the state), else
+    a new CPU tensor (one that `restore` adopts or copies)."""
+    model_state, optimizer_states = _fitted(state, model, optimizers, from_donor=True)
+    stored, _ = _untie(model.state_dict())
+    out = {f"model.{name}": _own_or_new(own, model_state[name]) for name, own in stored.items()}
+    for opt_name, optimizer in optimizers.items():
+        ids = chain.from_iterable(g["params"] for g in optimizer_states[opt_name]["param_groups"])
+        params = chain.from_iterable(g["params"] for g in optimizer.param_groups)
+        by_id = dict(zip(ids, params, strict=True))
+        for index, values in optimizer_states[opt_name]["state"].items():
+            own = optimizer.state.get(by_id[index], {})
+            for key, value in values.items():
+                if isinstance(value, torch.Tensor):
+                    out[f"{opt_name}.{index}.{key}"] = _own_or_new(own.get(key), value)
+    return out
+
+
+def fill(
+    tensors: Mapping[str, torch.Tensor],
+    spans: Mapping[str, tuple[int, int]],
+    pieces: Mapping[int, tuple[int, memoryview]],
+) -> None:
+    """Copy into each of `tensors` (contiguous, on the CPU; the blob keeps it at `spans[name]`)
+    whatever bytes of it `pieces` hold (each: where in the blob it starts, its bytes)."""
+    for start, data in pieces.values():
+        end = start + len(data)
+        for name, tensor in tensors.items():
+            first, last = spans[name]
+            low, high = max(first, start), min(last, end)
+            if low < high:
+                raw_bytes(tensor)[low - first : high - first] = data[low - start : high - start]
+
+
+def _own_or_new(own: Any, like: torch.Tensor) -> torch.Tensor:
+    if (
+        isinstance(own, torch.Tensor)
+        and own.device.type == "cpu"
+        and own.is_contiguous()
+        and own.shape == like.shape
+        and own.dtype == like.dtype
+    ):
+        return own.detach()
+    return torch.empty(like.shape, dtype=like.dtype)
 
 
 def _into_own(
@@ -925,15 +1024,21 @@ def state_digest(
     for name in names:
         if name not in state.tensors:
             raise StateMismatch(f"state lacks tensor {name!r}")
-        data = state.tensors[name].contiguous()
-        label = f"{name}\0{data.dtype}\0{tuple(data.shape)}".encode()
+        tensor = state.tensors[name]
+        label = f"{name}\0{tensor.dtype}\0{tuple(tensor.shape)}".encode()
         digest.update(len(label).to_bytes(8, "little") + label)
-        raw = data.reshape(-1).view(torch.uint8).numpy()
+        raw = None  # read only for a piece not known: a tensor yet to arrive has no data
         hashes = pieces[name] = []
-        for index, start in enumerate(range(0, len(raw), PIECE_BYTES)):
+        for index, start in enumerate(
+            range(0, tensor.numel() * tensor.element_size(), PIECE_BYTES)
+        ):
             if cancelled():
                 raise DigestCancelled(f"the digest of step {state.step} was cancelled")
-            piece = known(name, index) or chunk_hash(raw[start : start + PIECE_BYTES])
+            piece = known(name, index)
+            if piece is None:
+                if raw is None:
+                    raw = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
+                piece = chunk_hash(raw[start : start + PIECE_BYTES])
             hashes.append(piece)
             digest.update(piece)
     return Certified(digest.hexdigest(), pieces)

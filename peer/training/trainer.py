@@ -43,8 +43,10 @@ from peer.errors import ConfigError, RemoteError
 from peer.files import state_folder
 from peer.heap import releaser
 from peer.measure.capabilities import Capabilities
+from peer.training.catchup import InPlaceCatchUp
 from peer.training.certificate import sign_step
 from peer.training.policy import (
+    Action,
     Call,
     CatchUp,
     Compute,
@@ -61,17 +63,25 @@ from peer.training.progress import (
     CollaborationView,
     ProgressRecord,
 )
-from peer.training.publisher import ProgressPublisher, fetch_certified
+from peer.training.publisher import (
+    ProgressPublisher,
+    check_certified,
+    fetch_certified,
+    remember_donors,
+)
 from peer.training.task import Task
 from peer.training.worker import BatchSource, TorchWorker
 
 if TYPE_CHECKING:
     from peer.training.statesync import Snapshot
+    from peer.training.statesync.inplace import Sink
 
 log = logging.getLogger("peertrain.trainer")
 
 #: Fetches the state of `step` (or newer) from the given holders.
 Download = Callable[[list[ProgressRecord], int], Awaitable["Snapshot"]]
+#: ...or straight into a sink (`statesync.inplace`), returning its step.
+DownloadInto = Callable[[list[ProgressRecord], int, "Sink"], Awaitable[int]]
 
 
 @dataclass(frozen=True)
@@ -142,6 +152,7 @@ class Trainer:
         task: Task,
         device: torch.device,
         download: Download,
+        download_into: DownloadInto | None = None,
         batches: BatchSource | None = None,
         capabilities: Callable[[], Capabilities | None] = lambda: None,
         observe_training: Callable[[int, float], None] = lambda samples, seconds: None,
@@ -152,12 +163,15 @@ class Trainer:
         """`worker`: the model and optimizers, built beforehand off the event loop (the
         daemon builds it in a thread); built here, on the calling thread, if not given.
         `clock`: wall time (deadlines shared with other peers); `monotonic`: durations here
-        (step timings, the checkpoint interval, the stop's budget), injectable for tests."""
+        (step timings, the checkpoint interval, the stop's budget), injectable for tests.
+        `download_into`: a catch-up downloads into our own tensors (`catchup`), not beside
+        them (`download`)."""
         self.dht = dht
         self.averager = averager
         self.config = config
         self.training = config.training
         self.download = download
+        self.download_into = download_into
         self.capabilities = capabilities
         self.observe_training = observe_training
         self.clock = clock
@@ -353,7 +367,7 @@ class Trainer:
                 self._background = self._background_result = None
             if self.policy.take_changed():
                 self.progress.publish_now()
-            match action:
+            match self._allowed(action):
                 case Compute():
                     await self._compute()
                 case Call():
@@ -372,6 +386,14 @@ class Trainer:
                     if reason:
                         log.info("%s", reason)
                     return
+
+    def _allowed(self, action: Action) -> Action:
+        """`action`, or a wait where a download into our tensors failed part-way: they hold
+        nothing to train on or offer until one completes (the checkpoint on disk is the last
+        whole state, and a donor serves none: `TorchWorker.torn`)."""
+        if self.worker.torn and isinstance(action, Compute | Call | Declare):
+            return Wait(self.training.progress_interval)
+        return action
 
     async def _compute(self) -> None:
         done = await self.worker.compute()
@@ -576,6 +598,8 @@ class Trainer:
         # Not older than we hold, unless we go back from a stranded step (`stranded`).
         lowest = target if target < self.step else max(target, self.step)
         started = self.monotonic()
+        if self.download_into is not None:
+            return await self._download_into(donors, target, lowest, phases)
         try:
             snapshot, state, digest = await fetch_certified(
                 self.dht,
@@ -599,6 +623,32 @@ class Trainer:
             return str(error)
         phases["load_s"] = self.monotonic() - started - phases["fetch_and_check_s"]
         await self._hold(state.step, digest=digest)
+        phases["total_s"] = self.monotonic() - started
+        return ""
+
+    async def _download_into(
+        self, donors: list[ProgressRecord], target: int, lowest: int, phases: dict[str, float]
+    ) -> str:
+        """`_download`, straight into our own tensors (`catchup.InPlaceCatchUp`)."""
+        assert self.download_into is not None
+        started = self.monotonic()
+        remember_donors(self.dht, donors)
+        began = self.view()
+
+        def certify(step: int, digest: str) -> None:
+            check_certified(began, self.view(), step, digest, lowest=lowest, target=target)
+            self._snapshot = None  # its tensors are about to be overwritten
+
+        sink = InPlaceCatchUp(self.worker, certify)
+        try:
+            await self.download_into(donors, target, sink)
+            phases["fetch_and_check_s"] = self.monotonic() - started
+            step, digest = await sink.finish()
+        except RemoteError as error:
+            torn = " (our state was partly replaced: training waits for the next download)"
+            return f"{error}{torn if self.worker.torn else ''}"
+        phases["load_s"] = self.monotonic() - started - phases["fetch_and_check_s"]
+        await self._hold(step, digest=digest)
         phases["total_s"] = self.monotonic() - started
         return ""
 

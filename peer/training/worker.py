@@ -220,6 +220,9 @@ class TorchWorker:
         #: so does a micro-batch (`_compute`).
         self.stopping = threading.Event()
         self._computing = False  # written by the torch thread alone
+        #: A download into our own tensors began and did not finish: they hold parts of two
+        #: states, nothing to train, serve or save (`take_in_place`).
+        self.torn = False
         _cut_short_on(model, lambda: self._computing and self.stopping.is_set())
 
     @property
@@ -368,6 +371,50 @@ class TorchWorker:
             strategy.schedule.load(state.scheduler_state)
         strategy.drop_local_work()
 
+    def _take_in_place(self, state: states.TrainingState) -> dict[str, torch.Tensor]:
+        with self._torch_thread_still():
+            strategy = self.strategy
+            optimizers = {name: strategy.optimizers()[name] for name in strategy.shared}
+            receivers = states.receivers(state, self.model, optimizers)  # checks: may raise
+            with self._changing():  # no donor or checkpoint reads the state we held from now
+                self.torn = True
+            strategy.drop_local_work()  # a torn state has no local work to offer
+            return receivers
+
+    async def take_in_place(self, state: states.TrainingState) -> dict[str, torch.Tensor]:
+        """Where a download of a donor's `state` (shapes and dtypes: `states.parse_header`) is
+        received (`states.receivers`): mostly our own tensors, so from here on the state we held
+        is given up (`torn` until `finish_in_place`). StateMismatch, with nothing changed, if
+        it does not fit our model."""
+        return await trio.to_thread.run_sync(self._take_in_place, state)
+
+    def _finish_in_place(
+        self,
+        state: states.TrainingState,
+        receivers: dict[str, torch.Tensor],
+        early: Mapping[int, tuple[int, memoryview]],
+        spans: Mapping[str, tuple[int, int]],
+    ) -> None:
+        with self._torch_thread_still():
+            states.fill(receivers, spans, early)
+            received = states.TrainingState(state.step, receivers, state.metadata)
+            # The tensors are ours: loading them keeps them where they are (no release).
+            self._load(received, from_donor=True, release=lambda address, size: None)
+            self.torn = False
+
+    async def finish_in_place(
+        self,
+        state: states.TrainingState,
+        receivers: dict[str, torch.Tensor],
+        early: Mapping[int, tuple[int, memoryview]],
+        spans: Mapping[str, tuple[int, int]],
+    ) -> None:
+        """Load a state received into `receivers` (`take_in_place`), the bytes of its tensors
+        that came in `early` chunks (chunk -> (where it starts, bytes)) first copied into them;
+        `spans`: where the blob keeps each tensor. StateMismatch (a certified state with NaN
+        in it, say) leaves the state `torn`."""
+        await trio.to_thread.run_sync(self._finish_in_place, state, receivers, early, spans)
+
     def _before_download(self) -> None:
         if isinstance(self.strategy, LargeBatch):
             self.strategy.drop_local_work()  # not the state we hold: that stays servable
@@ -398,6 +445,8 @@ class TorchWorker:
 
     def _parse(self, snapshot: Snapshot) -> tuple[states.TrainingState, str]:
         state, layout = states.parse_blob(bytes(snapshot.blob))
+        if state.step != snapshot.step:  # the step certified is the manifest's
+            raise states.StateMismatch(f"a state of step {state.step} offered as {snapshot.step}")
         return state, self.certify(state, known=layout.known(snapshot.hashes)).digest
 
     async def parse(self, snapshot: Snapshot) -> tuple[states.TrainingState, str]:

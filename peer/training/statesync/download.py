@@ -7,10 +7,10 @@ import logging
 import mmap
 import sys
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 import trio
 from libp2p.peer.id import ID
@@ -32,6 +32,7 @@ from peer.training.chunks import (
     choose_manifest,
     chunk_hash,
 )
+from peer.training.statesync.inplace import EarlyChunks, Sink
 from peer.training.statesync.wire import (
     CONNECTION_ERRORS,
     HASH_WORKERS,
@@ -45,6 +46,7 @@ from peer.training.statesync.wire import (
 )
 
 log = logging.getLogger("peertrain.statesync")
+T = TypeVar("T")
 
 PIPELINE = 2  # chunk requests a downloader keeps outstanding per donor (hides one round trip)
 DEFAULT_MAX_TOTAL_BYTES = 64 << 30
@@ -163,17 +165,26 @@ class StateDownload:
         self._pulls: dict[ID, trio.CancelScope] = {}
         self._changed = trio.Event()
         self._hashers = trio.CapacityLimiter(HASH_WORKERS)
-        self._view = memoryview(b"")
+        self._into: Callable[[int], memoryview] = _nowhere  # where a chunk is received
         self._network_key = node.network_key_bytes
         self._own_host = _own_host(node)
 
     async def run(self, *, deadline: float) -> Snapshot:
         """The state, bit for bit the chosen donor's; StateDownloadFailed if no donor can finish
         it by `deadline` (trio time)."""
+        return await self._timed(self._run(), deadline)
+
+    async def run_into(self, sink: Sink, *, deadline: float) -> int:
+        """The state, bit for bit the chosen donor's, into `sink` (`statesync.inplace`), and its
+        step; StateDownloadFailed if no donor can finish it by `deadline` (trio time), or if
+        `sink` refuses it."""
+        return await self._timed(self._run_into(sink), deadline)
+
+    async def _timed(self, download: Awaitable[T], deadline: float) -> T:
         started = trio.current_time()
         try:
             with trio.fail_at(deadline):
-                snapshot = await self._run()
+                result = await download
         except trio.TooSlowError:
             raise StateDownloadFailed(self._failure("not finished by the deadline")) from None
         finally:
@@ -181,12 +192,12 @@ class StateDownload:
         stats = self.statistics()
         log.info(
             "downloaded the state of step %d (%d bytes) in %.2f s from %d donors",
-            snapshot.step,
-            len(snapshot.blob),
+            stats.step,
+            stats.total_bytes,
             trio.current_time() - started,
             len(stats.chunks_from),
         )
-        return snapshot
+        return result
 
     def statistics(self) -> DownloadStatistics:
         plan = self._plan
@@ -203,16 +214,7 @@ class StateDownload:
         )
 
     async def _run(self) -> Snapshot:
-        # 1. Offers: ask batches of donors until one manifest can be followed.
-        while self._plan is None:
-            if not self._unasked:
-                raise StateDownloadFailed(self._failure("no donor offered it"))
-            await self._ask_batch(self._next_batch())
-            # In the caller's order of preference, not the order the answers came in.
-            owner = choose_manifest({d: self._offers[d] for d in self._order if d in self._offers})
-            if owner is not None:
-                self._follow(owner)
-        plan = self._plan
+        plan = await self._choose(held_back=False)
         # The result itself: chunks are received straight into it, never copied.
         try:
             result = _ResultBuffer(plan.manifest.total_bytes)
@@ -220,11 +222,57 @@ class StateDownload:
             raise StateDownloadFailed(
                 self._failure(f"no memory for a state of {plan.manifest.total_bytes} bytes")
             ) from None
-        self._view = result.view
-        # 2. Chunks: start donors, ask more when short of them, until done or stuck.
+        view = result.view
+        self._into = lambda index: view[slice(*plan.manifest.chunk(index))]
+        await self._fetch_admitted()
+        self._into = _nowhere
+        manifest = plan.manifest
+        # Every chunk has passed its check: these are the hashes of the bytes we hold.
+        checked = {manifest.chunk(i): digest for i, digest in enumerate(manifest.hashes)}
+        return Snapshot(manifest.step, result.take(), hashes=checked, disposable=True)
+
+    async def _run_into(self, sink: Sink) -> int:
+        plan = await self._choose(held_back=True)
+        manifest = plan.manifest
+        early = EarlyChunks(manifest)
+        self._into = early.view
+        try:
+            # The header, then what the state's check needs, each in a round of its own.
+            while wanted := [i for i in await sink.first(manifest, early) if i not in early]:
+                plan.admit(wanted)
+                await self._fetch_admitted()
+            where = await sink.admit(manifest, early)
+        except ProtocolError as error:  # the followed donor's bytes (each checked) say so
+            raise StateDownloadFailed(self._failure(f"its state: {error}")) from None
+        places = {index: where(index) for index in plan.held_back()}
+        targets = {index: view for index, view in places.items() if view is not None}
+        plan.skip(places.keys() - targets.keys())
+        self._into = targets.__getitem__
+        plan.admit(targets)
+        await self._fetch_admitted()
+        self._into = _nowhere
+        return manifest.step
+
+    async def _choose(self, *, held_back: bool) -> DownloadPlan[ID]:
+        """Ask batches of donors for offers until one manifest can be followed."""
+        while self._plan is None:
+            if not self._unasked:
+                raise StateDownloadFailed(self._failure("no donor offered it"))
+            await self._ask_batch(self._next_batch())
+            # In the caller's order of preference, not the order the answers came in.
+            owner = choose_manifest({d: self._offers[d] for d in self._order if d in self._offers})
+            if owner is not None:
+                self._follow(owner, held_back=held_back)
+        return self._plan
+
+    async def _fetch_admitted(self) -> None:
+        """Start donors, ask more when short of them, until every chunk admitted is done or
+        some have no donor left (StateDownloadFailed)."""
+        plan = self._plan
+        assert plan is not None
         failure = None
         async with trio.open_nursery() as nursery:
-            while not plan.complete:
+            while not plan.settled:
                 for donor in plan.donors_to_start():
                     nursery.start_soon(self._fetch_from, nursery, donor)
                 stuck = plan.unservable()
@@ -239,14 +287,11 @@ class StateDownload:
             nursery.cancel_scope.cancel()
         if failure is not None:
             raise StateDownloadFailed(self._failure(failure))
-        self._view = memoryview(b"")
-        manifest = plan.manifest
-        # Every chunk has passed its check: these are the hashes of the bytes we hold.
-        checked = {manifest.chunk(i): digest for i, digest in enumerate(manifest.hashes)}
-        return Snapshot(manifest.step, result.take(), hashes=checked, disposable=True)
 
-    def _follow(self, owner: ID) -> None:
-        self._plan = plan = DownloadPlan(owner, self._offers[owner], parallel=self.parallel)
+    def _follow(self, owner: ID, *, held_back: bool) -> None:
+        self._plan = plan = DownloadPlan(
+            owner, self._offers[owner], parallel=self.parallel, held_back=held_back
+        )
         for donor in self._order:
             if donor != owner and donor in self._offers:
                 self._offer(plan, donor, self._offers[donor])
@@ -327,23 +372,26 @@ class StateDownload:
         offer = self._offers[donor]
         reason: str | None = None
         pull = self._pulls[donor] = trio.CancelScope()
-        with pull:
-            try:
-                # Connecting, the key and the handshake: a stall timeout each, at most.
-                with trio.fail_after(2 * self.stall_timeout):
-                    stream = await connect(
-                        offer.data_host,
-                        offer.data_port,
-                        pinned_client_context([offer.data_cert]),
-                        network_key=self._network_key,
-                        certificate=offer.data_cert,
-                    )
-                async with stream:
-                    await self._pull(nursery, donor, offer, stream)
-            except CONNECTION_ERRORS as error:
-                reason = _reason(error, self.stall_timeout)
-        # Only now, with this task no longer writing, may its claimed chunks go to others.
-        plan.stopped(donor, reason)
+        try:
+            with pull:
+                try:
+                    # Connecting, the key and the handshake: a stall timeout each, at most.
+                    with trio.fail_after(2 * self.stall_timeout):
+                        stream = await connect(
+                            offer.data_host,
+                            offer.data_port,
+                            pinned_client_context([offer.data_cert]),
+                            network_key=self._network_key,
+                            certificate=offer.data_cert,
+                        )
+                    async with stream:
+                        await self._pull(nursery, donor, offer, stream)
+                except CONNECTION_ERRORS as error:
+                    reason = _reason(error, self.stall_timeout)
+        finally:
+            # Only now, with this task no longer writing, may its claimed chunks go to others;
+            # also when a round ends with it still connecting (it is idle, for the next round).
+            plan.stopped(donor, reason)
         if reason is not None:
             log.debug("state donor %s dropped: %s", donor, reason)
         self._wake()
@@ -379,19 +427,16 @@ class StateDownload:
                     f"reply (kind {kind}, chunk {got}, {length} bytes) to a request for chunk "
                     f"{index} of {end - start} bytes"
                 )
-            # Straight into the result buffer: no copy on the way in.
-            await receive_into(stream, self._view[start:end], self.stall_timeout)
+            # Straight where it goes (the result, or our own tensor): no copy on the way in.
+            await receive_into(stream, self._into(index), self.stall_timeout)
             plan.received(donor, index)
             nursery.start_soon(self._check, donor, index)
 
     async def _check(self, donor: ID, index: int) -> None:
         plan = self._plan
         assert plan is not None
-        start, end = plan.manifest.chunk(index)
         # A worker thread, so hashing overlaps receiving the next chunk.
-        digest = await trio.to_thread.run_sync(
-            chunk_hash, self._view[start:end], limiter=self._hashers
-        )
+        digest = await trio.to_thread.run_sync(chunk_hash, self._into(index), limiter=self._hashers)
         if digest == plan.manifest.hashes[index]:
             plan.verified(donor, index)
         else:
@@ -461,6 +506,10 @@ async def download_state(
         max_total_bytes=max_total_bytes,
     )
     return await download.run(deadline=deadline)
+
+
+def _nowhere(index: int) -> memoryview:
+    raise AssertionError(f"chunk {index} received with no place to go")
 
 
 def _own_host(node: Node) -> str:
