@@ -5,6 +5,7 @@ where our tensors lie, and a download that fails part-way."""
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import trio
 from peer.errors import RemoteError
 from peer.training import checkpoint as checkpoints
 from peer.training import state as states
+from peer.training import worker as worker_module
 from peer.training.chunks import (
     PIECE_BYTES,
     Manifest,
@@ -211,6 +213,41 @@ async def test_a_peer_behind_downloads_into_its_own_tensors(tmp_path, autojump_c
     assert same_state(trainer, donor)
 
 
+async def test_a_diloco_peer_behind_downloads_into_its_parameters_and_outer_momentum(
+    tmp_path, autojump_clock
+):
+    """DiLoCo serves its anchor and outer optimizer: they land in our parameters (then our
+    anchor) and our outer momentum where they lie; our inner optimizer stays our own."""
+    mode = {"mode": "diloco", "inner_steps": INNER_STEPS}
+    trainer = await make_trainer(tmp_path / "me", task=WideTask(), **mode)
+    await take_steps(trainer, 1)
+    donor, partner = await ahead(tmp_path, **mode)
+    read(trainer, signed_record(donor, partner))
+    strategy = trainer.worker.strategy
+    outer = strategy.optimizers()["outer"]
+    inner = strategy.optimizers()["inner"]
+    momenta = [s["momentum_buffer"] for s in outer.state.values()]
+    inner_moments = [s["exp_avg"].clone() for s in inner.state.values()]
+    before = [t.data_ptr() for t in [*trainer.worker.model.parameters(), *momenta]]
+    trainer.download_into = Feed(await donor.snapshot())
+    await trainer._catch_up(*behind(trainer))
+    assert trainer.step == 2 and trainer.digest == donor.digest
+    momenta = [s["momentum_buffer"] for s in outer.state.values()]
+    assert [t.data_ptr() for t in [*trainer.worker.model.parameters(), *momenta]] == before
+    theirs = donor.worker.strategy.optimizers()["outer"]
+    assert all(
+        torch.equal(a["momentum_buffer"], b["momentum_buffer"])
+        for a, b in zip(outer.state.values(), theirs.state.values(), strict=True)
+    )
+    ours = [s["exp_avg"] for s in inner.state.values()]
+    assert all(torch.equal(a, b) for a, b in zip(inner_moments, ours, strict=True))
+    await take_steps(trainer, 1)
+    await take_steps(donor, 1)
+    assert states.parameters_digest(trainer.worker.model) == states.parameters_digest(
+        donor.worker.model
+    )
+
+
 @pytest.mark.parametrize("mode", ["dedloc", "diloco"])
 async def test_a_donor_cut_otherwise_and_a_small_model_come_whole_and_load_alike(
     tmp_path, autojump_clock, mode
@@ -283,12 +320,11 @@ async def test_a_state_whose_header_names_another_step_is_refused(tmp_path, auto
 async def test_a_download_that_breaks_off_part_way_leaves_nothing_trained_served_or_saved(
     tmp_path, autojump_clock
 ):
-    """Once our tensors began to take the new state, a failed download leaves them torn: no
-    micro-batch, call or declaration (a wait instead), no state to serve, no checkpoint over
-    the last whole one; the next download that completes mends it."""
+    """Once our tensors began to take the new state, a failed download leaves them torn. With
+    no checkpoint to go back to: no micro-batch, call or declaration (a wait instead), no state
+    to serve, no checkpoint written; the next download that completes mends it."""
     trainer = await make_trainer(tmp_path / "me", task=WideTask())
     await take_steps(trainer, 1)
-    await trainer._save()  # no deadline (the virtual clock would pass any while it writes)
     donor, partner = await ahead(tmp_path)
     read(trainer, signed_record(donor, partner))
     snapshot = await donor.snapshot()
@@ -301,12 +337,100 @@ async def test_a_download_that_breaks_off_part_way_leaves_nothing_trained_served
         assert isinstance(trainer._allowed(action), Wait)
     assert await trainer.snapshot() is None
     await trainer._checkpoint(force=True)
-    saved = checkpoints.load_latest(trainer.checkpoint_dir)
-    assert saved is not None and saved.step == 1  # the last whole state
+    assert checkpoints.load_latest(trainer.checkpoint_dir) is None
     trainer.download_into = Feed(snapshot)
     await trainer._catch_up(*behind(trainer))
     assert not trainer.worker.torn and trainer.step == 2 and same_state(trainer, donor)
     assert isinstance(trainer._allowed(Compute()), Compute)
+
+
+async def test_a_torn_state_goes_back_to_the_last_checkpoint(tmp_path, autojump_clock):
+    """A peer whose only donor left mid-download would wait for ever: with a checkpoint, it
+    takes that state back at once, and serves and trains again."""
+    trainer = await make_trainer(tmp_path / "me", task=WideTask())
+    await take_steps(trainer, 1)
+    await trainer._save()  # no deadline (the virtual clock would pass any while it writes)
+    kept = [t.clone() for t in own_tensors(trainer)]
+    digest = trainer.digest
+    donor, partner = await ahead(tmp_path)
+    read(trainer, signed_record(donor, partner))
+    trainer.download_into = Feed(await donor.snapshot(), fail_after=1)
+    await trainer._catch_up(*behind(trainer))
+    assert not trainer.worker.torn and trainer.step == 1 and trainer.digest == digest
+    assert all(torch.equal(a, b) for a, b in zip(kept, own_tensors(trainer), strict=True))
+    assert await trainer.snapshot() is not None
+    assert isinstance(trainer._allowed(Compute()), Compute)
+
+
+async def test_where_our_tensors_cannot_take_the_bytes_a_failure_leaves_our_state_whole(
+    tmp_path, autojump_clock, monkeypatch
+):
+    """On a GPU the bytes arrive in new CPU tensors (here: every receiver a new one): nothing
+    of ours is overwritten, so a failed download leaves the state we hold served and whole."""
+    receivers = worker_module.states.receivers
+
+    def new_ones(*args, **kwargs):
+        return {name: torch.empty_like(t) for name, t in receivers(*args, **kwargs).items()}
+
+    monkeypatch.setattr(worker_module.states, "receivers", new_ones)
+    trainer = await make_trainer(tmp_path / "me", task=WideTask())
+    await take_steps(trainer, 1)
+    kept = [t.clone() for t in own_tensors(trainer)]
+    donor, partner = await ahead(tmp_path)
+    read(trainer, signed_record(donor, partner))
+    snapshot = await donor.snapshot()
+    trainer.download_into = Feed(snapshot, fail_after=1)
+    await trainer._catch_up(*behind(trainer))
+    assert not trainer.worker.torn and trainer.step == 1
+    assert all(torch.equal(a, b) for a, b in zip(kept, own_tensors(trainer), strict=True))
+    assert await trainer.snapshot() is not None
+    trainer.download_into = Feed(snapshot)
+    await trainer._catch_up(*behind(trainer))
+    assert trainer.step == 2 and same_state(trainer, donor)
+
+
+async def test_a_header_claimed_too_long_is_refused_before_it_is_fetched(tmp_path, autojump_clock):
+    trainer = await make_trainer(tmp_path / "me")
+    donor, partner = await ahead(tmp_path, TinyTask)
+    read(trainer, signed_record(donor, partner))
+    snapshot = await donor.snapshot()
+    assert snapshot is not None
+    blob = bytearray(bytes(snapshot.blob))
+    blob[:8] = (states.MAX_HEADER_BYTES + 1).to_bytes(8, "little")
+    big = Snapshot(2, bytes(blob) + bytes(states.MAX_HEADER_BYTES), parts=())
+    feed = trainer.download_into = Feed(big)
+    await trainer._catch_up(*behind(trainer))
+    assert trainer.step == 0 and trainer.status().failures["state_download"] == 1
+    assert feed.fetched == [0]
+
+
+async def test_a_periodic_save_gives_way_to_a_catch_up(tmp_path, autojump_clock, monkeypatch):
+    """It held the tensors a download into them waits for (past the donors' tickets), and the
+    state it writes is behind the collaboration's."""
+    trainer = await make_trainer(tmp_path / "me", checkpoint_interval=1.0)
+    await take_steps(trainer, 1)
+    donor, partner = await ahead(tmp_path, TinyTask)
+    read(trainer, signed_record(donor, partner))
+    given: list = []
+
+    async def save_checkpoint(directory, *, within, gives_way):
+        given.append(gives_way)
+
+    monkeypatch.setattr(trainer.worker, "save_checkpoint", save_checkpoint)
+    trainer._last_checkpoint = -math.inf
+    async with trio.open_nursery() as nursery:
+        await trainer._checkpoint(nursery)
+    (gives_way,) = given
+    during = []
+
+    async def download_into(donors, step, sink):
+        during.append(gives_way())
+        raise RemoteError("busy")
+
+    trainer.download_into = download_into
+    assert not gives_way()
+    await trainer._catch_up(*behind(trainer))
+    assert during == [True] and not gives_way()
 
 
 # ---------------------------------------------------------------------------- over the network

@@ -212,6 +212,16 @@ def test_among_donors_at_one_step_the_most_shared_manifest_is_followed():
     assert choose_manifest({"odd": odd, "x": common}) == "odd"
 
 
+def test_a_donor_cutting_many_chunks_only_it_holds_does_not_outweigh_donors_that_agree():
+    """Counted in chunks, one donor's 8 chunks beat two donors' 2 chunks each of the same
+    bytes: it was followed, and could stall the download (a catch-up in place then left the
+    peer's state torn). Counted in bytes, the two win."""
+    total = 8 * MIN_CHUNK_BYTES
+    agreed = manifest(digests(2), chunk_bytes=total // 2)
+    liar = manifest(digests(8, differ=tuple(range(8))), chunk_bytes=MIN_CHUNK_BYTES)
+    assert choose_manifest({"liar": liar, "a": agreed, "b": agreed}) == "a"
+
+
 def test_donors_steal_the_lowest_chunk_they_may_serve():
     plan = DownloadPlan("a", manifest(digests(4)), parallel=2)
     assert plan.add_donor("b", manifest(digests(4, differ=(0,)))) is None

@@ -31,8 +31,10 @@ from peer.training.state import (
     check_finite,
     from_bytes,
     from_file,
+    header_bytes,
     parameters_digest,
     parse_blob,
+    parse_header,
     restore,
     state_digest,
     to_bytes,
@@ -612,21 +614,24 @@ F32x2 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
         ({"model.w": F32x2}, bytes(9), "past its last tensor"),
         # Empty, but of a shape torch cannot stride (it raised RuntimeError past the parser).
         (
-            {
-                "model.e": {
-                    "dtype": "F32",
-                    "shape": [0, 2**63 - 1, 2**63 - 1],
-                    "data_offsets": [0, 0],
-                }
-            },
+            {"model.e": {"dtype": "F32", "shape": [0, 2**61, 2**61], "data_offsets": [0, 0]}},
             b"",
             "entry 'model.e': .*overflow",
         ),
+        # ...or cannot take at all (TypeError), and more dimensions than a state has.
+        ({"model.e": {**F32x2, "shape": [0, 2**63], "data_offsets": [0, 0]}}, b"", "malformed"),
+        ({"model.e": {**F32x2, "shape": [1] * 17, "data_offsets": [0, 4]}}, bytes(4), "malformed"),
     ],
 )
-def test_from_bytes_refuses_bad_framing_without_a_copy(entries, data, message):
+@pytest.mark.parametrize("whole", [True, False])
+def test_from_bytes_refuses_bad_framing_without_a_copy(entries, data, message, whole):
+    """Whole (`from_bytes`), or the header alone (`parse_header`: a catch-up in place)."""
+    blob = _framed(entries, data)
     with pytest.raises(StateMismatch, match=message):
-        from_bytes(_framed(entries, data))
+        if whole:
+            from_bytes(blob)
+        else:
+            parse_header(blob[: header_bytes(blob)], len(blob))
 
 
 def test_from_bytes_refuses_a_header_longer_than_the_blob():

@@ -11,8 +11,8 @@ Theory of operation (the shell is `peer.training.statesync`):
    its step's digest already took (`peer.training.state.state_digest`), and small parts share
    a chunk.
 2. **One manifest.** `choose_manifest` takes the step that the most donors hold (ties: the
-   higher step), then, among the donors at that step, the manifest whose chunks the most
-   donors can serve. Donors at one step may hold blobs that differ in some bytes (per-peer
+   higher step), then, among the donors at that step, the manifest of which the donors can
+   serve the most bytes. Donors at one step may hold blobs that differ in some bytes (per-peer
    optimizer state in DiLoCo), so the result is exactly the chosen donor's blob.
 3. **Who serves what.** A donor may serve chunk i when its manifest's chunk i covers the same
    bytes and has the same hash (`servable_chunks`).
@@ -212,7 +212,12 @@ def choose_manifest(offers: Mapping[D, Manifest]) -> D | None:
     at_step = [(donor, m) for donor, m in offers.items() if m.step == step]
 
     def coverage(manifest: Manifest) -> int:
-        return sum(len(servable_chunks(manifest, other)) for _, other in at_step)
+        """Bytes of it the donors can serve: in bytes, not chunks, or one donor cutting its
+        state into 16,384 chunks only it holds would outweigh three that agree."""
+        return sum(
+            sum(end - start for start, end in map(manifest.chunk, servable_chunks(manifest, other)))
+            for _, other in at_step
+        )
 
     best = max(coverage(m) for _, m in at_step)
     return next(donor for donor, m in at_step if coverage(m) == best)

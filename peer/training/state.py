@@ -428,6 +428,14 @@ def parse_blob(data: bytes) -> tuple[TrainingState, BlobLayout]:
 
 
 _FROM_NAME = {name: dtype for dtype, name in _DTYPES.items()}
+#: The largest header a state may have (one of 100 M parameters: ~20 KB; safetensors' own
+#: limit is 100 MB), fetched and parsed before a catch-up in place checks anything.
+MAX_HEADER_BYTES = 16 << 20
+#: The most dimensions a state's tensor may have (torch's own limit is 64).
+MAX_DIMS = 16
+#: What torch raises for a shape it cannot make a tensor of (an empty one whose strides
+#: overflow: [0, 2**62, 2**62]), from a donor's header.
+TORCH_SHAPE_ERRORS = (RuntimeError, ValueError, OverflowError, TypeError)
 
 
 def _views(data: bytes) -> tuple[dict[str, torch.Tensor], BlobLayout]:
@@ -442,7 +450,7 @@ def _views(data: bytes) -> tuple[dict[str, torch.Tensor], BlobLayout]:
         start, _ = layout.spans[name]
         try:  # an empty tensor of a shape torch cannot stride, say
             tensors[name] = _view(data, dtype, shape, start, math.prod(shape))
-        except (RuntimeError, ValueError, OverflowError) as error:
+        except TORCH_SHAPE_ERRORS as error:
             raise StateMismatch(
                 f"not a safetensors state: entry {name[:80]!r}: {_first_line(error)}"
             ) from error
@@ -451,10 +459,13 @@ def _views(data: bytes) -> tuple[dict[str, torch.Tensor], BlobLayout]:
 
 def header_bytes(head: bytes | memoryview) -> int:
     """How many of a blob's first bytes hold its header (the length prefix and the JSON), from
-    at least its first 8."""
+    at least its first 8; StateMismatch if over MAX_HEADER_BYTES."""
     if len(head) < 8:
         raise StateMismatch(f"not a safetensors state: {len(head)} bytes")
-    return 8 + int.from_bytes(head[:8], "little")
+    size = int.from_bytes(head[:8], "little")
+    if size > MAX_HEADER_BYTES:
+        raise StateMismatch(f"not a safetensors state: a header of {size} bytes")
+    return 8 + size
 
 
 def parse_header(head: bytes, total_bytes: int) -> tuple[TrainingState, BlobLayout]:
@@ -462,10 +473,14 @@ def parse_header(head: bytes, total_bytes: int) -> tuple[TrainingState, BlobLayo
     least), checked as `from_bytes` checks it: its tensors are meta tensors (a shape and a
     dtype, no data), for checks that need no values (`restore`'s, of shapes and dtypes)."""
     entries, layout = _entries(head, total_bytes)
-    tensors = {
-        name: torch.empty(shape, dtype=dtype, device="meta")
-        for name, (dtype, shape) in entries.items()
-    }
+    tensors = {}
+    for name, (dtype, shape) in entries.items():
+        try:  # an empty tensor of a shape torch cannot stride, say
+            tensors[name] = torch.empty(shape, dtype=dtype, device="meta")
+        except TORCH_SHAPE_ERRORS as error:
+            raise StateMismatch(
+                f"not a safetensors state: entry {name[:80]!r}: {_first_line(error)}"
+            ) from error
     return _state(tensors, _header_payload(head)), layout
 
 
@@ -496,7 +511,8 @@ def _entries(
             and set(entry) == {"dtype", "shape", "data_offsets"}
             and entry["dtype"] in _FROM_NAME
             and isinstance(entry["shape"], list)
-            and all(type(n) is int and n >= 0 for n in entry["shape"])
+            and len(entry["shape"]) <= MAX_DIMS
+            and all(type(n) is int and 0 <= n < 1 << 62 for n in entry["shape"])
             and isinstance(entry["data_offsets"], list)
             and len(entry["data_offsets"]) == 2
             and all(type(n) is int for n in entry["data_offsets"])
@@ -743,13 +759,16 @@ def fill(
 ) -> None:
     """Copy into each of `tensors` (contiguous, on the CPU; the blob keeps it at `spans[name]`)
     whatever bytes of it `pieces` hold (each: where in the blob it starts, its bytes)."""
+    order = sorted((spans[name], name) for name in tensors if spans[name][1] > spans[name][0])
+    ends = [span[1] for span, _ in order]
     for start, data in pieces.values():
         end = start + len(data)
-        for name, tensor in tensors.items():
-            first, last = spans[name]
+        at = bisect.bisect_right(ends, start)  # the first tensor that ends past `start`
+        while at < len(order) and order[at][0][0] < end:
+            (first, last), name = order[at]
             low, high = max(first, start), min(last, end)
-            if low < high:
-                raw_bytes(tensor)[low - first : high - first] = data[low - start : high - start]
+            raw_bytes(tensors[name])[low - first : high - first] = data[low - start : high - start]
+            at += 1
 
 
 def _own_or_new(own: Any, like: torch.Tensor) -> torch.Tensor:

@@ -184,6 +184,7 @@ class Trainer:
         self.timing = self.policy.timing
         self.tally = Tally(started_at=monotonic())
         self._saving = False  # a periodic checkpoint is being written
+        self._catching_up = False  # a download is under way: a periodic save gives way
         self._snapshot: Snapshot | None = None
         self._stop_began: float | None = None  # self.monotonic(), when we were told to stop
         self._serializing = trio.Lock()
@@ -570,11 +571,15 @@ class Trainer:
         """Download the state of `target` (within `within` seconds, if given), adopt it if
         it is certified, and tell the policy; after a failure, wait as it says."""
         self.progress.publish_now()  # our record says we are downloading
-        await self.worker.before_download()
         problem = "cut short"
         phases: dict[str, float] = {}
-        with trio.move_on_after(math.inf if within is None else within):
-            problem = await self._download(donors, target, phases)
+        self._catching_up = True
+        try:
+            await self.worker.before_download()
+            with trio.move_on_after(math.inf if within is None else within):
+                problem = await self._download(donors, target, phases)
+        finally:
+            self._catching_up = False
         delay = self.policy.fetched(ok=not problem, now=self.clock())
         self.progress.publish_now()
         if not problem:
@@ -645,12 +650,27 @@ class Trainer:
             phases["fetch_and_check_s"] = self.monotonic() - started
             step, digest = await sink.finish()
         except RemoteError as error:
-            torn = " (our state was partly replaced: training waits for the next download)"
-            return f"{error}{torn if self.worker.torn else ''}"
+            return f"{error}; {await self._mend()}" if self.worker.torn else str(error)
         phases["load_s"] = self.monotonic() - started - phases["fetch_and_check_s"]
         await self._hold(step, digest=digest)
         phases["total_s"] = self.monotonic() - started
         return ""
+
+    async def _mend(self) -> str:
+        """After a download into our tensors failed part-way (`TorchWorker.torn`): our latest
+        checkpoint back, if there is one; what became of it."""
+        torn = "our state was partly replaced"
+        state = None
+        if self.checkpoint_dir is not None:
+            state = await self.worker.load_checkpoint(self.checkpoint_dir)
+        if state is None:
+            return f"{torn} and no checkpoint holds it: training waits for the next download"
+        try:
+            await self.worker.restore(state)
+        except RemoteError as error:
+            return f"{torn} and the checkpoint cannot be loaded ({error}): training waits"
+        await self._hold(state.step)
+        return f"{torn}: back to the checkpoint of step {state.step}"
 
     # ------------------------------------------------------------------ validation, checkpoints
 
@@ -678,13 +698,19 @@ class Trainer:
                 # It gives way to a stop: a DiLoCo save that had waited for the torch thread's
                 # copy of its inner optimizer, then wrote 1.6 GB, made a stop take 7-9 s; the
                 # final save writes the newest state within the stop's budget instead.
-                nursery.start_soon(partial(self._save, gives_way=self.worker.stopping.is_set))
+                nursery.start_soon(partial(self._save, gives_way=self._save_gives_way))
             return
         # What is left of the stop's budget: waiting for the torch thread's work in hand (a
         # micro-batch, a digest: 1-2 s at 100 M on a busy machine) came out of it.
         began = self._stop_began
         spent = 0.0 if began is None else self.monotonic() - began
         await self._save(within=max(0.0, min(FINAL_SAVE_SECONDS, FINAL_SAVE_BY - spent)))
+
+    def _save_gives_way(self) -> bool:
+        """A periodic save gives way to a stop, and to a catch-up (the state it writes is
+        behind, and it held the tensors a download into them must wait for: past the donors'
+        ticket lifetime, and the download failed with our state torn)."""
+        return self.worker.stopping.is_set() or self._catching_up
 
     async def _save(
         self, *, within: float = math.inf, gives_way: Callable[[], bool] = lambda: False

@@ -356,6 +356,7 @@ class TorchWorker:
     ) -> None:
         with self._torch_thread_still(), self._changing():
             self._load(state, from_donor, release)
+            self.torn = False  # a whole state, wherever from
 
     def _load(
         self, state: states.TrainingState, from_donor: bool, release: Releaser | None
@@ -376,16 +377,25 @@ class TorchWorker:
             strategy = self.strategy
             optimizers = {name: strategy.optimizers()[name] for name in strategy.shared}
             receivers = states.receivers(state, self.model, optimizers)  # checks: may raise
-            with self._changing():  # no donor or checkpoint reads the state we held from now
-                self.torn = True
-            strategy.drop_local_work()  # a torn state has no local work to offer
+            ours = {t.data_ptr() for t in self.model.state_dict().values() if t.numel()}
+            ours |= {
+                value.data_ptr()
+                for optimizer in optimizers.values()
+                for values in optimizer.state.values()
+                for value in values.values()
+                if isinstance(value, torch.Tensor) and value.numel()
+            }
+            if any(r.numel() and r.data_ptr() in ours for r in receivers.values()):
+                with self._changing():  # no donor or checkpoint reads the state we held now
+                    self.torn = True
+                strategy.drop_local_work()  # a torn state has no local work to offer
             return receivers
 
     async def take_in_place(self, state: states.TrainingState) -> dict[str, torch.Tensor]:
         """Where a download of a donor's `state` (shapes and dtypes: `states.parse_header`) is
-        received (`states.receivers`): mostly our own tensors, so from here on the state we held
-        is given up (`torn` until `finish_in_place`). StateMismatch, with nothing changed, if
-        it does not fit our model."""
+        received (`states.receivers`): on a CPU, our own tensors, so from here on the state we
+        held is given up (`torn` until a state is loaded); on a GPU, new CPU tensors, and our
+        state stays whole. StateMismatch, with nothing changed, if it does not fit our model."""
         return await trio.to_thread.run_sync(self._take_in_place, state)
 
     def _finish_in_place(
@@ -399,7 +409,8 @@ class TorchWorker:
             states.fill(receivers, spans, early)
             received = states.TrainingState(state.step, receivers, state.metadata)
             # The tensors are ours: loading them keeps them where they are (no release).
-            self._load(received, from_donor=True, release=lambda address, size: None)
+            with self._changing():  # (GPU: the copy we held until now)
+                self._load(received, from_donor=True, release=lambda address, size: None)
             self.torn = False
 
     async def finish_in_place(

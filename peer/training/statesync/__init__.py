@@ -28,12 +28,15 @@ hashed: a trainer's snapshot brings those hashes (`Snapshot.hashes`), and the do
 the rest, once per snapshot, in worker threads (BLAKE3 releases the GIL: ~0.18 s/GB per thread
 here). The downloader receives straight into its result buffer and hashes each chunk in a
 worker thread while the next one arrives; the finished `Snapshot` carries those checked hashes,
-which the joiner's digest takes instead of hashing the state again. Protocol decisions (which
+which the joiner's digest takes instead of hashing the state again. A trainer downloads into
+its own tensors instead (`StateDownload.run_into`, `inplace`): the header and the small
+chunks first, then, once the sink has checked the state, the rest straight where it goes. Protocol decisions (which
 manifest, who serves which chunk, requeueing) are pure code in `peer.training.chunks`. Nothing
 received is unpickled.
 
 Modules: `wire` (the `Snapshot` and the data-plane framing both sides share), `donor`
-(`StateDonor`), `download` (`StateDownload`, `download_state`, `StateDownloadFailed`).
+(`StateDonor`), `download` (`StateDownload`, `download_state`, `StateDownloadFailed`),
+`inplace` (a download into the downloader's own tensors: the pure part, and the `Sink`).
 """
 
 from peer.training.statesync.donor import DonorStatistics, SnapshotSource, StateDonor, held

@@ -224,7 +224,9 @@ class StateDownload:
             ) from None
         view = result.view
         self._into = lambda index: view[slice(*plan.manifest.chunk(index))]
-        await self._fetch_admitted()
+        async with trio.open_nursery() as asks:
+            await self._fetch_admitted(asks)
+            asks.cancel_scope.cancel()
         self._into = _nowhere
         manifest = plan.manifest
         # Every chunk has passed its check: these are the hashes of the bytes we hold.
@@ -236,20 +238,23 @@ class StateDownload:
         manifest = plan.manifest
         early = EarlyChunks(manifest)
         self._into = early.view
-        try:
-            # The header, then what the state's check needs, each in a round of its own.
-            while wanted := [i for i in await sink.first(manifest, early) if i not in early]:
-                plan.admit(wanted)
-                await self._fetch_admitted()
-            where = await sink.admit(manifest, early)
-        except ProtocolError as error:  # the followed donor's bytes (each checked) say so
-            raise StateDownloadFailed(self._failure(f"its state: {error}")) from None
-        places = {index: where(index) for index in plan.held_back()}
-        targets = {index: view for index, view in places.items() if view is not None}
-        plan.skip(places.keys() - targets.keys())
-        self._into = targets.__getitem__
-        plan.admit(targets)
-        await self._fetch_admitted()
+        # Asks for more donors outlive a round: one cut short lost the donors it had taken.
+        async with trio.open_nursery() as asks:
+            try:
+                # The header, then what the state's check needs, each in a round of its own.
+                while wanted := [i for i in await sink.first(manifest, early) if i not in early]:
+                    plan.admit(wanted)
+                    await self._fetch_admitted(asks)
+                where = await sink.admit(manifest, early)
+            except ProtocolError as error:  # the followed donor's bytes (each checked) say so
+                raise StateDownloadFailed(self._failure(f"its state: {error}")) from None
+            places = {index: where(index) for index in plan.held_back()}
+            targets = {index: view for index, view in places.items() if view is not None}
+            plan.skip(places.keys() - targets.keys())
+            self._into = targets.__getitem__
+            plan.admit(targets)
+            await self._fetch_admitted(asks)
+            asks.cancel_scope.cancel()
         self._into = _nowhere
         return manifest.step
 
@@ -265,9 +270,9 @@ class StateDownload:
                 self._follow(owner, held_back=held_back)
         return self._plan
 
-    async def _fetch_admitted(self) -> None:
-        """Start donors, ask more when short of them, until every chunk admitted is done or
-        some have no donor left (StateDownloadFailed)."""
+    async def _fetch_admitted(self, asks: trio.Nursery) -> None:
+        """Start donors, ask more when short of them (in `asks`), until every chunk admitted
+        is done or some have no donor left (StateDownloadFailed)."""
         plan = self._plan
         assert plan is not None
         failure = None
@@ -278,7 +283,7 @@ class StateDownload:
                 stuck = plan.unservable()
                 short = plan.live_donors() < self.parallel
                 if (stuck or short) and self._unasked and not self._asking:
-                    nursery.start_soon(self._ask_batch, self._next_batch())
+                    asks.start_soon(self._ask_batch, self._next_batch())
                 elif stuck and not self._asking:
                     failure = f"chunks {_ranges(stuck)} have no donor left"
                     break
