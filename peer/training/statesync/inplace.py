@@ -63,9 +63,6 @@ class EarlyChunks:
     def __contains__(self, index: int) -> bool:
         return index in self._buffers
 
-    def __len__(self) -> int:
-        return sum(len(b) for b in self._buffers.values())
-
     def chunks_over(self, start: int, end: int) -> list[int]:
         """The chunks that hold bytes [start, end)."""
         ends = self.manifest.ends
