@@ -81,7 +81,7 @@ class InPlaceCatchUp:
         # From here on the state we held is given up.
         self.receivers = receivers = await self.worker.take_in_place(state)
         self.early = early
-        views = {name: states.raw_bytes(tensor) for name, tensor in receivers.items()}
+        views = await trio.to_thread.run_sync(_bytes_of, receivers)  # torch: not on the loop
 
         def where(index: int) -> memoryview | None:
             if index not in placement.late:
@@ -99,6 +99,10 @@ class InPlaceCatchUp:
         assert early is not None and self.digest is not None
         await self.worker.finish_in_place(state, receivers, early.pieces(), layout.spans)
         return state.step, self.digest
+
+
+def _bytes_of(tensors: dict[str, torch.Tensor]) -> dict[str, memoryview]:
+    return {name: states.raw_bytes(tensor) for name, tensor in tensors.items()}
 
 
 __all__ = ["Certify", "InPlaceCatchUp"]
