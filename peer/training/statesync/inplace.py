@@ -139,8 +139,9 @@ def place(
 
 class KnownPieces:
     """The hashes of a digest's pieces (`BlobLayout.known`'s mapping) for a state not here yet:
-    a piece that is a whole chunk has the manifest's hash (its bytes are checked against it
-    when they arrive), any other is hashed from the early chunks that hold it."""
+    a piece that is a whole chunk has the manifest's hash (the bytes we load of it are checked
+    against that hash when they arrive; a certified digest vouches for the hash itself), any
+    other is hashed from the early chunks that hold it."""
 
     def __init__(self, manifest: Manifest, early: EarlyChunks) -> None:
         self._hashes = {manifest.chunk(i): h for i, h in enumerate(manifest.hashes)}
