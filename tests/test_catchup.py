@@ -213,6 +213,37 @@ async def test_a_peer_behind_downloads_into_its_own_tensors(tmp_path, autojump_c
     assert same_state(trainer, donor)
 
 
+class WideNormTask(WideTask):
+    """The wide task with a BatchNorm layer: float running statistics, an int64 counter."""
+
+    name = "wide-norm"
+
+    def build_model(self) -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(
+            torch.nn.Linear(self.inputs, self.hidden),
+            torch.nn.BatchNorm1d(self.hidden),
+            torch.nn.GELU(),
+            torch.nn.Linear(self.hidden, self.outputs),
+        )
+
+
+async def test_buffers_come_in_place_with_the_parameters(tmp_path, autojump_clock):
+    trainer = await make_trainer(tmp_path / "me", task=WideNormTask())
+    await take_steps(trainer, 1)
+    donor, partner = await ahead(tmp_path, WideNormTask)
+    norm = trainer.worker.model[1]
+    with torch.no_grad():
+        norm.running_mean.fill_(7.0)
+        norm.num_batches_tracked.fill_(99)
+    read(trainer, signed_record(donor, partner))
+    trainer.download_into = Feed(await donor.snapshot())
+    await trainer._catch_up(*behind(trainer))
+    assert trainer.step == 2 and trainer.digest == donor.digest
+    theirs = donor.worker.model.state_dict()
+    assert all(torch.equal(t, theirs[n]) for n, t in trainer.worker.model.state_dict().items())
+
+
 async def test_a_diloco_peer_behind_downloads_into_its_parameters_and_outer_momentum(
     tmp_path, autojump_clock
 ):
