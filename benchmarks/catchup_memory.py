@@ -11,7 +11,8 @@ are allocated) or none (a fresh joiner), and catches up on the donor's state:
 - in place: `StateDownload.run_into` an `InPlaceCatchUp`, then `finish` (the trainer's way).
 Each child reports its RSS holding its own state just before the catch-up (the baseline), its
 peak RSS during it (VmHWM, reset just before through /proc/self/clear_refs), the seconds it
-took, and whether its digest is the donor's. Ratios are to the state's bytes.
+took, and whether its digest is the donor's. Ratios are to the bytes the donor serves (DiLoCo:
+without the inner optimizer, each peer's own).
 """
 
 from __future__ import annotations

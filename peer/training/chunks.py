@@ -33,6 +33,7 @@ Chunk states and the events that move them (anything else is our own bug):
        ^                  |                      |
        +-----stopped------+                      |
        +-----------------rejected----------------+
+    PENDING --skipped--> DONE   (held back, then never fetched: `skip`)
 
 Donor states: RESERVE (offered, not started) -> ACTIVE -> IDLE (nothing left it could serve;
 restarted when chunks come back) or DROPPED (failed: never used again).
