@@ -35,7 +35,6 @@ class InPlaceCatchUp:
         self.placement: Placement | None = None
         self.digest: str | None = None
         self.receivers: dict[str, torch.Tensor] | None = None
-        self.early: EarlyChunks | None = None
 
     async def first(self, manifest: Manifest, early: EarlyChunks) -> Collection[int]:
         header = 8  # the header's length, then the header
@@ -79,8 +78,9 @@ class InPlaceCatchUp:
         self.certify(manifest.step, certified.digest)
         self.digest = certified.digest
         # From here on the state we held is given up.
-        self.receivers = receivers = await self.worker.take_in_place(state)
-        self.early = early
+        self.receivers = receivers = await self.worker.take_in_place(
+            state, early.pieces(), layout.spans
+        )
         views = await trio.to_thread.run_sync(_bytes_of, receivers)  # torch: not on the loop
 
         def where(index: int) -> memoryview | None:
@@ -94,10 +94,9 @@ class InPlaceCatchUp:
 
     async def finish(self) -> tuple[int, str]:
         """Load the state received (StateMismatch: it holds NaN, say); its step and digest."""
-        state, layout, receivers, early = self.state, self.layout, self.receivers, self.early
-        assert state is not None and layout is not None and receivers is not None
-        assert early is not None and self.digest is not None
-        await self.worker.finish_in_place(state, receivers, early.pieces(), layout.spans)
+        state, receivers = self.state, self.receivers
+        assert state is not None and receivers is not None and self.digest is not None
+        await self.worker.finish_in_place(state, receivers)
         return state.step, self.digest
 
 

@@ -372,7 +372,12 @@ class TorchWorker:
             strategy.schedule.load(state.scheduler_state)
         strategy.drop_local_work()
 
-    def _take_in_place(self, state: states.TrainingState) -> dict[str, torch.Tensor]:
+    def _take_in_place(
+        self,
+        state: states.TrainingState,
+        early: Mapping[int, tuple[int, memoryview]],
+        spans: Mapping[str, tuple[int, int]],
+    ) -> dict[str, torch.Tensor]:
         with self._torch_thread_still():
             strategy = self.strategy
             optimizers = {name: strategy.optimizers()[name] for name in strategy.shared}
@@ -389,24 +394,27 @@ class TorchWorker:
                 with self._changing():  # no donor or checkpoint reads the state we held now
                     self.torn = True
                 strategy.drop_local_work()  # a torn state has no local work to offer
+            states.fill(receivers, spans, early)  # no later chunk writes these bytes
             return receivers
 
-    async def take_in_place(self, state: states.TrainingState) -> dict[str, torch.Tensor]:
-        """Where a download of a donor's `state` (shapes and dtypes: `states.parse_header`) is
-        received (`states.receivers`): on a CPU, our own tensors, so from here on the state we
-        held is given up (`torn` until a state is loaded); on a GPU, new CPU tensors, and our
-        state stays whole. StateMismatch, with nothing changed, if it does not fit our model."""
-        return await trio.to_thread.run_sync(self._take_in_place, state)
-
-    def _finish_in_place(
+    async def take_in_place(
         self,
         state: states.TrainingState,
-        receivers: dict[str, torch.Tensor],
         early: Mapping[int, tuple[int, memoryview]],
         spans: Mapping[str, tuple[int, int]],
+    ) -> dict[str, torch.Tensor]:
+        """Where a download of a donor's `state` (shapes and dtypes: `states.parse_header`) is
+        received (`states.receivers`), with the bytes of its tensors that came `early` (chunk
+        -> (where it starts, bytes); `spans`: where the blob keeps each tensor) copied in: on
+        a CPU, our own tensors, so from here on the state we held is given up (`torn` until a
+        state is loaded); on a GPU, new CPU tensors, and our state stays whole. StateMismatch,
+        with nothing changed, if it does not fit our model."""
+        return await trio.to_thread.run_sync(self._take_in_place, state, early, spans)
+
+    def _finish_in_place(
+        self, state: states.TrainingState, receivers: dict[str, torch.Tensor]
     ) -> None:
         with self._torch_thread_still():
-            states.fill(receivers, spans, early)
             received = states.TrainingState(state.step, receivers, state.metadata)
             # The tensors are ours: loading them keeps them where they are (no release).
             with self._changing():  # (GPU: the copy we held until now)
@@ -414,17 +422,11 @@ class TorchWorker:
             self.torn = False
 
     async def finish_in_place(
-        self,
-        state: states.TrainingState,
-        receivers: dict[str, torch.Tensor],
-        early: Mapping[int, tuple[int, memoryview]],
-        spans: Mapping[str, tuple[int, int]],
+        self, state: states.TrainingState, receivers: dict[str, torch.Tensor]
     ) -> None:
-        """Load a state received into `receivers` (`take_in_place`), the bytes of its tensors
-        that came in `early` chunks (chunk -> (where it starts, bytes)) first copied into them;
-        `spans`: where the blob keeps each tensor. StateMismatch (a certified state with NaN
-        in it, say) leaves the state `torn`."""
-        await trio.to_thread.run_sync(self._finish_in_place, state, receivers, early, spans)
+        """Load a state received into `receivers` (`take_in_place`). StateMismatch (a
+        certified state with NaN in it, say) leaves the state `torn`."""
+        await trio.to_thread.run_sync(self._finish_in_place, state, receivers)
 
     def _before_download(self) -> None:
         if isinstance(self.strategy, LargeBatch):
