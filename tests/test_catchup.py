@@ -5,7 +5,6 @@ where our tensors lie, and a download that fails part-way."""
 from __future__ import annotations
 
 import functools
-import math
 
 import pytest
 import torch
@@ -31,12 +30,14 @@ from peer.training.task import TinyTask
 from tests.test_statesync import connect, donors, nodes
 from tests.test_trainer_steps import (
     INNER_STEPS,
+    FakeMonotonic,
     behind,
     make_trainer,
     read,
     signed_record,
     take_steps,
 )
+from tests.test_training_strategies import NormTask
 
 TIMEOUT = 30
 
@@ -107,6 +108,17 @@ async def ahead(tmp_path, task=WideTask, steps: int = 2, **kwargs):
     await take_steps(donor, steps)
     await take_steps(partner, steps)
     return donor, partner
+
+
+async def fallen_behind(tmp_path, task=WideTask, *, trained: bool = True, **kwargs):
+    """A trainer (with a step of its own, if `trained`) that has read the records of two peers
+    at step 2, and one of those two."""
+    trainer = await make_trainer(tmp_path / "me", task=task(), **kwargs)
+    if trained:
+        await take_steps(trainer, 1)
+    donor, partner = await ahead(tmp_path, task, **kwargs)
+    read(trainer, signed_record(donor, partner))
+    return trainer, donor
 
 
 # ---------------------------------------------------------------------------- pure: placement
@@ -185,11 +197,7 @@ async def test_a_peer_behind_downloads_into_its_own_tensors(tmp_path, autojump_c
     """A trained peer that fell behind held its state beside the whole download (2.5x the state
     at 100 M): now the large tensors' chunks land in its own parameters and moments, and only
     the header and the small tensors come aside first. A fresh joiner's moments are made."""
-    trainer = await make_trainer(tmp_path / "me", task=WideTask())
-    if trained:
-        await take_steps(trainer, 1)
-    donor, partner = await ahead(tmp_path)
-    read(trainer, signed_record(donor, partner))
+    trainer, donor = await fallen_behind(tmp_path, trained=trained)
     before = [t.data_ptr() for t in own_tensors(trainer)]
     feed = trainer.download_into = Feed(await donor.snapshot())
     await trainer._catch_up(*behind(trainer))
@@ -213,30 +221,19 @@ async def test_a_peer_behind_downloads_into_its_own_tensors(tmp_path, autojump_c
     assert same_state(trainer, donor)
 
 
-class WideNormTask(WideTask):
+class WideNormTask(NormTask):
     """The wide task with a BatchNorm layer: float running statistics, an int64 counter."""
 
     name = "wide-norm"
-
-    def build_model(self) -> torch.nn.Module:
-        torch.manual_seed(0)
-        return torch.nn.Sequential(
-            torch.nn.Linear(self.inputs, self.hidden),
-            torch.nn.BatchNorm1d(self.hidden),
-            torch.nn.GELU(),
-            torch.nn.Linear(self.hidden, self.outputs),
-        )
+    inputs, hidden = WideTask.inputs, WideTask.hidden
 
 
 async def test_buffers_come_in_place_with_the_parameters(tmp_path, autojump_clock):
-    trainer = await make_trainer(tmp_path / "me", task=WideNormTask())
-    await take_steps(trainer, 1)
-    donor, partner = await ahead(tmp_path, WideNormTask)
+    trainer, donor = await fallen_behind(tmp_path, WideNormTask)
     norm = trainer.worker.model[1]
     with torch.no_grad():
         norm.running_mean.fill_(7.0)
         norm.num_batches_tracked.fill_(99)
-    read(trainer, signed_record(donor, partner))
     trainer.download_into = Feed(await donor.snapshot())
     await trainer._catch_up(*behind(trainer))
     assert trainer.step == 2 and trainer.digest == donor.digest
@@ -249,11 +246,7 @@ async def test_a_diloco_peer_behind_downloads_into_its_parameters_and_outer_mome
 ):
     """DiLoCo serves its anchor and outer optimizer: they land in our parameters (then our
     anchor) and our outer momentum where they lie; our inner optimizer stays our own."""
-    mode = {"mode": "diloco", "inner_steps": INNER_STEPS}
-    trainer = await make_trainer(tmp_path / "me", task=WideTask(), **mode)
-    await take_steps(trainer, 1)
-    donor, partner = await ahead(tmp_path, **mode)
-    read(trainer, signed_record(donor, partner))
+    trainer, donor = await fallen_behind(tmp_path, mode="diloco", inner_steps=INNER_STEPS)
     strategy = trainer.worker.strategy
     outer = strategy.optimizers()["outer"]
     inner = strategy.optimizers()["inner"]
@@ -306,10 +299,7 @@ async def test_a_donor_cut_otherwise_and_a_small_model_come_whole_and_load_alike
 async def test_an_uncertified_state_is_refused_before_any_byte_of_ours_changes(
     tmp_path, autojump_clock
 ):
-    trainer = await make_trainer(tmp_path / "me", task=WideTask())
-    await take_steps(trainer, 1)
-    donor, partner = await ahead(tmp_path)
-    read(trainer, signed_record(donor, partner))
+    trainer, _ = await fallen_behind(tmp_path)
     poisoned = await make_trainer(tmp_path / "p", task=WideTask())
     await take_steps(poisoned, 2)
     with torch.no_grad():
@@ -354,10 +344,7 @@ async def test_a_download_that_breaks_off_part_way_leaves_nothing_trained_served
     """Once our tensors began to take the new state, a failed download leaves them torn. With
     no checkpoint to go back to: no micro-batch, call or declaration (a wait instead), no state
     to serve, no checkpoint written; the next download that completes mends it."""
-    trainer = await make_trainer(tmp_path / "me", task=WideTask())
-    await take_steps(trainer, 1)
-    donor, partner = await ahead(tmp_path)
-    read(trainer, signed_record(donor, partner))
+    trainer, donor = await fallen_behind(tmp_path)
     snapshot = await donor.snapshot()
     assert snapshot is not None
     feed = trainer.download_into = Feed(snapshot, fail_after=1)
@@ -378,13 +365,10 @@ async def test_a_download_that_breaks_off_part_way_leaves_nothing_trained_served
 async def test_a_torn_state_goes_back_to_the_last_checkpoint(tmp_path, autojump_clock):
     """A peer whose only donor left mid-download would wait for ever: with a checkpoint, it
     takes that state back at once, and serves and trains again."""
-    trainer = await make_trainer(tmp_path / "me", task=WideTask())
-    await take_steps(trainer, 1)
+    trainer, donor = await fallen_behind(tmp_path)
     await trainer._save()  # no deadline (the virtual clock would pass any while it writes)
     kept = [t.clone() for t in own_tensors(trainer)]
     digest = trainer.digest
-    donor, partner = await ahead(tmp_path)
-    read(trainer, signed_record(donor, partner))
     trainer.download_into = Feed(await donor.snapshot(), fail_after=1)
     await trainer._catch_up(*behind(trainer))
     assert not trainer.worker.torn and trainer.step == 1 and trainer.digest == digest
@@ -404,11 +388,8 @@ async def test_where_our_tensors_cannot_take_the_bytes_a_failure_leaves_our_stat
         return {name: torch.empty_like(t) for name, t in receivers(*args, **kwargs).items()}
 
     monkeypatch.setattr(worker_module.states, "receivers", new_ones)
-    trainer = await make_trainer(tmp_path / "me", task=WideTask())
-    await take_steps(trainer, 1)
+    trainer, donor = await fallen_behind(tmp_path)
     kept = [t.clone() for t in own_tensors(trainer)]
-    donor, partner = await ahead(tmp_path)
-    read(trainer, signed_record(donor, partner))
     snapshot = await donor.snapshot()
     trainer.download_into = Feed(snapshot, fail_after=1)
     await trainer._catch_up(*behind(trainer))
@@ -421,9 +402,7 @@ async def test_where_our_tensors_cannot_take_the_bytes_a_failure_leaves_our_stat
 
 
 async def test_a_header_claimed_too_long_is_refused_before_it_is_fetched(tmp_path, autojump_clock):
-    trainer = await make_trainer(tmp_path / "me")
-    donor, partner = await ahead(tmp_path, TinyTask)
-    read(trainer, signed_record(donor, partner))
+    trainer, donor = await fallen_behind(tmp_path, TinyTask, trained=False)
     snapshot = await donor.snapshot()
     assert snapshot is not None
     blob = bytearray(bytes(snapshot.blob))
@@ -438,17 +417,17 @@ async def test_a_header_claimed_too_long_is_refused_before_it_is_fetched(tmp_pat
 async def test_a_periodic_save_gives_way_to_a_catch_up(tmp_path, autojump_clock, monkeypatch):
     """It held the tensors a download into them waits for (past the donors' tickets), and the
     state it writes is behind the collaboration's."""
-    trainer = await make_trainer(tmp_path / "me", checkpoint_interval=1.0)
-    await take_steps(trainer, 1)
-    donor, partner = await ahead(tmp_path, TinyTask)
-    read(trainer, signed_record(donor, partner))
+    monotonic = FakeMonotonic()
+    trainer, _ = await fallen_behind(
+        tmp_path, TinyTask, checkpoint_interval=1.0, monotonic=monotonic
+    )
     given: list = []
 
     async def save_checkpoint(directory, *, within, gives_way):
         given.append(gives_way)
 
     monkeypatch.setattr(trainer.worker, "save_checkpoint", save_checkpoint)
-    trainer._last_checkpoint = -math.inf
+    monotonic.advance(2.0)  # a periodic checkpoint is due
     async with trio.open_nursery() as nursery:
         await trainer._checkpoint(nursery)
     (gives_way,) = given
@@ -471,10 +450,7 @@ async def test_a_download_into_our_tensors_over_loopback_survives_a_corrupt_chun
     """`StateDownload.run_into` with three donors, one of which flips a byte of every chunk it
     sends past the header: each such chunk fails its check, is fetched from the others, and
     our tensors end bit for bit the donors'."""
-    trainer = await make_trainer(tmp_path / "me", task=WideTask())
-    await take_steps(trainer, 1)
-    donor, partner = await ahead(tmp_path)
-    read(trainer, signed_record(donor, partner))
+    trainer, donor = await fallen_behind(tmp_path)
     snapshot = await donor.snapshot()
     assert snapshot is not None
 
