@@ -11,17 +11,15 @@ import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import msgspec
 import pytest
 import trio
-import trio.testing
 from blake3 import blake3
 
 from peer.errors import RemoteError
 from peer.net.host import Node, open_node
-from peer.net.tls import TlsStream, pinned_client_context
+from peer.net.tls import TlsStream, certificate_peer_id, pinned_client_context
 from peer.training.chunks import (
     MAX_CHUNK_BYTES,
     MIN_CHUNK_BYTES,
@@ -453,29 +451,53 @@ def with_differences(original: bytes, chunks: tuple[int, ...]) -> bytes:
     return bytes(out)
 
 
-async def test_a_donor_still_connecting_when_a_round_ends_is_idle_for_the_next(monkeypatch):
-    """A round (`run_into`) ends once its chunks are in, cancelling donors that were still
-    connecting: they must be idle, not active forever, or the next round never starts them
-    and counts them as live donors when it is stuck."""
-    node = SimpleNamespace(peer_id="me", network_key_bytes=None, public_addrs=lambda: [])
-    job = StateDownload(node, ["a"], min_step=7)  # type: ignore[arg-type]
-    job._offers["a"] = manifest(digests(2))  # type: ignore[index]
-    job._follow("a", held_back=True)  # type: ignore[arg-type]
-    plan = job._plan
-    assert plan is not None
-    plan.admit([0])
+class Whole:
+    """A sink (`statesync.inplace`) that takes chunk 0 first, then the rest into one buffer;
+    `on_admit` runs between the two rounds."""
 
-    async def connecting(*args, **kwargs):
-        await trio.sleep_forever()
+    def __init__(self, size: int, on_admit: Callable[[], None]) -> None:
+        self.buffer = bytearray(size)
+        self.on_admit = on_admit
 
+    async def first(self, manifest, early):
+        return [] if 0 in early else [0]
+
+    async def admit(self, manifest, early):
+        self.on_admit()
+        view = memoryview(self.buffer)
+        view[slice(*manifest.chunk(0))] = early.read(*manifest.chunk(0))
+        return lambda index: view[slice(*manifest.chunk(index))]
+
+
+async def test_a_donor_still_connecting_when_a_round_ends_serves_the_next(monkeypatch):
+    """A round ends once its chunks are in, cancelling donors still connecting: they must be
+    idle for the next round. Left active, the next round never started one, and with the
+    other donor gone the download waited for its deadline."""
+    state = Snapshot(7, blob())
+    connect_for_real, slow = download_module.connect, []
+
+    async def connecting(*args, certificate, **kwargs):
+        peer = certificate_peer_id(certificate)
+        if not slow and len(seen) == 1 and peer not in seen:
+            slow.append(peer)
+            await trio.sleep_forever()  # the second donor's first connection: cut short
+        seen.add(peer)
+        return await connect_for_real(*args, certificate=certificate, **kwargs)
+
+    seen: set[str] = set()
     monkeypatch.setattr(download_module, "connect", connecting)
-    monkeypatch.setattr(download_module, "pinned_client_context", lambda certificates: None)
-    async with trio.open_nursery() as nursery:
-        assert plan.donors_to_start() == ["a"]
-        nursery.start_soon(job._fetch_from, nursery, "a")
-        await trio.testing.wait_all_tasks_blocked()
-        nursery.cancel_scope.cancel()
-    assert plan.donors_to_start() == ["a"]  # idle, so started again
+    with trio.fail_after(TIMEOUT):
+        async with nodes(1) as (downloader,), donors([state, state]) as running:
+            peers = await connect(downloader, running)
+
+            def kill_the_other() -> None:  # only the one cut short can serve the rest
+                (fast,) = [r for r in running if r.node.peer_id.to_base58() not in slow]
+                fast.kill()
+
+            sink = Whole(len(state.blob), kill_the_other)
+            job = StateDownload(downloader, peers, min_step=7, parallel=2, stall_timeout=5)
+            assert await job.run_into(sink, deadline=trio.current_time() + 10) == 7
+    assert slow and bytes(sink.buffer) == state.blob
 
 
 async def test_three_donors_give_the_exact_bytes_and_step_in_parallel():
