@@ -57,14 +57,12 @@ class InPlaceCatchUp:
 
     def _wanted(self, state: states.TrainingState) -> tuple[set[str], set[str]]:
         """The tensors we load (the model's and the shared optimizers'), and those a step
-        certifies (`TorchWorker.certify`)."""
-        shared = set(self.worker.strategy.shared)
+        certifies."""
+        worker = self.worker
+        shared = worker.strategy.shared
         optimizers = {n for n in state.tensors if n.partition(".")[0] in shared}
-        aliases = state.metadata["model_aliases"]
-        parameters = {f"model.{aliases.get(n, n)}" for n in self.worker.certified_names}
-        return {n for n in state.tensors if n.startswith("model.")} | optimizers, (
-            parameters | optimizers
-        )
+        certified = states.certified_tensors(state, worker.certified_names, shared)
+        return {n for n in state.tensors if n.startswith("model.")} | optimizers, set(certified)
 
     async def admit(self, manifest: Manifest, early: EarlyChunks) -> Where:
         state, layout, placement = self.state, self.layout, self.placement

@@ -1011,6 +1011,19 @@ class Certified:
     chunks of it: `BlobLayout.piece_hashes`)."""
 
 
+def certified_tensors(
+    state: TrainingState, parameters: Sequence[str], shared: Collection[str]
+) -> list[str]:
+    """The tensors of `state` a step certifies (`state_digest`), in the digest's order: the
+    named model parameters (a tied one under the name it is stored by), then the tensors of
+    the `shared` optimizers."""
+    aliases = state.metadata.get("model_aliases", {})
+    names = [f"model.{aliases.get(name, name)}" for name in sorted(set(parameters))]
+    for opt_name in sorted(shared):
+        names += sorted(n for n in state.tensors if n.startswith(f"{opt_name}."))
+    return names
+
+
 def state_digest(
     state: TrainingState,
     parameters: Sequence[str],
@@ -1030,15 +1043,13 @@ def state_digest(
     are left out: peers may hold them apart. StateMismatch if a tensor is missing;
     DigestCancelled once `cancelled()` (asked every piece: a stop waits for no more)."""
     digest = hashlib.blake2b(digest_size=16)
-    aliases = state.metadata.get("model_aliases", {})
-    names = [f"model.{aliases.get(name, name)}" for name in sorted(set(parameters))]
     optimizers = state.metadata.get("optimizers", {})
     for opt_name in sorted(shared):
         if opt_name not in optimizers:
             raise StateMismatch(f"state lacks optimizer {opt_name!r}")
-        names += sorted(n for n in state.tensors if n.startswith(f"{opt_name}."))
         scalars = json.dumps(optimizers[opt_name]["scalars"], sort_keys=True).encode()
         digest.update(len(scalars).to_bytes(8, "little") + scalars)
+    names = certified_tensors(state, parameters, shared)
     pieces: dict[str, list[bytes]] = {}
     for name in names:
         if name not in state.tensors:
