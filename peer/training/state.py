@@ -423,8 +423,8 @@ def from_bytes(data: bytes | StateBytes) -> TrainingState:
 
 def parse_blob(data: bytes) -> tuple[TrainingState, BlobLayout]:
     """`from_bytes`, and where the blob keeps each tensor."""
-    tensors, layout = _views(data)
-    return _state(tensors, _header_payload(data)), layout
+    tensors, layout, metadata = _views(data)
+    return _state(tensors, _metadata_payload(metadata)), layout
 
 
 _FROM_NAME = {name: dtype for dtype, name in _DTYPES.items()}
@@ -438,13 +438,14 @@ MAX_DIMS = 16
 TORCH_SHAPE_ERRORS = (RuntimeError, ValueError, OverflowError, TypeError)
 
 
-def _views(data: bytes) -> tuple[dict[str, torch.Tensor], BlobLayout]:
-    """The tensors of a safetensors blob as read-only views of it, and where they lie.
+def _views(data: bytes) -> tuple[dict[str, torch.Tensor], BlobLayout, object]:
+    """The tensors of a safetensors blob as read-only views of it, where they lie, and its
+    header's "__metadata__".
 
     `safetensors.torch.load` copies every tensor out of the blob: a joiner held the download
     and a copy of it (twice the state) before loading either. So the framing is checked here
     (`_entries`), as strictly as the safetensors parser does."""
-    entries, layout = _entries(data, len(data))
+    entries, layout, metadata = _entries(data, len(data))
     tensors = {}
     for name, (dtype, shape) in entries.items():
         start, _ = layout.spans[name]
@@ -454,7 +455,7 @@ def _views(data: bytes) -> tuple[dict[str, torch.Tensor], BlobLayout]:
             raise StateMismatch(
                 f"not a safetensors state: entry {name[:80]!r}: {_first_line(error)}"
             ) from error
-    return tensors, layout
+    return tensors, layout, metadata
 
 
 def header_bytes(head: bytes | memoryview) -> int:
@@ -472,7 +473,7 @@ def parse_header(head: bytes, total_bytes: int) -> tuple[TrainingState, BlobLayo
     """The state a blob of `total_bytes` holds, from its first bytes (`header_bytes` of them at
     least), checked as `from_bytes` checks it: its tensors are meta tensors (a shape and a
     dtype, no data), for checks that need no values (`restore`'s, of shapes and dtypes)."""
-    entries, layout = _entries(head, total_bytes)
+    entries, layout, metadata = _entries(head, total_bytes)
     tensors = {}
     for name, (dtype, shape) in entries.items():
         try:  # an empty tensor of a shape torch cannot stride, say
@@ -481,14 +482,14 @@ def parse_header(head: bytes, total_bytes: int) -> tuple[TrainingState, BlobLayo
             raise StateMismatch(
                 f"not a safetensors state: entry {name[:80]!r}: {_first_line(error)}"
             ) from error
-    return _state(tensors, _header_payload(head)), layout
+    return _state(tensors, _metadata_payload(metadata)), layout
 
 
 def _entries(
     data: bytes | memoryview, total_bytes: int
-) -> tuple[dict[str, tuple[torch.dtype, list[int]]], BlobLayout]:
+) -> tuple[dict[str, tuple[torch.dtype, list[int]]], BlobLayout, object]:
     """Each tensor's dtype and shape in a blob of `total_bytes` whose first bytes are `data`,
-    and where they lie: a header length within the blob, a JSON object of entries with a known
+    where they lie, and the header's "__metadata__" (parsed once): a header length within the blob, a JSON object of entries with a known
     dtype, a shape of non-negative integers, and data offsets whose length is the shape's; the
     entries tile the data region exactly (no gap, no overlap)."""
     size = header_bytes(data) - 8
@@ -532,7 +533,7 @@ def _entries(
     if covered != total_bytes:
         raise StateMismatch("not a safetensors state: bytes past its last tensor")
     parts = (start, *sorted(end for _, end in spans.values()))
-    return entries, BlobLayout(spans, parts)
+    return entries, BlobLayout(spans, parts), header.get("__metadata__", {})
 
 
 def _view(
@@ -563,15 +564,11 @@ def _state(tensors: dict[str, torch.Tensor], payload: dict[str, Any]) -> Trainin
     return state
 
 
-def _header_payload(data: bytes) -> dict[str, Any]:
-    # `_entries` has validated the framing: 8-byte little-endian length, JSON header.
-    size = int.from_bytes(data[:8], "little")
-    try:
-        header = json.loads(bytes(data[8 : 8 + size]))
-        text = header.get("__metadata__", {}).get(HEADER_KEY)
-    except (ValueError, AttributeError, RecursionError) as error:
-        raise StateMismatch(f"state header is not valid JSON: {_first_line(error)}") from error
-    return _payload(text)
+def _metadata_payload(metadata: object) -> dict[str, Any]:
+    """The decoded HEADER_KEY entry of a header's "__metadata__"."""
+    if not isinstance(metadata, dict):
+        raise StateMismatch("state header is not valid JSON: its __metadata__ is no object")
+    return _payload(metadata.get(HEADER_KEY))
 
 
 def _payload(text: object) -> dict[str, Any]:
