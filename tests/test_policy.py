@@ -197,6 +197,33 @@ def test_a_dedloc_peer_declares_while_a_slow_micro_batch_would_still_end_in_time
     assert action == Declare(gather_until, read_for=margin / 4)
 
 
+def test_a_torn_state_neither_computes_nor_calls_nor_declares_and_moves_nothing():
+    """After a download into our tensors failed part-way (`Local.torn`), the moments when the
+    peer would compute, call a step (which others then gather for) or declare are waits, and
+    the policy's own state (a call recorded, holding) does not move."""
+    rate = dict(samples_per_second=10.0, batch_seconds=1.0)
+    policy = make_policy()
+    assert isinstance(policy.next_action(Local(torn=True, **rate), T0), Wait)
+    assert policy.next_action(Local(**rate), T0) == Compute()
+    # With another peer's samples, ours make the batch and we have the lowest id: we would call.
+    policy = make_policy()
+    read(policy, other("z1", samples=16, samples_per_second=10.0))
+    torn = policy.next_action(Local(samples=8, torn=True, **rate), T0)
+    assert isinstance(torn, Wait) and policy.call is None
+    assert not policy.own_record(Local(samples=8, torn=True), T0).holding
+    assert isinstance(policy.next_action(Local(samples=8, **rate), T0), Call)
+    # A call of someone else's, its gathering about to close: we would declare.
+    policy = make_policy()
+    margin = policy.timing.declare_margin(policy.store_seconds)
+    gather_until = T0 + 10.0
+    read(policy, other("0", call_step=0, gather_until=gather_until))
+    now = gather_until - margin - 1.5
+    assert isinstance(policy.next_action(Local(samples=8, torn=True, **rate), now), Wait)
+    assert policy.next_action(Local(samples=8, **rate), now) == Declare(
+        gather_until, read_for=margin / 4
+    )
+
+
 # ---------------------------------------------------------------------------- alone
 
 

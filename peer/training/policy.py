@@ -140,6 +140,9 @@ class Local:
     """Our latest (step, validation loss)."""
     bandwidth: float | None = None
     """Our measured link, bytes/s (min of upload and download), if measured."""
+    torn: bool = False
+    """A download into our own tensors failed part-way: nothing to train on or offer until a
+    download completes (`TorchWorker.torn`)."""
 
 
 @dataclass(frozen=True)
@@ -412,6 +415,8 @@ class StepPolicy:
             return self._settling(local, now)
         if not local.averaging and (donors := self.donors(view, now)):
             return self._catch_up(donors, view.global_step, None)
+        if local.torn:  # no state to compute on, call a step with or declare in
+            return Wait(self.training.progress_interval)
         # With delayed updates too: the micro-batches computed while our averaging runs are our
         # part of the step after it, so they stop at our quota (before, they did not: 3 peers
         # applied 3,280 samples a step for a target of 64).

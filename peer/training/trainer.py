@@ -46,7 +46,6 @@ from peer.measure.capabilities import Capabilities
 from peer.training.catchup import InPlaceCatchUp
 from peer.training.certificate import sign_step
 from peer.training.policy import (
-    Action,
     Call,
     CatchUp,
     Compute,
@@ -254,6 +253,7 @@ class Trainer:
             bandwidth=(
                 min(capabilities.upload_bps, capabilities.download_bps) if capabilities else None
             ),
+            torn=self.worker.torn,
         )
 
     def record(self) -> ProgressRecord:
@@ -368,7 +368,7 @@ class Trainer:
                 self._background = self._background_result = None
             if self.policy.take_changed():
                 self.progress.publish_now()
-            match self._allowed(action):
+            match action:
                 case Compute():
                     await self._compute()
                 case Call():
@@ -387,14 +387,6 @@ class Trainer:
                     if reason:
                         log.info("%s", reason)
                     return
-
-    def _allowed(self, action: Action) -> Action:
-        """`action`, or a wait where a download into our tensors failed part-way: they hold
-        nothing to train on or offer until one completes (the checkpoint on disk is the last
-        whole state, and a donor serves none: `TorchWorker.torn`)."""
-        if self.worker.torn and isinstance(action, Compute | Call | Declare):
-            return Wait(self.training.progress_interval)
-        return action
 
     async def _compute(self) -> None:
         done = await self.worker.compute()
