@@ -97,6 +97,9 @@ def test_signature_binds_key_value_and_expiration():
     key_pair, peer = owner()
     entry = make_entry("k", peer, b"v", NOW + 10, signer=key_pair.private_key)
     store = RecordStore(LIMITS)
+    # Checked once and remembered (`records._VERIFIED`): what is remembered is the whole
+    # entry, so the same signature over anything else is checked again, and refused.
+    assert store.store("k", peer, entry, now=NOW, writer=peer)
     for key, changed in [
         ("other", entry),
         ("k", Entry(b"w", entry.expiration, entry.signature)),

@@ -14,6 +14,7 @@ owner-signed subkeys, so a store carries at most `MAX_STORE_ENTRIES` entries.
 
 from __future__ import annotations
 
+import functools
 from typing import Annotated
 
 import msgspec
@@ -80,10 +81,17 @@ def to_contacts(wire: list[WireContact], *, exclude: ID) -> list[Contact]:
     """Contacts from a reply, skipping ids that do not parse and ourselves."""
     out = []
     for item in wire:
-        try:
-            peer_id = ID.from_base58(item.peer_id)
-        except Exception:  # base58/multihash errors: a bad contact is ignored, not fatal
-            continue
-        if peer_id != exclude and item.addrs:
+        peer_id = _peer_id(item.peer_id)
+        if peer_id is not None and peer_id != exclude and item.addrs:
             out.append(Contact(peer_id, tuple(item.addrs)))
     return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _peer_id(text: str) -> ID | None:
+    """A contact's id, or None if it does not parse. Cached: replies name the same nodes over
+    and over, and base58 decoding was most of a lookup's CPU."""
+    try:
+        return ID.from_base58(text)
+    except Exception:  # base58/multihash errors: a bad contact is ignored, not fatal
+        return None

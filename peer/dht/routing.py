@@ -9,7 +9,9 @@ asks which nodes to query next, reports each answer or failure, and stops when `
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import heapq
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -23,6 +25,7 @@ def key_id(key: str) -> int:
     return int.from_bytes(hashlib.sha256(key.encode()).digest(), "big")
 
 
+@functools.lru_cache(maxsize=8192)
 def node_id(peer_id: ID) -> int:
     return int.from_bytes(hashlib.sha256(peer_id.to_bytes()).digest(), "big")
 
@@ -90,9 +93,10 @@ class RoutingTable:
 
     def nearest(self, target: int, count: int, *, exclude: Iterable[ID] = ()) -> list[Contact]:
         excluded = set(exclude)
-        contacts = [c for b in self._buckets for c in b.values() if c.peer_id not in excluded]
-        contacts.sort(key=lambda c: c.id ^ target)
-        return contacts[:count]
+        contacts = (c for b in self._buckets for c in b.values())
+        if excluded:
+            contacts = (c for c in contacts if c.peer_id not in excluded)
+        return heapq.nsmallest(count, contacts, key=lambda c: c.id ^ target)
 
     def contacts(self) -> list[Contact]:
         return [c for bucket in self._buckets for c in bucket.values()]

@@ -1,0 +1,48 @@
+"""Simulate collaborations of N volunteers on trio's virtual clock and print their figures.
+
+    .venv/bin/python -m simulation --peers 100 300 [--minutes 30] [--churn 0.1] [--seed 0]
+
+Every peer runs the real DHT, matchmaking, Moshpit plan and step policy over a simulated
+network (`simulation.network`); see `simulation/collaboration.py` for what is simulated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from simulation.collaboration import Scenario, run_collaboration
+from simulation.report import rows, summarize
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m simulation", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--peers", type=int, nargs="+", default=[100])
+    parser.add_argument("--minutes", type=float, default=30.0, help="virtual minutes per run")
+    parser.add_argument("--churn", type=float, default=0.10, help="share of peers leaving per hour")
+    parser.add_argument("--model-mb", type=float, default=4 * 17.7, help="gradient MB on the wire")
+    parser.add_argument("--target-batch", type=int, default=4096)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-level", default="error")
+    args = parser.parse_args()
+    logging.basicConfig(level=args.log_level.upper(), format="%(name)s: %(message)s")
+    for peers in args.peers:
+        scenario = Scenario(
+            peers=peers,
+            minutes=args.minutes,
+            churn_per_hour=args.churn,
+            model_bytes=args.model_mb * 1e6,
+            target_batch=args.target_batch,
+            seed=args.seed,
+        )
+        summary = summarize(run_collaboration(scenario))
+        width = max(len(name) for name, _ in rows(summary))
+        print(f"\n{peers} peers")
+        for name, value in rows(summary):
+            print(f"  {name:<{width}}  {value}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,470 @@
+"""A whole collaboration in one process on trio's virtual clock: backbones and N trainers, each
+the real `DHT`, `Averager` (matchmaking, Moshpit plan) and `Trainer` (`StepPolicy`, progress
+records, catch-up), over `network.SimNetwork`, with `worker.SimWorker` for torch and
+`dataplane.SimDataPlane` for the bulk transfers; volunteers leave and join at a given rate.
+
+Sizes: the trainers average a short vector, and the times come from the simulated model's
+bytes. Deadlines that the code derives from a vector's size and a link's bandwidth see the
+bandwidths divided by `Scale.factor` (model bytes / vector bytes): every such deadline comes
+out as it would for the real model on the real link.
+
+Run it with `python -m simulation` (`simulation/__main__.py`); `run_collaboration` is the API
+the tests use.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+import trio
+import trio.testing
+from libp2p.peer.id import ID
+
+from peer.averaging.averager import Averager, AveragingResult
+from peer.config import (
+    AveragingConfig,
+    CollaborationConfig,
+    PeerConfig,
+    TaskConfig,
+    TrainingConfig,
+)
+from peer.dht.node import DHT
+from peer.errors import RemoteError
+from peer.measure.attestation import attest
+from peer.measure.capabilities import Capabilities
+from peer.net import tls
+from peer.roles import PeerCapacity, assign_roles
+from peer.training.progress import CollaborationView, ProgressRecord
+from peer.training.trainer import Trainer
+from simulation.dataplane import SimDataPlane, SimDataServer, SimIdentity, simulated, snapshot_of
+from simulation.network import Link, LinkDistribution, SimNetwork, SimNode
+from simulation.worker import SimWorker
+
+log = logging.getLogger(__name__)
+
+EPOCH = 1.8e9  # the simulated wall clock at virtual time 0
+BACKBONES = 2
+VECTOR = 64  # values a simulated trainer averages
+TICK = 0.01  # virtual seconds: the longest the clock may jump while a thread runs
+
+
+@dataclass(frozen=True)
+class Scenario:
+    peers: int
+    minutes: float = 30.0
+    churn_per_hour: float = 0.10
+    """The share of the peers that leaves per hour; as many new ones join."""
+    model_bytes: float = 4 * 17.7e6
+    """The gradient on the wire: ALBERT-large in float32, as DeDLOC's volunteers trained."""
+    state_factor: float = 3.0
+    """A state download moves this many model-sizes (parameters and Adam's two moments)."""
+    samples_per_second: tuple[float, float] = (4.0, 40.0)
+    """Each volunteer's speed is drawn log-uniformly from this range."""
+    micro_batch: int = 4
+    target_batch: int = 4096
+    group_size: int = 4
+    seed: int = 0
+    links: LinkDistribution = field(default_factory=LinkDistribution)
+
+
+@dataclass
+class Attempt:
+    """One peer's averaging call."""
+
+    peer: str
+    epoch: int
+    started: float
+    ended: float
+    peers_seen: int
+    exact: bool
+    why: str
+
+
+@dataclass
+class Volunteer:
+    """One trainer's time in the collaboration."""
+
+    joined_at: float
+    """Virtual seconds."""
+    late: bool
+    """It joined after the start (a replacement for one that left)."""
+    trainer: Trainer
+    left_at: float | None = None
+    step_at_end: int = 0
+
+
+@dataclass
+class Report:
+    scenario: Scenario
+    wall_seconds: float
+    virtual_seconds: float
+    attempts: list[Attempt]
+    volunteers: list[Volunteer]
+    digests_agree: bool
+    """Every trainer that holds the collaboration's newest step holds the same bits."""
+    newest_step: int
+    dht_ops: Counter[str]
+    dht_seconds: dict[str, list[float]]
+    views: list[tuple[int, int]]
+    """(progress records a trainer read, trainers alive then): how much of the collaboration
+    each read saw."""
+    rpc_calls: Counter[tuple[str, str]]
+    rpc_failed: Counter[tuple[str, str]]
+    rpc_bytes: Counter[tuple[str, str]]
+    served: Counter[ID]
+    departures: int
+    arrivals: int
+    downloads: int
+    failures: Counter[str]
+    ideal_step_seconds: float
+
+
+def _config(scenario: Scenario, factor: float) -> PeerConfig:
+    return PeerConfig(
+        collaboration=CollaborationConfig(name="sim"),
+        task=TaskConfig(
+            name="sim", micro_batch=scenario.micro_batch, target_batch=scenario.target_batch
+        ),
+        averaging=AveragingConfig(
+            group_size=scenario.group_size,
+            min_bandwidth=AveragingConfig().min_bandwidth / factor,
+        ),
+        training=TrainingConfig(validation_interval=0, checkpoint_dir="/nonexistent"),
+    )
+
+
+class Collaboration:
+    def __init__(self, scenario: Scenario) -> None:
+        self.scenario = scenario
+        self.rng = random.Random(scenario.seed)
+        self.network = SimNetwork(self.rng)
+        self.plane = SimDataPlane(self.network, model_bytes=scenario.model_bytes)
+        self.factor = scenario.model_bytes / (VECTOR * 4)
+        self.config = _config(scenario, self.factor)
+        self.backbones: list[SimNode] = []
+        self.backbone_dhts: list[DHT] = []
+        self.trainers: dict[str, Trainer] = {}
+        self.nodes: dict[str, SimNode] = {}
+        self.attempts: list[Attempt] = []
+        self.dht_ops: Counter[str] = Counter()
+        self.dht_seconds: dict[str, list[float]] = {"store": [], "get": []}
+        self.views: list[tuple[int, int]] = []
+        self.departures = self.arrivals = 0
+        self.volunteers: list[Volunteer] = []
+        self.ended = False
+
+    def clock(self) -> float:
+        return EPOCH + trio.current_time()
+
+    # ------------------------------------------------------------------ peers
+
+    def _dht(self, node: SimNode) -> DHT:
+        dht = DHT(
+            node,  # type: ignore[arg-type]
+            self.config.dht,
+            server=True,
+            rpc_timeout=self.config.net.rpc_timeout,
+            clock=self.clock,
+        )
+        for name in ("store", "get"):
+            setattr(dht, name, self._timed(name, getattr(dht, name)))
+        return dht
+
+    def _timed(self, name: str, call: Callable[..., Awaitable[Any]]) -> Callable[..., Any]:
+        async def timed(*args: Any, **kwargs: Any) -> Any:
+            started = trio.current_time()
+            try:
+                return await call(*args, **kwargs)
+            finally:
+                self.dht_ops[name] += 1
+                self.dht_seconds[name].append(trio.current_time() - started)
+
+        return timed
+
+    async def start_backbones(self, nursery: trio.Nursery) -> None:
+        fast = self.scenario.links.max_mbit * 125_000
+        for _ in range(BACKBONES):
+            node = self.network.node(
+                Link(upload=fast, download=fast, rtt=self.scenario.links.min_rtt)
+            )
+            dht = self._dht(node)
+            if self.backbone_dhts:
+                first = self.backbones[0]
+                await dht.bootstrap([(first.peer_id, first.announce[0])])
+            await nursery.start(dht.run)
+            self.backbones.append(node)
+            self.backbone_dhts.append(dht)
+
+    def _capabilities(self, node: SimNode, speed: float) -> Capabilities:
+        link = self.network.links[node.peer_id]
+        up, down = link.upload / self.factor, link.download / self.factor
+        signer = self.backbones[0]
+        attestation = attest(
+            signer.identity.key_pair.private_key,
+            signer=signer.peer_id.to_base58(),
+            subject=node.peer_id.to_base58(),
+            upload_bps=up,
+            download_bps=down,
+            issued_at=self.clock(),
+        )
+        return Capabilities(
+            samples_per_s=speed,
+            upload_bps=up,
+            download_bps=down,
+            rtt_s=link.rtt,
+            reachable=True,
+            device="sim",
+            free_memory_bytes=0,
+            measured_at=self.clock(),
+            task="sim",
+            gradient_bytes=VECTOR * 4,
+            target_batch=self.scenario.target_batch,
+            attestations=(attestation,),
+        )
+
+    async def run_peer(
+        self, *, late: bool, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """One volunteer, from its join until it leaves (`self.leave`: its scope cancelled)."""
+        scenario = self.scenario
+        node = self.network.node(scenario.links.draw(self.rng))
+        me = node.peer_id.to_base58()
+        self.plane.register(node.peer_id)
+        speed = (
+            scenario.samples_per_second[0]
+            * (scenario.samples_per_second[1] / scenario.samples_per_second[0]) ** self.rng.random()
+        )
+        dht = self._dht(node)
+        certificate, _ = tls._build_certificate(node.identity.key_pair.private_key)
+        averager = Averager(
+            dht,
+            self.config.averaging,
+            collaboration=self.config.collaboration.name,
+            data_server=SimDataServer(SimIdentity(me, certificate)),  # type: ignore[arg-type]
+            data_host=node.data_host,
+            data_port=4002,
+            trusted=frozenset(b.peer_id.to_base58() for b in self.backbones),
+        )
+        self._record_attempts(me, averager)
+        capabilities = self._capabilities(node, speed)
+        worker = SimWorker(
+            vector_size=VECTOR,
+            samples_per_second=speed,
+            micro_batch=scenario.micro_batch,
+            seed=self.rng.getrandbits(32),
+        )
+        trainer = Trainer(
+            dht=dht,
+            averager=averager,
+            config=self.config,
+            task=SimpleNamespace(name="sim"),  # type: ignore[arg-type]
+            device=torch.device("cpu"),
+            download=self._download(node.peer_id, worker),
+            capabilities=lambda: capabilities,
+            clock=self.clock,
+            monotonic=trio.current_time,
+            worker=worker,  # type: ignore[arg-type]
+        )
+        observe = trainer._observe
+
+        def observed(view: CollaborationView) -> None:
+            self.views.append((len(view.records), len(self.trainers)))
+            observe(view)
+
+        trainer._observe = observed  # type: ignore[method-assign]
+        trainer.progress.on_read = observed
+        dht.seeds = [(b.peer_id, b.announce[0]) for b in self.backbones]
+        await dht.bootstrap(dht.seeds)
+        self.trainers[me] = trainer
+        self.nodes[me] = node
+        volunteer = Volunteer(joined_at=trio.current_time(), late=late, trainer=trainer)
+        self.volunteers.append(volunteer)
+        task_status.started()
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(dht.run)
+                await trainer.run()
+        finally:
+            volunteer.step_at_end = trainer.step
+            if not self.ended:
+                volunteer.left_at = trio.current_time()
+            self.network.leave(node.peer_id)
+            self.trainers.pop(me, None)
+
+    def _record_attempts(self, me: str, averager: Averager) -> None:
+        average = averager.average
+
+        async def recorded(*args: Any, **kwargs: Any) -> AveragingResult:
+            started = trio.current_time()
+            result = await average(*args, **kwargs)
+            self.attempts.append(
+                Attempt(
+                    peer=me,
+                    epoch=kwargs["epoch"],
+                    started=started,
+                    ended=trio.current_time(),
+                    peers_seen=result.peers_seen,
+                    exact=result.average is not None,
+                    why="; ".join(result.skipped)[:200],
+                )
+            )
+            return result
+
+        averager.average = recorded  # type: ignore[method-assign]
+
+    def _download(
+        self, me: ID, worker: SimWorker
+    ) -> Callable[[list[ProgressRecord], int], Awaitable[Any]]:
+        async def download(donors: list[ProgressRecord], target: int) -> Any:
+            holding = [
+                self.trainers[d.peer_id]
+                for d in donors
+                if d.peer_id in self.trainers and self.trainers[d.peer_id].step == target
+            ]
+            if not holding:
+                raise RemoteError(f"no donor holds step {target}")
+            donor_ids = [t.dht.node.peer_id for t in holding]
+            await self.plane.download(
+                me, donor_ids, self.scenario.model_bytes * self.scenario.state_factor
+            )
+            for donor in holding:
+                if donor.step == target and donor.dht.node.peer_id not in self.network.gone:
+                    snapshot = await donor.worker.serialize()
+                    assert snapshot is not None and isinstance(snapshot.blob, bytes)
+                    return snapshot_of(snapshot.step, snapshot.blob)
+            raise RemoteError(f"the donors moved past step {target} during the download")
+
+        return download
+
+    # ------------------------------------------------------------------ churn
+
+    async def run(self) -> None:
+        scenario = self.scenario
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_tick)
+            await self.start_backbones(nursery)
+            scopes: dict[int, trio.CancelScope] = {}
+
+            async def volunteer(
+                index: int, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+            ) -> None:
+                with trio.CancelScope() as scope:
+                    scopes[index] = scope
+                    await self.run_peer(late=index >= scenario.peers, task_status=task_status)
+
+            async with trio.open_nursery() as peers:
+                for index in range(scenario.peers):
+                    await peers.start(volunteer, index)
+                log.info("%d peers joined at %.1fs", scenario.peers, trio.current_time())
+                end = trio.current_time() + scenario.minutes * 60
+                rate = scenario.peers * scenario.churn_per_hour / 3600  # departures per second
+                next_index = scenario.peers
+                while trio.current_time() < end:
+                    wait = self.rng.expovariate(rate) if rate > 0 else math.inf
+                    if trio.current_time() + wait >= end:
+                        await trio.sleep_until(end)
+                        break
+                    await trio.sleep(wait)
+                    index = self.rng.choice(sorted(scopes))
+                    self._leave(scopes.pop(index), index)
+                    peers.start_soon(volunteer, next_index)
+                    next_index += 1
+                    self.arrivals += 1
+                self.final = self._final_state()
+                self.ideal = ideal_step_seconds(scenario, self)
+                self.ended = True
+                peers.cancel_scope.cancel()
+            nursery.cancel_scope.cancel()
+
+    def _leave(self, scope: trio.CancelScope, index: int) -> None:
+        self.departures += 1
+        scope.cancel()
+
+    def _final_state(self) -> tuple[bool, int]:
+        steps: dict[int, set[bytes]] = {}
+        for trainer in self.trainers.values():
+            worker = trainer.worker
+            assert isinstance(worker, SimWorker)
+            steps.setdefault(trainer.step, set()).add(worker.parameters.tobytes())
+        newest = max(steps, default=0)
+        return len(steps.get(newest, set())) <= 1, newest
+
+
+async def _tick() -> None:
+    """Bounds each jump of the virtual clock: a thread's work (the averager copies vectors in
+    threads) would otherwise let it jump to the next timer while the thread runs."""
+    while True:
+        await trio.sleep(TICK)
+
+
+def ideal_step_seconds(scenario: Scenario, collaboration: Collaboration) -> float:
+    """DeDLOC's ideal step for the trainers alive at the end: the role solver's optimum
+    (`peer.roles.assign_roles`: who computes, one all-reduce with bandwidth-optimal shares,
+    no gathering, no groups, nobody leaving)."""
+    peers = []
+    for me, trainer in collaboration.trainers.items():
+        link = collaboration.network.links[collaboration.nodes[me].peer_id]
+        worker = trainer.worker
+        assert isinstance(worker, SimWorker)
+        peers.append(
+            PeerCapacity(
+                peer_id=me,
+                samples_per_s=worker.samples_per_second,
+                upload_bps=link.upload,
+                download_bps=link.download,
+                reachable=True,
+            )
+        )
+    best = assign_roles(
+        peers,
+        gradient_bytes=scenario.model_bytes,
+        target_batch=scenario.target_batch,
+        delayed=False,
+    )
+    return scenario.target_batch / best.samples_per_s
+
+
+def run_collaboration(scenario: Scenario) -> Report:
+    # The DHT draws its refresh targets from `random`: seeded too. (Python's hash seed still
+    # orders sets: runs of one seed differ in detail unless PYTHONHASHSEED is set.)
+    random.seed(scenario.seed)
+    collaboration = Collaboration(scenario)
+    started = time.perf_counter()
+    with simulated(collaboration.plane):
+        trio.run(collaboration.run, clock=trio.testing.MockClock(autojump_threshold=0))
+    agree, newest = collaboration.final
+    everyone = [v.trainer for v in collaboration.volunteers]
+    failures: Counter[str] = Counter()
+    for trainer in everyone:
+        failures.update(trainer.tally.failures)
+    traffic = collaboration.network.traffic
+    return Report(
+        scenario=scenario,
+        wall_seconds=time.perf_counter() - started,
+        virtual_seconds=scenario.minutes * 60,
+        attempts=collaboration.attempts,
+        volunteers=collaboration.volunteers,
+        digests_agree=agree,
+        newest_step=newest,
+        dht_ops=collaboration.dht_ops,
+        dht_seconds=collaboration.dht_seconds,
+        views=collaboration.views,
+        rpc_calls=traffic.calls,
+        rpc_failed=traffic.failed,
+        rpc_bytes=traffic.bytes,
+        served=traffic.served,
+        departures=collaboration.departures,
+        arrivals=collaboration.arrivals,
+        downloads=sum(t.tally.downloads for t in everyone),
+        failures=failures,
+        ideal_step_seconds=collaboration.ideal,
+    )

@@ -1,0 +1,171 @@
+"""The bulk transfers of a simulated collaboration: all-reduce rounds and state downloads.
+
+`SimDataPlane.allreduce` stands in for `peer.averaging.allreduce.allreduce` (`simulated`
+swaps it in for the averager): the members of a round meet by its round id; once all have
+arrived the round lasts as long as the butterfly all-reduce of the *simulated* model's bytes
+takes over the members' links (each member sends and receives its share of the traffic,
+`bytes_per_round`, at its own upload and download; the slowest member sets the length), plus
+a round trip. Every member then holds the same bits: the weighted mean of the computing
+members' values, added in the order the real reducers add them ((block, peer id)). A member
+that never arrives, or that leaves before the round ends, fails the round for everyone in
+it, as a dead reducer does (reported as a dropped sender and a failed reducer), which is what
+the averager's retry and refusal logic reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import trio
+from libp2p.peer.id import ID
+
+from peer.averaging import averager as averager_module
+from peer.averaging.allreduce import RoundReport, RoundSpec
+from peer.averaging.reduce import ChunkResult
+from peer.errors import RemoteError
+from peer.roles.model import bytes_per_round
+from peer.training.statesync import Snapshot
+from simulation.network import SimNetwork
+
+
+@dataclass
+class _Meeting:
+    arrived: dict[str, np.ndarray] = field(default_factory=dict)
+    everyone: trio.Event = field(default_factory=trio.Event)
+    ends_at: float | None = None
+    average: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class SimIdentity:
+    peer_id: str
+    certificate: bytes
+
+
+@dataclass(frozen=True)
+class SimDataServer:
+    """What the averager reads of its `DataServer`."""
+
+    identity: SimIdentity
+
+
+class SimDataPlane:
+    def __init__(self, network: SimNetwork, *, model_bytes: float) -> None:
+        """`model_bytes`: the simulated model's gradient on the wire (a vector's real size)."""
+        self.network = network
+        self.model_bytes = model_bytes
+        self.ids: dict[str, ID] = {}
+        self._meetings: dict[bytes, _Meeting] = {}
+        self.rounds = 0
+        self.failed_rounds = 0
+
+    def register(self, peer_id: ID) -> None:
+        self.ids[peer_id.to_base58()] = peer_id
+
+    def gone(self, peer_id: str) -> bool:
+        return self.ids[peer_id] in self.network.gone
+
+    def round_seconds(self, spec: RoundSpec) -> float:
+        """The butterfly all-reduce of `model_bytes` among `spec`'s members, on their links."""
+        parts = spec.parts()
+        computing = sum(m.computes for m in spec.members)
+        longest = 0.0
+        for member, (start, end) in zip(spec.members, parts, strict=True):
+            share = (end - start) / spec.size if spec.size else 0.0
+            moved = self.model_bytes * bytes_per_round(
+                computes=member.computes, share=share, computing=computing
+            )
+            link = self.network.links[self.ids[member.peer_id]]
+            # As many bytes go up as come down, each at its own rate, at once.
+            longest = max(longest, moved / link.upload, moved / link.download)
+        rtt = max(self.network.links[self.ids[m.peer_id]].rtt for m in spec.members)
+        return longest + rtt
+
+    async def allreduce(
+        self,
+        spec: RoundSpec,
+        vector: np.ndarray,
+        server: SimDataServer,
+        *,
+        deadline: float,
+        stall_timeout: float,
+        norm_factor: float | None = None,
+    ) -> RoundReport:
+        me = server.identity.peer_id
+        meeting = self._meetings.setdefault(spec.round_id, _Meeting())
+        meeting.arrived[me] = vector.copy()
+        members = [m.peer_id for m in spec.members]
+        computing = tuple(m.peer_id for m in spec.members if m.computes)
+        if all(m in meeting.arrived for m in members) and meeting.ends_at is None:
+            meeting.ends_at = trio.current_time() + self.round_seconds(spec)
+            meeting.average = _weighted_mean(spec, meeting.arrived)
+            meeting.everyone.set()
+        started = trio.current_time()
+        with trio.move_on_after(max(0.0, deadline - trio.current_time())):
+            await meeting.everyone.wait()
+            assert meeting.ends_at is not None
+            await trio.sleep_until(meeting.ends_at)
+        self.rounds += 1
+        left = [m for m in members if m != me and (m not in meeting.arrived or self.gone(m))]
+        late = meeting.ends_at is None or meeting.ends_at > deadline
+        if left or late:
+            self.failed_rounds += 1
+            missing = left or [m for m in members if m not in meeting.arrived] or members
+            why = {m: "did not take part" for m in missing if m != me}
+            return RoundReport(
+                chunks=[ChunkResult(0, spec.size, 0)],
+                computing=computing,
+                dropped_senders=why or {me: "the round ran out of time"},
+                failed_reducers=why or {me: "the round ran out of time"},
+                seconds=trio.current_time() - started,
+            )
+        assert meeting.average is not None
+        vector[:] = meeting.average
+        index = members.index(me)
+        start, end = spec.parts()[index]
+        return RoundReport(
+            chunks=[ChunkResult(0, spec.size, len(computing), frozenset(computing))],
+            computing=computing,
+            reduced=(end - start) / spec.size if spec.size else 0.0,
+            seconds=trio.current_time() - started,
+        )
+
+    async def download(self, joiner: ID, donors: list[ID], size: float) -> None:
+        """Wait while `size` bytes come from `donors` (in parallel) to `joiner`; RemoteError
+        if every donor has left by then."""
+        alive = [d for d in donors if d not in self.network.gone]
+        if not alive:
+            raise RemoteError("every donor has left")
+        links = self.network.links
+        rate = min(links[joiner].download, sum(links[d].upload for d in alive))
+        await trio.sleep(size / rate + max(links[d].rtt for d in alive) * 2)
+        if all(d in self.network.gone for d in alive):
+            raise RemoteError("the donors left during the download")
+
+
+def _weighted_mean(spec: RoundSpec, values: dict[str, np.ndarray]) -> np.ndarray:
+    total = np.zeros(spec.size, dtype=np.float64)
+    weight = 0.0
+    for member in sorted(spec.members, key=lambda m: (m.block, m.peer_id)):
+        if member.computes and member.weight > 0:
+            total += member.weight * values[member.peer_id].astype(np.float64)
+            weight += member.weight
+    return (total / weight if weight else total).astype(np.float32)
+
+
+@contextlib.contextmanager
+def simulated(plane: SimDataPlane) -> Iterator[None]:
+    """The averager's all-reduce is `plane`'s while this lasts."""
+    real = averager_module.allreduce
+    averager_module.allreduce = plane.allreduce  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        averager_module.allreduce = real
+
+
+def snapshot_of(step: int, blob: bytes) -> Snapshot:
+    return Snapshot(step, blob, disposable=True)

@@ -1,0 +1,256 @@
+"""A simulated internet for in-process peers: per-peer links, RPCs that take the time the bytes
+and the distance take, and peers that leave.
+
+A simulated peer's `SimNode` stands where `peer.net.host.Node` stands for the DHT, the
+matchmaker and the trainer: the same attributes they read (`peer_id`, `identity`, `rpc`, `host`,
+`announce`, ...), and RPCs served by the same `RpcServer` objects, whose registered handlers
+are called directly. A request and its reply are encoded and decoded with msgspec exactly as on
+the wire (the decode validates the request type the way the real server does, and no Python
+object is ever shared between two peers); a handler's `RpcError`, `RemoteError` or failure
+becomes the caller's `RpcError` as the real client sees it.
+
+Time: a message from peer a to peer b takes the one-way latency (half of the mean of the two
+peers' round-trip times) plus its bytes at the slower of a's upload and b's download. Small
+messages do not contend for a link (DHT and matchmaking traffic is a few KB); the bulk
+transfers are timed by `dataplane`, which does account for them.
+
+A peer that left (`leave`) answers nothing: a call to it fails after the latency if it left
+gracefully (its connections closed, as a stopped daemon's do) or at the caller's deadline if it
+vanished (a laptop closed, a network gone).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import msgspec
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.id import ID
+from multiaddr import Multiaddr
+
+from peer.errors import DeadlineExceeded, RemoteError, RpcError, Unreachable, UserError
+from peer.net.identity import Identity
+from peer.net.rpc import RpcServer
+
+T = TypeVar("T")
+
+MBIT = 1e6 / 8  # bytes/s
+
+
+@dataclass(frozen=True)
+class Link:
+    """One peer's access link."""
+
+    upload: float
+    """Bytes/s."""
+    download: float
+    rtt: float
+    """Seconds: round trip to a typical other peer."""
+
+
+@dataclass(frozen=True)
+class LinkDistribution:
+    """Where volunteers' links are drawn from. DeDLOC's volunteers (Diskin et al. 2021, sec.
+    4.3 and appendix): 10-1000 Mbit/s, 20-300 ms round trips; drawn log-uniformly, upload a
+    fraction of download as on home links."""
+
+    min_mbit: float = 10.0
+    max_mbit: float = 1000.0
+    min_rtt: float = 0.020
+    max_rtt: float = 0.300
+    upload_fraction: tuple[float, float] = (0.2, 1.0)
+
+    def draw(self, rng: random.Random) -> Link:
+        download = _log_uniform(rng, self.min_mbit, self.max_mbit) * MBIT
+        upload = max(self.min_mbit * MBIT, download * rng.uniform(*self.upload_fraction))
+        return Link(
+            upload=upload, download=download, rtt=_log_uniform(rng, self.min_rtt, self.max_rtt)
+        )
+
+
+def _log_uniform(rng: random.Random, low: float, high: float) -> float:
+    return low * (high / low) ** rng.random()
+
+
+@dataclass
+class Traffic:
+    """What crossed the simulated network, by (service, method)."""
+
+    calls: Counter[tuple[str, str]] = field(default_factory=Counter)
+    failed: Counter[tuple[str, str]] = field(default_factory=Counter)
+    bytes: Counter[tuple[str, str]] = field(default_factory=Counter)
+    served: Counter[ID] = field(default_factory=Counter)
+    """Reply bytes each peer sent: where the load of a popular key lands."""
+
+
+class SimNetwork:
+    def __init__(self, rng: random.Random, *, silent_departures: float = 0.5) -> None:
+        """`silent_departures`: the share of departures that answer nothing until a caller's
+        deadline (the rest close their connections: calls fail after the latency)."""
+        self.rng = rng
+        self.silent_departures = silent_departures
+        self.links: dict[ID, Link] = {}
+        self.servers: dict[tuple[ID, str], RpcServer] = {}
+        self.gone: dict[ID, bool] = {}  # peer -> left silently
+        self.traffic = Traffic()
+        self._addresses = itertools.count(1)
+
+    def node(self, link: Link, identity: Identity | None = None) -> SimNode:
+        if identity is None:  # drawn from the run's seed: the same peer ids every run
+            key_pair = create_new_key_pair(self.rng.randbytes(32))
+            identity = Identity(
+                key_pair=key_pair, peer_id=ID.from_pubkey(key_pair.public_key), path=None
+            )
+        self.links[identity.peer_id] = link
+        number = next(self._addresses)
+        host = f"10.{number >> 16 & 255}.{number >> 8 & 255}.{number & 255}"
+        return SimNode(self, identity, host)
+
+    def leave(self, peer_id: ID) -> None:
+        self.gone[peer_id] = self.rng.random() < self.silent_departures
+        for key in [k for k in self.servers if k[0] == peer_id]:
+            del self.servers[key]
+
+    def one_way(self, a: ID, b: ID, size: int) -> float:
+        """Seconds a message of `size` bytes takes from `a` to `b`."""
+        sender, receiver = self.links[a], self.links[b]
+        return (sender.rtt + receiver.rtt) / 4 + size / min(sender.upload, receiver.download)
+
+    async def call(
+        self,
+        caller: ID,
+        callee: ID,
+        service: str,
+        method: str,
+        request: Any,
+        reply_type: type[T],
+        *,
+        timeout: float,
+    ) -> T:
+        key = (service, method)
+        self.traffic.calls[key] += 1
+        try:
+            with trio.fail_after(timeout):
+                return await self._call(caller, callee, key, request, reply_type)
+        except trio.TooSlowError:
+            self.traffic.failed[key] += 1
+            raise DeadlineExceeded(
+                f"{service}.{method} to {callee} took over {timeout:.3g}s"
+            ) from None
+        except RemoteError:
+            self.traffic.failed[key] += 1
+            raise
+
+    async def _call(
+        self, caller: ID, callee: ID, key: tuple[str, str], request: Any, reply_type: type[T]
+    ) -> T:
+        service, method = key
+        body = msgspec.msgpack.encode(request)
+        self.traffic.bytes[key] += len(body)
+        if callee not in self.links:
+            raise Unreachable(f"{service}.{method} to {callee}: no such peer")
+        await trio.sleep(self.one_way(caller, callee, len(body)))
+        server = self.servers.get((callee, f"/peertrain/{service}/1"))
+        if server is None:
+            if self.gone.get(callee):
+                await trio.sleep_forever()  # until the caller's deadline
+            raise Unreachable(f"{service}.{method} to {callee}: connection refused")
+        handler = server._methods.get(method)
+        if handler is None:
+            raise RpcError("unknown_method", f"{service} has no method {method!r}")
+        try:
+            decoded = msgspec.msgpack.decode(body, type=handler.request_type)
+        except (msgspec.DecodeError, msgspec.ValidationError) as error:
+            raise RpcError("bad_request", f"{method}: {error}") from None
+        try:
+            result = await handler.handler(caller, decoded)  # type: ignore[misc]
+        except RpcError:
+            raise
+        except (RemoteError, UserError) as error:
+            raise RpcError("bad_request", str(error)) from None
+        except Exception as error:  # the real server logs it and answers "internal"
+            raise RpcError("internal", f"the handler failed: {error!r}") from None
+        reply = msgspec.msgpack.encode(result)
+        self.traffic.bytes[key] += len(reply)
+        self.traffic.served[callee] += len(reply)
+        await trio.sleep(self.one_way(callee, caller, len(reply)))
+        if callee in self.gone:
+            raise Unreachable(f"{service}.{method} to {callee}: connection closed")
+        return msgspec.msgpack.decode(reply, type=reply_type)
+
+
+class SimHost:
+    """What an `RpcServer` registers itself on."""
+
+    def __init__(self, network: SimNetwork, peer_id: ID) -> None:
+        self.network = network
+        self.peer_id = peer_id
+
+    def set_stream_handler(self, protocol: str, handler: Callable[..., Any]) -> None:
+        server = getattr(handler, "__self__", None)
+        assert isinstance(server, RpcServer), handler  # only RPC services run here
+        self.network.servers[(self.peer_id, protocol)] = server
+
+
+class SimRpc:
+    max_message_bytes = 4 << 20
+
+    def __init__(self, network: SimNetwork, peer_id: ID) -> None:
+        self.network = network
+        self.peer_id = peer_id
+
+    async def call(
+        self,
+        peer_id: ID,
+        service: str,
+        method: str,
+        request: Any,
+        reply_type: type[T],
+        *,
+        timeout: float,
+    ) -> T:
+        return await self.network.call(
+            self.peer_id, peer_id, service, method, request, reply_type, timeout=timeout
+        )
+
+    def forget(self, peer_id: ID) -> None:
+        pass
+
+
+class SimNode:
+    """A simulated peer's node: what the DHT, the matchmaker and the trainer use of one."""
+
+    def __init__(self, network: SimNetwork, identity: Identity, host: str) -> None:
+        self.network = network
+        self.identity = identity
+        self.peer_id = identity.peer_id
+        self.data_host = host
+        self.announce = [Multiaddr(f"/ip4/{host}/tcp/4001")]
+        self.host = SimHost(network, self.peer_id)
+        self.rpc = SimRpc(network, self.peer_id)
+        self.network_key_bytes: bytes | None = None
+
+    def public_addrs(self) -> list[str]:
+        return [str(a) for a in self.announce]
+
+    def remember_addrs(self, peer_id: ID, addrs: Sequence[Multiaddr]) -> None:
+        pass
+
+    async def connect(self, peer_id: ID, addrs: Sequence[Multiaddr], *, timeout: float) -> None:
+        if peer_id not in self.network.links:
+            raise Unreachable(f"no peer {peer_id}")
+        with trio.move_on_after(timeout):
+            await trio.sleep(self.network.one_way(self.peer_id, peer_id, 0) * 2)
+            if peer_id in self.network.gone:
+                raise Unreachable(f"{peer_id} left")
+            return
+        raise DeadlineExceeded(f"connecting to {peer_id} took over {timeout:.3g}s")
+
+    async def disconnect(self, peer_id: ID) -> None:
+        pass

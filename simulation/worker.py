@@ -1,0 +1,124 @@
+"""A stand-in for `peer.training.worker.TorchWorker`: the trainer's executor without torch.
+
+Its "model" is a short float32 vector; a micro-batch takes the time the peer's speed says and
+adds a pseudo-gradient drawn from the peer's own seed; a step moves the parameters by the
+average it is given, so peers that applied the same averages hold the same bits and the same
+digest (the simulation checks exactness at every size, as the real digests do). The sizes that
+set times and deadlines are the simulated model's, not the vector's (`collaboration.Scale`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import trio
+
+from peer.errors import RemoteError
+from peer.training.statesync import Snapshot
+from peer.training.worker import Computed
+
+LEARNING_RATE = 0.01
+
+
+@dataclass(frozen=True)
+class SimState:
+    step: int
+    parameters: np.ndarray
+
+
+@dataclass(frozen=True)
+class SimFingerprint:
+    digest: str
+    description: str
+
+
+class Taken:
+    """`TorchWorker.take_soon`'s pending result, already there."""
+
+    def __init__(self, value: tuple[np.ndarray, int]) -> None:
+        self.value = value
+
+    async def result(self) -> tuple[np.ndarray, int]:
+        return self.value
+
+
+class SimWorker:
+    def __init__(
+        self, *, vector_size: int, samples_per_second: float, micro_batch: int, seed: int
+    ) -> None:
+        self.vector_size = vector_size
+        self.samples_per_second = samples_per_second
+        self.micro_batch = micro_batch
+        self.rng = np.random.default_rng(seed)
+        self.parameters = np.zeros(vector_size, dtype=np.float32)
+        self.gradient = np.zeros(vector_size, dtype=np.float64)
+        self._samples = 0
+        self.held_step = 0
+        self.fingerprint = "sim"
+        self.task_fingerprint = SimFingerprint("sim", "the simulated task")
+        self.stopping = threading.Event()
+        self.torn = False
+
+    @property
+    def samples(self) -> int:
+        return self._samples
+
+    async def compute(self) -> Computed:
+        seconds = self.micro_batch / self.samples_per_second
+        await trio.sleep(seconds)
+        self.gradient += self.rng.standard_normal(self.vector_size) * self.micro_batch
+        self._samples += self.micro_batch
+        return Computed(samples=self.micro_batch, loss=1.0, seconds=seconds)
+
+    def take_soon(self) -> Taken:
+        samples = self._samples
+        mean = self.gradient / samples if samples else self.gradient
+        taken = (mean.astype(np.float32), samples)
+        self.gradient = np.zeros(self.vector_size, dtype=np.float64)
+        self._samples = 0
+        return Taken(taken)
+
+    async def give_back(self, vector: np.ndarray, samples: int) -> None:
+        self.gradient += vector.astype(np.float64) * samples
+        self._samples += samples
+
+    async def apply(self, average: np.ndarray) -> None:
+        self.parameters = (self.parameters - np.float32(LEARNING_RATE) * average).astype(np.float32)
+
+    def digest_of(self, step: int, parameters: np.ndarray) -> str:
+        return hashlib.sha256(step.to_bytes(8, "little") + parameters.tobytes()).hexdigest()
+
+    async def hold(self, step: int, *, digest: str | None = None) -> str | None:
+        self.held_step = step
+        return self.digest_of(step, self.parameters)
+
+    async def serialize(self) -> Snapshot | None:
+        return Snapshot(self.held_step, self.parameters.tobytes())
+
+    async def before_download(self) -> None:
+        pass
+
+    async def parse(self, snapshot: Snapshot) -> tuple[SimState, str]:
+        blob = snapshot.blob
+        assert isinstance(blob, bytes)
+        parameters = np.frombuffer(blob, dtype=np.float32)
+        if parameters.shape != (self.vector_size,):
+            raise RemoteError(f"a state of {parameters.size} values, expected {self.vector_size}")
+        return SimState(snapshot.step, parameters.copy()), self.digest_of(snapshot.step, parameters)
+
+    async def restore(self, state: SimState, **_: Any) -> None:
+        self.parameters = state.parameters.copy()
+
+    async def validation_loss(self) -> float:
+        return 1.0
+
+    async def load_checkpoint(self, directory: Path) -> None:
+        return None
+
+    async def save_checkpoint(self, directory: Path, **_: Any) -> None:
+        pass

@@ -1,0 +1,197 @@
+"""The in-process simulation (`simulation/`): its network and data plane keep the protocol's
+rules, and small collaborations on it train as real ones do. The 300-peer runs are slow."""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+import numpy as np
+import pytest
+import trio
+
+from peer.averaging.allreduce import Member, RoundSpec
+from peer.errors import DeadlineExceeded, RpcError, Unreachable
+from peer.net.rpc import RpcServer
+from simulation.collaboration import Scenario, run_collaboration
+from simulation.dataplane import SimDataPlane, SimDataServer, SimIdentity
+from simulation.network import MBIT, Link, SimNetwork
+from simulation.report import summarize
+
+SLOW_LINK = Link(upload=10 * MBIT, download=10 * MBIT, rtt=0.2)
+FAST_LINK = Link(upload=100 * MBIT, download=100 * MBIT, rtt=0.02)
+
+
+class Echo(msgspec.Struct):
+    text: str
+
+
+def serve_echo(network: SimNetwork, link: Link, handler=None):
+    node = network.node(link)
+    server = RpcServer(node.host, "echo", max_message_bytes=1 << 20)  # type: ignore[arg-type]
+
+    async def echo(caller, request: Echo) -> Echo:
+        return Echo(request.text * 2)
+
+    server.add_unary("echo", Echo, handler or echo)
+    return node
+
+
+async def test_a_call_takes_the_latency_and_the_bytes_both_ways(autojump_clock):
+    network = SimNetwork(random.Random(0))
+    caller = network.node(SLOW_LINK)
+    callee = serve_echo(network, FAST_LINK)
+    text = "x" * 125_000  # ~0.1 s at 10 Mbit/s, twice as much back
+    started = trio.current_time()
+    reply = await caller.rpc.call(callee.peer_id, "echo", "echo", Echo(text), Echo, timeout=10)
+    assert reply.text == text * 2
+    elapsed = trio.current_time() - started
+    one_way = (SLOW_LINK.rtt + FAST_LINK.rtt) / 4
+    expected = 2 * one_way + (125_000 + 250_000) / (10 * MBIT)
+    assert elapsed == pytest.approx(expected, rel=0.01)
+    assert network.traffic.calls[("echo", "echo")] == 1
+
+
+async def test_a_request_is_decoded_as_its_type_and_a_handler_error_reaches_the_caller(
+    autojump_clock,
+):
+    network = SimNetwork(random.Random(0))
+    caller = network.node(FAST_LINK)
+
+    async def refuse(caller_id, request: Echo) -> Echo:
+        raise RpcError("forbidden", "not you")
+
+    callee = serve_echo(network, FAST_LINK, refuse)
+    with pytest.raises(RpcError, match="forbidden"):
+        await caller.rpc.call(callee.peer_id, "echo", "echo", Echo("a"), Echo, timeout=10)
+    other = serve_echo(network, FAST_LINK)
+    with pytest.raises(RpcError, match="bad_request"):  # as the real server's decode refuses it
+        await caller.rpc.call(other.peer_id, "echo", "echo", {"text": 5}, Echo, timeout=10)
+
+
+async def test_a_peer_that_left_fails_fast_or_at_the_deadline(autojump_clock):
+    network = SimNetwork(random.Random(0), silent_departures=0.0)
+    caller = network.node(FAST_LINK)
+    closed = serve_echo(network, FAST_LINK)
+    network.leave(closed.peer_id)
+    started = trio.current_time()
+    with pytest.raises(Unreachable):
+        await caller.rpc.call(closed.peer_id, "echo", "echo", Echo("a"), Echo, timeout=10)
+    assert trio.current_time() - started < 1
+    network.silent_departures = 1.0
+    vanished = serve_echo(network, FAST_LINK)
+    network.leave(vanished.peer_id)
+    started = trio.current_time()
+    with pytest.raises(DeadlineExceeded):
+        await caller.rpc.call(vanished.peer_id, "echo", "echo", Echo("a"), Echo, timeout=10)
+    assert trio.current_time() - started == pytest.approx(10)
+
+
+def round_spec(plane: SimDataPlane, network: SimNetwork, links: list[Link], weights: list[float]):
+    nodes = [network.node(link) for link in links]
+    for node in nodes:
+        plane.register(node.peer_id)
+    members = tuple(
+        sorted(
+            (
+                Member(
+                    peer_id=node.peer_id.to_base58(),
+                    host=node.data_host,
+                    port=4002,
+                    computes=True,
+                    share=1 / len(nodes),
+                    weight=weight,
+                    cert=b"",
+                )
+                for node, weight in zip(nodes, weights, strict=True)
+            ),
+            key=lambda m: m.peer_id,
+        )
+    )
+    spec = RoundSpec(round_id=b"r", members=members, size=24, codec="none", chunk_elements=8)
+    return nodes, spec
+
+
+def server_of(member: Member) -> SimDataServer:
+    return SimDataServer(SimIdentity(member.peer_id, b""))
+
+
+async def test_a_round_gives_every_member_the_same_weighted_mean_after_the_transfer(
+    autojump_clock,
+):
+    network = SimNetwork(random.Random(0))
+    plane = SimDataPlane(network, model_bytes=10e6)
+    _, spec = round_spec(plane, network, [SLOW_LINK, FAST_LINK, FAST_LINK], [1.0, 2.0, 3.0])
+    values = {m.peer_id: np.full(24, i + 1, dtype=np.float32) for i, m in enumerate(spec.members)}
+    weights = {m.peer_id: m.weight for m in spec.members}
+    expected = sum(weights[p] * values[p].astype(np.float64) for p in values) / 6
+    reports = {}
+    started = trio.current_time()
+
+    async def take_part(member: Member) -> None:
+        reports[member.peer_id] = await plane.allreduce(
+            spec, values[member.peer_id], server_of(member), deadline=1e9, stall_timeout=1e9
+        )
+
+    async with trio.open_nursery() as nursery:
+        for member in spec.members:
+            nursery.start_soon(take_part, member)
+    # The slow member sends and receives 4/3 of 10 MB at 10 Mbit/s (`bytes_per_round`, a
+    # third each), plus the slowest round trip.
+    assert trio.current_time() - started == pytest.approx(10e6 * (4 / 3) / (10 * MBIT) + 0.2)
+    for peer_id, report in reports.items():
+        assert report.complete and report.exact_over == frozenset(weights)
+        np.testing.assert_array_equal(values[peer_id], expected.astype(np.float32))
+    assert len({v.tobytes() for v in values.values()}) == 1
+
+
+async def test_a_member_that_never_comes_fails_the_round_for_the_others(autojump_clock):
+    network = SimNetwork(random.Random(0))
+    plane = SimDataPlane(network, model_bytes=10e6)
+    _, spec = round_spec(plane, network, [FAST_LINK] * 3, [1.0, 1.0, 1.0])
+    absent = spec.members[2].peer_id
+    reports = {}
+
+    async def take_part(member: Member) -> None:
+        vector = np.ones(24, dtype=np.float32)
+        reports[member.peer_id] = await plane.allreduce(
+            spec, vector, server_of(member), deadline=trio.current_time() + 30, stall_timeout=5
+        )
+
+    async with trio.open_nursery() as nursery:
+        for member in spec.members[:2]:
+            nursery.start_soon(take_part, member)
+    assert trio.current_time() == pytest.approx(30)  # waited for it until the deadline
+    for report in reports.values():
+        assert not report.complete
+        assert absent in report.dropped_senders and absent in report.excluded()
+
+
+def small(**fields) -> Scenario:
+    """A 4 MB model and 512-sample steps: several steps in a few simulated minutes."""
+    return Scenario(model_bytes=4e6, target_batch=512, **fields)
+
+
+def test_a_small_collaboration_trains_with_every_average_exact():
+    report = run_collaboration(small(peers=6, minutes=4, churn_per_hour=0, seed=1))
+    summary = summarize(report)
+    assert summary.steps >= 4
+    assert summary.exact_share == 1.0 and summary.complete_gatherings == 1.0
+    assert report.digests_agree
+    assert summary.view_coverage > 0.95
+
+
+def test_volunteers_that_join_late_download_the_state_and_train():
+    # Churn of 2 per peer-hour over 5 minutes: a few leave and as many join and catch up.
+    scenario = small(peers=6, minutes=5, churn_per_hour=2.0, seed=4)
+    report = run_collaboration(scenario)
+    assert report.departures >= 1 and report.arrivals == report.departures
+    end = scenario.minutes * 60
+    settled = [
+        v for v in report.volunteers if v.late and v.left_at is None and v.joined_at < end - 60
+    ]
+    assert settled, "no volunteer joined early enough to be checked: change the seed"
+    for volunteer in settled:
+        assert volunteer.trainer.tally.downloads >= 1
+        assert volunteer.step_at_end >= report.newest_step - 1
+    assert report.digests_agree
