@@ -13,7 +13,7 @@ from peer.averaging.allreduce import RoundReport
 from peer.averaging.averager import AveragingResult
 from peer.averaging.reduce import ChunkResult
 from peer.config import AveragingConfig, PeerConfig, TaskConfig, TrainingConfig
-from peer.training.certificate import StepSignature
+from peer.training.certificate import CARRIED_SIGNATURES, MAX_SIGNATURES, StepSignature, carried
 from peer.training.policy import (
     MAX_WAIT_FOR_OTHERS,
     REMEASURE_STEPS,
@@ -707,6 +707,21 @@ def test_slow_dht_stores_widen_the_gathering_window_and_the_declare_margin():
     assert timing.window(store, batch) >= (
         2 * store + timing.progress_interval + SLOW_BATCH * batch + timing.declare_margin(store) / 2
     )
+
+
+def test_a_record_carries_enough_signatures_to_certify_alone_and_no_more():
+    """At 16 signatures a record was 2.5 KB, and a 192 KiB DHT reply held ~80 records: each
+    peer of a simulated 100 read 85 % of the others' (docs/scale.md). It carries its own and
+    the lowest others', `carried(quorum)` in all: enough to certify after they leave."""
+    policy = make_policy(min_group_size=2)
+    policy.hold(3, "d", own_signature(3))
+    read(policy, *(rec(i, step=3, digest="d") for i in range(len(PEERS))))
+    ours = policy.own_record(Local(), T0).signatures
+    assert len(PEERS) > CARRIED_SIGNATURES == carried(2) == len(ours)
+    assert ours[0] == own_signature(3)
+    assert [s.signer for s in ours[1:]] == sorted(PEERS)[: CARRIED_SIGNATURES - 1]
+    # A larger quorum is carried whole, up to what a reader accepts.
+    assert carried(6) == 6 and carried(100) == MAX_SIGNATURES
 
 
 def test_backoff_after_failed_downloads_doubles_and_a_success_resets_it():

@@ -43,7 +43,12 @@ from dataclasses import dataclass, field
 
 from peer.averaging.averager import AveragingResult, longest_averaging
 from peer.config import PeerConfig
-from peer.training.certificate import MAX_SIGNATURES, StepSignature, merge_signatures
+from peer.training.certificate import (
+    MAX_SIGNATURES,
+    StepSignature,
+    carried,
+    merge_signatures,
+)
 from peer.training.progress import (
     CollaborationView,
     Moves,
@@ -295,7 +300,9 @@ class StepPolicy:
             for signature in r.signatures
         ]
         if theirs and held.signatures:
-            merged = merge_signatures(held.signatures[0], [*held.signatures[1:], *theirs])
+            merged = merge_signatures(
+                held.signatures[0], [*held.signatures[1:], *theirs], limit=carried(self.quorum)
+            )
             if {s.signer for s in merged} != {s.signer for s in held.signatures}:
                 held.signatures = merged
                 self.changed = True
