@@ -1,6 +1,6 @@
 """Simulate collaborations of N volunteers on trio's virtual clock and print their figures.
 
-    .venv/bin/python -m simulation --peers 100 300 [--minutes 30] [--churn 0.1] [--seed 0]
+    .venv/bin/python -m simulation --peers 100 300 [--minutes 30] [--warmup 3] [--churn 0.1]
 
 Every peer runs the real DHT, matchmaking, Moshpit plan and step policy over a simulated
 network (`simulation.network`); see `simulation/collaboration.py` for what is simulated.
@@ -20,7 +20,8 @@ def main() -> None:
         prog="python -m simulation", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--peers", type=int, nargs="+", default=[100])
-    parser.add_argument("--minutes", type=float, default=30.0, help="virtual minutes per run")
+    parser.add_argument("--minutes", type=float, default=30.0, help="virtual minutes measured")
+    parser.add_argument("--warmup", type=float, default=3.0, help="virtual minutes first")
     parser.add_argument("--churn", type=float, default=0.10, help="share of peers leaving per hour")
     parser.add_argument("--model-mb", type=float, default=4 * 17.7, help="gradient MB on the wire")
     parser.add_argument("--target-batch", type=int, default=4096)
@@ -32,6 +33,7 @@ def main() -> None:
         scenario = Scenario(
             peers=peers,
             minutes=args.minutes,
+            warmup_minutes=args.warmup,
             churn_per_hour=args.churn,
             model_bytes=args.model_mb * 1e6,
             target_batch=args.target_batch,

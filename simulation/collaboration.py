@@ -61,6 +61,10 @@ TICK = 0.01  # virtual seconds: the longest the clock may jump while a thread ru
 class Scenario:
     peers: int
     minutes: float = 30.0
+    """Virtual minutes measured, after the warm-up."""
+    warmup_minutes: float = 3.0
+    """Virtual minutes after the peers joined (all at once) before anything counts: the first
+    steps, and no churn yet."""
     churn_per_hour: float = 0.10
     """The share of the peers that leaves per hour; as many new ones join."""
     model_bytes: float = 4 * 17.7e6
@@ -112,6 +116,10 @@ class Report:
     digests_agree: bool
     """Every trainer that holds the collaboration's newest step holds the same bits."""
     newest_step: int
+    steps: int
+    """Steps the collaboration took while measured (after the warm-up)."""
+    ended_at: float
+    """Virtual seconds at the end."""
     dht_ops: Counter[str]
     dht_seconds: dict[str, list[float]]
     views: list[tuple[int, int]]
@@ -161,6 +169,8 @@ class Collaboration:
         self.departures = self.arrivals = 0
         self.volunteers: list[Volunteer] = []
         self.ended = False
+        self.measured_from = self.ended_at = 0.0
+        self.step_at_start = self.downloads_at_start = 0
 
     def clock(self) -> float:
         return EPOCH + trio.current_time()
@@ -362,9 +372,12 @@ class Collaboration:
                     await self.run_peer(late=index >= scenario.peers, task_status=task_status)
 
             async with trio.open_nursery() as peers:
-                for index in range(scenario.peers):
-                    await peers.start(volunteer, index)
+                async with trio.open_nursery() as joining:  # all at once, as at a launch
+                    for index in range(scenario.peers):
+                        joining.start_soon(peers.start, volunteer, index)
                 log.info("%d peers joined at %.1fs", scenario.peers, trio.current_time())
+                await trio.sleep(scenario.warmup_minutes * 60)
+                self._start_measuring()
                 end = trio.current_time() + scenario.minutes * 60
                 rate = scenario.peers * scenario.churn_per_hour / 3600  # departures per second
                 next_index = scenario.peers
@@ -382,8 +395,20 @@ class Collaboration:
                 self.final = self._final_state()
                 self.ideal = ideal_step_seconds(scenario, self)
                 self.ended = True
+                self.ended_at = trio.current_time()
                 peers.cancel_scope.cancel()
             nursery.cancel_scope.cancel()
+
+    def _start_measuring(self) -> None:
+        """What happened so far was the warm-up: counting starts now."""
+        self.measured_from = trio.current_time()
+        self.network.traffic = type(self.network.traffic)()
+        self.dht_ops.clear()
+        for seconds in self.dht_seconds.values():
+            seconds.clear()
+        self.views.clear()
+        self.step_at_start = max((t.step for t in self.trainers.values()), default=0)
+        self.downloads_at_start = sum(v.trainer.tally.downloads for v in self.volunteers)
 
     def _leave(self, scope: trio.CancelScope, index: int) -> None:
         self.departures += 1
@@ -451,10 +476,12 @@ def run_collaboration(scenario: Scenario) -> Report:
         scenario=scenario,
         wall_seconds=time.perf_counter() - started,
         virtual_seconds=scenario.minutes * 60,
-        attempts=collaboration.attempts,
+        attempts=[a for a in collaboration.attempts if a.started >= collaboration.measured_from],
         volunteers=collaboration.volunteers,
         digests_agree=agree,
         newest_step=newest,
+        steps=newest - collaboration.step_at_start,
+        ended_at=collaboration.ended_at,
         dht_ops=collaboration.dht_ops,
         dht_seconds=collaboration.dht_seconds,
         views=collaboration.views,
@@ -464,7 +491,7 @@ def run_collaboration(scenario: Scenario) -> Report:
         served=traffic.served,
         departures=collaboration.departures,
         arrivals=collaboration.arrivals,
-        downloads=sum(t.tally.downloads for t in everyone),
+        downloads=sum(t.tally.downloads for t in everyone) - collaboration.downloads_at_start,
         failures=failures,
         ideal_step_seconds=collaboration.ideal,
     )

@@ -15,7 +15,7 @@ class Summary:
     minutes: float
     wall_seconds: float
     steps: int
-    """The collaboration's newest step at the end."""
+    """Steps the collaboration took while measured."""
     steps_per_hour: float
     ideal_steps_per_hour: float
     attempts: int
@@ -63,8 +63,8 @@ def summarize(report: Report) -> Summary:
         peers=scenario.peers,
         minutes=scenario.minutes,
         wall_seconds=report.wall_seconds,
-        steps=report.newest_step,
-        steps_per_hour=report.newest_step / hours,
+        steps=report.steps,
+        steps_per_hour=report.steps / hours,
         ideal_steps_per_hour=3600 / report.ideal_step_seconds,
         attempts=len(report.attempts),
         exact_share=_share(a.exact for a in report.attempts),
@@ -72,7 +72,7 @@ def summarize(report: Report) -> Summary:
         peers_in_complete_groups=statistics.fmean(sum(g) / len(g) for g in gatherings)
         if gatherings
         else 0.0,
-        dht_ops_per_step=ops / scenario.peers / max(1, report.newest_step),
+        dht_ops_per_step=ops / scenario.peers / max(1, report.steps),
         store_p50=_quantile(report.dht_seconds["store"], 0.5),
         store_p99=_quantile(report.dht_seconds["store"], 0.99),
         get_p50=_quantile(report.dht_seconds["get"], 0.5),

@@ -17,6 +17,7 @@ from peer.training.certificate import CARRIED_SIGNATURES, MAX_SIGNATURES, StepSi
 from peer.training.policy import (
     MAX_WAIT_FOR_OTHERS,
     REMEASURE_STEPS,
+    SLOW_CLAIM,
     TRANSITIONS,
     Call,
     CatchUp,
@@ -707,6 +708,44 @@ def test_slow_dht_stores_widen_the_gathering_window_and_the_declare_margin():
     assert timing.window(store, batch) >= (
         2 * store + timing.progress_interval + SLOW_BATCH * batch + timing.declare_margin(store) / 2
     )
+
+
+def test_a_call_leaves_a_slow_peer_time_for_its_micro_batch():
+    """A caller's window covers the others' micro-batches (their records' speed), not only
+    its own: a fast caller left the slow peers of a simulated collaboration out of its steps."""
+    policy = make_policy()
+    rate = dict(samples_per_second=10.0, batch_seconds=0.8)
+    read(policy, other("z1", samples_per_second=4.0))  # 8-sample micro-batches: 2 s each
+    assert policy.next_action(Local(samples=8, **rate), T0) == Compute()
+    now = T0 + 1.0
+    read(policy, other("z1", samples=28, samples_per_second=4.0, updated_at=now), now=now)
+    action = policy.next_action(Local(samples=40, **rate), now)
+    assert action == Call(now + policy.timing.window(policy.store_seconds, 2.0))
+    assert action.gather_until - now == pytest.approx(1.0 + SLOW_BATCH * 2.0 + 0.25)
+
+
+def test_a_record_claiming_a_crawl_widens_a_call_only_so_far():
+    policy = make_policy()
+    ours = Local(samples_per_second=10.0, batch_seconds=0.8)
+
+    def batch(*records: ProgressRecord) -> float:
+        read(policy, *records)
+        return policy._call_batch_seconds(policy.view, ours, T0)
+
+    crawl = other("z0", samples_per_second=1e-300)
+    # However few we are, a claim counts for at most SLOW_CLAIM times the lower median.
+    assert batch(crawl) == SLOW_CLAIM * 0.8
+    # Among eleven others at our speed, one crawling is past the 90th percentile.
+    peers = [other(f"z{i}", samples_per_second=10.0) for i in range(1, 11)]
+    assert batch(crawl, *peers) == 0.8
+    # Records of peers with no micro-batch under way (holding, downloading) or silent count
+    # for nothing.
+    slow = dict(samples_per_second=2.0)
+    assert batch(other("z1", holding=True, **slow)) == 0.8
+    assert batch(other("z1", downloading=True, **slow)) == 0.8
+    stale = T0 - 2 * policy.timing.stale_record
+    assert batch(other("z1", updated_at=stale, **slow)) == 0.8
+    assert batch(other("z1", **slow)) == SLOW_CLAIM * 0.8  # 4 s, capped at 3.2
 
 
 def test_a_record_carries_enough_signatures_to_certify_alone_and_no_more():

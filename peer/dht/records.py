@@ -110,11 +110,8 @@ def wire_bytes(subkey: str, entry: Entry) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-@functools.lru_cache(maxsize=4096)
 def owner_key(subkey: str) -> Ed25519PublicKey | None:
-    """The public key a subkey names, if it is an Ed25519 peer id; else None (open subkey).
-    Cached: a reader meets the same writers' subkeys in every read (base58 decoding was a
-    third of a simulated collaboration's CPU)."""
+    """The public key a subkey names, if it is an Ed25519 peer id; else None (open subkey)."""
     if not subkey.startswith("12D3KooW"):
         return None
     try:
@@ -173,9 +170,13 @@ def validate_entry(key: str, subkey: str, entry: Entry, *, now: float, limits: L
             raise ProtocolError(f"entry {key!r}/{subkey[:16]!r} is open but carries a signature")
         return
     payload = signing_payload(key, subkey, entry.value, entry.expiration)
+    if len(entry.signature) != SIGNATURE_BYTES:
+        raise ProtocolError(f"entry {key!r}/{subkey[:16]}... is not signed by its owner")
     # A trainer reads the same progress records every second from several replicas: each
-    # entry is checked once (what was checked: the owner, the payload and the signature).
-    checked = hashlib.sha256(subkey.encode() + entry.signature + payload).digest()
+    # entry is checked once. What is remembered names exactly what was checked: a signature
+    # of fixed length, then the payload (which holds the key, the subkey, the value and the
+    # expiration).
+    checked = hashlib.sha256(entry.signature + payload).digest()
     if checked in _VERIFIED:
         _VERIFIED.move_to_end(checked)
         return

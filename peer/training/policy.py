@@ -39,6 +39,7 @@ from __future__ import annotations
 import enum
 import logging
 import math
+import statistics
 from dataclasses import dataclass, field
 
 from peer.averaging.averager import AveragingResult, longest_averaging
@@ -60,6 +61,8 @@ from peer.training.timing import SLOW_BATCH, Timing
 
 log = logging.getLogger("peertrain.trainer")
 
+SLOW_CLAIM = 4.0
+"""A peer's micro-batch counts for a call's window at most this many times the median's."""
 #: Failed averagings in a row before the trainer logs a warning (fewer are routine, at INFO).
 WARN_AFTER_FAILURES = 3
 #: Longest wait between two failed state downloads (the wait doubles from progress_interval).
@@ -449,7 +452,9 @@ class StepPolicy:
         window = self.timing.window(self.store_seconds)
         if self._may_call(view, local, now):
             # Long enough for the others to see the call and finish their micro-batch.
-            ours = self.timing.window(self.store_seconds, local.batch_seconds)
+            ours = self.timing.window(
+                self.store_seconds, self._call_batch_seconds(view, local, now)
+            )
             call = now + ours
             self.call = (self.held.step, call)
             self.changed = True
@@ -723,6 +728,26 @@ class StepPolicy:
             now=now,
             horizon=self.timing.projection_horizon,
         )
+
+    def _call_batch_seconds(self, view: CollaborationView, local: Local, now: float) -> float:
+        """The micro-batch a call leaves the others time to finish: the 90th percentile of
+        the computing trainers' at our step (by their fresh records' speed; ours as measured),
+        not ours alone: a fast caller's windows left the slow peers of a simulated
+        collaboration of volunteers out of its steps (`simulation/`). A claim counts for at
+        most `SLOW_CLAIM` times the lower median (ours among two), so a record claiming a
+        crawl widens no call past that, however few we are."""
+        micro_batch = self.config.task.micro_batch
+        claims = [
+            micro_batch / r.samples_per_second
+            for r in view.trainers(self.held.step)
+            if r.peer_id != self.me
+            and r.samples_per_second > 0
+            and not (r.holding or r.downloading)
+            and now - r.updated_at <= self.timing.stale_record
+        ]
+        ceiling = SLOW_CLAIM * statistics.median_low([local.batch_seconds, *claims])
+        seconds = sorted([local.batch_seconds, *(min(c, ceiling) for c in claims)])
+        return seconds[min(len(seconds) - 1, int(0.9 * len(seconds)))]
 
     def _may_call(self, view: CollaborationView, local: Local, now: float) -> bool:
         """Whether we call the step now. One caller, so that two calls of a step made at
