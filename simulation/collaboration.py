@@ -388,7 +388,7 @@ class Collaboration:
                         break
                     await trio.sleep(wait)
                     index = self.rng.choice(sorted(scopes))
-                    self._leave(scopes.pop(index), index)
+                    self._leave(scopes.pop(index))
                     peers.start_soon(volunteer, next_index)
                     next_index += 1
                     self.arrivals += 1
@@ -410,7 +410,7 @@ class Collaboration:
         self.step_at_start = max((t.step for t in self.trainers.values()), default=0)
         self.downloads_at_start = sum(v.trainer.tally.downloads for v in self.volunteers)
 
-    def _leave(self, scope: trio.CancelScope, index: int) -> None:
+    def _leave(self, scope: trio.CancelScope) -> None:
         self.departures += 1
         scope.cancel()
 

@@ -37,6 +37,7 @@ class _Meeting:
     everyone: trio.Event = field(default_factory=trio.Event)
     ends_at: float | None = None
     average: np.ndarray | None = None
+    returned: int = 0
 
 
 @dataclass(frozen=True)
@@ -104,10 +105,16 @@ class SimDataPlane:
             meeting.average = _weighted_mean(spec, meeting.arrived)
             meeting.everyone.set()
         started = trio.current_time()
-        with trio.move_on_after(max(0.0, deadline - trio.current_time())):
-            await meeting.everyone.wait()
-            assert meeting.ends_at is not None
-            await trio.sleep_until(meeting.ends_at)
+        try:
+            with trio.move_on_after(max(0.0, deadline - trio.current_time())):
+                await meeting.everyone.wait()
+                assert meeting.ends_at is not None
+                await trio.sleep_until(meeting.ends_at)
+        finally:
+            # Forgotten once everyone who came is done: one who comes later meets nobody.
+            meeting.returned += 1
+            if meeting.returned == len(meeting.arrived):
+                self._meetings.pop(spec.round_id, None)
         self.rounds += 1
         left = [m for m in members if m != me and (m not in meeting.arrived or self.gone(m))]
         late = meeting.ends_at is None or meeting.ends_at > deadline
