@@ -5,8 +5,8 @@ records, catch-up), over `network.SimNetwork`, with `worker.SimWorker` for torch
 
 Sizes: the trainers average a short vector, and the times come from the simulated model's
 bytes. Deadlines that the code derives from a vector's size and a link's bandwidth see the
-bandwidths divided by `Scale.factor` (model bytes / vector bytes): every such deadline comes
-out as it would for the real model on the real link.
+bandwidths divided by `Collaboration.factor` (model bytes / vector bytes): every such deadline
+comes out as it would for the real model on the real link.
 
 Run it with `python -m simulation` (`simulation/__main__.py`); `run_collaboration` is the API
 the tests use.
@@ -18,7 +18,6 @@ import logging
 import math
 import random
 import time
-from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -44,9 +43,18 @@ from peer.measure.capabilities import Capabilities
 from peer.net import tls
 from peer.roles import PeerCapacity, assign_roles
 from peer.training.progress import CollaborationView, ProgressRecord
+from peer.training.statesync import Snapshot
 from peer.training.trainer import Trainer
-from simulation.dataplane import SimDataPlane, SimDataServer, SimIdentity, simulated, snapshot_of
-from simulation.network import Link, LinkDistribution, SimNetwork, SimNode
+from simulation.dataplane import SimDataPlane, SimDataServer, SimIdentity, simulated
+from simulation.network import (
+    MBIT,
+    Link,
+    LinkDistribution,
+    SimNetwork,
+    SimNode,
+    Traffic,
+    log_uniform,
+)
 from simulation.worker import SimWorker
 
 log = logging.getLogger(__name__)
@@ -87,7 +95,6 @@ class Attempt:
     peer: str
     epoch: int
     started: float
-    ended: float
     peers_seen: int
     exact: bool
     why: str
@@ -110,7 +117,6 @@ class Volunteer:
 class Report:
     scenario: Scenario
     wall_seconds: float
-    virtual_seconds: float
     attempts: list[Attempt]
     volunteers: list[Volunteer]
     digests_agree: bool
@@ -120,19 +126,15 @@ class Report:
     """Steps the collaboration took while measured (after the warm-up)."""
     ended_at: float
     """Virtual seconds at the end."""
-    dht_ops: Counter[str]
     dht_seconds: dict[str, list[float]]
+    """How long each DHT "store" and "get" of a trainer took."""
     views: list[tuple[int, int]]
     """(progress records a trainer read, trainers alive then): how much of the collaboration
     each read saw."""
-    rpc_calls: Counter[tuple[str, str]]
-    rpc_failed: Counter[tuple[str, str]]
-    rpc_bytes: Counter[tuple[str, str]]
-    served: Counter[ID]
+    traffic: Traffic
     departures: int
     arrivals: int
     downloads: int
-    failures: Counter[str]
     ideal_step_seconds: float
 
 
@@ -159,11 +161,8 @@ class Collaboration:
         self.factor = scenario.model_bytes / (VECTOR * 4)
         self.config = _config(scenario, self.factor)
         self.backbones: list[SimNode] = []
-        self.backbone_dhts: list[DHT] = []
         self.trainers: dict[str, Trainer] = {}
-        self.nodes: dict[str, SimNode] = {}
         self.attempts: list[Attempt] = []
-        self.dht_ops: Counter[str] = Counter()
         self.dht_seconds: dict[str, list[float]] = {"store": [], "get": []}
         self.views: list[tuple[int, int]] = []
         self.departures = self.arrivals = 0
@@ -195,24 +194,22 @@ class Collaboration:
             try:
                 return await call(*args, **kwargs)
             finally:
-                self.dht_ops[name] += 1
                 self.dht_seconds[name].append(trio.current_time() - started)
 
         return timed
 
     async def start_backbones(self, nursery: trio.Nursery) -> None:
-        fast = self.scenario.links.max_mbit * 125_000
+        fast = self.scenario.links.max_mbit * MBIT
         for _ in range(BACKBONES):
             node = self.network.node(
                 Link(upload=fast, download=fast, rtt=self.scenario.links.min_rtt)
             )
             dht = self._dht(node)
-            if self.backbone_dhts:
+            if self.backbones:
                 first = self.backbones[0]
                 await dht.bootstrap([(first.peer_id, first.announce[0])])
             await nursery.start(dht.run)
             self.backbones.append(node)
-            self.backbone_dhts.append(dht)
 
     def _capabilities(self, node: SimNode, speed: float) -> Capabilities:
         link = self.network.links[node.peer_id]
@@ -244,15 +241,12 @@ class Collaboration:
     async def run_peer(
         self, *, late: bool, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
     ) -> None:
-        """One volunteer, from its join until it leaves (`self.leave`: its scope cancelled)."""
+        """One volunteer, from its join until it leaves (`_leave`: its scope cancelled)."""
         scenario = self.scenario
         node = self.network.node(scenario.links.draw(self.rng))
         me = node.peer_id.to_base58()
         self.plane.register(node.peer_id)
-        speed = (
-            scenario.samples_per_second[0]
-            * (scenario.samples_per_second[1] / scenario.samples_per_second[0]) ** self.rng.random()
-        )
+        speed = log_uniform(self.rng, *scenario.samples_per_second)
         dht = self._dht(node)
         certificate, _ = tls._build_certificate(node.identity.key_pair.private_key)
         averager = Averager(
@@ -278,24 +272,22 @@ class Collaboration:
             config=self.config,
             task=SimpleNamespace(name="sim"),  # type: ignore[arg-type]
             device=torch.device("cpu"),
-            download=self._download(node.peer_id, worker),
+            download=self._download(node.peer_id),
             capabilities=lambda: capabilities,
             clock=self.clock,
             monotonic=trio.current_time,
             worker=worker,  # type: ignore[arg-type]
         )
-        observe = trainer._observe
+        observe = trainer.progress.on_read
 
         def observed(view: CollaborationView) -> None:
             self.views.append((len(view.records), len(self.trainers)))
             observe(view)
 
-        trainer._observe = observed  # type: ignore[method-assign]
         trainer.progress.on_read = observed
         dht.seeds = [(b.peer_id, b.announce[0]) for b in self.backbones]
         await dht.bootstrap(dht.seeds)
         self.trainers[me] = trainer
-        self.nodes[me] = node
         volunteer = Volunteer(joined_at=trio.current_time(), late=late, trainer=trainer)
         self.volunteers.append(volunteer)
         task_status.started()
@@ -321,7 +313,6 @@ class Collaboration:
                     peer=me,
                     epoch=kwargs["epoch"],
                     started=started,
-                    ended=trio.current_time(),
                     peers_seen=result.peers_seen,
                     exact=result.average is not None,
                     why="; ".join(result.skipped)[:200],
@@ -331,9 +322,7 @@ class Collaboration:
 
         averager.average = recorded  # type: ignore[method-assign]
 
-    def _download(
-        self, me: ID, worker: SimWorker
-    ) -> Callable[[list[ProgressRecord], int], Awaitable[Any]]:
+    def _download(self, me: ID) -> Callable[[list[ProgressRecord], int], Awaitable[Any]]:
         async def download(donors: list[ProgressRecord], target: int) -> Any:
             holding = [
                 self.trainers[d.peer_id]
@@ -350,7 +339,7 @@ class Collaboration:
                 if donor.step == target and donor.dht.node.peer_id not in self.network.gone:
                     snapshot = await donor.worker.serialize()
                     assert snapshot is not None and isinstance(snapshot.blob, bytes)
-                    return snapshot_of(snapshot.step, snapshot.blob)
+                    return Snapshot(snapshot.step, snapshot.blob, disposable=True)
             raise RemoteError(f"the donors moved past step {target} during the download")
 
         return download
@@ -402,8 +391,7 @@ class Collaboration:
     def _start_measuring(self) -> None:
         """What happened so far was the warm-up: counting starts now."""
         self.measured_from = trio.current_time()
-        self.network.traffic = type(self.network.traffic)()
-        self.dht_ops.clear()
+        self.network.traffic = Traffic()
         for seconds in self.dht_seconds.values():
             seconds.clear()
         self.views.clear()
@@ -437,7 +425,7 @@ def ideal_step_seconds(scenario: Scenario, collaboration: Collaboration) -> floa
     no gathering, no groups, nobody leaving)."""
     peers = []
     for me, trainer in collaboration.trainers.items():
-        link = collaboration.network.links[collaboration.nodes[me].peer_id]
+        link = collaboration.network.links[trainer.dht.node.peer_id]
         worker = trainer.worker
         assert isinstance(worker, SimWorker)
         peers.append(
@@ -468,30 +456,20 @@ def run_collaboration(scenario: Scenario) -> Report:
         trio.run(collaboration.run, clock=trio.testing.MockClock(autojump_threshold=0))
     agree, newest = collaboration.final
     everyone = [v.trainer for v in collaboration.volunteers]
-    failures: Counter[str] = Counter()
-    for trainer in everyone:
-        failures.update(trainer.tally.failures)
-    traffic = collaboration.network.traffic
     return Report(
         scenario=scenario,
         wall_seconds=time.perf_counter() - started,
-        virtual_seconds=scenario.minutes * 60,
         attempts=[a for a in collaboration.attempts if a.started >= collaboration.measured_from],
         volunteers=collaboration.volunteers,
         digests_agree=agree,
         newest_step=newest,
         steps=newest - collaboration.step_at_start,
         ended_at=collaboration.ended_at,
-        dht_ops=collaboration.dht_ops,
         dht_seconds=collaboration.dht_seconds,
         views=collaboration.views,
-        rpc_calls=traffic.calls,
-        rpc_failed=traffic.failed,
-        rpc_bytes=traffic.bytes,
-        served=traffic.served,
+        traffic=collaboration.network.traffic,
         departures=collaboration.departures,
         arrivals=collaboration.arrivals,
         downloads=sum(t.tally.downloads for t in everyone) - collaboration.downloads_at_start,
-        failures=failures,
         ideal_step_seconds=collaboration.ideal,
     )

@@ -27,7 +27,6 @@ from peer.averaging.allreduce import RoundReport, RoundSpec
 from peer.averaging.reduce import ChunkResult
 from peer.errors import RemoteError
 from peer.roles.model import bytes_per_round
-from peer.training.statesync import Snapshot
 from simulation.network import SimNetwork
 
 
@@ -60,8 +59,6 @@ class SimDataPlane:
         self.model_bytes = model_bytes
         self.ids: dict[str, ID] = {}
         self._meetings: dict[bytes, _Meeting] = {}
-        self.rounds = 0
-        self.failed_rounds = 0
 
     def register(self, peer_id: ID) -> None:
         self.ids[peer_id.to_base58()] = peer_id
@@ -115,18 +112,18 @@ class SimDataPlane:
             meeting.returned += 1
             if meeting.returned == len(meeting.arrived):
                 self._meetings.pop(spec.round_id, None)
-        self.rounds += 1
         left = [m for m in members if m != me and (m not in meeting.arrived or self.gone(m))]
         late = meeting.ends_at is None or meeting.ends_at > deadline
         if left or late:
-            self.failed_rounds += 1
-            missing = left or [m for m in members if m not in meeting.arrived] or members
-            why = {m: "did not take part" for m in missing if m != me}
+            others = [m for m in members if m != me] or [me]
+            failed = dict.fromkeys(left, "did not take part") or dict.fromkeys(
+                others, "the round ran out of time"
+            )
             return RoundReport(
                 chunks=[ChunkResult(0, spec.size, 0)],
                 computing=computing,
-                dropped_senders=why or {me: "the round ran out of time"},
-                failed_reducers=why or {me: "the round ran out of time"},
+                dropped_senders=failed,
+                failed_reducers=dict(failed),
                 seconds=trio.current_time() - started,
             )
         assert meeting.average is not None
@@ -172,7 +169,3 @@ def simulated(plane: SimDataPlane) -> Iterator[None]:
         yield
     finally:
         averager_module.allreduce = real
-
-
-def snapshot_of(step: int, blob: bytes) -> Snapshot:
-    return Snapshot(step, blob, disposable=True)

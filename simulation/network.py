@@ -36,7 +36,7 @@ from multiaddr import Multiaddr
 
 from peer.errors import DeadlineExceeded, RemoteError, RpcError, Unreachable, UserError
 from peer.net.identity import Identity
-from peer.net.rpc import RpcServer
+from peer.net.rpc import RpcServer, protocol_id
 
 T = TypeVar("T")
 
@@ -67,14 +67,14 @@ class LinkDistribution:
     upload_fraction: tuple[float, float] = (0.2, 1.0)
 
     def draw(self, rng: random.Random) -> Link:
-        download = _log_uniform(rng, self.min_mbit, self.max_mbit) * MBIT
+        download = log_uniform(rng, self.min_mbit, self.max_mbit) * MBIT
         upload = max(self.min_mbit * MBIT, download * rng.uniform(*self.upload_fraction))
         return Link(
-            upload=upload, download=download, rtt=_log_uniform(rng, self.min_rtt, self.max_rtt)
+            upload=upload, download=download, rtt=log_uniform(rng, self.min_rtt, self.max_rtt)
         )
 
 
-def _log_uniform(rng: random.Random, low: float, high: float) -> float:
+def log_uniform(rng: random.Random, low: float, high: float) -> float:
     return low * (high / low) ** rng.random()
 
 
@@ -122,68 +122,6 @@ class SimNetwork:
         sender, receiver = self.links[a], self.links[b]
         return (sender.rtt + receiver.rtt) / 4 + size / min(sender.upload, receiver.download)
 
-    async def call(
-        self,
-        caller: ID,
-        callee: ID,
-        service: str,
-        method: str,
-        request: Any,
-        reply_type: type[T],
-        *,
-        timeout: float,
-    ) -> T:
-        key = (service, method)
-        self.traffic.calls[key] += 1
-        try:
-            with trio.fail_after(timeout):
-                return await self._call(caller, callee, key, request, reply_type)
-        except trio.TooSlowError:
-            self.traffic.failed[key] += 1
-            raise DeadlineExceeded(
-                f"{service}.{method} to {callee} took over {timeout:.3g}s"
-            ) from None
-        except RemoteError:
-            self.traffic.failed[key] += 1
-            raise
-
-    async def _call(
-        self, caller: ID, callee: ID, key: tuple[str, str], request: Any, reply_type: type[T]
-    ) -> T:
-        service, method = key
-        body = msgspec.msgpack.encode(request)
-        self.traffic.bytes[key] += len(body)
-        if callee not in self.links:
-            raise Unreachable(f"{service}.{method} to {callee}: no such peer")
-        await trio.sleep(self.one_way(caller, callee, len(body)))
-        server = self.servers.get((callee, f"/peertrain/{service}/1"))
-        if server is None:
-            if self.gone.get(callee):
-                await trio.sleep_forever()  # until the caller's deadline
-            raise Unreachable(f"{service}.{method} to {callee}: connection refused")
-        handler = server._methods.get(method)
-        if handler is None:
-            raise RpcError("unknown_method", f"{service} has no method {method!r}")
-        try:
-            decoded = msgspec.msgpack.decode(body, type=handler.request_type)
-        except (msgspec.DecodeError, msgspec.ValidationError) as error:
-            raise RpcError("bad_request", f"{method}: {error}") from None
-        try:
-            result = await handler.handler(caller, decoded)  # type: ignore[misc]
-        except RpcError:
-            raise
-        except (RemoteError, UserError) as error:
-            raise RpcError("bad_request", str(error)) from None
-        except Exception as error:  # the real server logs it and answers "internal"
-            raise RpcError("internal", f"the handler failed: {error!r}") from None
-        reply = msgspec.msgpack.encode(result)
-        self.traffic.bytes[key] += len(reply)
-        self.traffic.served[callee] += len(reply)
-        await trio.sleep(self.one_way(callee, caller, len(reply)))
-        if callee in self.gone:
-            raise Unreachable(f"{service}.{method} to {callee}: connection closed")
-        return msgspec.msgpack.decode(reply, type=reply_type)
-
 
 class SimHost:
     """What an `RpcServer` registers itself on."""
@@ -215,9 +153,57 @@ class SimRpc:
         *,
         timeout: float,
     ) -> T:
-        return await self.network.call(
-            self.peer_id, peer_id, service, method, request, reply_type, timeout=timeout
-        )
+        """`RpcClient.call` over the simulated network."""
+        traffic = self.network.traffic
+        key = (service, method)
+        traffic.calls[key] += 1
+        try:
+            with trio.fail_after(timeout):
+                return await self._call(peer_id, key, request, reply_type)
+        except trio.TooSlowError:
+            traffic.failed[key] += 1
+            raise DeadlineExceeded(
+                f"{service}.{method} to {peer_id} took over {timeout:.3g}s"
+            ) from None
+        except RemoteError:
+            traffic.failed[key] += 1
+            raise
+
+    async def _call(self, callee: ID, key: tuple[str, str], request: Any, reply_type: type[T]) -> T:
+        network, caller = self.network, self.peer_id
+        service, method = key
+        body = msgspec.msgpack.encode(request)
+        network.traffic.bytes[key] += len(body)
+        if callee not in network.links:
+            raise Unreachable(f"{service}.{method} to {callee}: no such peer")
+        await trio.sleep(network.one_way(caller, callee, len(body)))
+        server = network.servers.get((callee, protocol_id(service)))
+        if server is None:
+            if network.gone.get(callee):
+                await trio.sleep_forever()  # until the caller's deadline
+            raise Unreachable(f"{service}.{method} to {callee}: connection refused")
+        handler = server._methods.get(method)
+        if handler is None:
+            raise RpcError("unknown_method", f"{service} has no method {method!r}")
+        try:
+            decoded = msgspec.msgpack.decode(body, type=handler.request_type)
+        except (msgspec.DecodeError, msgspec.ValidationError) as error:
+            raise RpcError("bad_request", f"{method}: {error}") from None
+        try:
+            result = await handler.handler(caller, decoded)  # type: ignore[misc]
+        except RpcError:
+            raise
+        except (RemoteError, UserError) as error:
+            raise RpcError("bad_request", str(error)) from None
+        except Exception as error:  # the real server logs it and answers "internal"
+            raise RpcError("internal", f"the handler failed: {error!r}") from None
+        reply = msgspec.msgpack.encode(result)
+        network.traffic.bytes[key] += len(reply)
+        network.traffic.served[callee] += len(reply)
+        await trio.sleep(network.one_way(callee, caller, len(reply)))
+        if callee in network.gone:
+            raise Unreachable(f"{service}.{method} to {callee}: connection closed")
+        return msgspec.msgpack.decode(reply, type=reply_type)
 
     def forget(self, peer_id: ID) -> None:
         pass

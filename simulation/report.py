@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from simulation.collaboration import Report
@@ -47,13 +48,14 @@ class Summary:
 
 def summarize(report: Report) -> Summary:
     scenario = report.scenario
-    hours = report.virtual_seconds / 3600
+    seconds = scenario.minutes * 60
+    hours = seconds / 3600
     by_epoch: dict[int, list[bool]] = defaultdict(list)
     for attempt in report.attempts:
         if attempt.peers_seen > 0:  # called too late to be in the gathering: not a member
             by_epoch[attempt.epoch].append(attempt.exact)
     gatherings = list(by_epoch.values())
-    ops = report.dht_ops["store"] + report.dht_ops["get"]
+    ops = sum(len(times) for times in report.dht_seconds.values())
     coverage = [seen / alive for seen, alive in report.views if alive]
     reasons: dict[str, int] = defaultdict(int)
     for attempt in report.attempts:
@@ -77,8 +79,8 @@ def summarize(report: Report) -> Summary:
         store_p99=_quantile(report.dht_seconds["store"], 0.99),
         get_p50=_quantile(report.dht_seconds["get"], 0.5),
         get_p99=_quantile(report.dht_seconds["get"], 0.99),
-        dht_bytes_per_peer=sum(report.rpc_bytes.values()) / report.virtual_seconds / scenario.peers,
-        hottest_node_bytes=max(report.served.values(), default=0) / report.virtual_seconds,
+        dht_bytes_per_peer=sum(report.traffic.bytes.values()) / seconds / scenario.peers,
+        hottest_node_bytes=max(report.traffic.served.values(), default=0) / seconds,
         view_coverage=statistics.fmean(coverage) if coverage else 0.0,
         min_view_coverage=min(coverage, default=0.0),
         departures=report.departures,
@@ -95,8 +97,8 @@ def _reason(why: str) -> str:
     return " ".join(words)[:70]
 
 
-def _share(flags: object) -> float:
-    values = list(flags)  # type: ignore[call-overload]
+def _share(flags: Iterable[bool]) -> float:
+    values = list(flags)
     return sum(values) / len(values) if values else 0.0
 
 

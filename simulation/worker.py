@@ -4,7 +4,7 @@ Its "model" is a short float32 vector; a micro-batch takes the time the peer's s
 adds a pseudo-gradient drawn from the peer's own seed; a step moves the parameters by the
 average it is given, so peers that applied the same averages hold the same bits and the same
 digest (the simulation checks exactness at every size, as the real digests do). The sizes that
-set times and deadlines are the simulated model's, not the vector's (`collaboration.Scale`).
+set times and deadlines are the simulated model's, not the vector's (`Collaboration.factor`).
 """
 
 from __future__ import annotations

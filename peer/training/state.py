@@ -489,9 +489,10 @@ def _entries(
     data: bytes | memoryview, total_bytes: int
 ) -> tuple[dict[str, tuple[torch.dtype, list[int]]], BlobLayout, object]:
     """Each tensor's dtype and shape in a blob of `total_bytes` whose first bytes are `data`,
-    where they lie, and the header's "__metadata__" (parsed once): a header length within the blob, a JSON object of entries with a known
-    dtype, a shape of non-negative integers, and data offsets whose length is the shape's; the
-    entries tile the data region exactly (no gap, no overlap)."""
+    where they lie, and the header's "__metadata__" (parsed once): a header length within the
+    blob, a JSON object of entries with a known dtype, a shape of non-negative integers, and
+    data offsets whose length is the shape's; the entries tile the data region exactly (no
+    gap, no overlap)."""
     size = header_bytes(data) - 8
     if size > total_bytes - 8 or size > len(data) - 8:
         raise StateMismatch(f"not a safetensors state: a {size}-byte header in {total_bytes} bytes")
