@@ -14,6 +14,7 @@ the tests use.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import random
@@ -96,8 +97,17 @@ class Attempt:
     epoch: int
     started: float
     peers_seen: int
-    exact: bool
+    """Contributions in its view of the gathering."""
+    members: int
+    """Peers its average is the exact mean of (0: it got none)."""
+    average: bytes
+    """A digest of its average's bits (b"": none): peers with equal ones apply one step."""
     why: str
+
+    @property
+    def complete(self) -> bool:
+        """Its average holds every contribution of its view."""
+        return self.members > 0 and self.members == self.peers_seen
 
 
 @dataclass
@@ -314,8 +324,13 @@ class Collaboration:
                     epoch=kwargs["epoch"],
                     started=started,
                     peers_seen=result.peers_seen,
-                    exact=result.average is not None,
-                    why="; ".join(result.skipped)[:200],
+                    members=result.members if result.average is not None else 0,
+                    average=(
+                        hashlib.blake2b(result.average.tobytes(), digest_size=8).digest()
+                        if result.average is not None
+                        else b""
+                    ),
+                    why="; ".join(result.skipped or result.setbacks)[:200],
                 )
             )
             return result

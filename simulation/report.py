@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from simulation.collaboration import Report
+from simulation.collaboration import Attempt, Report
 
 
 @dataclass(frozen=True)
@@ -20,12 +20,18 @@ class Summary:
     steps_per_hour: float
     ideal_steps_per_hour: float
     attempts: int
-    exact_share: float
-    """Averaging calls that ended with the exact average (a step)."""
+    averaged_share: float
+    """Averaging calls that ended with an exact average over some peers (`AveragingResult`)."""
+    complete_share: float
+    """Averaging calls whose average holds every contribution of their view."""
+    gatherings: int
+    agreed_gatherings: float
+    """Gatherings (the averaging of one step by the peers that met for it) in which most of
+    their peers ended on one average: the step the collaboration takes (its certificate)."""
     complete_gatherings: float
-    """Gatherings in which every peer that took part got the exact average."""
-    peers_in_complete_groups: float
-    """Per gathering, the share of its peers whose every round completed; the mean."""
+    """Gatherings in which every peer that took part got the average over its whole view."""
+    peers_on_the_step: float
+    """Per gathering, the share of its peers on its most common average; the mean."""
     dht_ops_per_step: float
     """DHT stores and gets per trainer per collaboration step."""
     store_p50: float
@@ -50,16 +56,17 @@ def summarize(report: Report) -> Summary:
     scenario = report.scenario
     seconds = scenario.minutes * 60
     hours = seconds / 3600
-    by_epoch: dict[int, list[bool]] = defaultdict(list)
+    by_epoch: dict[int, list[Attempt]] = defaultdict(list)
     for attempt in report.attempts:
         if attempt.peers_seen > 0:  # called too late to be in the gathering: not a member
-            by_epoch[attempt.epoch].append(attempt.exact)
+            by_epoch[attempt.epoch].append(attempt)
     gatherings = list(by_epoch.values())
+    on_the_step = [_most_common_average(g) / len(g) for g in gatherings]
     ops = sum(len(times) for times in report.dht_seconds.values())
     coverage = [seen / alive for seen, alive in report.views if alive]
     reasons: dict[str, int] = defaultdict(int)
     for attempt in report.attempts:
-        if not attempt.exact and attempt.why:
+        if not attempt.complete and attempt.why:
             reasons[_reason(attempt.why)] += 1
     return Summary(
         peers=scenario.peers,
@@ -69,11 +76,12 @@ def summarize(report: Report) -> Summary:
         steps_per_hour=report.steps / hours,
         ideal_steps_per_hour=3600 / report.ideal_step_seconds,
         attempts=len(report.attempts),
-        exact_share=_share(a.exact for a in report.attempts),
-        complete_gatherings=_share(all(g) for g in gatherings),
-        peers_in_complete_groups=statistics.fmean(sum(g) / len(g) for g in gatherings)
-        if gatherings
-        else 0.0,
+        averaged_share=_share(a.members > 0 for a in report.attempts),
+        complete_share=_share(a.complete for a in report.attempts),
+        gatherings=len(gatherings),
+        agreed_gatherings=_share(share > 0.5 for share in on_the_step),
+        complete_gatherings=_share(all(a.complete for a in g) for g in gatherings),
+        peers_on_the_step=statistics.fmean(on_the_step) if on_the_step else 0.0,
         dht_ops_per_step=ops / scenario.peers / max(1, report.steps),
         store_p50=_quantile(report.dht_seconds["store"], 0.5),
         store_p99=_quantile(report.dht_seconds["store"], 0.99),
@@ -89,6 +97,11 @@ def summarize(report: Report) -> Summary:
         digests_agree=report.digests_agree,
         failure_reasons=sorted(reasons.items(), key=lambda kv: -kv[1])[:5],
     )
+
+
+def _most_common_average(gathering: list[Attempt]) -> int:
+    counts = Counter(a.average for a in gathering if a.average)
+    return max(counts.values(), default=0)
 
 
 def _reason(why: str) -> str:
@@ -118,9 +131,15 @@ def rows(summary: Summary) -> list[tuple[str, str]]:
             "steps (per hour / ideal)",
             f"{s.steps} ({s.steps_per_hour:.0f} / {s.ideal_steps_per_hour:.0f} = {s.steps_per_hour / s.ideal_steps_per_hour:.2f}x)",
         ),
-        ("averaging calls exact", f"{s.exact_share:.1%} of {s.attempts}"),
-        ("gatherings complete for all their peers", f"{s.complete_gatherings:.1%}"),
-        ("peers in a complete group (mean per gathering)", f"{s.peers_in_complete_groups:.1%}"),
+        (
+            "averaging calls with an average / over their whole view",
+            f"{s.averaged_share:.1%} / {s.complete_share:.1%} of {s.attempts}",
+        ),
+        (
+            "gatherings where most peers agree (a step) / all complete",
+            f"{s.agreed_gatherings:.1%} / {s.complete_gatherings:.1%} of {s.gatherings}",
+        ),
+        ("peers on their gathering's step (mean)", f"{s.peers_on_the_step:.1%}"),
         ("DHT stores+gets per trainer per step", f"{s.dht_ops_per_step:.0f}"),
         ("DHT store p50 / p99", f"{s.store_p50 * 1000:.0f} / {s.store_p99 * 1000:.0f} ms"),
         ("DHT get p50 / p99", f"{s.get_p50 * 1000:.0f} / {s.get_p99 * 1000:.0f} ms"),

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from peer.averaging.allreduce import RoundReport
-from peer.averaging.averager import AveragingResult
+from peer.averaging.averager import AveragingResult, longest_averaging
 from peer.averaging.reduce import ChunkResult
 from peer.config import AveragingConfig, PeerConfig, TaskConfig, TrainingConfig
 from peer.training.certificate import CARRIED_SIGNATURES, MAX_SIGNATURES, StepSignature, carried
@@ -607,7 +607,8 @@ def test_how_long_others_may_still_be_averaging_grows_with_the_vector():
     policy = StepPolicy(me=ME, config=config, vector_size=1000)
     averaging = config.averaging
     fixed = 4 * averaging.join_timeout + 2 * averaging.timeout_floor
-    assert policy.longest_averaging(policy.view, Local()) == fixed  # unmeasured
+    unmeasured = longest_averaging(1000, 0, [], averaging)  # the floors alone
+    assert policy.longest_averaging(policy.view, Local()) == max(fixed, unmeasured)
     rate = 4 * 1000 / 40.0  # bytes/s: the float32 vector takes 40 s
     longest = policy.longest_averaging(policy.view, Local(bandwidth=rate))
     assert longest > 2 * 40.0 * averaging.timeout_multiplier > fixed

@@ -67,6 +67,7 @@ import numpy as np
 import trio
 
 from peer.averaging.compression import CODECS, BadPart, Codec
+from peer.averaging.moshpit import MAX_BASIS_BYTES
 from peer.averaging.partition import chunk_ranges, part_ranges, valid_shares
 from peer.averaging.reduce import ChunkResult, PartReducer, ResultAssembler
 from peer.averaging.wire import (
@@ -122,6 +123,9 @@ class Member:
     block: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0
     """Contributions are added in the order of (block, peer id): the same order in every group
     that holds the same blocks, so their averages are bit-identical (`moshpit.py`)."""
+    basis: Annotated[bytes, msgspec.Meta(max_length=MAX_BASIS_BYTES)] = b""
+    """In a round of a Moshpit plan of several: the peers its value stands for (a mask over the
+    plan's peers, `moshpit.basis_mask`), from which every member checks the seats."""
 
 
 @dataclass(frozen=True, kw_only=True)

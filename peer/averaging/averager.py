@@ -11,17 +11,18 @@ in each round its group forms (`matchmaking.py`) and runs one all-reduce (`allre
 deadlines derived from the bytes each member moves and its measured bandwidth
 (`group.round_timeouts`), each member weighted by the samples its value stands for.
 
-The result is exact or nothing. With several rounds, `average` is set only when every round of
-ours was complete: every planned member took part from the same view, every reducer returned
-every chunk with every member's contribution in it (a group of a later round holds blocks of
-other groups: one averaged without a member would leave that block out of some groups' values
-but not others'). With a single group one peer cannot veto (`reduce_in_group`): a round exact
-over the members that took part (`RoundReport.exact_over`) counts, for those members, and one
-whose reducers dropped different members or failed is retried at once without them; `dropped`
-says who was left out and why. Otherwise `average` is None and `skipped` says why; the caller's
-vector is never touched (the rounds work on a copy), so a failed averaging leaves exactly the
-peer's own contribution. Peers whose last group completed hold the same bits; a peer whose
-group failed applies nothing and catches up by download.
+The result is exact over a set of peers, or nothing. In every round one peer cannot veto
+(`reduce_in_group`): a round exact over the members that took part (`RoundReport.exact_over`)
+counts, for those members, and one whose reducers dropped different members or failed is
+retried at once without them. With a single group, `average` is the mean over the members of
+that round (`members`; `dropped` says who was left out and why). With several rounds every
+value carries its basis, the peers it is the exact mean of (`moshpit.py`): a member missing
+from a group, or a round that failed for us (we go back to the value we entered it with),
+makes the bases smaller, not the step void; `average` is the mean over our last basis (`members`,
+`weight`; `dropped`: the planned peers it lacks). Peers that end on the same basis hold the
+same bits; the step's certificate settles which of the averages applied is the
+collaboration's. Without one (alone in every round) `average` is None and `skipped` says why;
+the caller's vector is never touched (the rounds work on a copy).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import hashlib
 import logging
 import math
 from collections import Counter
-from collections.abc import Awaitable, Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -56,8 +57,8 @@ from peer.averaging.group import (
     stated_size,
     view_digest,
 )
-from peer.averaging.matchmaking import GroupPlan, Matchmaker, NotExact, RoundShape, TooFewPeers
-from peer.averaging.moshpit import plan, rounds_for
+from peer.averaging.matchmaking import GroupPlan, Matchmaker, RoundShape, TooFewPeers
+from peer.averaging.moshpit import Plan, Seat, basis_mask, basis_of, plan, rounds_for
 from peer.config import AveragingConfig, PeerConfig
 from peer.dht.node import DHT
 from peer.errors import ProtocolError, peer_fault
@@ -93,12 +94,15 @@ class AveragingResult:
     rounds: list[RoundReport] = field(default_factory=list)
     groups: list[list[str]] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
-    """Why the result is not exact, round by round (a group too small, a member missing, ...)."""
+    """Why there is no result, round by round (a group too small, a member missing, ...)."""
     dropped: dict[str, str] = field(default_factory=dict)
-    """Members of a single group that `average` leaves out (they failed its round), and why."""
+    """Peers that `average` leaves out, and why (a single group: members that failed its round;
+    a plan of several: planned peers missing from our last basis)."""
+    setbacks: list[str] = field(default_factory=list)
+    """Rounds of a plan of several that failed for us, and why: `average` stands for fewer."""
     average: np.ndarray | None = None
-    """The exact weighted mean over every peer of the plan (a single group: over the members
-    that took part); None when not every round was."""
+    """The exact weighted mean over `members` peers (a single group: those that took part; a
+    plan of several: our last basis); None when there is none."""
     weight: float = 0.0
     """The total weight (samples) behind `average`."""
     members: int = 0
@@ -345,10 +349,10 @@ def longest_averaging(
 ) -> float:
     """A bound on one averaging of `size` elements among `peers` after its gathering: per
     round of the plan, a member's join (its leader search, the gathering and a later round's
-    leader's patience: 3 `join_timeout` + `patience`, `Matchmaker`) and the round itself (at
-    most `patience` at these bandwidths)."""
+    leader's patience: 3 `join_timeout` + 2 `patience`, `Matchmaker`) and the round itself
+    with its retry (at most 2 `patience` at these bandwidths)."""
     rounds = rounds_for(max(peers, 2), config.group_size)
-    return rounds * (3 * config.join_timeout + 2 * patience(size, bandwidth, config))
+    return rounds * (3 * config.join_timeout + 4 * patience(size, bandwidth, config))
 
 
 class Averager:
@@ -593,7 +597,7 @@ class Averager:
         evidence: Evidence,
     ) -> None:
         """Our rounds of the view's Moshpit plan, on a copy of `vector`; sets `result.average`
-        only if every one of them was exact."""
+        to the mean over our last basis (module doc)."""
         ids = [t.peer_id for t in view]
         number = ids.index(self.me)
         weights = [t.weight if t.computes else 0.0 for t in view]
@@ -609,7 +613,9 @@ class Averager:
             )
             return
         bandwidth = bandwidths(view, self.config, evidence=evidence)
-        wait = patience(len(vector), list(bandwidth.values()), self.config)
+        # A member still in the previous round may be in its retry (`reduce_in_group`): a
+        # leader waits for it as long as a round and its retry may take.
+        wait = 2 * patience(len(vector), list(bandwidth.values()), self.config)
         self.matchmaker.expect_rounds(namespace, wait)
         shape = RoundShape(
             epoch=epoch,
@@ -619,42 +625,71 @@ class Averager:
             view=view_digest(epoch, view) if several else b"",
             evidence=evidence,
         )
-        # Never the caller's: a failed round must leave it whole (and a single group's retry
-        # starts again from it). An aggregator-only member's is its own zeros, which it never
-        # reads: copying would touch every page. Off the event loop: 400 MB took 1-1.7 s there.
+        # Never the caller's: a failed round must leave it whole (and a retry, or a failed
+        # round of several, starts again from it). An aggregator-only member's is its own
+        # zeros, which it never reads: copying would touch every page. Off the event loop:
+        # 400 MB took 1-1.7 s there.
         values = await trio.to_thread.run_sync(vector.copy) if ticket.computes else vector
-        exact, total, covered = True, weights[number], len(view)
+        # What a round starts from, for its retry and to go back to if it fails: our own
+        # contribution until a round changed `values`, then a copy of them (a plan of several).
+        original: np.ndarray | None = vector if ticket.computes else None
+        before: np.ndarray | None = None
+        basis = frozenset([number])  # the peers `values` stand for (`moshpit.py`)
+        total, members = weights[number], 1
         for index in range(len(moshpit.rounds)):
-            members = moshpit.group(index, number)
-            if len(members) == 1:
+            group_numbers = moshpit.group(index, number)
+            if len(group_numbers) == 1:
                 continue  # nobody to meet this round: our value stands as it is
+            numbers = {ids[i]: i for i in group_numbers}
             group = GroupPlan(
-                members=tuple(ids[i] for i in members),
-                seats=(
-                    {
-                        ids[s.member]: (s.block, s.weight)
-                        for s in moshpit.seats(index, number, weights)
-                    }
-                    if several
-                    else None
+                members=tuple(numbers),
+                seating=(
+                    functools.partial(_seats, moshpit, index, numbers, weights) if several else None
                 ),
+                basis=basis_mask(basis, len(view)) if several else b"",
                 patience=wait if index > 0 else 0.0,
             )
             reports = len(result.rounds)
-            weight = await self._round(
-                namespace, index, group, view, ticket, values, shape, result, exact=exact,
-                original=vector if not several and ticket.computes else None,
-            )  # fmt: skip
-            if weight is None:
-                exact = False
+            outcome = await self._round(
+                namespace, index, group, view, ticket, values, shape, result, original=original
+            )
+            if outcome is None:
+                if original is not None and len(result.rounds) > reports:
+                    # The all-reduce left `values` half-written: back to where the round began.
+                    await trio.to_thread.run_sync(np.copyto, values, original)
                 continue
-            total = weight
-            if not several:  # a single group: whoever joined it
-                covered = len(result.groups[-1])
+            spec, included, total = outcome
+            if several:
+                seats = _seating(moshpit, index, numbers, weights, _bases_of(spec))
+                basis = frozenset(
+                    j
+                    for m in spec.members
+                    if m.peer_id in included and seats[m.peer_id].contributes
+                    for j in basis_of(m.basis, len(view))
+                )
+                total, members = math.fsum(weights[j] for j in basis), len(basis)
+                if ticket.computes and index + 1 < len(moshpit.rounds):
+                    if before is None:
+                        before = await trio.to_thread.run_sync(np.empty_like, values)
+                    await trio.to_thread.run_sync(np.copyto, before, values)
+                    original = before
+            else:  # a single group: whoever took part
+                members = len(included)
             if len(result.rounds) > reports:  # an all-reduce ran
                 on_round(index, result.rounds[-1], values)
-        if exact:
-            result.average, result.weight, result.members = values, total, covered
+        if several:
+            result.setbacks, result.skipped = result.skipped, []
+            missing = [ids[j] for j in range(len(view)) if j not in basis]
+            result.dropped.update(dict.fromkeys(missing, "not in the average our last group made"))
+            if missing:
+                log.info(
+                    "averaged over %d of %d planned peers (%d rounds failed for us)",
+                    len(basis), len(view), len(result.setbacks),
+                )  # fmt: skip
+        if members >= 2:
+            result.average, result.weight, result.members = values, total, members
+        elif several:
+            result.skipped = result.setbacks or ["nobody averaged with us"]
 
     async def _round(
         self,
@@ -667,12 +702,12 @@ class Averager:
         shape: RoundShape,
         result: AveragingResult,
         *,
-        exact: bool,
         original: np.ndarray | None,
-    ) -> float | None:
-        """One round on `values`: the total weight they stand for afterwards, or None if the
-        round was not exact (why: in `result.skipped`). `original`: `values` before it, kept
-        whole (a single group's retry starts from them)."""
+    ) -> tuple[RoundSpec, frozenset[str], float] | None:
+        """One round on `values`: its spec, the members `values` are now exact over and their
+        total weight, or None if the round gave nothing (why: in `result.skipped`; `values`
+        are half-written if an all-reduce ran). `original`: `values` as the round begins,
+        kept whole (a retry starts from them)."""
         certificate = self.data_server.identity.certificate
         declared = {t.peer_id: t for t in view}
         try:
@@ -684,9 +719,8 @@ class Averager:
                 Joined(ticket, certificate),
                 shape,
                 check=lambda spec: _spec_problem(spec, shape, group, self.me, declared=declared),
-                exact=exact,
             )
-        except (TooFewPeers, NotExact) as error:
+        except TooFewPeers as error:
             result.skipped.append(f"round {index}: {error}")
             return None
         problem = _spec_problem(spec, shape, group, self.me, declared=declared)
@@ -695,10 +729,10 @@ class Averager:
             return None
         result.groups.append([m.peer_id for m in spec.members])
         total = math.fsum(m.weight for m in spec.members if m.computes)
-        if not exact or total <= 0:
-            # Off the plan already (we only joined to say so), or nobody here stands for any
-            # sample: there is nothing to average.
-            return total if exact else None
+        if total <= 0:
+            # Nobody here stands for any sample: nothing to average, and no step comes of it
+            # (`StepPolicy.averaged`); in a later round, weight 0 adds nothing to any mean.
+            return spec, frozenset(m.peer_id for m in spec.members if m.computes), 0.0
         assert shape.evidence is not None  # set by _follow_plan
         bandwidth = bandwidths(view, self.config, evidence=shape.evidence)
 
@@ -711,14 +745,15 @@ class Averager:
                 multiplier=self.config.timeout_multiplier,
             )
 
+        several = group.seating is not None
         outcome = await reduce_in_group(
             spec,
             values,
             self.data_server,
             timeouts=timeouts,
-            min_members=self.config.min_group_size,
-            # Only a single group may leave a member out (the module doc says why).
-            single=group.seats is None,
+            # A group of a plan of several may be any two of its members (`moshpit.py`).
+            min_members=2 if several else self.config.min_group_size,
+            single=True,
             norm_factor=(
                 self.config.norm_factor if self.config.aggregation == "centered_clip" else None
             ),
@@ -730,7 +765,8 @@ class Averager:
             return None
         result.groups[-1] = list(outcome.included)  # whom `values` stand for now
         if outcome.dropped:
-            result.dropped.update(outcome.dropped)
+            if not several:
+                result.dropped.update(outcome.dropped)
             log.info(
                 "round %d: averaged over %d of %d members, without %s",
                 index,
@@ -739,7 +775,46 @@ class Averager:
                 _first_reasons(outcome.dropped),
             )
         weights = {m.peer_id: m.weight for m in spec.members}
-        return math.fsum(weights[peer_id] for peer_id in outcome.included)
+        total = math.fsum(weights[peer_id] for peer_id in outcome.included)
+        return spec, frozenset(outcome.included), total
+
+
+def _bases_of(spec: RoundSpec) -> dict[str, bytes]:
+    return {m.peer_id: m.basis for m in spec.members}
+
+
+def _seating(
+    moshpit: Plan,
+    index: int,
+    numbers: dict[str, int],
+    weights: Sequence[float],
+    bases: Mapping[str, bytes],
+) -> dict[str, Seat]:
+    """`Plan.seating` by peer id and basis mask: the seat of each member of our group in
+    round `index` (`numbers`: their peer numbers) that came with a valid mask."""
+    present = {}
+    for peer_id, mask in bases.items():
+        if peer_id not in numbers:
+            continue
+        try:
+            present[numbers[peer_id]] = basis_of(mask, moshpit.count)
+        except ProtocolError:
+            continue
+    seats = moshpit.seating(index, present, weights)
+    names = {i: peer_id for peer_id, i in numbers.items()}
+    return {names[i]: seat for i, seat in seats.items()}
+
+
+def _seats(
+    moshpit: Plan,
+    index: int,
+    numbers: dict[str, int],
+    weights: Sequence[float],
+    bases: Mapping[str, bytes],
+) -> dict[str, tuple[int, float]]:
+    """(block, weight) of each member `_seating` seats: what a leader's spec must say."""
+    seats = _seating(moshpit, index, numbers, weights, bases)
+    return {peer_id: (s.block, s.weight) for peer_id, s in seats.items()}
 
 
 def _spec_problem(
@@ -769,12 +844,17 @@ def _spec_problem(
             return f"says {m.peer_id} {'contributes' if m.computes else 'does not'}, its ticket not"
     if (problem := _share_over_cap(spec, declared)) is not None:
         return problem
-    if group.seats is not None:
-        seats = {m.peer_id: (m.block, m.weight) for m in spec.members}
-        if spec.view != shape.view or seats != group.seats:
-            return "is not our plan's (another view of the tickets, or other weights)"
+    if group.seating is not None:
         if not all(m.computes for m in spec.members):
             return "leaves a member's value out (every member of a plan contributes)"
+        ours = next(m for m in spec.members if m.peer_id == me)  # check_spec: we are listed
+        if ours.basis != group.basis:
+            return "misstates the peers our value stands for"
+        seats = {m.peer_id: (m.block, m.weight) for m in spec.members}
+        if spec.view != shape.view or seats != group.seating(_bases_of(spec)):
+            return (
+                "is not our plan's (another view of the tickets, another group, or other weights)"
+            )
     return None
 
 

@@ -178,13 +178,15 @@ def build_spec(
     codec: str,
     chunk_elements: int,
     seats: Mapping[str, tuple[int, float]] | None = None,
+    bases: Mapping[str, bytes] | None = None,
     view: bytes = b"",
     evidence: Evidence | None = None,
     declared: Mapping[str, Ticket] | None = None,
 ) -> RoundSpec:
-    """`seats`: each member's (block, weight) from the Moshpit plan; without them every member
-    stands for itself (a single group): its own weight, blocks in peer-id order. `evidence`
-    and `declared` (the leader's view of the DHT tickets): see `shares_for`."""
+    """`seats`: each member's (block, weight) from the Moshpit plan, and `bases` the basis
+    masks they were seated by; without them every member stands for itself (a single group):
+    its own weight, blocks in peer-id order. `evidence` and `declared` (the leader's view of
+    the DHT tickets): see `shares_for`."""
     ordered = sorted(joined, key=lambda j: j.ticket.peer_id)
     tickets = [j.ticket for j in ordered]
     shares = shares_for(tickets, evidence=evidence, declared=declared)
@@ -200,6 +202,7 @@ def build_spec(
             weight=seats[t.peer_id][1],
             cert=j.cert,
             block=seats[t.peer_id][0],
+            basis=(bases or {}).get(t.peer_id, b""),
         )
         for j, t, share in zip(ordered, tickets, shares, strict=True)
     )

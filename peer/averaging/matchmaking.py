@@ -5,20 +5,22 @@
    meet), waits for the gathering to close, then reads every ticket afresh: its *view*.
 2. **Group.** From its view each peer computes the Moshpit plan and its group in the round
    (`moshpit.py`); the averager hands `form_group` the group and, when the plan takes more
-   than one round, every member's *seat* (block and weight).
-3. **Leader.** The group's leader is its lowest peer id that answers. Each member calls
-   `join` on the members below it, lowest first (after a quick `alive` check, so a dead
-   candidate costs a quarter of `join_timeout`, not a join's long wait), and leads only if none
-   of them answers (or it is the lowest). A leader waits until every member of its group
+   than one round, how to seat the members that come (`GroupPlan.seating`: block and weight
+   from each one's basis, the peers its value stands for now, `Join.basis`).
+3. **Leader.** The group's leader is its lowest reachable peer id that answers. Each member
+   calls `join` on the reachable members below it, lowest first (after a quick `alive` check,
+   so a dead candidate costs a quarter of `join_timeout`, not a join's long wait), and leads
+   only if none of them answers (or it is the lowest); a member that cannot be dialled asks
+   every reachable one and never leads a group of others (`leader_candidates`). A leader waits until every member of its group
    joined, or its patience runs out, then answers every joiner with the same outcome:
    - a single group (the plan has one round): `Begin{spec}` with the members that actually
      joined, so a dead or partitioned peer is out before the all-reduce starts and a member
      missing from the leader's view but joining anyway is in; fewer than `min_group_size`:
      `TooFew`.
-   - a planned round of several: `Begin{spec}` only if every planned member joined, from the
-     same view (`Join.view`), still holding the exact value the plan expects (`Join.exact`);
-     else `Inexact{reason}` at once, and nobody of the group applies this averaging (a round
-     with a member missing would leave its block out of some groups' averages but not others').
+   - a planned round of several: `Begin{spec}` with the planned members that joined from the
+     same view (`Join.view`), seated by their bases; a planned member that has not joined when
+     the leader's patience runs out, or that no longer answers, is left out (`moshpit.py`:
+     that costs its group, not the step); fewer than 2: `TooFew`.
 
 Waits only ever go from higher peer ids to lower ones and every wait has a deadline, so
 concurrent matchmakers cannot deadlock. A join is accepted only from the peer it names (the
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -38,7 +40,8 @@ import trio
 from libp2p.peer.id import ID
 
 from peer.averaging.allreduce import RoundSpec
-from peer.averaging.group import Joined, Ticket, build_spec
+from peer.averaging.group import Joined, Ticket, build_spec, can_reduce
+from peer.averaging.moshpit import MAX_BASIS_BYTES
 from peer.dht.node import DHT
 from peer.dht.records import owner_key
 from peer.errors import (
@@ -67,23 +70,20 @@ class TooFewPeers(PeertrainError):
     """A group had fewer members than the configured minimum: this round is skipped."""
 
 
-class NotExact(PeertrainError):
-    """A planned round cannot give the exact average (a member missing, another view, a member
-    already off the plan): nobody in the group applies this averaging."""
-
-
 class Join(msgspec.Struct, frozen=True):
     namespace: Annotated[str, msgspec.Meta(max_length=512)]
     round_index: Annotated[int, msgspec.Meta(ge=0, le=64)]
     joined: Joined
     view: Annotated[bytes, msgspec.Meta(max_length=32)] = b""
     """The digest of the tickets the joiner planned from (`group.view_digest`)."""
-    exact: bool = True
-    """Whether the joiner still holds the exact value the plan expects of it."""
+    basis: Annotated[bytes, msgspec.Meta(max_length=MAX_BASIS_BYTES)] = b""
+    """In a planned round: the peers the joiner's value stands for (`moshpit.basis_mask`)."""
 
 
 class Alive(msgspec.Struct, frozen=True):
-    pass
+    namespace: Annotated[str, msgspec.Meta(max_length=512)] = ""
+    """The averaging asked about: a peer that is not (or no longer) in it answers `unavailable`,
+    so it is passed over at once instead of waited for."""
 
 
 class Begin(msgspec.Struct, frozen=True, tag=True):
@@ -99,11 +99,7 @@ class TooFew(msgspec.Struct, frozen=True, tag=True):
     needed: int
 
 
-class Inexact(msgspec.Struct, frozen=True, tag=True):
-    reason: Annotated[str, msgspec.Meta(max_length=1024)]
-
-
-JoinReply = Begin | Redirect | TooFew | Inexact
+JoinReply = Begin | Redirect | TooFew
 
 
 @dataclass
@@ -139,8 +135,11 @@ class GroupPlan:
 
     members: tuple[str, ...]
     """Peer ids, sorted."""
-    seats: dict[str, tuple[int, float]] | None = None
-    """Each member's (block, weight) when the plan takes several rounds; None in one group."""
+    seating: Callable[[Mapping[str, bytes]], dict[str, tuple[int, float]]] | None = None
+    """When the plan takes several rounds: the (block, weight) of each member that came, from
+    their basis masks (members with a bad one are left out); None in one group."""
+    basis: bytes = b""
+    """Our basis mask (a planned round)."""
     patience: float = 0.0
     """Seconds beyond `join_timeout` a leader waits for its members (still in the last round)."""
 
@@ -212,54 +211,35 @@ class Matchmaker:
         shape: RoundShape,
         *,
         check: Callable[[RoundSpec], str | None] = lambda spec: None,
-        exact: bool = True,
     ) -> RoundSpec:
-        """This round's spec for our group. Raises TooFewPeers (a single group too small) or
-        NotExact (a planned round that cannot be exact; `exact=False`: we already are not).
+        """This round's spec for our group. Raises TooFewPeers (fewer came than a round needs).
 
         `view` are the tickets we read (ours included); `me` our ticket and certificate.
         `check` says what is wrong with a leader's spec, if anything: that leader is banned
-        (`BAN_SECONDS`) and, in a single group, we go on to the next candidate.
+        (`BAN_SECONDS`) and we go on to the next candidate.
         """
-        if not group.seats:  # a single group forms without banned peers
-            group = dataclasses.replace(
-                group, members=tuple(m for m in group.members if not self.banned(m))
-            )
+        group = dataclasses.replace(
+            group, members=tuple(m for m in group.members if not self.banned(m))
+        )
         tickets = {t.peer_id: t for t in view}
         gathering = self._gathering(namespace, round_index)
-        request = Join(namespace, round_index, me, shape.view, exact)
+        request = Join(namespace, round_index, me, shape.view, group.basis)
         gathering.joined[self.me] = request
         gathering.arrived.set()
-        planned = group.seats is not None
-        # A planned round is exact only with every member, its lowest included: there is no
-        # one to pass over to (and passing over a slow one made two leaders of one group).
-        candidates = group.members[:1] if planned else group.members
-        for candidate in candidates:
+        for candidate in leader_candidates(group.members, self.me, tickets):
             if candidate == self.me:
-                return await self._lead(gathering, group, round_index, shape, tickets)
-            reply = await self._join(
-                candidate, tickets.get(candidate), request, group.patience, quick_check=not planned
-            )
+                return await self._lead(namespace, round_index, group, shape, tickets)
+            reply = await self._join(candidate, tickets.get(candidate), request, group.patience)
             if isinstance(reply, Begin):
                 problem = check(reply.spec)
                 if problem is not None:
                     self.ban(candidate, f"its spec {problem}")
-                    if planned:
-                        gathering.decide(Inexact(f"the leader's spec {problem}"))
-                        raise NotExact(f"the leader's spec {problem}")
                     continue
                 gathering.decide(Redirect(f"{self.me} joined {candidate}'s group"))
                 return reply.spec
             if isinstance(reply, TooFew):
                 gathering.decide(reply)
                 raise TooFewPeers(_too_few(reply))
-            if isinstance(reply, Inexact):
-                gathering.decide(reply)
-                raise NotExact(reply.reason)
-        if planned:
-            reason = f"the group's leader {candidates[0]} did not take us"
-            gathering.decide(Inexact(reason))
-            raise NotExact(reason)
         raise AssertionError("unreachable: we are in our own group")
 
     async def _join(
@@ -268,20 +248,22 @@ class Matchmaker:
         ticket: Ticket | None,
         request: Join,
         patience: float,
-        *,
-        quick_check: bool = True,
     ) -> JoinReply | None:
         """Ask `leader` to take us; None if it cannot (dead, partitioned, redirecting)."""
         try:
             peer_id = ID.from_base58(leader)
             if ticket is not None:
                 self.dht.node.remember_addrs(peer_id, parse_addrs(ticket.rpc_addrs))
-            if quick_check:
-                # A dead candidate must not cost the long wait of a join, or the real leader
-                # would begin without us.
-                await self.dht.node.rpc.call(
-                    peer_id, SERVICE, "alive", Alive(), Alive, timeout=self.join_timeout / 4
-                )
+            # A dead candidate must not cost the long wait of a join, or the real leader
+            # would begin without us.
+            await self.dht.node.rpc.call(
+                peer_id,
+                SERVICE,
+                "alive",
+                Alive(request.namespace),
+                Alive,
+                timeout=self.join_timeout / 4,
+            )
             reply = await self.dht.node.rpc.call(
                 peer_id,
                 SERVICE,
@@ -303,38 +285,39 @@ class Matchmaker:
 
     async def _lead(
         self,
-        gathering: _Gathering,
-        group: GroupPlan,
+        namespace: str,
         round_index: int,
+        group: GroupPlan,
         shape: RoundShape,
         tickets: dict[str, Ticket],
     ) -> RoundSpec:
+        gathering = self._gathering(namespace, round_index)
         expected = set(group.members)
-        planned = group.seats is not None
-        silent = None
-        if planned:
-            silent = await self._wait_for_plan(gathering, group, shape, tickets)
+        seats = bases = None
+        if group.seating is not None:
+            await self._wait_for_plan(namespace, gathering, group, tickets)
+            # Planned members from our view (another view plans other groups), seated by
+            # what their values stand for; the rest are left out of this round.
+            came = {
+                p: join
+                for p, join in gathering.joined.items()
+                if p in expected and join.view == shape.view
+            }
+            seats = group.seating({p: join.basis for p, join in came.items()})
+            bases = {p: came[p].basis for p in seats}
+            members = [came[p].joined for p in sorted(seats)]
+            needed = 2
         else:
             with trio.move_on_after(self.join_timeout):
                 while not expected <= set(gathering.joined):
                     gathering.arrived = trio.Event()
                     await gathering.arrived.wait()
-        if planned:
-            problem = (
-                _off_plan(gathering, expected, shape.view)
-                or silent
-                or _missing(expected, gathering)
-            )
-            if problem:
-                gathering.decide(Inexact(problem))
-                raise NotExact(problem)
-            members = [gathering.joined[p].joined for p in group.members]
-        else:
             members = [join.joined for join in gathering.joined.values()]
-            if len(members) < self.min_group_size:
-                outcome = TooFew(len(members), self.min_group_size)
-                gathering.decide(outcome)
-                raise TooFewPeers(_too_few(outcome))
+            needed = self.min_group_size
+        if len(members) < needed:
+            outcome = TooFew(len(members), needed)
+            gathering.decide(outcome)
+            raise TooFewPeers(_too_few(outcome))
         spec = build_spec(
             members,
             epoch=shape.epoch,
@@ -343,7 +326,8 @@ class Matchmaker:
             size=shape.size,
             codec=shape.codec,
             chunk_elements=shape.chunk_elements,
-            seats=group.seats,
+            seats=seats,
+            bases=bases,
             view=shape.view,
             evidence=shape.evidence,
             declared=tickets,
@@ -352,37 +336,34 @@ class Matchmaker:
         return spec
 
     async def _wait_for_plan(
-        self,
-        gathering: _Gathering,
-        group: GroupPlan,
-        shape: RoundShape,
-        tickets: dict[str, Ticket],
-    ) -> str | None:
-        """Wait for every planned member: until all joined, one is off the plan, or the
-        patience a round's length allows runs out. Members may still be in the previous round,
-        which can be long; every `join_timeout` the missing ones are asked `alive` (their RPC
-        answers meanwhile), and one that does not answer ends the wait: it is gone. Returns
-        that reason, or None."""
+        self, namespace: str, gathering: _Gathering, group: GroupPlan, tickets: dict[str, Ticket]
+    ) -> None:
+        """Wait for every planned member: until all joined, or the patience a round's length
+        allows runs out. Members may still be in the previous round, which can be long; every
+        `join_timeout` the missing ones are asked `alive` (their RPC answers meanwhile), and
+        the wait ends once none of the missing ones answers or is still in this averaging:
+        they are gone."""
         expected = set(group.members)
         give_up = trio.current_time() + self.join_timeout + group.patience
         while not expected <= set(gathering.joined):
-            if _off_plan(gathering, expected, shape.view):
-                return None  # no need to wait: this round cannot be exact
             gathering.arrived = trio.Event()
             with trio.move_on_at(min(give_up, trio.current_time() + self.join_timeout)) as wait:
                 await gathering.arrived.wait()
             if not wait.cancelled_caught:
                 continue
             if trio.current_time() >= give_up:
-                return None
+                return
             missing = sorted(expected - set(gathering.joined))
-            gone = await self._unanswered(missing, tickets)
-            if gone:
-                return f"planned member(s) not answering: {', '.join(gone[:3])}"
-        return None
+            gone = await self._unanswered(missing, tickets, namespace)
+            if len(gone) == len(missing):
+                log.info("planned member(s) not answering, left out: %s", ", ".join(gone[:3]))
+                return
 
-    async def _unanswered(self, peers: list[str], tickets: dict[str, Ticket]) -> list[str]:
-        """Those of `peers` that do not answer `alive` within half a join_timeout."""
+    async def _unanswered(
+        self, peers: list[str], tickets: dict[str, Ticket], namespace: str
+    ) -> list[str]:
+        """Those of `peers` that do not answer `alive` within half a join_timeout, or say they
+        are not (or no longer) in the averaging of `namespace`."""
         gone: list[str] = []
 
         async def ask(peer: str) -> None:
@@ -391,7 +372,12 @@ class Matchmaker:
                 if (ticket := tickets.get(peer)) is not None:
                     self.dht.node.remember_addrs(peer_id, parse_addrs(ticket.rpc_addrs))
                 await self.dht.node.rpc.call(
-                    peer_id, SERVICE, "alive", Alive(), Alive, timeout=self.join_timeout / 2
+                    peer_id,
+                    SERVICE,
+                    "alive",
+                    Alive(namespace),
+                    Alive,
+                    timeout=self.join_timeout / 2,
                 )
             except (RemoteError, ValueError):
                 gone.append(peer)
@@ -409,6 +395,9 @@ class Matchmaker:
         return self._gatherings.setdefault((namespace, round_index), _Gathering())
 
     async def _on_alive(self, caller: ID, request: Alive) -> Alive:
+        if request.namespace and request.namespace not in self._namespaces:
+            # Not in that averaging (never, or it ended for us): don't wait for us.
+            raise RpcError("unavailable", "not in that averaging")
         return request
 
     def ban(self, peer_id: str, reason: str) -> None:
@@ -465,24 +454,21 @@ class Matchmaker:
             del self._gatherings[key]
 
 
-def _off_plan(gathering: _Gathering, expected: set[str], view: bytes) -> str | None:
-    """Why a planned member that joined (or we) cannot take part in an exact round, or None.
-    (Joiners outside the plan are simply not in the spec: a stray join changes nothing.)"""
-    for who, join in sorted(gathering.joined.items()):
-        if who not in expected:
-            continue
-        if join.view != view:
-            return f"{who} planned from another view of the tickets (a ticket seen late)"
-        if not join.exact:
-            return f"{who} no longer holds the exact value of its block (an earlier round failed)"
-    return None
+def leader_candidates(members: Sequence[str], me: str, tickets: Mapping[str, Ticket]) -> list[str]:
+    """Whom we ask to lead our group, in order, ending with ourselves (we lead if none takes
+    us). A member whose ticket says it cannot be dialled (behind NAT: client-only) never leads:
+    nobody could join it, and two such peers each led a group of one for a whole run. So a
+    reachable member asks the reachable ones below it, an unreachable one every reachable one;
+    waits still only go toward reachable peers, lower ones among them: no deadlock."""
 
+    def dialable(peer_id: str) -> bool:
+        ticket = tickets.get(peer_id)
+        return ticket is None or can_reduce(ticket)
 
-def _missing(expected: set[str], gathering: _Gathering) -> str | None:
-    missing = sorted(expected - set(gathering.joined))
-    if not missing:
-        return None
-    return f"{len(missing)} planned member(s) did not join: {', '.join(missing[:3])}"
+    reachable = sorted(m for m in members if m != me and dialable(m))
+    if dialable(me):
+        return [m for m in reachable if m < me] + [me]
+    return [*reachable, me]
 
 
 def _too_few(reply: TooFew) -> str:

@@ -25,19 +25,38 @@ bit-identical, which is what lets them apply one optimizer step and compare para
 
 Groups have at most m + 1 members (checked for N < 400, m <= 8), fewer where N is not a power of
 m (a peer may even be alone in a round and wait it out); with N = m^k this is the classic
-Moshpit grid: every round mixes a different axis. The plan is exact only if every planned
-member takes part in every round with the value the plan says; `matchmaking` and `averager`
-refuse the step otherwise. A failed round taints the groups of later rounds that hold one of
-its members: after a failure in round 0 every peer refuses, later on only those groups (the
-others still hold every block, from members whose rounds completed).
+Moshpit grid: every round mixes a different axis.
+
+**Failures.** With every planned member in every round, every peer ends on the mean over all
+N. A member that is missing (it left, it is late, its round failed) does not void the others'
+rounds: every member carries its *actual* basis S, the set of peers its value is the exact
+weighted mean of (a subset of its planned basis: {itself} again after a failed round, when it
+goes back to its own contribution), and a group seats the members that came (`seating`): one
+contributor per planned basis, the lowest-numbered member of it that came (as in the full
+plan), with weight W(S) = the sum of its peers' weights; the others weight 0. (Not the largest
+S: S is the member's own claim, and a member that would weigh nothing in the full plan could
+then claim its whole planned basis, unchecked, and displace an honest holder of it.) The group's result is then
+the exact weighted mean over the union of its contributors' S. So every value stays the exact
+mean over its S, and **two members that end with the same S hold the same bits**: the planned
+bases partition the peers, so S splits into one part per contributor, the same contributors'
+parts, by induction the same bits, added in the same order. Where a member missing in one
+group holds the only copy of a basis in it, that group ends with a smaller S than the others;
+its members apply another average than the rest, and the step's certificate (the digest most
+peers sign) has them download the state (`peer.training.progress`). One failure thus costs
+its own group, not the step.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
+
+from peer.errors import ProtocolError
+
+MAX_BASIS_BYTES = 1024
+"""A basis mask's longest (8,192 peers): what a joiner or a leader's spec may carry."""
 
 
 def rounds_for(count: int, group_size: int) -> int:
@@ -60,6 +79,8 @@ class Seat:
     """The lowest peer number of its basis: contributions are added in this order."""
     weight: float
     """The total weight of its basis if it is the basis's contributor in this group, else 0."""
+    contributes: bool = True
+    """It is its planned basis's contributor in this group (its weight may still be 0)."""
 
 
 @dataclass(frozen=True)
@@ -88,8 +109,54 @@ class Plan:
             contributes = basis not in seen
             seen.add(basis)
             total = math.fsum(weights[j] for j in basis) if contributes else 0.0
-            seats.append(Seat(i, basis[0], total))
+            seats.append(Seat(i, basis[0], total, contributes))
         return seats
+
+    def seating(
+        self,
+        round_index: int,
+        present: Mapping[int, Collection[int]],
+        weights: Sequence[float],
+    ) -> dict[int, Seat]:
+        """The seats of one group of round `round_index` when the members in `present` came,
+        each with its actual basis (the peers its value stands for now, module doc): one
+        contributor per planned basis, the lowest-numbered member of it that came, at its
+        actual basis's total weight. Members whose basis is empty or not within their planned
+        one are left out (a liar's claim, or a bug)."""
+        planned = self.bases[round_index]
+        valid = {
+            m: frozenset(basis)
+            for m, basis in present.items()
+            if 0 <= m < self.count and basis and set(basis) <= set(planned[m])
+        }
+        best: dict[int, int] = {}  # planned block -> its contributor
+        for m in sorted(valid):
+            best.setdefault(planned[m][0], m)
+        seats = {}
+        for m in sorted(valid):
+            block = planned[m][0]
+            contributes = best[block] == m
+            total = math.fsum(weights[j] for j in valid[m]) if contributes else 0.0
+            seats[m] = Seat(m, block, total, contributes)
+        return seats
+
+
+def basis_mask(basis: Collection[int], count: int) -> bytes:
+    """`basis` (peer numbers below `count`) as a little-endian bit mask."""
+    bits = sum(1 << i for i in set(basis))
+    if bits >> count:
+        raise ValueError(f"a basis names peers past {count}")
+    return bits.to_bytes(-(-count // 8), "little")
+
+
+def basis_of(mask: bytes, count: int) -> frozenset[int]:
+    """The peers a basis mask names; ProtocolError unless it is a mask over `count` peers."""
+    if len(mask) != -(-count // 8) or len(mask) > MAX_BASIS_BYTES:
+        raise ProtocolError(f"a basis mask of {len(mask)} bytes for {count} peers")
+    bits = int.from_bytes(mask, "little")
+    if bits >> count:
+        raise ProtocolError(f"a basis mask names peers past the {count} planned")
+    return frozenset(i for i in range(count) if bits >> i & 1)
 
 
 def plan(count: int, group_size: int) -> Plan:
