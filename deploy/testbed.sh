@@ -7,6 +7,19 @@
 #   <prefix>pI   peer I, <subnet>.(I+1), eth0, shaped on both ends of its veth: eth0 (its upload)
 #                and port pI in <prefix>sw (its download) each get the peer's rate, one-way delay
 #                and loss, so its RTT to the backbone is twice the delay.
+#   <prefix>rI   peer I's NAT router, only with --nat pI=KIND: eth0 on the switch (port pI) with
+#                <subnet>.(I+1), lan0 10.200.I.1 towards the peer, whose eth0 then has 10.200.I.2
+#                (default route via the router). IPv4 forwarding on (IPv6 is not forwarded), and
+#                iptables in the router's namespace: MASQUERADE out of eth0, and a stateful
+#                FORWARD chain (policy DROP; lan0 -> eth0 accepted, eth0 -> lan0 only for
+#                established or related connections), as a home router without port forwards.
+#                KIND eim: plain MASQUERADE, which keeps the peer's source port unless it is
+#                taken (endpoint-independent mapping in practice); symmetric: MASQUERADE
+#                --random-fully, a random port for every connection (a new one per destination).
+#                The shaping of a NATed peer is on the router's eth0 (its upload) and its port on
+#                the switch (its download): the router-switch link is the home's uplink; the
+#                peer-router link is not shaped. The peer announces the router's outside address
+#                (<subnet>.(I+1), port 4001), where nothing is forwarded to it: dial-backs fail.
 #
 # Shapers: netem puts rate, delay and loss in one qdisc on each end. A kernel without sch_netem
 # gets `user` instead (--shaper auto): tbf on each end for the rate, and in place of the bridge a
@@ -14,8 +27,9 @@
 # of its ingress and egress ports and drops it with their loss probabilities (seeded, --seed).
 # The hosts' eth0 then run without checksum and segmentation offloads (the switch reads frames as
 # the veth hands them over). `--shaper tbf` applies the rate only (said in `<run dir>/state`).
-# Nothing is created in the root namespace; a unique --prefix keeps concurrent testbeds apart.
-# Needs root, iproute2 (ip, tc) and the peertrain checkout this script lives in.
+# Nothing is created in the root namespace (NAT rules live in the routers' namespaces); a unique
+# --prefix keeps concurrent testbeds apart. Needs root, iproute2 (ip, tc), iptables for --nat,
+# and the peertrain checkout this script lives in.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -27,6 +41,7 @@ SEED=${TESTBED_SEED:-0}
 RUN_DIR=${TESTBED_RUN_DIR:-}
 MAX_STEPS=${TESTBED_MAX_STEPS:-10}
 TIMEOUT=${TESTBED_TIMEOUT:-600}
+NAT=${TESTBED_NAT:-}
 if [[ -z ${PYTHON:-} ]]; then
     if [[ -x $ROOT/.venv/bin/python ]]; then PYTHON=$ROOT/.venv/bin/python; else PYTHON=python3; fi
 fi
@@ -43,6 +58,7 @@ its own network namespace, joined by veth pairs to a switch, each peer's link sh
 
 Commands:
   up N             create namespaces <prefix>sw, <prefix>bb and <prefix>p1..pN, links, shaping
+                   (and <prefix>rI, the NAT router of each peer I named in --nat)
   start            start the backbone and the N peers (they train until --max-steps), wait for
                    every peer to join
   wait             wait until every peer has finished training (or --timeout), print a summary;
@@ -63,6 +79,12 @@ Options (environment variable in brackets):
                    user-space switch in place of the bridge), tbf (rate only) or auto
                    [TESTBED_SHAPER, default auto: netem if the kernel has it, else user]
   --seed N         the user switch's loss RNG seed [TESTBED_SEED, default 0]
+  --nat LIST       put peers behind their own NAT router: entries pI=KIND separated by commas
+                   or spaces, KIND eim (MASQUERADE: keeps the source port, endpoint-independent)
+                   or symmetric (MASQUERADE --random-fully: a new port per connection), e.g.
+                   "p1=eim,p2=symmetric" [TESTBED_NAT, default none]. Router <prefix>rI holds
+                   <subnet>.(I+1) outside and 10.200.I.1 inside, the peer 10.200.I.2; nothing
+                   is forwarded inwards; shaping is on the router's outside link. Needs iptables.
   --max-steps S    global step the peers stop at, 0 for none [TESTBED_MAX_STEPS, default 10]
   --timeout SEC    longest wait for training [TESTBED_TIMEOUT, default 600]
   -h, --help       this help
@@ -94,15 +116,25 @@ hosts() { # bb p1 .. pN
     for ((i = 1; i <= n; i++)); do echo "p$i"; done
 }
 
-# Namespaces of this prefix that exist now: exactly <prefix>(sw|bb|pN), never a longer prefix's.
+# Namespaces of this prefix that exist now: exactly <prefix>(sw|bb|pN|rN), never a longer
+# prefix's.
 our_namespaces() {
     local name rest
     ip netns list 2>/dev/null | while read -r name _; do
         [[ $name == "$PREFIX"* ]] || continue
         rest=${name#"$PREFIX"}
-        if [[ $rest =~ ^(sw|bb|p[0-9]+)$ ]]; then echo "$name"; fi
+        if [[ $rest =~ ^(sw|bb|[pr][0-9]+)$ ]]; then echo "$name"; fi
     done
 }
+
+# The NAT kind of host pI (eim or symmetric), or nothing: from --nat.
+nat_of() {
+    local entry
+    for entry in ${NAT//,/ }; do
+        if [[ ${entry%%=*} == "$1" ]]; then echo "${entry#*=}"; fi
+    done
+}
+lan_ip() { echo "10.200.${1#p}.$2"; } # lan_ip pI 1|2: peer I's router inside, the peer
 
 state_get() { if [[ -f $RUN_DIR/state ]]; then sed -n "s/^$1=//p" "$RUN_DIR/state" | tail -n 1; fi; }
 
@@ -131,6 +163,17 @@ check_options() {
         [[ $entry == - || $entry =~ ^[0-9.]+[kmg]?bit,[0-9.]+(us|ms|s),[0-9.]+%$ ]] ||
             die "--shapes entry $entry: expected RATE,DELAY,LOSS like 20mbit,40ms,0.5% (or -)"
     done
+    local seen=" "
+    for entry in ${NAT//,/ }; do
+        [[ $entry =~ ^p([1-9][0-9]*)=(eim|symmetric)$ ]] ||
+            die "--nat entry $entry: expected pI=eim or pI=symmetric, like p1=eim"
+        [[ $seen != *" ${entry%%=*} "* ]] || die "--nat names ${entry%%=*} twice"
+        seen+="${entry%%=*} "
+    done
+    # The routers' inside networks are 10.200.I.0/24: the switch's subnet must not be one.
+    if [[ -n ${NAT//[, ]/} && $SUBNET == 10.200.* ]]; then
+        die "--subnet $SUBNET: with --nat, not in 10.200.0.0/16 (the NATed peers' networks)"
+    fi
     RUN_DIR=${RUN_DIR:-${TMPDIR:-/tmp}/${PREFIX}testbed}
 }
 
@@ -177,6 +220,14 @@ cmd_up() {
     [[ $n =~ ^[0-9]+$ ]] && ((n >= 1 && n <= 200)) || die "up N: N must be 1..200 peers"
     need_root up
     [[ -z $(our_namespaces) ]] || die "namespaces with prefix $PREFIX exist; run down first"
+    local entry natted
+    for entry in ${NAT//,/ }; do
+        natted=${entry%%=*}
+        ((${natted#p} <= n)) || die "--nat $entry: there are only $n peers"
+    done
+    if [[ -n ${NAT//[, ]/} ]]; then
+        command -v iptables >/dev/null || die "--nat needs iptables"
+    fi
     mkdir -p "$RUN_DIR"
     # A fresh run: earlier logs and checkpoints go (keys stay, so peer ids do too).
     rm -rf "$RUN_DIR"/{state,pids,switch.pid,backbone,*.out,*.log,*.checkpoints}
@@ -188,7 +239,7 @@ cmd_up() {
         trap 'say "up failed; tearing down"; cmd_down' EXIT
     fi
 
-    local sw host i entry rate delay loss ports=()
+    local sw host i entry rate delay loss kind edge where ports=()
     sw=$(ns sw)
     ip netns add "$sw"
     ip -n "$sw" link set dev lo up
@@ -206,6 +257,7 @@ cmd_up() {
         echo "peers=$n"
         echo "subnet=$SUBNET"
         echo "shaper=$SHAPER"
+        echo "nat=${NAT//,/ }"
     } >"$RUN_DIR/state"
     if [[ $SHAPER == user ]]; then
         # The switch's ports carry no addresses: no IPv6 link-local ones either, so the namespace
@@ -220,45 +272,92 @@ cmd_up() {
     for host in $(hosts "$n"); do
         ip netns add "$(ns "$host")"
         ip -n "$(ns "$host")" link set dev lo up
+        # edge: the namespace whose eth0 is on the switch, the host's own or its NAT router's.
+        kind=$(nat_of "$host")
+        if [[ -n $kind ]]; then
+            edge=$(ns "r${host#p}")
+            up_router "$host" "$kind"
+            where="$(host_ip "$host") via $kind NAT ($host at $(lan_ip "$host" 2))"
+        else
+            edge=$(ns "$host")
+            where=$(host_ip "$host")
+        fi
         # Both ends are created inside namespaces: nothing touches the root namespace.
-        ip -n "$(ns "$host")" link add eth0 type veth peer name "$host" netns "$sw"
+        ip -n "$edge" link add eth0 type veth peer name "$host" netns "$sw"
         # Under the user switch the port is in no bridge: the kernel must not switch it too.
         if [[ $SHAPER != user ]]; then ip -n "$sw" link set dev "$host" master br0; fi
         ip -n "$sw" link set dev "$host" up
-        ip -n "$(ns "$host")" addr add "$(host_ip "$host")/24" dev eth0
-        ip -n "$(ns "$host")" link set dev eth0 up
+        ip -n "$edge" addr add "$(host_ip "$host")/24" dev eth0
+        ip -n "$edge" link set dev eth0 up
         if [[ $SHAPER == user ]]; then
             # The veth would hand the switch's packet sockets frames with partial checksums and
-            # 64 KB TCP segments (GSO), which it could not send on: software does both instead.
-            (cd "$ROOT" && ip netns exec "$(ns "$host")" "$PYTHON" deploy/impair.py \
+            # 64 KB TCP segments (GSO), which it could not send on: software does both instead
+            # (a router segments and checksums what it forwards from its peer then, too).
+            (cd "$ROOT" && ip netns exec "$edge" "$PYTHON" deploy/impair.py \
                 offloads-off eth0) || die "$host: could not turn off eth0's offloads"
         fi
         if [[ $host == bb ]]; then
-            echo "bb=$(host_ip bb) unshaped" >>"$RUN_DIR/state"
+            echo "bb=$where unshaped" >>"$RUN_DIR/state"
             ports+=(bb)
             continue
         fi
         i=${host#p}
         entry=$(shape_of "$i")
         if [[ $entry == - ]]; then
-            echo "$host=$(host_ip "$host") unshaped" >>"$RUN_DIR/state"
+            echo "$host=$where unshaped" >>"$RUN_DIR/state"
             ports+=("$host")
             continue
         fi
         IFS=, read -r rate delay loss <<<"$entry"
         ports+=("$host=$delay,$loss")
-        shape "$(ns "$host")" eth0 "$rate" "$delay" "$loss" # its upload
-        shape "$sw" "$host" "$rate" "$delay" "$loss"         # its download
+        shape "$edge" eth0 "$rate" "$delay" "$loss" # its upload
+        shape "$sw" "$host" "$rate" "$delay" "$loss" # its download
         case $SHAPER in
-        netem) echo "$host=$(host_ip "$host") rate $rate delay $delay loss $loss" ;;
-        user) echo "$host=$(host_ip "$host") rate $rate delay $delay loss $loss (user switch)" ;;
-        *) echo "$host=$(host_ip "$host") rate $rate (delay $delay, loss $loss not applied)" ;;
+        netem) echo "$host=$where rate $rate delay $delay loss $loss" ;;
+        user) echo "$host=$where rate $rate delay $delay loss $loss (user switch)" ;;
+        *) echo "$host=$where rate $rate (delay $delay, loss $loss not applied)" ;;
         esac >>"$RUN_DIR/state"
     done
     if [[ $SHAPER == user ]]; then start_switch "${ports[@]}"; fi
     if ((own_trap)); then trap - EXIT; fi
     say "up: $n peers, shaper $SHAPER, run dir $RUN_DIR"
     grep -E '^(bb|p[0-9]+)=' "$RUN_DIR/state" | sed 's/^/  /' >&2
+}
+
+# up_router pI KIND: peer I's NAT router <prefix>rI and the link between them (the router's eth0,
+# towards the switch, is made by the caller as a host's would be). The peer gets 10.200.I.2 and
+# a default route via the router's 10.200.I.1. The router forwards IPv4 only (a NATed peer has no
+# IPv6 path out, nor in), masquerades what leaves eth0 (KIND eim: keeping the source port where
+# it is free; symmetric: --random-fully, a random port per connection, so a new one per
+# destination), and forwards inwards only what belongs to a connection from inside: no port is
+# forwarded, so connections from outside to the router's or the peer's address fail.
+up_router() {
+    local host=$1 kind=$2 router random=()
+    router=$(ns "r${host#p}")
+    ip netns add "$router"
+    ip -n "$router" link set dev lo up
+    ip -n "$(ns "$host")" link add eth0 type veth peer name lan0 netns "$router"
+    ip -n "$(ns "$host")" addr add "$(lan_ip "$host" 2)/24" dev eth0
+    ip -n "$(ns "$host")" link set dev eth0 up
+    ip -n "$(ns "$host")" route add default via "$(lan_ip "$host" 1)"
+    ip -n "$router" addr add "$(lan_ip "$host" 1)/24" dev lan0
+    ip -n "$router" link set dev lan0 up
+    # Per namespace: this turns IPv4 forwarding on in the router only (IPv6 stays off, said
+    # explicitly where the kernel has IPv6).
+    ip netns exec "$router" sh -c 'echo 1 >/proc/sys/net/ipv4/ip_forward
+        f=/proc/sys/net/ipv6/conf/all/forwarding; if [ -w $f ]; then echo 0 >$f; fi'
+    if [[ $kind == symmetric ]]; then random=(--random-fully); fi
+    local rules=(
+        "-t nat -A POSTROUTING -o eth0 -j MASQUERADE ${random[*]}"
+        "-P FORWARD DROP"
+        "-A FORWARD -i lan0 -o eth0 -j ACCEPT"
+        "-A FORWARD -i eth0 -o lan0 -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT"
+    )
+    local rule
+    for rule in "${rules[@]}"; do
+        # shellcheck disable=SC2086 # a rule's words
+        ip netns exec "$router" iptables -w 10 $rule || die "$host: iptables $rule failed"
+    done
 }
 
 # start_switch PORT...: deploy/impair.py in the switch namespace, its PID in switch.pid; waits
@@ -511,7 +610,7 @@ main() {
             usage
             return 0
             ;;
-        --prefix | --run-dir | --subnet | --shapes | --shaper | --seed | --max-steps | --timeout)
+        --prefix | --run-dir | --subnet | --shapes | --shaper | --seed | --nat | --max-steps | --timeout)
             (($# >= 2)) || die "$1 needs a value"
             case $1 in
             --prefix) PREFIX=$2 ;;
@@ -520,6 +619,7 @@ main() {
             --shapes) SHAPES=$2 ;;
             --shaper) SHAPER=$2 ;;
             --seed) SEED=$2 ;;
+            --nat) NAT=$2 ;;
             --max-steps) MAX_STEPS=$2 ;;
             --timeout) TIMEOUT=$2 ;;
             esac

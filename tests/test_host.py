@@ -121,6 +121,19 @@ async def test_port_in_use_is_a_config_error():
                 pass
 
 
+async def test_a_stopped_node_closes_its_port_and_a_restart_can_take_it():
+    """py-libp2p's TCP listener accepts in a system task that outlives the host: a stopped
+    node went on accepting on its port, and a node restarted on that port was refused."""
+    async with nodes(1) as (first,):
+        addr = first.announce[0]
+    with trio.fail_after(20), pytest.raises(OSError):
+        await trio.open_tcp_stream("127.0.0.1", int(addr.value_for_protocol("tcp")))
+    async with open_node(
+        new_identity(), listen=[str(addr)], announce=[], max_message_bytes=1024
+    ) as again:
+        assert again.announce == [addr]
+
+
 async def test_a_closed_inbound_connection_frees_its_slot_and_newcomers_are_served():
     """py-libp2p 0.8.1 kept each inbound slot until the swarm stopped: after 250 connections in
     its lifetime a node refused everyone (a backbone in the soak)."""

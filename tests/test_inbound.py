@@ -116,6 +116,19 @@ def test_a_connection_with_an_open_stream_outlasts_idle_ones():
     assert busy.phase is Phase.ESTABLISHED
 
 
+def test_a_connection_holding_state_outlasts_idle_ones():
+    """A relay reservation: its connection is idle between renewals, and pruning it would only
+    make its peer reserve again."""
+    g = gate(max_established=2)
+    holder = established(g, "10.0.0.1", 1, now=0)  # the oldest, idle ...
+    holder.held = lambda: True  # ... but holding a reservation
+    idle = established(g, "10.0.0.2", 2, now=1)
+    newcomer, _ = g.admit("10.0.0.3", now=2)
+    assert newcomer is not None
+    assert g.authenticate(newcomer, peer_id=peer(3), now=2, room=1000) == [idle]
+    assert holder.phase is Phase.ESTABLISHED
+
+
 def test_the_longest_idle_goes_first_and_any_stream_counts_as_activity():
     g = gate(max_established=2)
     old = established(g, "10.0.0.1", 1, now=0)

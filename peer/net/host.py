@@ -278,6 +278,13 @@ async def open_node(
             try:
                 yield node
             finally:
+                # py-libp2p's TCP listener accepts in a trio system task that outlives the
+                # host; its swarm closes it in a `finally` that runs cancelled, so close() is
+                # cancelled at its first await: a stopped node kept its port and went on
+                # accepting ("[ADDCONN_FAIL] Cannot schedule task after service has stopped").
+                with trio.CancelScope(shield=True), trio.move_on_after(1.0):
+                    for listener in list(host.get_network().listeners.values()):
+                        await listener.close()
                 # Swarm.close() closes connections one by one with sleeps (seconds with ~20
                 # peers); cap it so a stopping daemon keeps its 3 s promise.
                 await _close_connections(host)

@@ -24,9 +24,10 @@ is no longer used on TCP, these limits take its place:
   are held, or py-libp2p's `max_connections` (inbound and outbound together; it refuses a
   handshake at the cap) has less room left than the handshakes that may still finish, the
   newcomer's arrival prunes the least useful others: from the source holding the most
-  connections first, then one with no stream of ours open, then the one idle longest (libp2p's
-  own identify and ping streams do not count). Pruning starts well below py-libp2p's caps, so
-  a newcomer always finds a slot.
+  connections first, then one with no stream of ours open and nothing held on it (a relay
+  reservation, see `InboundGate.holds`), then the one idle longest (libp2p's own identify and
+  ping streams do not count). Pruning starts well below py-libp2p's caps, so a newcomer always
+  finds a slot.
 
 `InboundGate` is the bookkeeping alone (synchronous, clock passed in); `serve_inbound` moves
 the bytes and owns the waits. Evicting a pending connection closes its socket rather than
@@ -101,6 +102,14 @@ def _no_streams() -> int:
     return 0
 
 
+def _not_held() -> bool:
+    return False
+
+
+def _holds_nothing(muxed_conn: object) -> bool:
+    return False
+
+
 @dataclass(eq=False)
 class Admission:
     """One inbound connection the gate let in."""
@@ -116,6 +125,9 @@ class Admission:
     """Set by the I/O shell: stops this connection; callable from any task, never blocks."""
     open_streams: Callable[[], int] = field(default=_no_streams, repr=False)
     """Set by the I/O shell: how many useful streams the connection has open now."""
+    held: Callable[[], bool] = field(default=_not_held, repr=False)
+    """Set by the I/O shell: whether something is held on the connection now (see
+    `InboundGate.holds`); it then counts as busy as one with a stream open."""
 
 
 @dataclass(frozen=True)
@@ -155,6 +167,10 @@ class InboundGate:
         self._established: set[Admission] = set()
         self._by_peer: dict[ID, set[Admission]] = {}
         self._refused = self._evicted = self._pruned = 0
+        # Set by a service that keeps state bound to a connection: whether a muxed connection
+        # holds some. The relay's reservations: the hop stream closes once answered, so the
+        # connection looks idle, and pruning it only makes its peer reserve again (churn).
+        self.holds: Callable[[object], bool] = _holds_nothing
 
     def admit(self, ip: str, *, now: float) -> tuple[Admission | None, list[Admission]]:
         """A TCP connection from `ip` was accepted: its admission (None: close it now) and the
@@ -243,13 +259,14 @@ class InboundGate:
 def choose_prunable(candidates: set[Admission], count: int) -> list[Admission]:
     """The `count` least useful of `candidates`: from the source holding the most of them
     first (one host's many identities go before many hosts' one each), then those with no open
-    stream (a stream in use is work in flight), then the longest idle."""
+    stream or held state (a stream in use is work in flight), then the longest idle."""
     if count <= 0 or not candidates:
         return []
     per_source = Counter(a.source for a in candidates)
 
     def usefulness(admission: Admission) -> tuple[int, bool, float]:
-        return (-per_source[admission.source], admission.open_streams() > 0, admission.last_active)
+        busy = admission.open_streams() > 0 or admission.held()
+        return (-per_source[admission.source], busy, admission.last_active)
 
     return sorted(candidates, key=usefulness)[:count]
 
@@ -348,6 +365,7 @@ async def _serve_admitted(
         admission.close = pruned.cancel
         if conn is not None:
             admission.open_streams = lambda: sum(map(useful, conn.get_streams()))
+        admission.held = lambda: gate.holds(muxed)
         room = swarm.connection_config.max_connections - len(swarm.get_connections())
         victims = gate.authenticate(
             admission, peer_id=muxed.peer_id, now=trio.current_time(), room=room
