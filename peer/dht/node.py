@@ -41,6 +41,8 @@ from peer.dht.records import (
     live,
     make_entry,
     merge,
+    page_of,
+    pages_for,
     select,
     validate_entry,
 )
@@ -61,6 +63,9 @@ REJOIN_ATTEMPTS = 3
 #: window, so it is written whole without waiting for the caller to read, and a caller that
 #: reads none of its 32 streams (rpc.MAX_STREAMS_PER_PEER) pins at most 6 MiB. ~200 records.
 REPLY_BYTES = 192 * 1024
+#: Replicas a read takes page by page when a key's entries fill more than one reply (the
+#: others' first replies still merge in): a second one covers a replica that lags or lies.
+PAGED_REPLICAS = 2
 #: Signature checks between two yields to the event loop while a reader checks a reply (~7 ms).
 CHECKS_PER_YIELD = 64
 
@@ -283,14 +288,37 @@ class DHT:
         if self.server:
             merge(merged, self.records.get(key, now=started))
         request = p.Get(key, self._caller_addrs())
+        paged: list[Contact] = []  # replicas we read page by page
 
         async def query(contact: Contact) -> list[Contact]:
             reply = await self._call(contact.peer_id, "get", request, p.GetReply)
             merge(merged, await self._checked(key, reply.entries, known=merged))
+            if reply.pages > 1 and len(paged) < PAGED_REPLICAS:
+                paged.append(contact)
+                await self._read_pages(contact, key, reply.pages, merged)
             return p.to_contacts(reply.nodes, exclude=self.node.peer_id)
 
         await self._lookup(key_id(key), query)
         return live(merged, now=started)
+
+    async def _read_pages(
+        self, contact: Contact, key: str, pages: int, merged: dict[str, Entry]
+    ) -> None:
+        """Every page of `key` from one replica whose first reply left entries out (at most
+        `p.MAX_PAGES`, however many it claims), into `merged`. A page that fails is missed,
+        and the replica's first reply still counts."""
+
+        async def page(index: int) -> None:
+            request = p.Get(key, self._caller_addrs(), page=index, pages=pages)
+            try:
+                reply = await self._call(contact.peer_id, "get", request, p.GetReply)
+                merge(merged, await self._checked(key, reply.entries, known=merged))
+            except RemoteError as error:
+                log.debug("page %d/%d of %r from %s: %s", index, pages, key, contact, error)
+
+        async with trio.open_nursery() as nursery:
+            for index in range(min(pages, p.MAX_PAGES)):
+                nursery.start_soon(page, index)
 
     async def _checked(
         self, key: str, entries: Mapping[str, Entry], *, known: Mapping[str, Entry]
@@ -411,7 +439,19 @@ class DHT:
         # Contacts first (at most bucket_size x 16 addresses), entries in what is left.
         budget = self.reply_bytes - len(msgspec.msgpack.encode(nodes))
         entries = self.records.get(request.key, now=self.clock())
-        return p.GetReply(select(entries, budget=budget, max_entries=MAX_REPLY_ENTRIES), nodes)
+        if request.pages > 1:
+            if request.page >= request.pages:
+                raise RpcError("bad_request", f"page {request.page} of {request.pages}")
+            entries = {
+                subkey: entry
+                for subkey, entry in entries.items()
+                if page_of(subkey, request.pages) == request.page
+            }
+        chosen = select(entries, budget=budget, max_entries=MAX_REPLY_ENTRIES)
+        pages = request.pages
+        if len(chosen) < len(entries):  # more than one reply holds: say how many pages would
+            pages = min(p.MAX_PAGES, request.pages * pages_for(entries, budget=budget))
+        return p.GetReply(chosen, nodes, max(pages, request.pages))
 
     # ------------------------------------------------------------------ helpers
 

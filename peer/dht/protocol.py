@@ -3,7 +3,10 @@
     find_node(FindNode) -> Nodes       the contacts the callee knows closest to `target`
     store(Store)        -> StoreReply   keep these entries of `key`; one verdict per subkey
     get(Get)            -> GetReply     the entries of `key` it holds that fit one reply
-                                        (`records.select`), plus closer contacts
+                                        (`records.select`), plus closer contacts; with
+                                        `pages` > 1 only those of page `page`
+                                        (`records.page_of`), and `pages` in the reply says
+                                        how many pages its entries would fill
 
 A server-mode caller sends its own dialable addresses in `caller_addrs` so the callee can add
 it to its routing table; its peer id comes from the authenticated connection, never from the
@@ -27,6 +30,9 @@ SERVICE = "dht"
 MAX_ADDRS = 16
 MAX_CONTACTS = 64
 MAX_ENTRIES = 4096  # in a get reply: more than a reader takes, which it trims (records.select)
+#: Pages a key's entries may be read in (`Get.pages`): 8 replies of `node.REPLY_BYTES` hold
+#: ~2,000 progress records, every reply still within a stream's send window.
+MAX_PAGES = 8
 #: Entries one store may carry: all a writer may hold of a key (its own id and its open subkeys).
 MAX_STORE_ENTRIES = 1 + MAX_OPEN_SUBKEYS
 
@@ -70,11 +76,17 @@ class StoreReply(msgspec.Struct, frozen=True):
 class Get(msgspec.Struct, frozen=True):
     key: Key
     caller_addrs: Addrs | None = None
+    page: Annotated[int, msgspec.Meta(ge=0, lt=MAX_PAGES)] = 0
+    pages: Annotated[int, msgspec.Meta(ge=1, le=MAX_PAGES)] = 1
+    """Read the entries whose subkeys fall in page `page` of `pages` (`records.page_of`)."""
 
 
 class GetReply(msgspec.Struct, frozen=True):
     entries: Entries
     nodes: Annotated[list[WireContact], msgspec.Meta(max_length=MAX_CONTACTS)]
+    pages: Annotated[int, msgspec.Meta(ge=1, le=MAX_PAGES)] = 1
+    """Pages the replica's entries of the key (of the page asked for) would fill, at most
+    MAX_PAGES: more than the asked-for `pages` when it left entries out of this reply."""
 
 
 def to_contacts(wire: list[WireContact], *, exclude: ID) -> list[Contact]:

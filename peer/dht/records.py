@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -190,6 +191,22 @@ def validate_entry(key: str, subkey: str, entry: Entry, *, now: float, limits: L
 #: Entries whose signature checked out lately (digests of what was checked), newest last.
 VERIFIED_CACHE = 8192
 _VERIFIED: OrderedDict[bytes, None] = OrderedDict()
+
+
+def page_of(subkey: str, pages: int) -> int:
+    """The page of `pages` a subkey is read in: its hash, so every replica pages alike and a
+    page's share of a key's entries does not move as entries come and go."""
+    if pages <= 1:
+        return 0
+    digest = hashlib.blake2b(subkey.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") % pages
+
+
+def pages_for(entries: Mapping[str, Entry], *, budget: int) -> int:
+    """Pages that `entries` fill at about three quarters of `budget` each (hash pages are
+    uneven), at least 1."""
+    total = sum(wire_bytes(subkey, entry) for subkey, entry in entries.items())
+    return max(1, math.ceil(total / (0.75 * budget)))
 
 
 def merge(into: dict[str, Entry], entries: Mapping[str, Entry]) -> None:
