@@ -246,12 +246,17 @@ async def test_any_number_of_peers_reaches_the_exact_weighted_mean_everywhere(gr
     assert max(len(g) for r in results for g in r.groups) <= group_size + 1
 
 
-async def test_a_member_that_declared_and_died_is_left_out_and_the_rest_agree():
+@pytest.mark.parametrize("partial_from", [2, 64], ids=["partial", "all-or-nothing"])
+async def test_a_member_that_declared_and_died_is_left_out_and_the_rest_agree(partial_from):
     """5 peers in groups of 4: the lowest one declares, then dies. Its round-0 group goes on
     without it (its leader is passed over), and round 1 seats whoever holds each block: every
     other peer ends on the same bits, the exact weighted mean of the four (before, one dead
-    peer voided the step for everyone). Nobody's vector changed."""
-    config = AveragingConfig(group_size=4, join_timeout=2.0, timeout_floor=2.0)
+    peer voided the step for everyone). Below `averaging.partial_from` (64 by default) a plan
+    that did not reach everyone is refused by all instead, to be called again. Nobody's vector
+    changed."""
+    config = AveragingConfig(
+        group_size=4, join_timeout=2.0, timeout_floor=2.0, partial_from=partial_from
+    )
     async with averaging_swarm(5, config) as (s, averagers):
         dead = min(range(5), key=lambda i: averagers[i].me)
         await averagers[dead].matchmaker.declare(
@@ -263,6 +268,11 @@ async def test_a_member_that_declared_and_died_is_left_out_and_the_rest_agree():
         results = await average_all(averagers, vectors, weights=weights, skip={dead}, gather=7.0)
     alive = [i for i in range(5) if i != dead]
     exact = np.average([float(i) for i in alive], weights=[weights[i] for i in alive])
+    if partial_from > 5:
+        for i in alive:
+            assert results[i].average is None and (vectors[i] == float(i)).all()
+            assert "averaging.partial_from = 64 a step needs all" in results[i].skipped[0]
+        return
     for i in alive:
         r = results[i]
         assert r.peers_seen == 5 and not r.skipped
@@ -279,7 +289,9 @@ async def test_a_member_killed_mid_round_is_retried_without_and_every_vector_sta
     everyone else ends on the exact mean of the four. The vectors are exactly what each peer
     put in (once, the survivors kept the half-averaged values and gave them back to the
     trainer as their own)."""
-    config = AveragingConfig(group_size=4, join_timeout=2.0, timeout_floor=2.0, chunk_elements=256)
+    config = AveragingConfig(
+        partial_from=2, group_size=4, join_timeout=2.0, timeout_floor=2.0, chunk_elements=256
+    )
     async with averaging_swarm(5, config) as (s, averagers):
         victim = min(range(5), key=lambda i: averagers[i].me)
         relay = CuttingRelay(averagers[victim].data_port, limit=3000)
@@ -424,7 +436,7 @@ async def test_a_member_gone_between_rounds_is_found_out_without_waiting_a_round
     group goes on without it within seconds. The other group of round 1 holds every block: the
     mean of all five. The victim's group held block {3, 4} only through it: theirs is the mean
     of {0, 1, 2}, and says so."""
-    config = AveragingConfig(group_size=4, join_timeout=2.0, timeout_floor=300.0)
+    config = AveragingConfig(partial_from=2, group_size=4, join_timeout=2.0, timeout_floor=300.0)
     async with averaging_swarm(5, config) as (s, averagers):
         order = sorted(range(5), key=lambda i: averagers[i].me)
         victim = order[3]
@@ -460,7 +472,9 @@ async def test_a_round_that_fails_after_one_that_worked_leaves_the_value_it_bega
     retry is left: each goes back to the value it entered the round with, the exact mean of
     its round-0 group, and says so (members, weight, setbacks). {0, 2, 3} hold every block:
     the mean of all five. (Chunks of 256: both of {1, 4} reduce a part, so 1 must dial 4.)"""
-    config = AveragingConfig(group_size=4, join_timeout=2.0, timeout_floor=2.0, chunk_elements=256)
+    config = AveragingConfig(
+        partial_from=2, group_size=4, join_timeout=2.0, timeout_floor=2.0, chunk_elements=256
+    )
     async with averaging_swarm(5, config) as (s, averagers):
         order = sorted(range(5), key=lambda i: averagers[i].me)
         victim = order[4]
@@ -494,7 +508,7 @@ async def test_a_member_that_left_the_averaging_is_not_waited_for_though_it_answ
     Its RPC still answers, so `alive` alone kept its round-1 leader waiting a round's length
     (the 300 s floor here); `alive` names the averaging now, and a peer no longer in it says
     so: the group goes on without it at once."""
-    config = AveragingConfig(group_size=4, join_timeout=2.0, timeout_floor=300.0)
+    config = AveragingConfig(partial_from=2, group_size=4, join_timeout=2.0, timeout_floor=300.0)
     async with averaging_swarm(5, config) as (_, averagers):
         order = sorted(range(5), key=lambda i: averagers[i].me)
         victim = order[3]

@@ -686,7 +686,14 @@ class Averager:
                     "averaged over %d of %d planned peers (%d rounds failed for us)",
                     len(basis), len(view), len(result.setbacks),
                 )  # fmt: skip
-        if members >= 2:
+        if several and members < len(view) and len(view) < self.config.partial_from:
+            # A small plan is called again rather than split (`averaging.partial_from`).
+            result.skipped = [
+                f"averaged over {members} of the {len(view)} planned peers; below "
+                f"averaging.partial_from = {self.config.partial_from} a step needs all of them",
+                *result.setbacks,
+            ]
+        elif members >= 2:
             result.average, result.weight, result.members = values, total, members
         elif several:
             result.skipped = result.setbacks or ["nobody averaged with us"]
