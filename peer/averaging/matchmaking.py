@@ -11,8 +11,9 @@
    calls `join` on the reachable members below it, lowest first (after a quick `alive` check,
    so a dead candidate costs a quarter of `join_timeout`, not a join's long wait), and leads
    only if none of them answers (or it is the lowest); a member that cannot be dialled asks
-   every reachable one and never leads a group of others (`leader_candidates`). A leader waits until every member of its group
-   joined, or its patience runs out, then answers every joiner with the same outcome:
+   every reachable one and never leads a group of others (`leader_candidates`). A leader
+   waits until every member of its group joined, or its patience runs out, then answers every
+   joiner with the same outcome:
    - a single group (the plan has one round): `Begin{spec}` with the members that actually
      joined, so a dead or partitioned peer is out before the all-reduce starts and a member
      missing from the leader's view but joining anyway is in; fewer than `min_group_size`:
@@ -22,8 +23,8 @@
      the leader's patience runs out, or that no longer answers, is left out (`moshpit.py`:
      that costs its group, not the step); fewer than 2: `TooFew`.
 
-Waits only ever go from higher peer ids to lower ones and every wait has a deadline, so
-concurrent matchmakers cannot deadlock. A join is accepted only from the peer it names (the
+Waits only ever go toward reachable peers, and among them from higher peer ids to lower
+ones, and every wait has a deadline, so concurrent matchmakers cannot deadlock. A join is accepted only from the peer it names (the
 libp2p connection authenticates the caller).
 """
 
