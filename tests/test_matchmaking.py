@@ -70,6 +70,33 @@ async def average_all(
     return results
 
 
+async def average_with_one_cancelled(
+    averagers, vectors, victim: int, when: trio.Event, *, on_round=None
+) -> dict[int, AveragingResult]:
+    """Every peer averages its vector; the victim's call is cancelled (killed, or its call
+    ended with its node still up) once `when` is set. The others' results."""
+    gather_until = time.time() + 1.5
+    results: dict[int, AveragingResult] = {}
+
+    async def one(i: int) -> None:
+        results[i] = await averagers[i].average(
+            vectors[i], weight=1.0, epoch=1, fingerprint=MODEL, gather_until=gather_until,
+            on_round=(lambda r, report, values: on_round(i, r)) if on_round else
+            (lambda r, report, values: None),
+        )  # fmt: skip
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            for i in range(len(averagers)):
+                if i != victim:
+                    nursery.start_soon(one, i)
+            async with trio.open_nursery() as doomed:
+                doomed.start_soon(one, victim)
+                await when.wait()
+                doomed.cancel_scope.cancel()
+    return results
+
+
 async def test_eight_peers_in_pairs_reach_the_exact_average_in_three_rounds():
     config = AveragingConfig(group_size=2, join_timeout=3.0, timeout_floor=5.0)
     async with averaging_swarm(8, config) as (_, averagers):
@@ -297,23 +324,7 @@ async def test_a_member_killed_mid_round_is_retried_without_and_every_vector_sta
         relay = CuttingRelay(averagers[victim].data_port, limit=3000)
         averagers[victim].data_port = await s.nursery.start(relay.serve)
         vectors = [np.full(SIZE, float(i), np.float32) for i in range(5)]
-        gather_until = time.time() + 1.5
-        results: dict[int, AveragingResult] = {}
-
-        async def one(i: int) -> None:
-            results[i] = await averagers[i].average(
-                vectors[i], weight=1.0, epoch=1, fingerprint=MODEL, gather_until=gather_until
-            )
-
-        with trio.fail_after(60):
-            async with trio.open_nursery() as nursery:
-                for i in range(5):
-                    if i != victim:
-                        nursery.start_soon(one, i)
-                async with trio.open_nursery() as doomed:
-                    doomed.start_soon(one, victim)
-                    await relay.cut.wait()
-                    doomed.cancel_scope.cancel()  # killed
+        results = await average_with_one_cancelled(averagers, vectors, victim, relay.cut)
     assert relay.returned == 3000  # it did return some averages before it died
     exact = np.mean([float(i) for i in range(5) if i != victim])
     for i, r in results.items():
@@ -513,29 +524,14 @@ async def test_a_member_that_left_the_averaging_is_not_waited_for_though_it_answ
         order = sorted(range(5), key=lambda i: averagers[i].me)
         victim = order[3]
         vectors = [np.full(SIZE, float(i), np.float32) for i in range(5)]
-        gather_until = time.time() + 1.5
-        results: dict[int, AveragingResult] = {}
         left = trio.Event()
 
-        async def one(i: int) -> None:
-            def leave(round_index: int, report, values) -> None:
-                if i == victim and round_index == 0:
-                    left.set()
+        def leave(i: int, round_index: int) -> None:
+            if i == victim and round_index == 0:
+                left.set()
 
-            results[i] = await averagers[i].average(
-                vectors[i], weight=1.0, epoch=1, fingerprint=MODEL, gather_until=gather_until,
-                on_round=leave,
-            )  # fmt: skip
-
-        with trio.fail_after(60):  # without the check: the 300 s floor
-            async with trio.open_nursery() as nursery:
-                for i in range(5):
-                    if i != victim:
-                        nursery.start_soon(one, i)
-                async with trio.open_nursery() as doomed:
-                    doomed.start_soon(one, victim)
-                    await left.wait()
-                    doomed.cancel_scope.cancel()
+        # without the check: the 300 s floor (average_with_one_cancelled gives up after 60 s)
+        results = await average_with_one_cancelled(averagers, vectors, victim, left, on_round=leave)
     for number in (0, 2):  # the group {0, 2, 3}, without 3: blocks {0,1,2} only
         r = results[order[number]]
         assert r.members == 3

@@ -29,7 +29,6 @@ import os
 import re
 import select
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -37,11 +36,10 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "deploy" / "testbed.sh"
+from tests.test_testbed import Bed, script
+
 SUBNET = "10.68.0"
 STEPS = 5
 PORT = 5001
@@ -68,17 +66,6 @@ CAN_RUN = (
 needs_root = pytest.mark.skipif(
     not CAN_RUN, reason="needs Linux, root, `ip netns`, tc and iptables (NAT routers)"
 )
-
-
-def script(*args: str, env: dict[str, str] | None = None, timeout: float = 60):
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("PEERTRAIN_", "TESTBED_"))}
-    return subprocess.run(
-        ["bash", str(SCRIPT), *args],
-        env={**clean, "PYTHON": sys.executable, **(env or {})},
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
 
 
 # --- fast: no root needed -------------------------------------------------------------------
@@ -120,56 +107,13 @@ def test_a_subnet_among_the_routers_inside_networks_is_refused(tmp_path):
 
 
 @dataclass
-class Bed:
-    """One testbed under a unique prefix; `teardown` removes it whatever state it is in."""
+class NatBed(Bed):
+    """`test_testbed.Bed` under its own prefix and subnet, with the socket servers this test
+    starts in the namespaces, killed first on teardown."""
 
-    run_dir: Path
     prefix: str = field(default_factory=lambda: f"ptn{uuid.uuid4().hex[:6]}-")
-    started: dict[str, int] = field(default_factory=dict)
-    switch: int | None = None
+    subnet: str = SUBNET
     helpers: list[subprocess.Popen] = field(default_factory=list)
-    """Socket servers the test started in the namespaces."""
-
-    def __call__(self, *args: str, timeout: float = 60, env: dict[str, str] | None = None):
-        where = ["--prefix", self.prefix, "--run-dir", str(self.run_dir)]
-        return script(*where, "--subnet", f"{SUBNET}.0/24", *args, env=env, timeout=timeout)
-
-    def ns(self, host: str) -> str:
-        return f"{self.prefix}{host}"
-
-    def namespaces(self) -> set[str]:
-        """Namespaces of exactly this testbed's form (routers included) that exist now."""
-        out = subprocess.run(
-            ["ip", "netns", "list"], capture_output=True, text=True, timeout=10
-        ).stdout
-        names = {line.split()[0] for line in out.splitlines() if line.strip()}
-        pattern = re.compile(re.escape(self.prefix) + r"(sw|bb|[pr]\d+)")
-        return {name for name in names if pattern.fullmatch(name)}
-
-    def read_pids(self) -> dict[str, int]:
-        path = self.run_dir / "pids"
-        if path.exists():
-            for line in path.read_text().splitlines():
-                host, pid = line.split()
-                self.started[host] = int(pid)
-        with contextlib.suppress(FileNotFoundError, ValueError):
-            self.switch = int((self.run_dir / "switch.pid").read_text())
-        return dict(self.started)
-
-    def ours_alive(self) -> list[int]:
-        """PIDs the script started that still run (a reused PID runs someone else's command)."""
-        alive = []
-        mine = [(pid, str(self.run_dir)) for pid in self.started.values()]
-        if self.switch is not None:
-            mine.append((self.switch, "deploy/impair.py"))
-        for pid, mark in mine:
-            try:
-                proc = psutil.Process(pid)
-                if proc.status() != psutil.STATUS_ZOMBIE and mark in " ".join(proc.cmdline()):
-                    alive.append(pid)
-            except psutil.NoSuchProcess:
-                pass
-        return alive
 
     def teardown(self) -> None:
         for helper in self.helpers:
@@ -177,25 +121,12 @@ class Bed:
                 helper.kill()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 helper.wait(timeout=10)
-        self.read_pids()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self("down", timeout=60)
-        for pid in self.ours_alive():  # whatever `down` missed, by PID
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        for name in self.namespaces():
-            out = subprocess.run(
-                ["ip", "netns", "pids", name], capture_output=True, text=True, timeout=10
-            ).stdout
-            for pid in out.split():
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(int(pid), signal.SIGKILL)
-            subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=10)
+        super().teardown()
 
 
 @pytest.fixture
 def bed(tmp_path):
-    testbed = Bed(tmp_path / "run")
+    testbed = NatBed(tmp_path / "run")
     try:
         yield testbed
     finally:
@@ -241,7 +172,7 @@ print(json.dumps(results))
 """
 
 
-def serve(bed: Bed, host: str) -> None:
+def serve(bed: NatBed, host: str) -> None:
     """A SOCKETS server on PORT in `host`'s namespace, until teardown (killed by PID)."""
     server = subprocess.Popen(
         ["ip", "netns", "exec", bed.ns(host), sys.executable, "-c", SOCKETS, "server", str(PORT)],
@@ -255,7 +186,7 @@ def serve(bed: Bed, host: str) -> None:
 
 
 def connect(
-    bed: Bed, host: str, *destinations: str, local_port: int = 0, timeout: float = 3.0
+    bed: NatBed, host: str, *destinations: str, local_port: int = 0, timeout: float = 3.0
 ) -> list[dict]:
     """SOCKETS client results, from `host`'s namespace to each `IP:PORT` in turn."""
     result = subprocess.run(
@@ -286,7 +217,7 @@ def root_qdisc(namespace: str, device: str) -> tuple[str, str]:
     return line.split()[1], line
 
 
-def nat_rules(bed: Bed, router: str) -> str:
+def nat_rules(bed: NatBed, router: str) -> str:
     return subprocess.run(
         ["ip", "netns", "exec", bed.ns(router), "iptables-save"],
         capture_output=True, text=True, timeout=10, check=True,
@@ -385,7 +316,7 @@ def write_keys(run_dir: Path, order: tuple[str, ...]) -> dict[str, str]:
     return chosen
 
 
-def log_records(bed: Bed, host: str) -> list[dict]:
+def log_records(bed: NatBed, host: str) -> list[dict]:
     records = []
     path = bed.run_dir / f"{host}.log"
     for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
@@ -394,7 +325,7 @@ def log_records(bed: Bed, host: str) -> list[dict]:
     return records
 
 
-def verdict(bed: Bed, host: str) -> str | None:
+def verdict(bed: NatBed, host: str) -> str | None:
     """What `host` last logged of its own reachability (its link measurement), if anything."""
     said = None
     for record in log_records(bed, host):
@@ -432,7 +363,7 @@ class Training:
 
 
 def train_behind_nat(
-    bed: Bed, kinds: tuple[str, str], order: tuple[str, ...], wait: int
+    bed: NatBed, kinds: tuple[str, str], order: tuple[str, ...], wait: int
 ) -> Training:
     """A backbone and p1, p2 behind NATs of `kinds`, with peer ids sorted in `order`: `up`,
     `start`, the peers' verdicts, `wait` (at most `wait` seconds), what the logs say."""
@@ -484,7 +415,7 @@ def train_behind_nat(
     return Training(waited, verdicts, client_only, figures, failed, reduced)
 
 
-def down_leaves_nothing(bed: Bed) -> None:
+def down_leaves_nothing(bed: NatBed) -> None:
     down = bed("down")
     assert down.returncode == 0, down.stderr
     assert bed.namespaces() == set() and bed.ours_alive() == []

@@ -251,24 +251,25 @@ class Bed:
 
     run_dir: Path
     prefix: str = field(default_factory=lambda: f"ptt{uuid.uuid4().hex[:6]}-")
+    subnet: str = SUBNET
     started: dict[str, int] = field(default_factory=dict)
     switch: int | None = None
     """The user switch's PID (switch.pid), once seen."""
 
     def __call__(self, *args: str, timeout: float = 60, env: dict[str, str] | None = None):
         where = ["--prefix", self.prefix, "--run-dir", str(self.run_dir)]
-        return script(*where, "--subnet", f"{SUBNET}.0/24", *args, env=env, timeout=timeout)
+        return script(*where, "--subnet", f"{self.subnet}.0/24", *args, env=env, timeout=timeout)
 
     def ns(self, host: str) -> str:
         return f"{self.prefix}{host}"
 
     def namespaces(self) -> set[str]:
-        """Namespaces of exactly this testbed's form that exist now."""
+        """Namespaces of exactly this testbed's form (NAT routers included) that exist now."""
         out = subprocess.run(
             ["ip", "netns", "list"], capture_output=True, text=True, timeout=10
         ).stdout
         names = {line.split()[0] for line in out.splitlines() if line.strip()}
-        pattern = re.compile(re.escape(self.prefix) + r"(sw|bb|p\d+)")
+        pattern = re.compile(re.escape(self.prefix) + r"(sw|bb|[pr]\d+)")
         return {name for name in names if pattern.fullmatch(name)}
 
     def read_pids(self) -> dict[str, int]:
