@@ -524,3 +524,92 @@ async def test_pages_split_a_key_by_subkey_and_each_fits_a_reply():
         assert seen == set(entries)
         with pytest.raises(RpcError, match="bad_request"):
             await replica._on_get(caller.node.peer_id, dht.Get(key, page=3, pages=3))
+
+
+def calls_of(reader: DHT, method: str) -> int:
+    return sum(n for (m, _), n in reader.statistics().calls.items() if m == method)
+
+
+async def test_a_hot_key_is_read_from_two_replicas_without_a_lookup_each_time():
+    """At 300 simulated trainers every progress read was a lookup whose every hop answered with
+    192 KiB of records: a hot key's replicas are looked up once in a while and two of them read."""
+    clock = FakeClock()
+    async with swarm(N, CONFIG, clock=clock) as s:
+        for i, writer in enumerate(s.dhts):
+            me = writer.node.peer_id.to_base58()
+            assert await writer.store("hot", me, b"%d" % i, expiration=clock.now + 60, hot=True)
+        reader = s.dhts[0]
+        everyone = {d.node.peer_id.to_base58() for d in s.dhts}
+        assert set(await reader.get("hot", hot=True)) == everyone
+        finds, gets = calls_of(reader, "find_node"), calls_of(reader, "get")
+        for _ in range(3):
+            assert set(await reader.get("hot", hot=True)) == everyone
+        assert calls_of(reader, "find_node") == finds  # no lookup while the replicas are fresh
+        assert calls_of(reader, "get") - gets <= 3 * dht_node.HOT_READ_REPLICAS
+        # An ordinary read of the same key asks every replica the lookup meets.
+        gets = calls_of(reader, "get")
+        assert set(await reader.get("hot")) == everyone
+        assert calls_of(reader, "get") - gets >= CONFIG.replicas - 1
+
+
+async def test_a_hot_read_of_replicas_that_replaced_departed_ones_reads_every_replica():
+    """Nodes that took departed replicas' place hold nothing of the key until its writers write
+    again: a hot read from two of them alone would see nobody's record."""
+    clock = FakeClock()
+    async with swarm(N, CONFIG, clock=clock) as s:
+        reader = s.dhts[0]
+        for writer in s.dhts[1:]:
+            me = writer.node.peer_id.to_base58()
+            await writer.store("hot", me, b"x", expiration=clock.now + 60, hot=True)
+        assert len(await reader.get("hot", hot=True)) == N - 1
+        original = await reader._hot_replicas(dht_node.key_id("hot"))
+        dead = {c.peer_id for c in original[:3]}
+        for index, d in enumerate(s.dhts):
+            if d.node.peer_id in dead:
+                s.kill(index)
+        held = {c.peer_id for c in original}
+
+        class Newcomers:  # the worst pick: the replicas that hold nothing of the key
+            def shuffle(self, contacts: list) -> None:
+                contacts.sort(key=lambda c: c.peer_id in held)
+
+        reader.rng = Newcomers()
+        survivors = {d.node.peer_id.to_base58() for d in s.dhts[1:]} - {p.to_base58() for p in dead}
+        for _ in range(3):
+            assert set(await reader.get("hot", hot=True)) >= survivors
+        replicas = await reader._hot_replicas(dht_node.key_id("hot"))
+        assert not dead & {c.peer_id for c in replicas}  # looked up again after the failures
+
+
+async def test_hot_stores_go_to_the_replicas_looked_up_last_until_they_are_old():
+    clock = FakeClock()
+    async with swarm(N, CONFIG, clock=clock) as s:
+        writer = s.dhts[3]
+        me = writer.node.peer_id.to_base58()
+        await writer.store("hot", me, b"1", expiration=clock.now + 60, hot=True)
+        finds = calls_of(writer, "find_node")
+        await writer.store("hot", me, b"2", expiration=clock.now + 61, hot=True)
+        assert calls_of(writer, "find_node") == finds
+        await trio.sleep(dht_node.HOT_REPLICAS_SECONDS)
+        await writer.store("hot", me, b"3", expiration=clock.now + 62, hot=True)
+        assert calls_of(writer, "find_node") > finds
+        assert (await s.dhts[9].get("hot"))[me].value == b"3"
+
+
+async def test_a_node_that_stops_announcing_itself_is_added_to_no_table():
+    """A peer the backbones could not dial (behind NAT) stops announcing its addresses in its
+    calls: nobody adds it, so no lookup waits out a dial to it (a home router drops the SYN)."""
+    clock = FakeClock()
+    async with swarm(5, CONFIG, clock=clock) as s:
+        hidden = s.dhts[4]
+        for d in s.dhts[:4]:
+            d.table.remove(hidden.node.peer_id)
+        hidden.announcing = lambda: False
+        me = hidden.node.peer_id.to_base58()
+        assert await hidden.store("k", me, b"v", expiration=clock.now + 60) > 0
+        assert (await hidden.get("k"))[me].value == b"v"
+        await hidden.find_nodes(12345)
+        assert all(hidden.node.peer_id not in d.table for d in s.dhts[:4])
+        hidden.announcing = lambda: True
+        await hidden.find_nodes(12345)
+        assert any(hidden.node.peer_id in d.table for d in s.dhts[:4])

@@ -80,7 +80,9 @@ async def make_trainer(
                 public_addrs=lambda: [],
                 identity=SimpleNamespace(key_pair=key_pair),
                 remember_addrs=lambda *args: None,
-            )
+            ),
+            looks_up=lambda key: True,
+            lookup_seconds=0.0,
         ),
         averager=None,  # type: ignore[arg-type]
         config=PeerConfig(
@@ -1030,7 +1032,7 @@ async def test_a_far_call_and_a_lone_liar_change_nothing_through_a_real_read(tmp
     record = signed_record(liar, call_step=2, gather_until=trainer.clock() + 11 * 86400)
     entries = {record.peer_id: Entry(encode_progress(record), 2e9)}
 
-    async def get(key):
+    async def get(key, **_):
         return entries
 
     trainer.dht.get = get
@@ -1273,3 +1275,21 @@ async def test_the_refusal_of_another_task_shows_no_control_characters(tmp_path)
     line = trainer._refusal(record)
     assert "\x1b" not in line and "\x07" not in line and "\n" not in line
     assert "trains task 'x'?[2J? (evil) (step 7), this peer task 'tiny'" in line
+
+
+async def test_the_policy_counts_on_reads_as_far_apart_as_the_records_make_them(tmp_path):
+    """A thousand trainers' records are read every ~5.6 s (`publisher.read_interval`): the
+    policy then finds a record silent, and a call's window wide enough, by that age."""
+    from peer.dht.records import Entry
+
+    trainer = await make_trainer(tmp_path / "me")
+    entries = {f"p{i}": Entry(b"x" * 700, 2e9) for i in range(1000)}
+
+    async def get(key, **_):
+        return entries
+
+    trainer.dht.get = get
+    await trainer.progress.read()
+    assert trainer.progress.read_interval > 5
+    assert trainer.policy.timing.reading == trainer.progress.read_interval
+    assert trainer.policy.timing.stale_record > trainer.progress.read_interval

@@ -33,6 +33,7 @@ from peer.errors import RemoteError
 from peer.measure.capabilities import Capabilities
 from peer.net.host import Node
 from peer.training.progress import CollaborationView, decode_progress, progress_key
+from peer.training.publisher import read_interval, received_bytes
 from peer.training.timing import Timing
 
 log = logging.getLogger("peertrain.aggregator")
@@ -91,10 +92,12 @@ class BackboneAggregator:
         self.quorum = config.averaging.min_group_size
         self.tally = AggregatorTally()
         self._joined_until = -math.inf
+        # Half our reads' interval: the configured one, stretched as for a trainer once the
+        # records are many (`publisher.read_interval`).
+        self._read_interval = self.config.training.progress_interval
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
-        interval = max(self.config.training.progress_interval / 2, 0.1)
         async with trio.open_nursery() as nursery:
             pending: set[float] = set()  # the gatherings we are in
 
@@ -110,17 +113,22 @@ class BackboneAggregator:
                     self._joined_until = max(self._joined_until, call.gather_until)
                     pending.add(call.gather_until)
                     nursery.start_soon(join, call)
-                await trio.sleep(interval)
+                await trio.sleep(max(self._read_interval / 2, 0.1))
 
     async def _next_call(self, *, before: float) -> Call | None:
         """A call to join: after the last we joined, or one earlier than those we are in (a
         far-ahead call must not keep us from the one the trainers answer)."""
         name = self.config.collaboration.name
         try:
-            entries = await self.dht.get(progress_key(name))
+            entries = await self.dht.get(progress_key(name), hot=True)
         except RemoteError as error:
             log.debug("could not read the progress records: %s", error)
             return None
+        self._read_interval = read_interval(
+            received_bytes(entries),
+            interval=self.config.training.progress_interval,
+            longest=self.timing.longest_read_interval,
+        )
         view = CollaborationView(decode_progress(entries, collaboration=name), self.quorum)
         now = self.dht.clock()
         call = next_call(view, after=self._joined_until, now=now, timing=self.timing)

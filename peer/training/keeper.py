@@ -108,6 +108,7 @@ class StateKeeper:
             record=lambda: self._record() if self.held is not None else None,
             on_read=on_read,
             interval=self.timing.keeper_interval,
+            longest_read_interval=self.timing.longest_read_interval,
             ttl=self.timing.keeper_ttl,
             clock=self.clock,
         )

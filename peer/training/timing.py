@@ -3,11 +3,15 @@ place (the trainer, the keeper, `peer doctor` and the tests read them here, nowh
 
 The one measurement is `store_seconds`, how long a DHT store of ours takes (a moving average):
 on a high-latency link a ticket or a record needs longer to land, so the windows widen with it,
-up to a cap that also bounds what a caller may ask of everyone else.
+up to a cap that also bounds what a caller may ask of everyone else. The one fact of the
+collaboration's size is `read_interval`: a large collaboration's records are read less often
+than they are published (`peer.training.publisher.read_interval`), and every wait that counts
+on a read counts on one every `reading` seconds.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from peer.config import PeerConfig
@@ -36,6 +40,8 @@ class Timing:
     solo_after: float
     presence_ttl: float
     download_timeout: float
+    read_interval: float = 0.0
+    """Seconds between two reads of the progress records (at least `progress_interval`)."""
 
     @classmethod
     def of(cls, config: PeerConfig) -> Timing:
@@ -47,6 +53,14 @@ class Timing:
             presence_ttl=config.presence.ttl,
             download_timeout=config.state.download_timeout,
         )
+
+    def reading_every(self, seconds: float) -> Timing:
+        return dataclasses.replace(self, read_interval=seconds)
+
+    @property
+    def reading(self) -> float:
+        """How old the records we act on may be: our reads' interval."""
+        return max(self.progress_interval, self.read_interval)
 
     @property
     def max_window(self) -> float:
@@ -63,7 +77,7 @@ class Timing:
         the simulation most peers missed 2-2.4 s windows, `simulation/`.)"""
         seen_and_declared = (
             2 * store_seconds
-            + self.progress_interval
+            + self.reading
             + SLOW_BATCH * batch_seconds
             + self.declare_margin(store_seconds) / 2
         )
@@ -74,8 +88,8 @@ class Timing:
 
     def latest_call(self, now: float) -> float:
         """Calls gathering later than this are ignored: no honest caller asks for more than
-        `max_window` (a progress interval of slack for clocks and publication)."""
-        return now + self.max_window + self.progress_interval
+        `max_window` (a read interval of slack for clocks and publication)."""
+        return now + self.max_window + self.reading
 
     def declare_margin(self, store_seconds: float) -> float:
         """Our ticket must be in the DHT before the gathering closes: stop computing this early
@@ -84,7 +98,13 @@ class Timing:
 
     def settle_patience(self, store_seconds: float) -> float:
         """How long a finished peer waits for the others to agree on its step and digest."""
-        return 2 * self.window(store_seconds) + 4 * self.progress_interval + 5
+        return 2 * self.window(store_seconds) + 4 * self.reading + 5
+
+    @property
+    def longest_read_interval(self) -> float:
+        """Reads are at most this far apart, however large the collaboration: a quarter of the
+        widest gathering window, which still holds a read, a store and a micro-batch."""
+        return self.max_window / 4
 
     @property
     def progress_ttl(self) -> float:
@@ -106,17 +126,19 @@ class Timing:
 
     @property
     def projection_horizon(self) -> float:
-        """How far a peer's count is projected past its record: about one publication."""
-        return 2 * self.progress_interval
+        """How far a peer's count is projected past its record: about one publication, and
+        the age of our read."""
+        return self.progress_interval + self.reading
 
     @property
     def stale_record(self) -> float:
-        """A record older than this looks silent (its peer may be gone)."""
-        return 3 * self.progress_interval
+        """A record older than this looks silent (its peer may be gone): three publications,
+        in a read up to `reading` old."""
+        return 2 * self.progress_interval + self.reading
 
     def fallback_caller_wait(self, store_seconds: float) -> float:
         """How long a peer other than the designated caller waits before calling a step."""
-        return 2 * self.progress_interval + 4 * store_seconds
+        return self.progress_interval + self.reading + 4 * store_seconds
 
     @property
     def solo_wait(self) -> float:

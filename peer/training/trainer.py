@@ -200,6 +200,7 @@ class Trainer:
             record=self.record,
             on_read=self._observe,
             interval=self.training.progress_interval,
+            longest_read_interval=self.timing.longest_read_interval,
             ttl=self.timing.progress_ttl,
             on_store_time=self.policy.note_store_time,
             clock=clock,
@@ -302,6 +303,7 @@ class Trainer:
 
     def _observe(self, view: CollaborationView) -> None:
         self._foreign = view.foreign_task(self.worker.fingerprint)
+        self.policy.timing = self.policy.timing.reading_every(self.progress.read_interval)
         # Peers of another task never average with us and serve states we cannot load.
         self.policy.observe(view.training(self.worker.fingerprint), self.clock())
         self._view_changed.set()

@@ -1,0 +1,128 @@
+"""The progress exchange at the scale of hundreds of trainers: reads of the records are
+stretched to `READ_BYTES_PER_SECOND` while our own record still goes out every interval, and
+every wait that counts on a read counts on one that old (`Timing.reading`)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import trio
+
+from peer.config import PeerConfig
+from peer.dht.records import Entry
+from peer.training.progress import CollaborationView
+from peer.training.publisher import READ_BYTES_PER_SECOND, ProgressPublisher, read_interval
+from peer.training.timing import Timing
+from tests.test_progress import rec
+
+RECORD_BYTES = 700  # a progress record with its signatures
+
+
+class CountingDht:
+    """The DHT as the publisher sees it: `records` entries of a record's size in every read."""
+
+    def __init__(self, records: int) -> None:
+        self.node = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "me"))
+        self.entries = {f"p{i}": Entry(b"x" * RECORD_BYTES, 2e9) for i in range(records)}
+        self.stores = self.reads = 0
+        self.hot: set[bool] = set()
+        self.lookup_seconds = 0.5
+        self.cached = True  # a hot store skips its lookup
+
+    def looks_up(self, key: str) -> bool:
+        return not self.cached
+
+    async def store(self, key, subkey, value, *, expiration, hot=False) -> int:
+        self.stores += 1
+        self.hot.add(hot)
+        await trio.sleep(0.1 if self.cached else 0.6)
+        return 1
+
+    async def withdraw(self, key, subkey, *, expiration, hot=False) -> int:
+        return 1
+
+    async def get(self, key, *, hot=False) -> dict[str, Entry]:
+        self.reads += 1
+        self.hot.add(hot)
+        return self.entries
+
+
+def test_reads_are_stretched_to_the_byte_budget_and_capped():
+    small = read_interval(2 * 30 * RECORD_BYTES, interval=1.0, longest=7.5)
+    assert small == 1.0
+    thousand = read_interval(2 * 1000 * RECORD_BYTES, interval=1.0, longest=7.5)
+    assert thousand == pytest.approx(2 * 1000 * RECORD_BYTES / READ_BYTES_PER_SECOND)
+    assert 5 < thousand < 6
+    assert read_interval(10**9, interval=1.0, longest=7.5) == 7.5
+    assert read_interval(10**9, interval=10.0, longest=7.5) == 10.0  # never below the interval
+
+
+@pytest.mark.parametrize(("records", "reads"), [(30, (50, 61)), (1000, (8, 13))])
+async def test_a_large_collaboration_is_read_less_often_while_our_record_goes_out_as_often(
+    autojump_clock, records: int, reads: tuple[int, int]
+):
+    dht = CountingDht(records)
+    seen: list[CollaborationView] = []
+    publisher = ProgressPublisher(
+        dht,
+        PeerConfig(),
+        record=lambda: rec(0),
+        on_read=seen.append,
+        interval=1.0,
+        longest_read_interval=7.5,
+        ttl=30.0,
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(publisher.run)
+        await trio.sleep(59.5)
+        nursery.cancel_scope.cancel()
+    assert 50 <= dht.stores <= 61  # every second, and each store takes 0.1 s
+    assert reads[0] <= dht.reads <= reads[1], dht.reads
+    assert dht.stores - dht.reads <= 1 or records > 180  # the last read was cut short
+    assert len(seen) == dht.reads
+    assert dht.hot == {True}
+
+
+def test_what_counts_on_a_read_counts_on_one_as_old_as_the_reads_are_apart():
+    timing = Timing(
+        gather_window=2.0, progress_interval=1.0, solo_after=10.0, presence_ttl=30.0,
+        download_timeout=20.0,
+    )  # fmt: skip
+    stretched = timing.reading_every(5.6)
+    assert timing.reading == 1.0 and stretched.reading == 5.6
+    assert timing.reading_every(0.2).reading == 1.0
+    # A record published every second, read every 5.6 s, is up to ~6.6 s old and not silent.
+    assert timing.stale_record == 3.0 and stretched.stale_record >= 5.6 + 1.0
+    assert stretched.projection_horizon >= 5.6
+    # A caller's window leaves the others a read to see its call.
+    assert stretched.window(0.5) - timing.window(0.5) == pytest.approx(4.6)
+    assert stretched.latest_call(0.0) - timing.latest_call(0.0) == pytest.approx(4.6)
+    assert stretched.longest_read_interval == timing.longest_read_interval == 30.0 / 4
+
+
+@pytest.mark.parametrize("cached", [True, False])
+async def test_a_hot_store_that_skipped_its_lookup_reports_the_time_of_one_with_it(
+    autojump_clock, cached: bool
+):
+    """The gathering windows are sized for tickets, whose stores look up their replicas: a
+    progress store that did not must not shrink them (at 300 simulated peers tickets then
+    landed after the close)."""
+    dht = CountingDht(10)
+    dht.cached = cached
+    times: list[float] = []
+    publisher = ProgressPublisher(
+        dht,
+        PeerConfig(),
+        record=lambda: rec(0),
+        on_read=lambda view: None,
+        interval=1.0,
+        longest_read_interval=7.5,
+        ttl=30.0,
+        on_store_time=times.append,
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(publisher.run)
+        await trio.sleep(5)
+        nursery.cancel_scope.cancel()
+    assert times and all(t == pytest.approx(0.6) for t in times)
