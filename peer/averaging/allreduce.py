@@ -65,6 +65,8 @@ from typing import Annotated, TypeVar
 import msgspec
 import numpy as np
 import trio
+from libp2p.abc import INetStream
+from libp2p.peer.id import ID
 
 from peer.averaging.compression import CODECS, BadPart, Codec
 from peer.averaging.moshpit import MAX_BASIS_BYTES
@@ -84,8 +86,19 @@ from peer.averaging.wire import (
     receive_frame,
     send_frame,
 )
-from peer.errors import ProtocolError
+from peer.errors import DECODE_ERRORS, ProtocolError
 from peer.net.admission import Admission, AdmissionLimits, check_dial_address, connect
+from peer.net.host import Node
+from peer.net.streamio import (
+    ALLREDUCE_PROTOCOL,
+    STREAM_PATH,
+    TLS_PATH,
+    DataStream,
+    Libp2pStream,
+    StreamGate,
+    StreamLimits,
+    open_stream,
+)
 from peer.net.tls import MAX_CERT_BYTES, DataIdentity, TlsStream, certificate_peer_id
 from peer.roles.shares import cap_shares
 
@@ -94,6 +107,9 @@ log = logging.getLogger("peertrain.allreduce")
 MAX_MEMBERS = 256  # what a leader may list, whatever it claims (matchmaking's MAX_JOINERS)
 MAX_QUEUED_CHUNKS = 8  # a sender's chunks waiting for their turn before we stop reading it
 REDIAL_FIRST, REDIAL_MAX = 0.01, 0.25  # a reducer that has not opened the round: dial again
+# A direct dial that connects nowhere within this long gives way to a libp2p stream: a NATed
+# reducer's port drops our SYN rather than refusing it.
+DIRECT_TIMEOUT = 2.0
 # Threads a round's numeric work may use at once: numpy and torch release the GIL, so they run
 # beside the loop's TLS (which releases it too); more would only queue on a small machine.
 WORKER_THREADS = max(1, min(4, os.cpu_count() or 1))
@@ -114,7 +130,9 @@ Share = Annotated[float, msgspec.Meta(ge=0, le=1e15)]  # msgspec rejects NaN aga
 class Member:
     peer_id: PeerId
     host: Annotated[str, msgspec.Meta(max_length=64)]
-    port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)]
+    """Its data address; port 0: it has none (not reachable): members reach it over a libp2p
+    stream (`peer.net.streamio`)."""
     computes: bool
     share: Share
     weight: Share
@@ -126,6 +144,10 @@ class Member:
     basis: Annotated[bytes, msgspec.Meta(max_length=MAX_BASIS_BYTES)] = b""
     """In a round of a Moshpit plan of several: the peers its value stands for (a mask over the
     plan's peers, `moshpit.basis_mask`), from which every member checks the seats."""
+
+    @property
+    def has_data_address(self) -> bool:
+        return self.port != 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,6 +186,11 @@ class RoundReport:
     """The fraction of the vector this member reduced (its part, by the spec's shares)."""
     seconds: float = 0.0
     """How long the round took here, from its start to its report."""
+    reducer_paths: dict[str, str] = field(default_factory=dict)
+    """How our connection to each reducer went: `TLS_PATH` (direct TCP) or `STREAM_PATH` (a
+    libp2p stream: it has no data address, or its address connects nowhere)."""
+    sender_paths: dict[str, str] = field(default_factory=dict)
+    """As a reducer: how each sender's connection came in."""
 
     @property
     def complete(self) -> bool:
@@ -212,7 +239,8 @@ class Handoff:
     it (trio closes a served stream when its handler returns, so the handler waits)."""
 
     sender: str
-    stream: TlsStream
+    stream: DataStream
+    path: str = TLS_PATH
     released: trio.Event = field(default_factory=trio.Event)
 
 
@@ -231,6 +259,12 @@ class DataServer:
     key, finished TLS with a certificate we trust and said which round and member it is; one
     for a round that is not open (yet) is closed, and its member dials again. Nothing waits
     here for a round to open, so no stranger can fill a queue that members need.
+
+    With a `node`, members with no direct path reach us over a libp2p stream
+    (`ALLREDUCE_PROTOCOL`), and we them: a stream from a peer that no open round lists as a
+    sender is reset before a byte of it is read; the others get a slot of `stream_limits` until
+    their hello, which must name the stream's authenticated peer id. `direct_timeout` bounds
+    one direct dial before a stream is tried instead.
     """
 
     def __init__(
@@ -239,11 +273,21 @@ class DataServer:
         *,
         network_key: bytes | None = None,
         limits: AdmissionLimits | None = None,
+        node: Node | None = None,
+        stream_limits: StreamLimits | None = None,
+        direct_timeout: float = DIRECT_TIMEOUT,
     ) -> None:
         self.identity = identity
         self.network_key = network_key
         self.admission = Admission(network_key, limits)
+        self.node = node
+        self.direct_timeout = direct_timeout
+        self.stream_gate = StreamGate(stream_limits)
+        self.paths: dict[str, int] = {TLS_PATH: 0, STREAM_PATH: 0}
+        """Connections made or accepted per path, since we started (for status views)."""
         self._rounds: dict[bytes, _Inbox] = {}
+        if node is not None:
+            node.host.set_stream_handler(ALLREDUCE_PROTOCOL, self._handle_stream)
 
     async def serve(
         self, host: str, port: int, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
@@ -296,17 +340,69 @@ class DataServer:
         inbox = self._rounds.get(hello.round_id)
         if inbox is None or inbox.certificates.get(hello.sender) != tls.peer_certificate():
             return  # not (yet) a round of ours, or not that member's certificate: hang up
-        handoff = Handoff(hello.sender, tls)
-        await tls.send_all(ACCEPT)
+        await self._pass_to_round(inbox, hello, Handoff(hello.sender, tls, TLS_PATH))
+
+    async def _pass_to_round(self, inbox: _Inbox, hello: Hello, handoff: Handoff) -> None:
+        await handoff.stream.send_all(ACCEPT)
         if self._rounds.get(hello.round_id) is not inbox:
             return  # the round ended while we answered: its member hears a hang-up
+        self.paths[handoff.path] += 1
         inbox.send.send_nowait(handoff)
         await handoff.released.wait()
 
+    # ------------------------------------------------------------ over libp2p streams
 
-async def _read_hello(tls: TlsStream) -> Hello:
+    def _expects(self, peer_id: str) -> bool:
+        """Whether an open round takes a sender's connection from `peer_id`."""
+        return any(peer_id in inbox.certificates for inbox in self._rounds.values())
+
+    async def _handle_stream(self, raw: INetStream) -> None:
+        # Runs in the libp2p connection's task: nothing may escape it.
+        stream = Libp2pStream(raw)
+        try:
+            await self._serve_stream(stream)
+        except (*CONNECTION_ERRORS, trio.TooSlowError) as error:
+            log.debug("data stream from %s ended: %r", stream.remote_peer_id, error)
+        finally:
+            await stream.aclose()
+
+    async def _serve_stream(self, stream: Libp2pStream) -> None:
+        """A sender's stream: refused unless an open round lists its authenticated peer id,
+        then its hello (within the gate's deadline) must name that peer and such a round."""
+        peer = stream.remote_peer_id
+        sender = peer.to_base58()
+        if stream.relayed or not self._expects(sender):
+            await stream.reset()  # not a sender of ours (yet): costs a reset, nothing more
+            return
+        hello = None
+        with self.stream_gate.slot(peer) as scope:
+            if scope is not None:
+                with scope:
+                    hello = await _read_stream_hello(stream)
+        if hello is None or hello.sender != sender:
+            if hello is not None:
+                log.debug("a data stream from %s says it is from %s", sender, hello.sender)
+            await stream.reset()
+            return
+        inbox = self._rounds.get(hello.round_id)
+        if inbox is None or sender not in inbox.certificates:
+            await stream.reset()  # not (yet) a round of ours, or not one of its senders
+            return
+        await self._pass_to_round(inbox, hello, Handoff(sender, stream, STREAM_PATH))
+
+
+async def _read_hello(tls: DataStream) -> Hello:
     frame = await receive_frame(tls, max_bytes=MAX_HELLO_BYTES)
     return msgspec.msgpack.decode(bytes(frame or b""), type=Hello)
+
+
+async def _read_stream_hello(stream: Libp2pStream) -> Hello | None:
+    """A stream's hello; None if it is malformed or the stream ended first."""
+    try:
+        return await _read_hello(stream)
+    except (ProtocolError, *DECODE_ERRORS) as error:
+        log.debug("a bad hello on a data stream from %s: %r", stream.remote_peer_id, error)
+        return None
 
 
 def check_spec(spec: RoundSpec, me: str) -> None:
@@ -328,7 +424,7 @@ def check_spec(spec: RoundSpec, me: str) -> None:
     for member in spec.members:
         if certificate_peer_id(member.cert) != member.peer_id:
             raise ProtocolError(f"lists another peer's certificate for {member.peer_id}")
-        if member.peer_id != me:
+        if member.peer_id != me and member.has_data_address:  # else: over libp2p
             check_dial_address(member.host, member.port, own_host=own.host)
 
 
@@ -367,15 +463,37 @@ async def dial_reducer(server: DataServer, round_id: bytes, reducer: Member) -> 
         certificate=reducer.cert,
     )
     try:
-        await send_frame(tls, msgspec.msgpack.encode(Hello(round_id, server.identity.peer_id)))
-        answer = bytearray(len(ACCEPT))
-        if not await receive_exactly(tls, memoryview(answer)) or answer != ACCEPT:
-            raise ProtocolError("the reducer hung up on our hello")
+        await _greet_reducer(tls, round_id, server.identity.peer_id)
     except BaseException:
         with trio.CancelScope(shield=True):
             await tls.aclose()
         raise
     return tls
+
+
+async def dial_reducer_stream(server: DataServer, round_id: bytes, reducer: Member) -> DataStream:
+    """One try at a libp2p stream to `reducer` (`ALLREDUCE_PROTOCOL`) for our part in round
+    `round_id`: our hello, its accept. The stream is authenticated by the libp2p connection's
+    Noise handshake, so no TLS inside. ProtocolError if it hangs up (a round it has not
+    opened); OSError if no stream can be opened (no node, no connection)."""
+    if server.node is None:
+        raise OSError(f"no libp2p node to reach {reducer.peer_id} without a direct path")
+    stream = await open_stream(
+        server.node.host, ID.from_base58(reducer.peer_id), ALLREDUCE_PROTOCOL
+    )
+    try:
+        await _greet_reducer(stream, round_id, server.identity.peer_id)
+    except BaseException:
+        await stream.reset()
+        raise
+    return stream
+
+
+async def _greet_reducer(stream: DataStream, round_id: bytes, me: str) -> None:
+    await send_frame(stream, msgspec.msgpack.encode(Hello(round_id, me)))
+    answer = bytearray(len(ACCEPT))
+    if not await receive_exactly(stream, memoryview(answer)) or answer != ACCEPT:
+        raise ProtocolError("the reducer hung up on our hello")
 
 
 async def allreduce(
@@ -524,22 +642,48 @@ class _Round:
             self.report.failed_reducers[reducer.peer_id] = _reason(error)
             log.debug("reducer %s failed: %r", reducer.peer_id, error)
 
-    async def _connect(self, reducer: Member) -> TlsStream:
-        """A connection the reducer accepted for this round. It hangs up on a round it has
-        not opened yet (it may not have the spec): dial again, backing off, until the caller's
-        deadline."""
+    async def _connect(self, reducer: Member) -> DataStream:
+        """A connection the reducer accepted for this round: direct (TLS) where it has a data
+        address that connects, else a libp2p stream. It hangs up on a round it has not opened
+        yet (it may not have the spec): dial again, backing off, until the caller's deadline.
+        A direct dial that fails to connect (refused, unreachable, no answer within
+        `direct_timeout`) gives way to streams for the rest of the round; a hang-up does not."""
+        server = self.server
+        direct = reducer.has_data_address
         delay = REDIAL_FIRST
         while True:
+            path = TLS_PATH if direct else STREAM_PATH
             try:
-                stream = await dial_reducer(self.server, self.spec.round_id, reducer)
+                if direct:
+                    stream = await self._dial_direct(reducer)
+                    if stream is None:
+                        direct = False
+                        continue
+                else:
+                    stream = await dial_reducer_stream(server, self.spec.round_id, reducer)
                 hello = Hello(self.spec.round_id, self.me.peer_id)
                 self.report.bytes_sent += 4 + len(msgspec.msgpack.encode(hello))
                 self.report.bytes_received += len(ACCEPT)
+                self.report.reducer_paths[reducer.peer_id] = path
+                server.paths[path] += 1
+                log.debug("connected to reducer %s over %s", reducer.peer_id, path)
                 return stream
             except CONNECTION_ERRORS as error:
-                log.debug("dialing reducer %s again: %r", reducer.peer_id, error)
+                log.debug("dialing reducer %s again (%s): %r", reducer.peer_id, path, error)
             await trio.sleep(delay)
             delay = min(2 * delay, REDIAL_MAX)
+
+    async def _dial_direct(self, reducer: Member) -> TlsStream | None:
+        """`dial_reducer`, or None where there is no direct path to it and a node to reach it
+        by stream (its address refuses or drops the connection)."""
+        if self.server.node is None:
+            return await dial_reducer(self.server, self.spec.round_id, reducer)
+        try:
+            with trio.fail_after(self.server.direct_timeout):
+                return await dial_reducer(self.server, self.spec.round_id, reducer)
+        except (OSError, trio.TooSlowError) as error:
+            log.debug("no direct path to reducer %s: %r; trying libp2p", reducer.peer_id, error)
+            return None
 
     async def _send_chunks(self, channel: Channel, j: int) -> None:
         start, end = self.parts[j]
@@ -808,6 +952,7 @@ class _PartService:
 
     async def _serve(self, handoff: Handoff) -> None:
         sender, stream = handoff.sender, handoff.stream
+        self.round.report.sender_paths[sender] = handoff.path
         try:
             async with stream:
                 channel = Channel(stream)

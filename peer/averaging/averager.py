@@ -899,7 +899,8 @@ async def start_averager(
     `averaging.data_port`) served in `nursery`, and the averager over it."""
     bind, advertised = data_plane_hosts(node, config.net.listen)
     identity = DataIdentity(node.identity.key_pair.private_key, node.peer_id.to_base58())
-    data_server = DataServer(identity, network_key=node.network_key_bytes)
+    # `node`: members with no direct path reach us (and we them) over libp2p streams.
+    data_server = DataServer(identity, network_key=node.network_key_bytes, node=node)
     data_port = await nursery.start(data_server.serve, bind, config.averaging.data_port)
     return Averager(
         dht,

@@ -1,10 +1,12 @@
 """Frames on a data-plane connection: the thin I/O shell of the all-reduce.
 
 A connection is TCP, then admission (`peer.net.admission`: the network key, if any), then
-TLS 1.3 with both members' pinned certificates (`peer.net.tls`). Inside TLS the dialing member
-sends one `Hello{round_id, sender}` frame; the reducer checks the round is open, that `sender`
-is one of its members, and that the certificate of this connection is that member's, and
-answers `ACCEPT`. A reducer that has not opened the round yet hangs up and the sender dials
+TLS 1.3 with both members' pinned certificates (`peer.net.tls`); or, where the reducer cannot
+be dialled directly, a libp2p stream `/peertrain/allreduce-data/1` (`peer.net.streamio`), whose
+remote peer id Noise authenticated. Inside, the dialing member sends one
+`Hello{round_id, sender}` frame; the reducer checks the round is open, that `sender` is one of
+its members, and that this connection is that member's (its certificate is the listed one; on
+a stream, `sender` is the stream's authenticated peer id), and answers `ACCEPT`. A reducer that has not opened the round yet hangs up and the sender dials
 again. Then both directions carry data frames:
 
     frame = length (4 bytes, big endian) | chunk index (4) | senders averaged (4) | payload
@@ -16,7 +18,8 @@ the average, and as many bits set as the header's count) followed by the codec's
 `DONE`. Once a sender holds its reducer's whole part it says so with one `RECEIVED` frame:
 a reducer only counts its part as delivered to the senders that did.
 
-TLS authenticates and orders every byte, so a frame needs no tag or counter of its own.
+TLS (or Noise, on a stream) authenticates and orders every byte, so a frame needs no tag or
+counter of its own.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from collections.abc import Collection, Sequence
 import msgspec
 
 from peer.errors import ProtocolError
-from peer.net.tls import TlsStream
+from peer.net.streamio import DataStream
 
 LENGTH = struct.Struct(">I")
 HEADER = struct.Struct(">III")  # payload length, chunk index, senders averaged (0 in contributions)
@@ -42,7 +45,7 @@ class Hello(msgspec.Struct, frozen=True):
     sender: str
 
 
-async def receive_exactly(stream: TlsStream, view: memoryview) -> bool:
+async def receive_exactly(stream: DataStream, view: memoryview) -> bool:
     """Fill `view`; False on a clean end of the stream before the first byte."""
     got = 0
     while got < len(view):
@@ -55,7 +58,7 @@ async def receive_exactly(stream: TlsStream, view: memoryview) -> bool:
     return True
 
 
-async def receive_frame(stream: TlsStream, *, max_bytes: int) -> bytearray | None:
+async def receive_frame(stream: DataStream, *, max_bytes: int) -> bytearray | None:
     """The next length-prefixed frame's body, or None at a clean end of the connection."""
     header = bytearray(LENGTH.size)
     if not await receive_exactly(stream, memoryview(header)):
@@ -69,7 +72,7 @@ async def receive_frame(stream: TlsStream, *, max_bytes: int) -> bytearray | Non
     return body
 
 
-async def send_frame(stream: TlsStream, body: bytes) -> None:
+async def send_frame(stream: DataStream, body: bytes) -> None:
     await stream.send_all(LENGTH.pack(len(body)) + body)
 
 
@@ -98,7 +101,7 @@ def included_by(mask: bytes | memoryview, members: Sequence[str]) -> frozenset[s
 class Channel:
     """One all-reduce connection seen from one end, after the hello: data frames both ways."""
 
-    def __init__(self, stream: TlsStream) -> None:
+    def __init__(self, stream: DataStream) -> None:
         self.stream = stream
         self.bytes_sent = 0
         self.bytes_received = 0

@@ -15,6 +15,11 @@ near 0.3 GB/s and keeps a core busy (docs/benchmarks.md), a tenth of loopback TC
                               donor:  per index, in order: kind | index | length, then `length`
                                       bytes (the chunk, or a UTF-8 error that ends the connection)
 
+Where the donor's data address is not one we may dial, or connects nowhere within
+`direct_timeout`, the same data protocol runs over a libp2p stream `/peertrain/state-data/1`
+(`peer.net.streamio`) instead of TCP + TLS: Noise authenticates the donor, and the donor takes
+only a ticket it gave the stream's own peer (a stream from a peer holding none is reset unread).
+
 The manifest travels over the Noise-authenticated RPC, so the donor's certificate is the one
 its libp2p identity vouches for, and every chunk is also checked against its hash (BLAKE3) before it
 is accepted. The ticket (32 random bytes) is the admission token that bounds how many downloads

@@ -1,4 +1,5 @@
-"""The state donor: `StateDonor` serves a snapshot, manifests over RPC and chunks over TCP."""
+"""The state donor: `StateDonor` serves a snapshot, manifests over RPC and chunks over TCP
+(or, to a downloader with no direct path to us, over a libp2p stream: `peer.net.streamio`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 
 import trio
+from libp2p.abc import INetStream
 from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
@@ -18,7 +20,14 @@ from peer.net.admission import Admission, AdmissionLimits
 from peer.net.host import Node
 from peer.net.ratelimit import ByteBudgets
 from peer.net.rpc import RpcServer
-from peer.net.tls import DataIdentity, TlsStream
+from peer.net.streamio import (
+    STATE_PROTOCOL,
+    DataStream,
+    Libp2pStream,
+    StreamGate,
+    StreamLimits,
+)
+from peer.net.tls import DataIdentity
 from peer.training.chunks import (
     HASH_BYTES,
     MAX_CHUNKS,
@@ -144,6 +153,12 @@ class StateDonor:
     holds an admission slot (`peer.net.admission`) until it has proved the network key, finished
     TLS and shown a live ticket. `wrap_stream` wraps each data connection's plaintext stream
     (tests inject faults there: a donor that lies, stalls or dies).
+
+    A downloader with no direct path to us (we are behind NAT) fetches the chunks over a libp2p
+    stream (`STATE_PROTOCOL`) instead, with the same framing: a stream from a peer that holds
+    no live ticket is reset before a byte of it is read, and the ticket it shows must be its
+    own (the stream's peer id is Noise-authenticated, so a ticket is no bearer token there).
+    `advertised_port` is the port our manifests give (a port mapping's), if not the bound one.
     """
 
     def __init__(
@@ -156,6 +171,8 @@ class StateDonor:
         max_downloads: int = 4,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         advertised_host: str | None = None,
+        advertised_port: int | None = None,
+        stream_limits: StreamLimits | None = None,
         ticket_idle: float = 10.0,
         stall_timeout: float = 10.0,
         caller_states: float = 20.0,
@@ -167,6 +184,8 @@ class StateDonor:
         self.max_downloads = max_downloads
         self.chunk_bytes = chunk_bytes
         self.advertised_host = advertised_host
+        self.advertised_port = advertised_port
+        self.stream_gate = StreamGate(stream_limits)
         self.ticket_idle = ticket_idle
         self.stall_timeout = stall_timeout
         self.wrap_stream = wrap_stream
@@ -191,6 +210,7 @@ class StateDonor:
         server = RpcServer(node.host, SERVICE, max_message_bytes=node.rpc.max_message_bytes)
         server.add_unary("manifest", ManifestRequest, self._on_manifest)
         server.add_unary("release", Release, self._on_release)
+        node.host.set_stream_handler(STATE_PROTOCOL, self._handle_stream)
 
     async def serve(
         self, host: str, port: int, *, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED
@@ -202,7 +222,10 @@ class StateDonor:
                     functools.partial(trio.serve_tcp, host=host), self._handle, port
                 )
                 bound = listeners[0].socket.getsockname()[1]
-                self._data = (self.advertised_host or self._default_host(host), bound)
+                self._data = (
+                    self.advertised_host or self._default_host(host),
+                    self.advertised_port or bound,
+                )
                 task_status.started(bound)
         finally:
             self._data = None
@@ -365,7 +388,7 @@ class StateDonor:
             except CONNECTION_ERRORS as error:
                 log.debug("state data connection ended: %r", error)
 
-    async def _greet(self, tls: TlsStream) -> tuple[trio.abc.Stream, _Reader, bytes] | None:
+    async def _greet(self, tls: DataStream) -> tuple[trio.abc.Stream, _Reader, bytes] | None:
         """The connection's greeting (MAGIC | ticket), read through `wrap_stream`."""
         stream = self.wrap_stream(tls) if self.wrap_stream else tls
         reader = _Reader(stream)
@@ -373,6 +396,38 @@ class StateDonor:
         if hello is None or not hello.startswith(MAGIC):
             return None
         return stream, reader, hello
+
+    # ------------------------------------------------------------ data (libp2p stream)
+
+    async def _handle_stream(self, raw: INetStream) -> None:
+        # Runs in the libp2p connection's task: nothing may escape it.
+        stream = Libp2pStream(raw)
+        try:
+            await self._serve_stream(stream)
+        except CONNECTION_ERRORS as error:
+            log.debug("state data stream from %s ended: %r", stream.remote_peer_id, error)
+        finally:
+            await stream.aclose()
+
+    async def _serve_stream(self, stream: Libp2pStream) -> None:
+        caller = stream.remote_peer_id
+        token = self._by_caller.get(caller)
+        if stream.relayed or token is None or self._data is None:
+            await stream.reset()  # no ticket of this peer: costs a reset, nothing more
+            return
+        greeted = None
+        with self.stream_gate.slot(caller) as scope:
+            if scope is not None:
+                with scope:
+                    greeted = await self._greet(stream)
+        if greeted is None:
+            await stream.reset()
+            return
+        wrapped, reader, hello = greeted
+        if hello[len(MAGIC) :] != token:  # another peer's ticket, or an old one of ours
+            await self._send_error(wrapped, "not your ticket; ask for a manifest again")
+            return
+        await self._serve_connection(wrapped, reader, hello)
 
     async def _serve_connection(
         self, stream: trio.abc.Stream, reader: _Reader, hello: bytes
@@ -440,7 +495,7 @@ class StateDonor:
 class _Reader:
     """Exact reads of small messages from a stream (requests are a few bytes each)."""
 
-    def __init__(self, stream: trio.abc.Stream) -> None:
+    def __init__(self, stream: trio.abc.Stream | DataStream) -> None:
         self.stream = stream
         self.buffer = bytearray()
 

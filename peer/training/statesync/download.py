@@ -9,7 +9,7 @@ import sys
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 import trio
@@ -19,7 +19,8 @@ from multiaddr import Multiaddr
 from peer.errors import DeadlineExceeded, ProtocolError, RemoteError
 from peer.net.admission import check_dial_address, connect
 from peer.net.host import Node
-from peer.net.tls import TlsStream, certificate_peer_id, pinned_client_context
+from peer.net.streamio import STATE_PROTOCOL, STREAM_PATH, TLS_PATH, DataStream, open_stream
+from peer.net.tls import certificate_peer_id, pinned_client_context
 from peer.training.chunks import (
     SERVICE,
     BadManifest,
@@ -53,6 +54,9 @@ DEFAULT_MAX_TOTAL_BYTES = 64 << 30
 IN_PLACE_MIN_BYTES = 1 << 20  # below this, one copy at the end is cheaper than the trick
 EXTRA_ASKED = 2  # donors asked for a manifest beyond `parallel`, as reserves
 YIELD_BYTES = 256 << 10  # received between two chances for other tasks to run
+# A direct dial that connects nowhere within this long gives way to a libp2p stream: a NATed
+# donor's port drops our SYN rather than refusing it.
+DIRECT_TIMEOUT = 2.0
 
 
 class StateDownloadFailed(RemoteError):
@@ -125,6 +129,9 @@ class DownloadStatistics:
     """Donors dropped mid-download, and why."""
     refused: dict[str, str]
     """Donors whose offer was not used (refused, unreachable, stale, malformed), and why."""
+    paths: dict[str, str] = field(default_factory=dict)
+    """How we reached each donor we fetched from: `TLS_PATH` (direct TCP) or `STREAM_PATH` (a
+    libp2p stream: no direct path)."""
 
 
 class StateDownload:
@@ -134,6 +141,9 @@ class StateDownload:
     (`chunks.choose_manifest`), fetches from up to `parallel` donors at once, each chunk
     checked against its hash, and replaces donors that fail. `stall_timeout` bounds every
     wait for a donor's bytes, `rpc_timeout` every control call; `run(deadline=)` the whole.
+    A donor's data address is dialled directly (TLS) if we may dial it; if we may not, or it
+    connects nowhere within `direct_timeout`, its chunks come over a libp2p stream to it
+    (`peer.net.streamio`), which Noise authenticates as the donor.
     """
 
     def __init__(
@@ -146,6 +156,7 @@ class StateDownload:
         rpc_timeout: float = 5.0,
         stall_timeout: float = 10.0,
         max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES,
+        direct_timeout: float = DIRECT_TIMEOUT,
     ) -> None:
         if parallel < 1:
             raise ValueError(f"parallel={parallel!r}, expected at least 1")
@@ -155,6 +166,9 @@ class StateDownload:
         self.rpc_timeout = rpc_timeout
         self.stall_timeout = stall_timeout
         self.max_total_bytes = max_total_bytes
+        self.direct_timeout = direct_timeout
+        self._no_direct: set[ID] = set()  # donors we reach over libp2p only
+        self._paths: dict[ID, str] = {}
         self._order = [d for d in dict.fromkeys(donors) if d != node.peer_id]
         self._unasked = deque(self._order)
         self._asking = False
@@ -211,6 +225,7 @@ class StateDownload:
             rejected={str(d): n for d, n in stats.rejected.items()} if stats else {},
             dropped={str(d): r for d, r in stats.dropped.items()} if stats else {},
             refused={str(d): r for d, r in self._refused.items()},
+            paths={str(d): p for d, p in self._paths.items()},
         )
 
     async def _run(self) -> Snapshot:
@@ -344,10 +359,14 @@ class StateDownload:
             check_manifest(manifest, min_step=self.min_step, max_total_bytes=self.max_total_bytes)
             if certificate_peer_id(manifest.data_cert) != donor.to_base58():
                 raise BadManifest("its data certificate names another peer")
-            check_dial_address(manifest.data_host, manifest.data_port, own_host=self._own_host)
         except ProtocolError as error:
             self._refused[donor] = str(error)
             return
+        try:
+            check_dial_address(manifest.data_host, manifest.data_port, own_host=self._own_host)
+        except ProtocolError as error:  # never dialled: its chunks come over libp2p
+            log.debug("state donor %s: %s; fetching over libp2p", donor, error)
+            self._no_direct.add(donor)
         self._offers[donor] = manifest
         if self._plan is not None:
             self._offer(self._plan, donor, manifest)
@@ -382,13 +401,7 @@ class StateDownload:
                 try:
                     # Connecting, the key and the handshake: a stall timeout each, at most.
                     with trio.fail_after(2 * self.stall_timeout):
-                        stream = await connect(
-                            offer.data_host,
-                            offer.data_port,
-                            pinned_client_context([offer.data_cert]),
-                            network_key=self._network_key,
-                            certificate=offer.data_cert,
-                        )
+                        stream = await self._open(donor, offer)
                     async with stream:
                         await self._pull(nursery, donor, offer, stream)
                 except CONNECTION_ERRORS as error:
@@ -401,8 +414,31 @@ class StateDownload:
             log.debug("state donor %s dropped: %s", donor, reason)
         self._wake()
 
+    async def _open(self, donor: ID, offer: Manifest) -> DataStream:
+        """A data connection to `donor`: direct TLS pinned to its certificate where we may
+        dial it and it connects within `direct_timeout`, else a libp2p stream."""
+        if donor not in self._no_direct:
+            try:
+                with trio.fail_after(self.direct_timeout):
+                    stream = await connect(
+                        offer.data_host,
+                        offer.data_port,
+                        pinned_client_context([offer.data_cert]),
+                        network_key=self._network_key,
+                        certificate=offer.data_cert,
+                    )
+                self._paths[donor] = TLS_PATH
+                return stream
+            except (OSError, trio.TooSlowError) as error:
+                log.debug("no direct path to state donor %s: %r; trying libp2p", donor, error)
+                self._no_direct.add(donor)
+        stream = await open_stream(self.node.host, donor, STATE_PROTOCOL)
+        self._paths[donor] = STREAM_PATH
+        log.debug("fetching from state donor %s over libp2p", donor)
+        return stream
+
     async def _pull(
-        self, nursery: trio.Nursery, donor: ID, offer: Manifest, stream: TlsStream
+        self, nursery: trio.Nursery, donor: ID, offer: Manifest, stream: DataStream
     ) -> None:
         plan = self._plan
         assert plan is not None
@@ -462,7 +498,7 @@ class StateDownload:
 
 
 class Receiver(Protocol):
-    """What `receive_into` reads from (a `TlsStream`)."""
+    """What `receive_into` reads from (a `TlsStream` or a `streamio.Libp2pStream`)."""
 
     async def receive_into(self, view: memoryview) -> int: ...
 
@@ -498,6 +534,7 @@ async def download_state(
     rpc_timeout: float = 5.0,
     stall_timeout: float = 10.0,
     max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES,
+    direct_timeout: float = DIRECT_TIMEOUT,
 ) -> Snapshot:
     """Download the state at `min_step` or later from `donors` (best first) by `deadline`
     (trio time); see `StateDownload`. Raises StateDownloadFailed."""
@@ -509,6 +546,7 @@ async def download_state(
         rpc_timeout=rpc_timeout,
         stall_timeout=stall_timeout,
         max_total_bytes=max_total_bytes,
+        direct_timeout=direct_timeout,
     )
     return await download.run(deadline=deadline)
 
