@@ -19,7 +19,9 @@
 #                The shaping of a NATed peer is on the router's eth0 (its upload) and its port on
 #                the switch (its download): the router-switch link is the home's uplink; the
 #                peer-router link is not shaped. The peer announces the router's outside address
-#                (<subnet>.(I+1), port 4001), where nothing is forwarded to it: dial-backs fail.
+#                (<subnet>.(I+1), port 4001), where nothing is forwarded to it: dial-backs fail
+#                (new inbound TCP to the router is dropped, not reset, as home routers do; a
+#                hole punch between two eim peers then gets through, a symmetric one does not).
 #
 # Shapers: netem puts rate, delay and loss in one qdisc on each end. A kernel without sch_netem
 # gets `user` instead (--shaper auto): tbf on each end for the rate, and in place of the bridge a
@@ -330,7 +332,7 @@ cmd_up() {
 # IPv6 path out, nor in), masquerades what leaves eth0 (KIND eim: keeping the source port where
 # it is free; symmetric: --random-fully, a random port per connection, so a new one per
 # destination), and forwards inwards only what belongs to a connection from inside: no port is
-# forwarded, so connections from outside to the router's or the peer's address fail.
+# forwarded, so connections from outside to the router's or the peer's address fail (dropped).
 up_router() {
     local host=$1 kind=$2 router random=()
     router=$(ns "r${host#p}")
@@ -352,6 +354,10 @@ up_router() {
         "-P FORWARD DROP"
         "-A FORWARD -i lan0 -o eth0 -j ACCEPT"
         "-A FORWARD -i eth0 -o lan0 -m conntrack --ctstate ESTABLISHED,RELATED -j ACCEPT"
+        # A home router drops what nobody inside asked for instead of answering with a reset:
+        # with a reset, the first SYN of a hole punch (arriving before the other side's own SYN
+        # has opened its NAT) would tear down the mapping the punch needs.
+        "-A INPUT -i eth0 -p tcp -m conntrack --ctstate NEW -j DROP"
     )
     local rule
     for rule in "${rules[@]}"; do

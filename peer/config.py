@@ -33,6 +33,7 @@ __all__ = [
     "PeerConfig",
     "PresenceConfig",
     "ProbeConfig",
+    "RelayConfig",
     "StateConfig",
     "TaskConfig",
     "TrainingConfig",
@@ -315,6 +316,36 @@ class StateConfig(_Section):
 
 
 @dataclass(frozen=True, kw_only=True)
+class RelayConfig(_Section):
+    """Circuit relay v2 and hole punching (peer.net.relay, peer.net.holepunch)."""
+
+    serve: bool = True
+    """Backbones: relay control traffic for peers behind NAT."""
+    reserve: bool = True
+    """Peers: while not reachable inbound, hold a slot on each backbone and announce it."""
+    holepunch: bool = True
+    """Try to turn a relayed connection into a direct one (both ends must allow it)."""
+    max_reservations: int = 128
+    """Backbones: reservations held at once."""
+    max_reservations_per_source: int = 8
+    """Of those, from one IPv4 address or IPv6 /64."""
+    reservation_seconds: int = 900
+    """Lifetime of a reservation; peers renew at half of it."""
+    max_circuits: int = 64
+    """Backbones: circuits relayed at once."""
+    max_circuits_per_peer: int = 8
+    """Of those, to one reserved peer."""
+    max_circuits_per_source: int = 8
+    """Of those, opened from one IPv4 address or IPv6 /64."""
+    circuit_bytes: int = 4194304
+    """Data budget of one circuit (both directions together) before the relay cuts it."""
+    circuit_seconds: int = 600
+    """Seconds one circuit lives before the relay cuts it."""
+    retry_seconds: float = 10.0
+    """Peers: pause before asking a relay again after a failure."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class MetricsConfig(_Section):
     MINIMUM: ClassVar[dict[str, int]] = {"port": 0}
     MAXIMUM: ClassVar[dict[str, int]] = {"port": 65535}
@@ -349,6 +380,7 @@ class PeerConfig:
     averaging: AveragingConfig = field(default_factory=AveragingConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     state: StateConfig = field(default_factory=StateConfig)
+    relay: RelayConfig = field(default_factory=RelayConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
@@ -404,6 +436,24 @@ _CROSS_RULES: list[tuple[str, str, Callable[[Any, Any], bool], str]] = [
         lambda a, b: a < b,
         "expected less than averaging.attestation_max_age (peers' attestations would expire "
         "between measurements)",
+    ),
+    (
+        "relay.max_reservations_per_source",
+        "relay.max_reservations",
+        lambda a, b: a <= b,
+        "expected at most relay.max_reservations",
+    ),
+    (
+        "relay.max_circuits_per_peer",
+        "relay.max_circuits",
+        lambda a, b: a <= b,
+        "expected at most relay.max_circuits",
+    ),
+    (
+        "relay.max_circuits_per_source",
+        "relay.max_circuits",
+        lambda a, b: a <= b,
+        "expected at most relay.max_circuits",
     ),
     (
         "averaging.min_group_size",

@@ -1,6 +1,8 @@
 """The long-lived node that `peer join` and `backbone start` run.
 
     identity key (locked) -> libp2p host -> DHT (server mode) -> join through backbones
+    -> (a backbone) circuit relay v2 for peers behind NAT; (a peer not reachable inbound)
+       relay slots on the backbones, announced; relayed connections punched to direct ones
     -> (a peer) clock offset to the backbones measured, then every minute
     -> presence record kept fresh -> ... until cancelled -> presence withdrawn, connections closed
 
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import resource
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager, suppress
 from functools import partial
 from pathlib import Path
@@ -32,10 +34,18 @@ from peer.measure.probe import ProbeServer
 from peer.measure.reachability import DialBackServer, open_dialer
 from peer.measure.service import Measurements
 from peer.metrics import Sources, registry_for, serve_metrics
+from peer.net.holepunch import HolePuncher
 from peer.net.host import Node, open_node, parse_addrs, split_peer_addr
 from peer.net.identity import ephemeral_identity, hold_identity, load_or_create_identity
 from peer.net.inbound import InboundLimits
 from peer.net.network_key import load_network_key
+from peer.net.relay import (
+    RelayClientConfig,
+    RelayLimits,
+    RelayService,
+    RelaySlots,
+    route_through_relays,
+)
 from peer.presence import PresenceRecord, Role, decode_presence, keep_present, presence_key
 
 if TYPE_CHECKING:  # torch takes a second or two to import; backbones never need it
@@ -97,6 +107,7 @@ async def run_daemon(
     identity = load_or_create_identity(Path(config.identity.path).expanduser())
     network_key = load_network_key(config.collaboration.network_key)
     inbound = inbound_limits(config)
+    limits = relay_limits(config)
     raise_descriptor_limit()
     with hold_identity(identity):
         async with open_node(
@@ -113,6 +124,11 @@ async def run_daemon(
             dht = DHT(
                 node, config.dht, server=True, rpc_timeout=config.net.rpc_timeout, clock=clock
             )
+            if role == "peer":
+                # A DHT client until a backbone could dial it (below): a peer behind NAT that
+                # announced itself while joining stayed in the backbone's table, and every
+                # lookup that met it waited out a dial its home router dropped (5 s).
+                dht.announcing = lambda: False
             started_at = clock()
             watch = LoopWatch()
             async with (
@@ -121,6 +137,15 @@ async def run_daemon(
                 trio.open_nursery() as nursery,
             ):
                 await nursery.start(watch.run)  # first: it sees the joining too
+                # Relayed addresses in records are dialed only through the backbones we were
+                # given, at the addresses we were given (peer.net.relayed).
+                node.relayed.relays = {peer_id: addr for peer_id, addr in seeds}
+                route_through_relays(node, timeout=config.net.connect_timeout)
+                puncher = HolePuncher(node) if config.relay.holepunch else None
+                if puncher is not None:
+                    await nursery.start(puncher.run)
+                if role == "backbone" and config.relay.serve:
+                    await nursery.start(RelayService(node, limits).run)
                 await nursery.start(dht.run)
                 seeds = [(p, addr) for p, addr in seeds if p != node.peer_id]
                 reached: list[ID] = []
@@ -156,7 +181,21 @@ async def run_daemon(
                     workload=workload,
                     probe_server=probe_server,
                 )
+                if role == "peer":  # a DHT server once a backbone could dial it
+                    dht.announcing = lambda: measurements.verdict is True
                 await nursery.start(measurements.run)
+                slots = None
+                if role == "peer" and config.relay.reserve:
+                    slots = RelaySlots(
+                        node,
+                        [f"{addr}/p2p/{peer_id}" for peer_id, addr in seeds],
+                        RelayClientConfig(retry_seconds=config.relay.retry_seconds),
+                        # Only once found unreachable: a peer that is reachable (most, on a
+                        # LAN) would otherwise be dialled through the relay until its verdict.
+                        reachable=lambda: measurements.verdict is not False,
+                        wait_reachability=measurements.wait_changed,
+                    )
+                    await nursery.start(slots.run)
                 sources = Sources(
                     role, node.peer_id.to_base58(), __version__, dht, measurements, loop=watch
                 )
@@ -202,7 +241,11 @@ async def run_daemon(
                         collaboration=config.collaboration.name,
                         ttl=config.presence.ttl,
                         refresh=config.presence.refresh,
-                        wait_changed=measurements.wait_changed,
+                        wait_changed=(
+                            measurements.wait_changed
+                            if slots is None
+                            else partial(first_of, measurements.wait_changed, slots.wait_changed)
+                        ),
                         task_status=task_status,
                     )
                 )
@@ -290,6 +333,39 @@ async def open_backbone_services(
     async with open_dialer(ephemeral_identity(), node.network_key) as dialer:
         DialBackServer(node.host, dialer)
         yield probe_server
+
+
+async def first_of(*waits: Callable[[], Awaitable[None]]) -> None:
+    """Until the first of `waits` returns."""
+    async with trio.open_nursery() as nursery:
+        for wait in waits:
+
+            async def one(wait: Callable[[], Awaitable[None]] = wait) -> None:
+                await wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(one)
+
+
+def relay_limits(config: PeerConfig) -> RelayLimits:
+    """The relay limits of `config.relay`; ConfigError if they contradict each other."""
+    relay = config.relay
+    try:
+        return RelayLimits(
+            max_reservations=relay.max_reservations,
+            max_reservations_per_source=relay.max_reservations_per_source,
+            reservation_seconds=relay.reservation_seconds,
+            max_circuits=relay.max_circuits,
+            max_circuits_per_peer=relay.max_circuits_per_peer,
+            max_circuits_per_source=relay.max_circuits_per_source,
+            max_circuits_per_source_to_peer=min(
+                RelayLimits().max_circuits_per_source_to_peer, relay.max_circuits_per_peer
+            ),
+            circuit_bytes=relay.circuit_bytes,
+            circuit_seconds=relay.circuit_seconds,
+        )
+    except ValueError as error:
+        raise ConfigError(f"relay.*: {error}") from None
 
 
 def inbound_limits(config: PeerConfig) -> InboundLimits:

@@ -40,6 +40,7 @@ import pytest
 
 from tests.test_testbed import Bed, script
 
+ROOT = Path(__file__).resolve().parent.parent
 SUBNET = "10.68.0"
 STEPS = 5
 PORT = 5001
@@ -269,21 +270,22 @@ def test_nat_routers_masquerade_outbound_and_let_nothing_in(bed):
     assert seen_sym[0]["seen"][1] != seen_sym[1]["seen"][1], seen_sym
 
     # Inbound fails: p1 listens on PORT (its router reaches it: the control), but from outside
-    # the router's address refuses, and the private address is unroutable, or dropped by the
-    # router once the backbone is told to route 10.200.1.0/24 through it.
+    # the router's address drops it (no reset, as a home router), and the private address is
+    # unroutable, or dropped by the router once the backbone is told to route 10.200.1.0/24
+    # through it.
     outside, private = f"{switch_ip('p1')}:{PORT}", f"10.200.1.2:{PORT}"
     control = connect(bed, "r1", private)
     assert control[0].get("seen", [None])[0] == "10.200.1.1", control
     from_outside = connect(bed, "bb", outside, private)
-    assert from_outside == [{"error": "ECONNREFUSED"}, {"error": "ENETUNREACH"}], from_outside
+    assert from_outside == [{"error": "timeout"}, {"error": "ENETUNREACH"}], from_outside
     subprocess.run(
         ["ip", "-n", bed.ns("bb"), "route", "add", "10.200.1.0/24", "via", switch_ip("p1")],
         check=True, timeout=10,
     )  # fmt: skip
     routed = connect(bed, "bb", private)
     assert routed == [{"error": "timeout"}], routed
-    assert connect(bed, "p3", outside) == [{"error": "ECONNREFUSED"}]
-    assert connect(bed, "p2", outside) == [{"error": "ECONNREFUSED"}]  # NAT to NAT: no way in
+    assert connect(bed, "p3", outside) == [{"error": "timeout"}]
+    assert connect(bed, "p2", outside) == [{"error": "timeout"}]  # NAT to NAT: no way in
     print(f"\neim p1 -> bb, p3: {seen_eim}; symmetric p2 -> bb, p3: {seen_sym}")
     print(f"bb -> p1 outside, private: {from_outside}; routed private: {routed}")
 
@@ -458,3 +460,51 @@ def test_two_natted_peers_train_when_a_natted_peer_has_the_lowest_id(bed):
             assert figures is not None and figures["step"] == STEPS, (host, figures)
     finally:
         down_leaves_nothing(bed)
+
+
+def spawn(bed: NatBed, host: str, *args: str) -> tuple[subprocess.Popen, str]:
+    """`python -m tests.nat_holepunch ARGS` in `host`'s namespace (killed on teardown) and the
+    first line it prints."""
+    proc = subprocess.Popen(
+        ["ip", "netns", "exec", bed.ns(host), sys.executable, "-m", "tests.nat_holepunch", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+    )  # fmt: skip
+    bed.helpers.append(proc)
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], 60)
+    line = proc.stdout.readline().strip() if ready else ""
+    assert line, (host, proc.poll(), proc.stderr.read() if proc.poll() is not None else "")
+    return proc, line
+
+
+@pytest.mark.slow
+@needs_root
+@pytest.mark.parametrize(("kind", "direct"), [("eim", True), ("symmetric", False)])
+def test_two_natted_peers_punch_a_direct_connection_unless_both_nats_are_symmetric(
+    bed, kind, direct
+):
+    """p1 and p2 behind their own NAT routers (both `kind`), a relay on the backbone's host:
+    p2 reaches p1 through the relay, then both dial each other from their listen port
+    (peer.net.holepunch). Behind eim NATs the SYNs meet (simultaneous open) and the
+    connection is direct, between the routers' outside addresses; behind symmetric NATs
+    every dial leaves from a new port, nothing meets, and they stay on the relay."""
+    up = bed(
+        "--nat", f"p1={kind},p2={kind}", "--shapes", "50mbit,10ms,0% 20mbit,20ms,0%", "up", "2"
+    )
+    assert up.returncode == 0, up.stderr
+    _, relay = spawn(bed, "bb", "relay", switch_ip("bb"))
+    _, relayed = spawn(bed, "p1", "nated", switch_ip("p1"), relay)
+    assert "/p2p-circuit/p2p/" in relayed, relayed
+    dialer, line = spawn(bed, "p2", "dialer", switch_ip("p2"), relayed)
+    summary = json.loads(line)
+    print(f"\nNAT {kind} both: {summary}")
+    assert summary["echo"] == "hi", summary  # the call works either way
+    assert summary["outcome"] is direct, summary
+    if direct:
+        # Aimed at p1's router, port 4001: the mapping of p1's dial from its listen port.
+        assert summary["direct_to"] == [switch_ip("p1"), 4001], summary
+        assert summary["relayed_conns"] == [False], summary  # the relayed one closed
+    else:
+        assert summary["direct_to"] is None and summary["relayed_conns"] == [True], summary
+    dialer.wait(timeout=30)
+    down_leaves_nothing(bed)

@@ -100,6 +100,9 @@ class Measurements:
         self.upload: RateEMA | None = None
         self.download: RateEMA | None = None
         self.reachable = probe_server is not None
+        self.verdict: bool | None = None
+        """The last dial-back's verdict (None before the first): a peer announces itself to the
+        DHT once it is True, and holds relay slots while it is False (`peer.daemon`)."""
         self.measured_at = 0.0
         self.attestations: dict[str, Attestation] = {}  # signer -> its newest of us
         self._changed = trio.Event()
@@ -285,7 +288,7 @@ class Measurements:
             except RemoteError as error:
                 log.warning("could not measure the link to backbone %s: %s", backbone, error)
         if verdict is not None:
-            self.reachable = verdict
+            self.reachable = self.verdict = verdict
         self.keep_attestations(link.attestation for link in links)
         if links:
             self.link = best_link(links)

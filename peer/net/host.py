@@ -40,9 +40,9 @@ from __future__ import annotations
 import ipaddress
 import logging
 import socket
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager, suppress
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
@@ -62,6 +62,7 @@ from peer.errors import ConfigError, Unreachable
 from peer.net.identity import Identity
 from peer.net.inbound import InboundGate, InboundLimits
 from peer.net.inbound import install as install_inbound_gate
+from peer.net.relayed import RelayedBook, is_circuit
 from peer.net.rpc import TRANSPORT_ERRORS, RpcClient
 
 log = logging.getLogger("peertrain.host")
@@ -81,12 +82,14 @@ def parse_multiaddr(text: str, *, what: str) -> Multiaddr:
 
 
 def parse_addrs(texts: Sequence[str]) -> list[Multiaddr]:
-    """The transport parts of the addresses that parse (a peer's /p2p/<id> suffix dropped);
-    for addresses other peers sent, where a bad one is skipped, not fatal."""
+    """The transport parts of the addresses that parse (a peer's /p2p/<id> suffix dropped),
+    relayed ones (`.../p2p-circuit/p2p/<id>`) whole: `Node.remember_addrs` and `Node.connect`
+    check those against our relays. For addresses other peers sent, where a bad one is
+    skipped, not fatal."""
     out = []
     for text in texts:
         try:
-            out.append(Multiaddr(text.split("/p2p/")[0]))
+            out.append(Multiaddr(text if is_circuit(text) else text.split("/p2p/")[0]))
         except Exception:  # the multiaddr package raises several unrelated types
             continue
     return out
@@ -202,6 +205,11 @@ class Node:
     """The private network's key, if any (a second host, e.g. for dial-backs, needs it too)."""
     inbound: InboundGate | None = None
     """The gate in front of inbound connections (its `statistics()` for status views)."""
+    relayed: RelayedBook = field(default_factory=RelayedBook)
+    """Relayed addresses learned for other peers, checked against our relays (`relayed.relays`:
+    the backbones we were configured with); `peer.net.relay.route_through_relays` dials them."""
+    relayed_announce: Callable[[], list[str]] = list
+    """Our own relayed addresses (a `RelayClient`'s `relayed_addrs` while we hold slots)."""
 
     @property
     def peer_id(self) -> ID:
@@ -213,22 +221,33 @@ class Node:
         return bytes.fromhex(self.network_key) if self.network_key else None
 
     def public_addrs(self) -> list[str]:
-        """Full multiaddrs (with /p2p/<id>) that other machines can dial."""
-        return [f"{addr}/p2p/{self.peer_id}" for addr in self.announce]
+        """Full multiaddrs (with /p2p/<id>) that other machines can dial: the announced
+        direct ones, then the relayed ones while we hold relay slots."""
+        return [f"{addr}/p2p/{self.peer_id}" for addr in self.announce] + self.relayed_announce()
 
     def remember_addrs(self, peer_id: ID, addrs: Sequence[Multiaddr]) -> None:
-        if peer_id != self.peer_id and addrs:
-            self.host.get_peerstore().add_addrs(peer_id, list(addrs), PEERSTORE_ADDR_TTL)
+        """Direct addresses go to the peerstore; relayed ones to `relayed`, if they pass
+        `check_relayed_addr` (a relay that is not ours, or another target: dropped)."""
+        if peer_id == self.peer_id or not addrs:
+            return
+        direct = [addr for addr in addrs if not is_circuit(addr)]
+        if len(direct) < len(addrs):
+            self.relayed.learn(peer_id, [addr for addr in addrs if is_circuit(addr)])
+        if direct:
+            self.host.get_peerstore().add_addrs(peer_id, direct, PEERSTORE_ADDR_TTL)
 
     async def connect(self, peer_id: ID, addrs: Sequence[Multiaddr], *, timeout: float) -> None:
-        """Connect through `addrs` (e.g. a backbone's address from the command line): they
-        replace what identify told the peerstore, since a dial tries only the first one."""
-        if addrs:
+        """Connect through `addrs` (e.g. a backbone's address from the command line): direct
+        ones replace what identify told the peerstore, since a dial tries only the first one;
+        relayed ones are checked and kept (the swarm's dial then goes through the relay,
+        see `peer.net.relay.route_through_relays`)."""
+        direct = [addr for addr in addrs if not is_circuit(addr)]
+        if direct:
             self.host.get_peerstore().clear_addrs(peer_id)
         self.remember_addrs(peer_id, addrs)
         try:
             with trio.fail_after(timeout):
-                await self.host.connect(PeerInfo(peer_id, list(addrs)))
+                await self.host.connect(PeerInfo(peer_id, direct))
         except trio.TooSlowError:
             raise Unreachable(f"no answer from {peer_id} within {timeout:.3g}s") from None
         except TRANSPORT_ERRORS as error:

@@ -40,6 +40,7 @@ Modules
 - `service`: the relay (hop) side.
 - `client`: reservations and the STOP side of a peer behind NAT.
 - `dial`: dialing a peer through a circuit.
+- `keep`: a peer's slots follow its reachability (`RelaySlots`).
 - `wire`: what both ends share: status checks, stream resets, relayed addresses.
 - `internals`: the py-libp2p internals we build relayed connections from, checked at import.
 """
@@ -54,8 +55,9 @@ from peer.net.relay.client import (
     Reserved,
     reserve,
 )
-from peer.net.relay.dial import dial_via_relay
-from peer.net.relay.internals import is_relayed
+from peer.net.relay.dial import dial_via_relay, route_through_relays
+from peer.net.relay.internals import direct_conn, is_relayed, watch_relayed
+from peer.net.relay.keep import RelaySlots
 from peer.net.relay.service import RelayService
 from peer.net.relay.wire import RelayRefused, parse_relayed_addr, relayed_addr
 
@@ -67,11 +69,15 @@ __all__ = [
     "RelayLimits",
     "RelayRefused",
     "RelayService",
+    "RelaySlots",
     "RelayStatistics",
     "Reserved",
     "dial_via_relay",
+    "direct_conn",
     "is_relayed",
     "parse_relayed_addr",
     "relayed_addr",
     "reserve",
+    "route_through_relays",
+    "watch_relayed",
 ]

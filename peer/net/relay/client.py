@@ -144,6 +144,10 @@ class RelayClient:
         """Addresses to advertise: one per relay we hold a live slot on."""
         return [held.addr for held in self._held.values()]
 
+    async def wait_changed(self) -> None:
+        """Until a slot is gained or lost (`relayed_addrs()` changed)."""
+        await self._changed.wait()
+
     async def wait_reserved(self, count: int = 1) -> None:
         """Until slots are held on `count` relays."""
         while len(self._held) < count:
@@ -257,7 +261,7 @@ class RelayClient:
         conn = next(
             (c for c in network.connections.get(muxed.peer_id, ()) if c.muxed_conn is muxed), None
         )
-        mark_relayed(conn, muxed, circuit)
+        mark_relayed(conn, muxed, circuit, network=network, inbound=True)
         with trio.CancelScope() as pruned:
             admission.close = pruned.cancel
             room = network.connection_config.max_connections - len(network.get_connections())

@@ -3,6 +3,7 @@ network key, Noise with the target's peer id expected, and yamux inside the circ
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import trio
@@ -25,6 +26,8 @@ from peer.net.relay.wire import (
     reset_stream,
 )
 from peer.net.rpc import TRANSPORT_ERRORS
+
+log = logging.getLogger("peertrain.relay")
 
 
 async def dial_via_relay(node: Node, address: str | Multiaddr, *, timeout: float) -> None:
@@ -65,4 +68,48 @@ async def _circuit_to(
         if isinstance(error, MESSAGE_ERRORS) and not isinstance(error, RelayRefused):
             raise Unreachable(f"circuit to {target} via {relay_id} failed: {error}") from error
         raise
-    mark_relayed(conn, conn.muxed_conn, circuit)
+    mark_relayed(conn, conn.muxed_conn, circuit, network=network)
+
+
+def route_through_relays(node: Node, *, timeout: float) -> None:
+    """Make the swarm's own dial (every `host.new_stream`, `host.connect`, hence every RPC)
+    reach a peer through a relay when we know a checked relayed address for it
+    (`node.relayed`): tried before its direct addresses, since a peer announces relayed
+    addresses only while it is not reachable inbound. A relay that says the peer holds no
+    slot there drops that address; if every circuit fails, the direct dial runs as before.
+    One circuit dial per peer at a time (concurrent calls wait for it)."""
+    network: Any = node.host.get_network()
+    direct_dial = network.dial_peer
+    dialing: dict[ID, trio.Event] = {}
+
+    async def dial_peer(peer_id: ID) -> Any:
+        while peer_id in dialing:
+            await dialing[peer_id].wait()
+        conn = live_conn(network, peer_id)
+        if conn is not None:
+            return [conn]
+        if peer_id in node.relayed.relays:  # a relay's own dial: never through a relay
+            return await direct_dial(peer_id)
+        addrs = [a for a in node.relayed.addrs_of(peer_id) if f"/p2p/{node.peer_id}/" not in a]
+        if addrs:
+            done = dialing[peer_id] = trio.Event()
+            try:
+                for addr in addrs:
+                    try:
+                        await dial_via_relay(node, addr, timeout=timeout)
+                    except RelayRefused as error:
+                        log.debug("no circuit to %s through %s: %s", peer_id, addr, error)
+                        node.relayed.forget(peer_id, addr)
+                        continue
+                    except Unreachable as error:
+                        log.debug("no circuit to %s through %s: %s", peer_id, addr, error)
+                        continue
+                    conn = live_conn(network, peer_id)
+                    if conn is not None:
+                        return [conn]
+            finally:
+                del dialing[peer_id]
+                done.set()
+        return await direct_dial(peer_id)
+
+    network.dial_peer = dial_peer

@@ -5,6 +5,8 @@ mark that a connection is relayed, and a live connection looked up in the swarm.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
+from contextlib import suppress
 from typing import Any
 
 import trio
@@ -44,12 +46,49 @@ _require_libp2p()
 _relayed: weakref.WeakSet[IMuxedConn] = weakref.WeakSet()
 
 
-def mark_relayed(swarm_conn: Any, muxed_conn: IMuxedConn, circuit: Multiaddr) -> None:
+# Who wants to hear of new relayed connections, per swarm (peer.net.holepunch): called with
+# (peer id, inbound), synchronously; a watcher starts its own task.
+_watchers: weakref.WeakKeyDictionary[Any, list[Callable[[ID, bool], None]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def watch_relayed(network: Any, callback: Callable[[ID, bool], None]) -> Callable[[], None]:
+    """Call `callback(peer_id, inbound)` for every relayed connection made from now on in
+    `network` (inbound: the remote dialed us through a relay). Returns the unsubscribe."""
+    _watchers.setdefault(network, []).append(callback)
+
+    def unwatch() -> None:
+        with suppress(KeyError, ValueError):
+            _watchers[network].remove(callback)
+
+    return unwatch
+
+
+def mark_relayed(
+    swarm_conn: Any,
+    muxed_conn: IMuxedConn,
+    circuit: Multiaddr,
+    *,
+    network: Any = None,
+    inbound: bool = False,
+) -> None:
     """Remember a relayed connection, and tell py-libp2p too: without the tag, under a
-    network key its DCUtR took a relayed connection for a direct one and never punched."""
+    network key its DCUtR took a relayed connection for a direct one and never punched.
+    Watchers of `network` (see `watch_relayed`) hear of it."""
     _relayed.add(muxed_conn)
     if swarm_conn is not None:
         swarm_conn.set_transport_info([circuit], ConnectionType.RELAYED)
+    for callback in list(_watchers.get(network, ())) if network is not None else ():
+        callback(muxed_conn.peer_id, inbound)
+
+
+def direct_conn(network: Any, peer_id: ID) -> Any | None:
+    """The swarm's open connection to `peer_id` that does not run through a relay, if any."""
+    for conn in network.connections.get(peer_id, ()):
+        if not conn.muxed_conn.is_closed and not is_relayed(conn.muxed_conn):
+            return conn
+    return None
 
 
 def is_relayed(muxed_conn: IMuxedConn) -> bool:

@@ -8,15 +8,13 @@ from contextlib import suppress
 import trio
 from google.protobuf.message import DecodeError
 from libp2p.abc import INetStream
-from libp2p.peer.id import ID
 from libp2p.relay.circuit_v2.protocol import PROTOCOL_ID as HOP_PROTOCOL
 from libp2p.relay.circuit_v2.protocol import STOP_PROTOCOL_ID as STOP_PROTOCOL
 from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
-from multiaddr import Multiaddr
 
-from peer.errors import ConfigError, Unreachable
-from peer.net.host import parse_multiaddr
+from peer.errors import Unreachable
 from peer.net.inbound import source_of
+from peer.net.relayed import parse_relayed_addr, relayed_addr
 from peer.net.rpc import TRANSPORT_ERRORS
 
 CLOSE_SECONDS = 1.0
@@ -58,29 +56,6 @@ async def reset_stream(stream: INetStream) -> None:
         suppress(*TRANSPORT_ERRORS),
     ):
         await stream.reset()
-
-
-def parse_relayed_addr(text: str | Multiaddr) -> tuple[ID, Multiaddr, ID]:
-    """`/ip4/R/tcp/P/p2p/<relay>/p2p-circuit/p2p/<target>` -> (relay id, relay's transport
-    address, target id); ConfigError for anything else."""
-    maddr = text if isinstance(text, Multiaddr) else parse_multiaddr(text, what="relayed address")
-    relay_part, sep, target_part = str(maddr).partition("/p2p-circuit")
-    try:
-        relay_id = ID.from_base58(Multiaddr(relay_part).value_for_protocol("p2p"))
-        target = ID.from_base58(Multiaddr(target_part).value_for_protocol("p2p"))
-        transport = Multiaddr(relay_part).decapsulate(Multiaddr(f"/p2p/{relay_id}"))
-    except Exception:  # the multiaddr package and ID raise several unrelated types
-        sep = ""
-    if not sep or not str(transport):
-        raise ConfigError(
-            f"relayed address {str(maddr)!r} is not of the form "
-            "/ip4/<relay ip>/tcp/<port>/p2p/<relay id>/p2p-circuit/p2p/<peer id>"
-        )
-    return relay_id, transport, target
-
-
-def relayed_addr(relay_id: ID, relay_addr: Multiaddr, target: ID) -> str:
-    return f"{relay_addr}/p2p/{relay_id}/p2p-circuit/p2p/{target}"
 
 
 __all__ = [

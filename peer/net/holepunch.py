@@ -1,0 +1,341 @@
+"""Hole punching: turn a relayed connection into a direct TCP one (DCUtR's steps, our wire).
+
+Theory of operation (libp2p/specs relay/DCUtR.md; messages of our own, framed msgpack)
+-----------------------------------------------------------------------------------------
+A reached B through a relay (B is behind NAT and accepted the circuit). B, the end that
+accepted it, opens `/peertrain/holepunch/1` over the relayed connection:
+
+    B -> A  Connect{addrs}   B's direct addresses (IPv4/TCP, what it announces)
+    A -> B  Connect{addrs}   A's                             (B measures the round trip)
+    B -> A  Sync             A dials B's addresses at once;
+                             B waits rtt/2 + `sync_margin`, then dials A's addresses
+
+Both dial *from their listen port* (py-libp2p's listener sets SO_REUSEPORT, and
+`Swarm.dial_addr(..., source=)` binds the dial to it), so each NAT maps the dial to the
+address its peer announced, and each NAT lets the other's SYN in once its own SYN has gone
+out: TCP simultaneous open merges the two dials into one connection. The roles on it are
+fixed: A upgrades as the initiator (`Swarm.dial_addr`), B as the responder
+(`Swarm.dial_addr_as_responder`). B dials last, so where nothing filters (loopback, a
+full-cone NAT) A's SYN reaches B's listener first, and B's listener answers as responder
+too; B's own dial then finds the connection exists. The direct connection is upgraded by the
+swarm as any other: the network key (pnet), Noise with the expected peer id (a connection
+that authenticates as anyone else is closed), yamux.
+
+On success the relayed connection is closed after `relay_grace_seconds` (streams opened on
+it before the upgrade get to finish), and `connected_directly(peer)` says so. On failure
+(a symmetric NAT maps every destination to a new port: nothing to aim at) both stay on the
+relayed connection; nothing is retried until a new relayed connection is made.
+
+What the remote sends is hostile: at most `MAX_ADDRS` addresses, each `/ip4/<ip>/tcp/<port>`
+and acceptable to `check_dial_address` (no loopback, link-local or unspecified address unless
+ours is one too), dialed once per attempt, each dial bounded, with the peer id Noise must
+prove: the remote cannot make us talk to a third party beyond a few SYNs. One attempt per
+peer at a time, `max_concurrent` in all; the stream and each message are bounded in time and
+size; a peer's bad message ends that attempt only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Annotated, Any
+
+import msgspec
+import trio
+from libp2p.abc import INetStream
+from libp2p.peer.id import ID
+from multiaddr import Multiaddr
+
+from peer.errors import DECODE_ERRORS, ProtocolError
+from peer.net.admission import check_dial_address
+from peer.net.host import Node
+from peer.net.relay import direct_conn, is_relayed, watch_relayed
+from peer.net.rpc import TRANSPORT_ERRORS, FramedStream
+
+log = logging.getLogger("peertrain.holepunch")
+
+PROTOCOL = "/peertrain/holepunch/1"
+MAX_ADDRS = 8
+MAX_MESSAGE_BYTES = 4096
+MAX_OUTCOMES = 4096
+
+Addr = Annotated[str, msgspec.Meta(max_length=128)]
+
+
+class Connect(msgspec.Struct, tag="connect"):
+    addrs: Annotated[list[Addr], msgspec.Meta(max_length=MAX_ADDRS)]
+
+
+class Sync(msgspec.Struct, tag="sync"):
+    pass
+
+
+Message = Connect | Sync
+_encode = msgspec.msgpack.Encoder().encode
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+@dataclass(frozen=True, kw_only=True)
+class HolePunchConfig:
+    """How two peers joined through a relay try for a direct connection."""
+
+    message_seconds: float = 10.0
+    """Seconds for each message of the exchange to arrive."""
+    dial_seconds: float = 5.0
+    """Seconds each direct dial may take."""
+    sync_margin: float = 0.05
+    """Seconds the accepting end waits beyond rtt/2, so that the other end's SYN leaves first."""
+    relay_grace_seconds: float = 2.0
+    """Seconds the relayed connection stays open after a direct one is made."""
+    max_concurrent: int = 16
+    """Attempts running at once (more relayed connections wait for a turn)."""
+
+
+@dataclass(frozen=True)
+class HolePunchStatistics:
+    attempts: int
+    direct: int
+    failed: int
+
+
+def punch_addrs(node: Node) -> list[str]:
+    """Our addresses worth aiming at: the announced IPv4/TCP ones (a NATed peer announces
+    its router's outside address; see docs/ARCHITECTURE.md, "Relay")."""
+    out = []
+    for addr in node.announce:
+        parsed = ip4_tcp(str(addr))
+        if parsed is not None and str(addr) not in out:
+            out.append(str(addr))
+    return out[:MAX_ADDRS]
+
+
+def ip4_tcp(text: str) -> tuple[str, int] | None:
+    """(ip, port) of exactly `/ip4/<ip>/tcp/<port>`, else None."""
+    try:
+        maddr = Multiaddr(text)
+        names = [p.name for p in maddr.protocols()]
+        if names != ["ip4", "tcp"]:
+            return None
+        return str(maddr.value_for_protocol("ip4")), int(maddr.value_for_protocol("tcp"))
+    except Exception:  # the multiaddr package raises several unrelated types
+        return None
+
+
+def check_punch_addrs(addrs: list[str], *, own_host: str) -> list[Multiaddr]:
+    """The addresses a peer sent that we may dial (see the module docstring); others skipped."""
+    out = []
+    for text in addrs[:MAX_ADDRS]:
+        parsed = ip4_tcp(text)
+        if parsed is None:
+            continue
+        try:
+            check_dial_address(*parsed, own_host=own_host)
+        except ProtocolError:
+            continue
+        out.append(Multiaddr(f"/ip4/{parsed[0]}/tcp/{parsed[1]}"))
+    return out
+
+
+def listen_source(node: Node) -> tuple[str, int] | None:
+    """(ip, port) of our first IPv4/TCP listener: dials leave from it."""
+    for addr in node.host.get_addrs():
+        parsed = ip4_tcp(str(addr).split("/p2p/")[0])
+        if parsed is not None and parsed[1]:
+            return parsed
+    return None
+
+
+class HolePuncher:
+    """Upgrades relayed connections to direct ones; `run` inside the owner's nursery."""
+
+    def __init__(self, node: Node, config: HolePunchConfig | None = None) -> None:
+        self.node = node
+        self.config = config or HolePunchConfig()
+        self._limit = trio.CapacityLimiter(self.config.max_concurrent)
+        self._busy: set[ID] = set()
+        self._outcomes: dict[ID, bool] = {}
+        self._changed = trio.Event()
+        self._nursery: trio.Nursery | None = None
+        self._attempts = self._direct = self._failed = 0
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        host = self.node.host
+        host.set_stream_handler(PROTOCOL, self._handle)
+        unwatch = watch_relayed(host.get_network(), self._on_relayed)
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                task_status.started()
+                await trio.sleep_forever()
+        finally:
+            self._nursery = None
+            unwatch()
+            host.remove_stream_handler(PROTOCOL)
+
+    def connected_directly(self, peer_id: ID) -> bool:
+        """Whether we hold a connection to `peer_id` that does not run through a relay."""
+        return direct_conn(self.node.host.get_network(), peer_id) is not None
+
+    def outcome(self, peer_id: ID) -> bool | None:
+        """The last attempt with `peer_id`: True (direct), False (failed), None (none yet)."""
+        return self._outcomes.get(peer_id)
+
+    async def wait_outcome(self, peer_id: ID) -> bool:
+        """Until an attempt with `peer_id` has ended; its result."""
+        while peer_id not in self._outcomes:
+            await self._changed.wait()
+        return self._outcomes[peer_id]
+
+    def statistics(self) -> HolePunchStatistics:
+        return HolePunchStatistics(self._attempts, self._direct, self._failed)
+
+    # ------------------------------------------------------------------ both ends
+
+    def _on_relayed(self, peer_id: ID, inbound: bool) -> None:
+        """A relayed connection came up: the end that accepted it starts the exchange."""
+        self._outcomes.pop(peer_id, None)
+        if inbound and self._nursery is not None and peer_id not in self._busy:
+            self._busy.add(peer_id)
+            self._nursery.start_soon(self._initiate, peer_id)
+
+    def _record(self, peer_id: ID, direct: bool) -> None:
+        self._outcomes[peer_id] = direct
+        while len(self._outcomes) > MAX_OUTCOMES:
+            del self._outcomes[next(iter(self._outcomes))]
+        if direct:
+            self._direct += 1
+            if self._nursery is not None:
+                self._nursery.start_soon(self._close_relayed, peer_id)
+        else:
+            self._failed += 1
+        log.info(
+            "hole punch with %s: %s", peer_id, "direct connection" if direct else "failed, relayed"
+        )
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _own_host(self) -> str:
+        addrs = punch_addrs(self.node)
+        return ip4_tcp(addrs[0])[0] if addrs else "0.0.0.0"  # type: ignore[index]
+
+    async def _read(self, framed: FramedStream, kind: type) -> Any:
+        with trio.fail_after(self.config.message_seconds):
+            frame = await framed.read_frame()
+        if frame is None:
+            raise ProtocolError("the hole punch stream ended early")
+        message = _decoder.decode(frame)
+        if not isinstance(message, kind):
+            raise ProtocolError(f"expected {kind.__name__}, got {type(message).__name__}")
+        return message
+
+    # ------------------------------------------------------------------ B: accepted the circuit
+
+    async def _initiate(self, peer_id: ID) -> None:
+        direct = False
+        try:
+            async with self._limit:
+                self._attempts += 1
+                direct = await self._initiate_once(peer_id)
+        finally:
+            self._busy.discard(peer_id)
+            self._record(peer_id, direct)
+
+    async def _initiate_once(self, peer_id: ID) -> bool:
+        network: Any = self.node.host.get_network()
+        if direct_conn(network, peer_id) is not None:
+            return True
+        try:
+            stream = await self.node.host.new_stream(peer_id, [PROTOCOL])
+        except TRANSPORT_ERRORS as error:
+            log.debug("%s takes no hole punch: %r", peer_id, error)
+            return False
+        framed = FramedStream(stream, MAX_MESSAGE_BYTES)
+        try:
+            sent = time.monotonic()
+            await framed.write_frame(_encode(Connect(punch_addrs(self.node))))
+            reply = await self._read(framed, Connect)
+            rtt = time.monotonic() - sent
+            theirs = check_punch_addrs(reply.addrs, own_host=self._own_host())
+            await framed.write_frame(_encode(Sync()))
+        except (trio.TooSlowError, ProtocolError, *DECODE_ERRORS, *TRANSPORT_ERRORS) as error:
+            log.debug("hole punch exchange with %s failed: %r", peer_id, error)
+            return False
+        finally:
+            await framed.reset()
+        if not theirs:
+            return False
+        await trio.sleep(rtt / 2 + self.config.sync_margin)
+        return await self._dial(peer_id, theirs, as_responder=True)
+
+    # ------------------------------------------------------------------ A: dialed through the relay
+
+    async def _handle(self, stream: INetStream) -> None:
+        peer_id = stream.muxed_conn.peer_id
+        framed = FramedStream(stream, MAX_MESSAGE_BYTES)
+        if not is_relayed(stream.muxed_conn) or peer_id in self._busy or self._nursery is None:
+            await framed.reset()
+            return
+        self._busy.add(peer_id)
+        direct = False
+        try:
+            try:
+                self._limit.acquire_nowait()
+            except trio.WouldBlock:
+                await framed.reset()
+                return
+            try:
+                self._attempts += 1
+                request = await self._read(framed, Connect)
+                theirs = check_punch_addrs(request.addrs, own_host=self._own_host())
+                await framed.write_frame(_encode(Connect(punch_addrs(self.node))))
+                await self._read(framed, Sync)
+                await framed.reset()
+                if theirs:
+                    direct = await self._dial(peer_id, theirs, as_responder=False)
+            except (trio.TooSlowError, ProtocolError, *DECODE_ERRORS, *TRANSPORT_ERRORS) as error:
+                log.debug("hole punch exchange with %s failed: %r", peer_id, error)
+            finally:
+                self._limit.release()
+                self._record(peer_id, direct)
+        finally:
+            self._busy.discard(peer_id)
+            await framed.reset()
+
+    # ------------------------------------------------------------------ dialing
+
+    async def _dial(self, peer_id: ID, addrs: list[Multiaddr], *, as_responder: bool) -> bool:
+        """Dial every address at once from our listen port; True once a direct connection
+        to `peer_id` exists (ours, or the one the other end's dial made)."""
+        network: Any = self.node.host.get_network()
+        source = listen_source(self.node)
+        dial = network.dial_addr_as_responder if as_responder else network.dial_addr
+
+        async def one(addr: Multiaddr) -> None:
+            try:
+                with trio.fail_after(self.config.dial_seconds):
+                    await dial(addr, peer_id, source)
+            except Exception as error:
+                # py-libp2p wraps what a dial meets in several types (SwarmException,
+                # OpenConnectionError, ...); whatever it is, this address failed.
+                log.debug("hole punch dial to %s at %s failed: %r", peer_id, addr, error)
+
+        async with trio.open_nursery() as nursery:
+            for addr in addrs:
+                nursery.start_soon(one, addr)
+        return direct_conn(network, peer_id) is not None
+
+    async def _close_relayed(self, peer_id: ID) -> None:
+        """After the grace period, close the relayed connections to a peer we now reach
+        directly (never the last way to it)."""
+        await trio.sleep(self.config.relay_grace_seconds)
+        network: Any = self.node.host.get_network()
+        if direct_conn(network, peer_id) is None:
+            return
+        for conn in list(network.connections.get(peer_id, ())):
+            if is_relayed(conn.muxed_conn) and not conn.muxed_conn.is_closed:
+                with trio.move_on_after(1.0):
+                    try:
+                        await conn.close()
+                    except TRANSPORT_ERRORS as error:
+                        log.debug("closing the relayed connection to %s: %r", peer_id, error)

@@ -1,0 +1,130 @@
+"""Hole punching (peer.net.holepunch) on loopback: two peers joined through a relay upgrade
+to a direct connection and close the relayed one; a peer's addresses are checked before
+anything is dialed; a peer that does not take part leaves the connection relayed.
+(Through real NAT routers: tests/test_nat_testbed.py.)"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+
+import pytest
+import trio
+from multiaddr import Multiaddr
+
+from peer.net.holepunch import HolePunchConfig, HolePuncher, check_punch_addrs, ip4_tcp
+from peer.net.relay import RelayClient, RelayService, dial_via_relay, direct_conn, is_relayed
+from tests.test_relay import FAST_RETRY, WAIT, Echo, serve_echo, start_node
+
+FAST = HolePunchConfig(relay_grace_seconds=0.2)
+
+
+@asynccontextmanager
+async def punched(
+    *, key: str | None = None, dialer_punches: bool = True
+) -> AsyncIterator[tuple[object, ...]]:
+    """A relay, a NATed peer holding a slot on it, a dialer: both run a HolePuncher (the
+    dialer only if `dialer_punches`). Yields (relay, nated, dialer, nated's, dialer's)."""
+    async with AsyncExitStack() as stack:
+        relay = await start_node(stack, key=key)
+        nated = await start_node(stack, key=key)
+        dialer = await start_node(stack, key=key)
+        nursery = await stack.enter_async_context(trio.open_nursery())
+        await nursery.start(RelayService(relay).run)
+        client = RelayClient(nated, relay.public_addrs(), FAST_RETRY)
+        await nursery.start(client.run)
+        nated_punch = HolePuncher(nated, FAST)
+        await nursery.start(nated_punch.run)
+        dialer_punch = HolePuncher(dialer, FAST)
+        if dialer_punches:
+            await nursery.start(dialer_punch.run)
+        with trio.fail_after(WAIT):
+            await client.wait_reserved()
+        serve_echo(nated)
+        yield relay, nated, dialer, nated_punch, dialer_punch, client
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_relayed_connection_is_upgraded_to_a_direct_one_and_the_relayed_one_closes():
+    async with punched(key=secrets.token_hex(32)) as (_relay, nated, dialer, np, dp, client):
+        with trio.fail_after(WAIT):
+            await dial_via_relay(dialer, client.relayed_addrs()[0], timeout=WAIT)
+            assert await np.wait_outcome(dialer.peer_id) is True
+            assert await dp.wait_outcome(nated.peer_id) is True
+        assert np.connected_directly(dialer.peer_id) and dp.connected_directly(nated.peer_id)
+        conn = direct_conn(dialer.host.get_network(), nated.peer_id)
+        assert conn is not None and not is_relayed(conn.muxed_conn)
+        # The relayed connection goes after the grace period; calls use the direct one.
+        with trio.fail_after(WAIT):
+            while any(
+                is_relayed(c.muxed_conn) and not c.muxed_conn.is_closed
+                for c in dialer.host.get_network().connections.get(nated.peer_id, ())
+            ):
+                await trio.sleep(0.05)
+            reply = await dialer.rpc.call(
+                nated.peer_id, "echo", "echo", Echo("direct"), Echo, timeout=WAIT
+            )
+        assert reply.text == "direct"
+        assert np.statistics().direct == 1 and dp.statistics().direct == 1
+
+
+async def test_without_the_other_end_taking_part_the_connection_stays_relayed():
+    async with punched(dialer_punches=False) as (_relay, nated, dialer, np, _dp, client):
+        with trio.fail_after(WAIT):
+            await dial_via_relay(dialer, client.relayed_addrs()[0], timeout=WAIT)
+            assert await np.wait_outcome(dialer.peer_id) is False
+        assert not np.connected_directly(dialer.peer_id)
+        conns = dialer.host.get_network().connections.get(nated.peer_id, ())
+        assert [is_relayed(c.muxed_conn) for c in conns] == [True]
+        with trio.fail_after(WAIT):
+            reply = await dialer.rpc.call(
+                nated.peer_id, "echo", "echo", Echo("relayed"), Echo, timeout=WAIT
+            )
+        assert reply.text == "relayed"
+
+
+def test_only_plain_ipv4_tcp_addresses_a_peer_may_ask_for_are_dialed():
+    sent = [
+        "/ip4/198.51.100.7/tcp/4001",  # fine
+        "/ip4/127.0.0.1/tcp/22",  # loopback: only if ours is loopback too
+        "/ip4/169.254.169.254/tcp/80",  # link-local (cloud metadata)
+        "/ip4/0.0.0.0/tcp/4001",
+        "/ip4/198.51.100.7/tcp/0",
+        "/ip6/::1/tcp/4001",
+        "/ip4/198.51.100.7/udp/4001/quic",
+        "/ip4/198.51.100.7/tcp/4001/p2p-circuit",
+        "/dns4/example.com/tcp/4001",
+        "not an address",
+    ]
+    assert check_punch_addrs(sent, own_host="203.0.113.1") == [
+        Multiaddr("/ip4/198.51.100.7/tcp/4001")
+    ]
+    on_one_machine = check_punch_addrs(sent, own_host="127.0.0.1")
+    assert Multiaddr("/ip4/127.0.0.1/tcp/22") in on_one_machine
+    assert len(check_punch_addrs(sent * 3, own_host="203.0.113.1")) == 1  # at most 8 read
+    assert ip4_tcp("/ip4/10.0.0.1/tcp/5") == ("10.0.0.1", 5)
+
+
+async def test_a_relayed_connection_carries_no_tensors_either_way():
+    """The relay carries control traffic only: a data-plane stream over a relayed connection is
+    refused by the dialer before it sends and by the receiver before it reads (a round between
+    two NATed peers through a relay stalled on its circuit)."""
+    from peer.net.streamio import ALLREDUCE_PROTOCOL, Libp2pStream, open_stream
+
+    async with punched(dialer_punches=False) as (_relay, nated, dialer, _np, _dp, client):
+        seen: list[bool] = []
+
+        async def handler(raw) -> None:
+            seen.append(Libp2pStream(raw).relayed)
+            await raw.reset()
+
+        nated.host.set_stream_handler(ALLREDUCE_PROTOCOL, handler)
+        with trio.fail_after(WAIT):
+            await dial_via_relay(dialer, client.relayed_addrs()[0], timeout=WAIT)
+            with pytest.raises(OSError, match="relays carry no tensors"):
+                await open_stream(dialer.host, nated.peer_id, ALLREDUCE_PROTOCOL)
+            await dialer.host.new_stream(nated.peer_id, [ALLREDUCE_PROTOCOL])
+            while not seen:
+                await trio.sleep(0.01)
+        assert seen and all(seen)  # both streams, ours refused and this one, were relayed
