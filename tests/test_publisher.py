@@ -8,10 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.id import ID
 
 from peer.config import PeerConfig
 from peer.dht.records import Entry
-from peer.training.progress import CollaborationView
+from peer.training.progress import CollaborationView, ProgressRecord, encode_progress
 from peer.training.publisher import READ_BYTES_PER_SECOND, ProgressPublisher, read_interval
 from peer.training.timing import Timing
 from tests.test_progress import rec
@@ -19,12 +21,28 @@ from tests.test_progress import rec
 RECORD_BYTES = 700  # a progress record with its signatures
 
 
-class CountingDht:
-    """The DHT as the publisher sees it: `records` entries of a record's size in every read."""
+def progress_entries(count: int) -> dict[str, Entry]:
+    """`count` peers' records of about `RECORD_BYTES` each, under their own subkeys."""
+    entries = {}
+    for _ in range(count):
+        peer_id = ID.from_pubkey(create_new_key_pair().public_key).to_base58()
+        record = ProgressRecord(
+            peer_id=peer_id, role="trainer", addrs=["/ip4/203.0.113.9/tcp/4001" * 6],
+            step=3, digest="d" * 64, samples=0, samples_per_second=1.0, updated_at=1.0,
+            task="t" * 200, fingerprint="f" * 64,
+        )  # fmt: skip
+        entries[peer_id] = Entry(encode_progress(record), 2e9)
+    return entries
 
-    def __init__(self, records: int) -> None:
+
+class CountingDht:
+    """The DHT as the publisher sees it: `records` records of about a real one's size in every
+    read, and `junk` values of 64 KiB under open subkeys (a lying replica's)."""
+
+    def __init__(self, records: int, junk: int = 0) -> None:
         self.node = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "me"))
-        self.entries = {f"p{i}": Entry(b"x" * RECORD_BYTES, 2e9) for i in range(records)}
+        self.entries = progress_entries(records)
+        self.entries |= {f"junk-{i}": Entry(b"x" * 65536, 2e9) for i in range(junk)}
         self.stores = self.reads = 0
         self.hot: set[bool] = set()
         self.lookup_seconds = 0.5
@@ -58,11 +76,15 @@ def test_reads_are_stretched_to_the_byte_budget_and_capped():
     assert read_interval(10**9, interval=10.0, longest=7.5) == 10.0  # never below the interval
 
 
-@pytest.mark.parametrize(("records", "reads"), [(30, (50, 61)), (1000, (8, 13))])
+@pytest.mark.parametrize(
+    ("records", "junk", "reads"), [(30, 0, (50, 61)), (1000, 0, (8, 13)), (30, 100, (50, 61))]
+)
 async def test_a_large_collaboration_is_read_less_often_while_our_record_goes_out_as_often(
-    autojump_clock, records: int, reads: tuple[int, int]
+    autojump_clock, records: int, junk: int, reads: tuple[int, int]
 ):
-    dht = CountingDht(records)
+    """(A replica's junk under open subkeys, 6 MiB a read, stretches nothing: were it
+    counted, its readers would read every 7.5 s and miss the others' 2 s gatherings.)"""
+    dht = CountingDht(records, junk)
     seen: list[CollaborationView] = []
     publisher = ProgressPublisher(
         dht,

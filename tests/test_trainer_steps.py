@@ -1278,12 +1278,12 @@ async def test_the_refusal_of_another_task_shows_no_control_characters(tmp_path)
 
 
 async def test_the_policy_counts_on_reads_as_far_apart_as_the_records_make_them(tmp_path):
-    """A thousand trainers' records are read every ~5.6 s (`publisher.read_interval`): the
+    """A thousand trainers' records are read every ~5 s (`publisher.read_interval`): the
     policy then finds a record silent, and a call's window wide enough, by that age."""
-    from peer.dht.records import Entry
+    from tests.test_publisher import progress_entries
 
     trainer = await make_trainer(tmp_path / "me")
-    entries = {f"p{i}": Entry(b"x" * 700, 2e9) for i in range(1000)}
+    entries = progress_entries(1000)
 
     async def get(key, **_):
         return entries

@@ -43,6 +43,7 @@ from peer.dht.records import (
     live,
     make_entry,
     merge,
+    owner_key,
     page_of,
     pages_for,
     select,
@@ -52,6 +53,7 @@ from peer.dht.routing import Contact, Lookup, RoutingTable, key_id, node_id
 from peer.errors import DeadlineExceeded, ProtocolError, RemoteError, RpcError, Unreachable
 from peer.net.host import Node, parse_addrs
 from peer.net.ratelimit import ByteBudgets
+from peer.net.relayed import is_circuit
 from peer.net.rpc import RpcServer
 
 log = logging.getLogger("peertrain.dht")
@@ -339,7 +341,7 @@ class DHT:
 
         await self._lookup(key_id(key), query)
         if hot:
-            self._note_hot_read(key_id(key), len(merged))
+            self._note_hot_read(key_id(key), owned_entries(merged))
         return live(merged, now=started)
 
     async def _hot_get(self, key: str, merged: dict[str, Entry]) -> bool:
@@ -377,9 +379,10 @@ class DHT:
             async with trio.open_nursery() as nursery:
                 for contact in batch:
                     nursery.start_soon(read, contact)
-        if (answered == 0 and wanted > 0) or 2 * len(merged) < self._hot_read.get(target, 0):
+        owned = owned_entries(merged)
+        if (answered == 0 and wanted > 0) or 2 * owned < self._hot_read.get(target, 0):
             return False
-        self._note_hot_read(target, len(merged))
+        self._note_hot_read(target, owned)
         return True
 
     def _note_hot_read(self, target: int, entries: int) -> None:
@@ -605,7 +608,7 @@ class DHT:
         """Add a contact that answered us or called us, and let the host dial it."""
         known = self.table.get(contact.peer_id)
         if known is None or known.addrs != contact.addrs:
-            addrs = parse_addrs(contact.addrs)
+            addrs = direct_addrs(contact.addrs)
             if not addrs:
                 return
             self.node.remember_addrs(contact.peer_id, addrs)
@@ -614,7 +617,7 @@ class DHT:
     def _learn_later(self, contact: Contact) -> None:
         """A contact someone else told us about: dialable, but not in the table until it answers."""
         if contact.peer_id not in self.table:
-            addrs = parse_addrs(contact.addrs)
+            addrs = direct_addrs(contact.addrs)
             if addrs:
                 self.node.remember_addrs(contact.peer_id, addrs)
 
@@ -638,6 +641,21 @@ class DHT:
         if len(contacts) < self.config.replicas:
             return True
         return self.table.own ^ target < max(c.id ^ target for c in contacts)
+
+
+def owned_entries(entries: Mapping[str, Entry]) -> int:
+    """Entries under a peer's own (signed) subkey: what a hot read is judged by. Open subkeys
+    cost a writer nothing to add, so a replica could otherwise inflate our count and keep every
+    later read on the full path."""
+    return sum(owner_key(subkey) is not None for subkey in entries)
+
+
+def direct_addrs(texts: Sequence[str]) -> list[Multiaddr]:
+    """A contact's direct addresses. Relayed ones are learned from a peer's own signed records
+    only: in a reply the replier names the contact, and could route our dials to anyone
+    through a relay of its choosing (or to a backbone through itself, a dial that waits on
+    itself). DHT servers are reachable inbound, so they need none."""
+    return [addr for addr in parse_addrs(texts) if not is_circuit(addr)]
 
 
 def _outcome(error: RemoteError) -> str:

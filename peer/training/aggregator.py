@@ -124,12 +124,13 @@ class BackboneAggregator:
         except RemoteError as error:
             log.debug("could not read the progress records: %s", error)
             return None
+        records = decode_progress(entries, collaboration=name)
         self._read_interval = read_interval(
-            received_bytes(entries),
+            received_bytes(entries, records),
             interval=self.config.training.progress_interval,
             longest=self.timing.longest_read_interval,
         )
-        view = CollaborationView(decode_progress(entries, collaboration=name), self.quorum)
+        view = CollaborationView(records, self.quorum)
         now = self.dht.clock()
         call = next_call(view, after=self._joined_until, now=now, timing=self.timing)
         if before < math.inf:

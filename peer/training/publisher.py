@@ -61,9 +61,16 @@ def read_interval(read_bytes: int, *, interval: float, longest: float) -> float:
     return min(max(interval, read_bytes / READ_BYTES_PER_SECOND), max(interval, longest))
 
 
-def received_bytes(entries: dict[str, Entry]) -> int:
-    """About what a hot read of `entries` received: their values, from two replicas."""
-    return HOT_READ_REPLICAS * sum(len(e.value or b"") for e in entries.values())
+#: A record's bytes counted toward the read budget, at most (ours are ~0.7 KB).
+MAX_RECORD_BYTES = 4096
+
+
+def received_bytes(entries: dict[str, Entry], records: list[ProgressRecord]) -> int:
+    """About what a hot read of `records` (decoded from `entries`: owner-signed, valid) took
+    from two replicas. Only theirs, each at most `MAX_RECORD_BYTES`: junk a replica adds under
+    open subkeys must not stretch our reads (and miss the gatherings others call)."""
+    values = (entries[r.peer_id].value or b"" for r in records if r.peer_id in entries)
+    return HOT_READ_REPLICAS * sum(min(len(v), MAX_RECORD_BYTES) for v in values)
 
 
 class ProgressPublisher:
@@ -106,15 +113,14 @@ class ProgressPublisher:
     async def read(self) -> None:
         """Read every record now (RemoteError if the DHT cannot be reached)."""
         entries = await self.dht.get(self.key, hot=True)
+        records = decode_progress(entries, collaboration=self.collaboration)
         self.read_interval = read_interval(
-            received_bytes(entries), interval=self.interval, longest=self.longest_read_interval
+            received_bytes(entries, records),
+            interval=self.interval,
+            longest=self.longest_read_interval,
         )
         self._next_read = trio.current_time() + self.read_interval
-        self.on_read(
-            CollaborationView(
-                decode_progress(entries, collaboration=self.collaboration), self.quorum
-            )
-        )
+        self.on_read(CollaborationView(records, self.quorum))
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
