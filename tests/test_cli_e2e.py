@@ -457,7 +457,12 @@ def test_metrics_endpoints_of_a_backbone_and_a_training_peer(procs, tmp_path):
     assert 'peertrain_dht_operations_total{method="get",outcome="ok"}' in text
     backbone_text = scrape(bb_port)
     assert 'role="backbone"' in backbone_text and "peertrain_steps_total" not in backbone_text
-    assert (metric(backbone_text, "peertrain_peers_seen") or 0) >= 2
+    # Peers join the backbone's table once its dial-back reached them (a DHT client before).
+    wait_for(
+        lambda: (metric(scrape(bb_port), "peertrain_peers_seen") or 0) >= 2,
+        timeout=90,
+        what="both peers in the backbone's DHT table",
+    )
 
 
 def step_of(proc: Proc) -> int:

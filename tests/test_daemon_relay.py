@@ -49,7 +49,8 @@ async def _natted_peer_reached_through_the_backbone(tmp_path: Path, stop: trio.E
         )
         seed = backbone.public_addrs()[0]
         # It announces a port nobody listens on: the backbone's dial-back fails, and once it
-        # says so (its first measurement) the peer reserves a slot.
+        # says so (its first measurement, after a second of training: a batch it cannot fill
+        # alone keeps it computing) the peer reserves a slot.
         peer_config = config_for(
             tmp_path,
             "p1",
@@ -57,6 +58,7 @@ async def _natted_peer_reached_through_the_backbone(tmp_path: Path, stop: trio.E
                 "collaboration.backbones": [seed],
                 "relay.holepunch": False,
                 "net.announce": ["/ip4/127.0.0.1/tcp/9"],
+                "task.target_batch": 1 << 30,
             },
         )
         peer = await nursery.start(
