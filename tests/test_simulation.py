@@ -214,7 +214,7 @@ def test_thirty_simulated_volunteers_with_churn_stay_exact():
 def test_three_hundred_simulated_volunteers_with_churn_take_their_steps():
     """Issue 20's bar: 300 volunteers on DeDLOC's links with 10 %/hour churn complete >= 90 %
     of their rounds. Three virtual minutes from the launch with a 4 MB model (several steps;
-    ALBERT's 70.8 MB holds none in 3 minutes), about 20 minutes of wall time on 2 cores.
+    ALBERT's 70.8 MB holds none in 3 minutes), about 16 minutes of wall time on 2 cores.
     A round is a gathering: the step is complete when most of its peers end on one average
     (the certificate); the others download it. At e16e068 no step was taken at this size."""
     scenario = Scenario(
