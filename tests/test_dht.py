@@ -613,3 +613,16 @@ async def test_a_node_that_stops_announcing_itself_is_added_to_no_table():
         hidden.announcing = lambda: True
         await hidden.find_nodes(12345)
         assert any(hidden.node.peer_id in d.table for d in s.dhts[:4])
+
+
+async def test_a_node_that_does_not_announce_itself_stores_on_every_replica():
+    """Nobody reads a copy on a node that is in no table: it is no replica, so its stores go
+    to all `replicas` closest nodes (a copy of its own took the farthest one's place)."""
+    clock = FakeClock()
+    async with swarm(N, CONFIG, clock=clock) as s:
+        hidden = s.dhts[0]
+        hidden.announcing = lambda: False
+        for key in (f"key-{i}" for i in range(8)):  # some keys have it among their closest
+            await hidden.store(key, "x", b"v", expiration=clock.now + 60)
+            held = sum(bool(d.records.get(key, now=clock.now)) for d in s.dhts[1:])
+            assert held == CONFIG.replicas, key

@@ -283,7 +283,7 @@ class DHT:
         else:
             targets = (await self.find_nodes(target)).closest_answered()[: self.config.replicas]
         accepted = 0
-        if self.server and self._we_belong_among(target, targets):
+        if self._replica() and self._we_belong_among(target, targets):
             # We are one of the `replicas` closest: keep a copy and drop the farthest remote, so
             # the record lives on exactly the nodes a reader's lookup will ask.
             targets = targets[: self.config.replicas - 1]
@@ -355,7 +355,7 @@ class DHT:
         replicas = await self._hot_replicas(target)
         me = self.node.peer_id
         # We are a replica ourselves (our copy is merged already): one remote read fewer.
-        wanted = HOT_READ_REPLICAS - (self.server and self._we_belong_among(target, replicas))
+        wanted = HOT_READ_REPLICAS - (self._replica() and self._we_belong_among(target, replicas))
         candidates = [c for c in replicas if c.peer_id != me]
         self.rng.shuffle(candidates)
         request = p.Get(key, self._caller_addrs())
@@ -390,6 +390,11 @@ class DHT:
         self._hot_read[target] = entries
         while len(self._hot_read) > HOT_KEYS:
             self._hot_read.popitem(last=False)
+
+    def _replica(self) -> bool:
+        """Whether others may store on us and read from us: a server that announces itself. A
+        server that does not is no replica: its copy of a key counts for no one else."""
+        return self.server and self.announcing()
 
     def looks_up(self, key: str) -> bool:
         """Whether a hot store of `key` would look its replicas up now."""
@@ -593,7 +598,7 @@ class DHT:
         return reply
 
     def _caller_addrs(self) -> list[str] | None:
-        if not (self.server and self.announcing()):
+        if not self._replica():
             return None
         return [str(a) for a in self.node.announce]
 
