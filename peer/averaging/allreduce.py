@@ -91,6 +91,7 @@ from peer.net.admission import Admission, AdmissionLimits, check_dial_address, c
 from peer.net.host import Node
 from peer.net.streamio import (
     ALLREDUCE_PROTOCOL,
+    DIRECT_TIMEOUT,
     STREAM_PATH,
     TLS_PATH,
     DataStream,
@@ -107,9 +108,6 @@ log = logging.getLogger("peertrain.allreduce")
 MAX_MEMBERS = 256  # what a leader may list, whatever it claims (matchmaking's MAX_JOINERS)
 MAX_QUEUED_CHUNKS = 8  # a sender's chunks waiting for their turn before we stop reading it
 REDIAL_FIRST, REDIAL_MAX = 0.01, 0.25  # a reducer that has not opened the round: dial again
-# A direct dial that connects nowhere within this long gives way to a libp2p stream: a NATed
-# reducer's port drops our SYN rather than refusing it.
-DIRECT_TIMEOUT = 2.0
 # Threads a round's numeric work may use at once: numpy and torch release the GIL, so they run
 # beside the loop's TLS (which releases it too); more would only queue on a small machine.
 WORKER_THREADS = max(1, min(4, os.cpu_count() or 1))

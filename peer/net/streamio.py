@@ -56,6 +56,11 @@ class DataStream(Protocol):
     async def aclose(self) -> None: ...
 
 
+#: Seconds a direct data-plane dial (TCP, admission, TLS) may take before a libp2p stream is
+#: tried instead: a NATed peer's port drops our SYN rather than refusing it.
+DIRECT_TIMEOUT = 2.0
+
+
 class Libp2pStream(trio.abc.Stream):
     """A py-libp2p stream as a trio byte stream. A reset or a dead connection raises
     `trio.BrokenResourceError` (a connection error to both data planes); the remote's

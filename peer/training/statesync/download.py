@@ -19,7 +19,14 @@ from multiaddr import Multiaddr
 from peer.errors import DeadlineExceeded, ProtocolError, RemoteError
 from peer.net.admission import check_dial_address, connect
 from peer.net.host import Node
-from peer.net.streamio import STATE_PROTOCOL, STREAM_PATH, TLS_PATH, DataStream, open_stream
+from peer.net.streamio import (
+    DIRECT_TIMEOUT,
+    STATE_PROTOCOL,
+    STREAM_PATH,
+    TLS_PATH,
+    DataStream,
+    open_stream,
+)
 from peer.net.tls import certificate_peer_id, pinned_client_context
 from peer.training.chunks import (
     SERVICE,
@@ -54,9 +61,6 @@ DEFAULT_MAX_TOTAL_BYTES = 64 << 30
 IN_PLACE_MIN_BYTES = 1 << 20  # below this, one copy at the end is cheaper than the trick
 EXTRA_ASKED = 2  # donors asked for a manifest beyond `parallel`, as reserves
 YIELD_BYTES = 256 << 10  # received between two chances for other tasks to run
-# A direct dial that connects nowhere within this long gives way to a libp2p stream: a NATed
-# donor's port drops our SYN rather than refusing it.
-DIRECT_TIMEOUT = 2.0
 
 
 class StateDownloadFailed(RemoteError):
