@@ -7,6 +7,7 @@ table or JSON.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections import Counter
@@ -25,7 +26,7 @@ from peer.net.host import open_node
 from peer.net.identity import ephemeral_identity
 from peer.net.network_key import load_network_key
 from peer.presence import PresenceRecord, decode_presence, presence_key
-from peer.roles import assign_roles
+from peer.roles import aggregators, assign_roles
 from peer.training.progress import CollaborationView, ProgressRecord, decode_progress, progress_key
 
 STATUS_JOIN_BACKOFF = (0.5, 1.0)
@@ -58,7 +59,8 @@ class PeerRow:
     share: float | None
     """The fraction of the vector it reduced in its last averaging."""
     client_only: bool | None
-    """Not reachable inbound, so it never aggregates (None: not checked yet)."""
+    """Not reachable inbound, not even by hole punching, so it never aggregates (None: not
+    checked yet)."""
     # From its progress record (None for a node that does not train or keep state).
     progress_role: str | None
     """trainer or keeper."""
@@ -166,11 +168,17 @@ def assign_group(records: list[PresenceRecord]) -> tuple[GroupAssignment | None,
     if main_task is None:
         return None, "no peer has measured its compute yet"
     task, gradient_bytes, target_batch = main_task
-    capacities = [
-        capacity
+    taking_part = [
+        (capacity, c)
         for peer_id, c in measured
         if (_task_of(c) == main_task or not c.task)  # the task's peers, and backbones
         and (capacity := to_capacity(peer_id, c)) is not None
+    ]
+    # A peer behind NAT aggregates by hole punching only where everyone reaches it.
+    able = aggregators([c.reachable for _, c in taking_part], [c.punchable for _, c in taking_part])
+    capacities = [
+        dataclasses.replace(capacity, reachable=reachable)
+        for (capacity, _), reachable in zip(taking_part, able, strict=True)
     ]
     try:
         result = assign_roles(
@@ -366,7 +374,7 @@ def _row(
         measured_at=c.measured_at if c else None,
         work=work,
         share=reduced if takes_part else None,
-        client_only=not c.reachable if c and linked else None,
+        client_only=not (c.reachable or c.punchable) if c and linked else None,
         progress_role=progress.role if progress else None,
         step=progress.step if progress else None,
         contribution=progress.samples if progress else None,

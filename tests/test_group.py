@@ -5,9 +5,17 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from peer.averaging.group import Joined, Ticket, build_spec, round_id_of, round_timeouts
+from peer.averaging.group import (
+    Joined,
+    Ticket,
+    able_to_reduce,
+    build_spec,
+    round_id_of,
+    round_timeouts,
+)
 from peer.measure.attestation import Evidence, attest
 from peer.measure.capabilities import Capabilities
+from peer.roles import aggregators
 from tests.helpers import data_identity, new_identity
 
 BACKBONE = new_identity()
@@ -18,11 +26,14 @@ EVIDENCE = Evidence(
 )
 
 
-def caps(bw: float, *, reachable: bool = True, speed: float = 10.0, attestations=()):
+def caps(
+    bw: float, *, reachable: bool = True, punchable: bool = False, speed: float = 10.0,
+    attestations=(),
+):  # fmt: skip
     return Capabilities(
         samples_per_s=speed, upload_bps=bw, download_bps=bw, rtt_s=0.01, reachable=reachable,
         device="cpu", free_memory_bytes=1, measured_at=0.0, task="tiny", gradient_bytes=4,
-        target_batch=32, attestations=tuple(attestations),
+        target_batch=32, attestations=tuple(attestations), punchable=punchable,
     )  # fmt: skip
 
 
@@ -83,6 +94,45 @@ def test_without_measurements_shares_are_equal_among_the_reachable():
     shares = {m.peer_id: m.share for m in spec_of(members).members}
     assert shares[known_hidden.ticket.peer_id] == 0.0
     assert sorted(shares.values()) == [0.0, 0.5, 0.5]
+
+
+def test_peers_behind_nat_reduce_by_hole_punching_only_where_every_member_reaches_them():
+    """A peer reachable by hole punching holds a share when every member of the group is
+    reachable or punchable; with a client-only member (a symmetric NAT) in the group, none of
+    them does. Nothing listens at such a member's data address: the spec gives it port 0."""
+    punch = [joined(caps(1e7, reachable=False, punchable=True), measured=1e7) for _ in range(2)]
+    public = joined(measured=1e7)
+    hidden = joined(caps(1e7, reachable=False), measured=1e7)
+    punch_ids = {j.ticket.peer_id for j in punch}
+
+    shares = {m.peer_id: m.share for m in spec_of([*punch, public]).members}
+    assert all(shares[p] > 0 for p in punch_ids), shares
+    assert sum(shares.values()) == pytest.approx(1.0)
+    ports = {m.peer_id: m.port for m in spec_of([*punch, public]).members}
+    assert ports == {**dict.fromkeys(punch_ids, 0), public.ticket.peer_id: 4000}
+
+    shares = {m.peer_id: m.share for m in spec_of([*punch, public, hidden]).members}
+    assert shares == {**dict.fromkeys(punch_ids, 0.0), hidden.ticket.peer_id: 0.0,
+                      public.ticket.peer_id: 1.0}  # fmt: skip
+    # Only peers behind NAT, all punchable: they reduce for each other.
+    assert all(m.share == pytest.approx(0.5) for m in spec_of(punch).members)
+    # The leader's view of a member's DHT ticket counts too (it may say more than its join).
+    bare = joined(caps(1e7, reachable=False), measured=1e7)
+    declared = {bare.ticket.peer_id: msgspec.structs.replace(
+        bare.ticket, capabilities=caps(1e7, reachable=False, punchable=True))}  # fmt: skip
+    assert able_to_reduce([bare.ticket, punch[0].ticket]) == [False, False]
+    assert able_to_reduce([bare.ticket, punch[0].ticket], declared) == [True, True]
+    assert able_to_reduce([None, punch[0].ticket]) == [False, False]  # not in our view
+
+
+def test_aggregators_need_every_peer_to_reach_a_punchable_one():
+    assert aggregators([True, False, False], [False, True, True]) == [True, True, True]
+    assert aggregators([True, False, False], [False, True, False]) == [True, False, False]
+    assert aggregators([False, False], [True, True]) == [True, True]
+    assert aggregators([True, True], [True, False]) == [True, True]  # reachable wins
+    assert aggregators([], []) == []
+    with pytest.raises(ValueError):
+        aggregators([True], [])
 
 
 def test_a_member_without_a_contribution_has_weight_zero():

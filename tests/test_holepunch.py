@@ -5,6 +5,7 @@ anything is dialed; a peer that does not take part leaves the connection relayed
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -22,7 +23,7 @@ FAST = HolePunchConfig(relay_grace_seconds=0.2)
 
 @asynccontextmanager
 async def punched(
-    *, key: str | None = None, dialer_punches: bool = True
+    *, key: str | None = None, dialer_punches: bool = True, config: HolePunchConfig = FAST
 ) -> AsyncIterator[tuple[object, ...]]:
     """A relay, a NATed peer holding a slot on it, a dialer: both run a HolePuncher (the
     dialer only if `dialer_punches`). Yields (relay, nated, dialer, nated's, dialer's)."""
@@ -34,9 +35,9 @@ async def punched(
         await nursery.start(RelayService(relay).run)
         client = RelayClient(nated, relay.public_addrs(), FAST_RETRY)
         await nursery.start(client.run)
-        nated_punch = HolePuncher(nated, FAST)
+        nated_punch = HolePuncher(nated, config)
         await nursery.start(nated_punch.run)
-        dialer_punch = HolePuncher(dialer, FAST)
+        dialer_punch = HolePuncher(dialer, config)
         if dialer_punches:
             await nursery.start(dialer_punch.run)
         with trio.fail_after(WAIT):
@@ -123,8 +124,40 @@ async def test_a_relayed_connection_carries_no_tensors_either_way():
         with trio.fail_after(WAIT):
             await dial_via_relay(dialer, client.relayed_addrs()[0], timeout=WAIT)
             with pytest.raises(OSError, match="relays carry no tensors"):
-                await open_stream(dialer.host, nated.peer_id, ALLREDUCE_PROTOCOL)
+                await open_stream(dialer.host, nated.peer_id, ALLREDUCE_PROTOCOL, punch_seconds=0.2)
             await dialer.host.new_stream(nated.peer_id, [ALLREDUCE_PROTOCOL])
             while not seen:
                 await trio.sleep(0.01)
         assert seen and all(seen)  # both streams, ours refused and this one, were relayed
+
+
+async def test_a_data_stream_waits_for_the_punch_and_takes_the_direct_connection():
+    """Opened at once after a relayed connection came up, a data-plane stream waits for the hole
+    punch and goes over the direct connection, while the relayed one is still open beside it
+    (`host.new_stream` may pick either)."""
+    from peer.net.streamio import ALLREDUCE_PROTOCOL, Libp2pStream, open_stream
+
+    keep_relayed = HolePunchConfig(relay_grace_seconds=60)
+    async with punched(config=keep_relayed) as (_relay, nated, dialer, np, _dp, client):
+        seen: list[bool] = []
+
+        async def handler(raw) -> None:
+            seen.append(Libp2pStream(raw).relayed)
+            with contextlib.suppress(Exception):  # held until the dialer resets it
+                await raw.read(1)
+            await raw.reset()
+
+        nated.host.set_stream_handler(ALLREDUCE_PROTOCOL, handler)
+        with trio.fail_after(WAIT):
+            await dial_via_relay(dialer, client.relayed_addrs()[0], timeout=WAIT)
+            streams = [await open_stream(dialer.host, nated.peer_id, ALLREDUCE_PROTOCOL)]
+            assert await np.wait_outcome(dialer.peer_id) is True
+            for _ in range(4):  # again and again: never the relayed connection beside it
+                streams.append(await open_stream(dialer.host, nated.peer_id, ALLREDUCE_PROTOCOL))
+            while len(seen) < len(streams):
+                await trio.sleep(0.01)
+        conns = dialer.host.get_network().connections.get(nated.peer_id, ())
+        assert sorted(is_relayed(c.muxed_conn) for c in conns) == [False, True]
+        assert [s.relayed for s in streams] == [False] * 5 and seen == [False] * 5
+        for stream in streams:
+            await stream.reset()

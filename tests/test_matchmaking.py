@@ -783,3 +783,9 @@ def test_a_member_that_cannot_be_dialled_never_leads_and_asks_every_reachable_on
     assert leader_candidates(members, open_[1], view) == [open_[0], open_[1]]
     # Without tickets that say otherwise (an older peer, or none read): lowest id first.
     assert leader_candidates(members, members[2], {}) == members[:3]
+    # A peer reached by hole punching takes joins (over its relayed connection meanwhile).
+    punched = [joined(caps(1e8, reachable=False, punchable=True)).ticket for _ in range(2)]
+    both = sorted(t.peer_id for t in punched)
+    view = {t.peer_id: t for t in punched}
+    assert leader_candidates(both, both[1], view) == both
+    assert leader_candidates(both, both[0], view) == [both[0]]

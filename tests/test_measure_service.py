@@ -98,6 +98,53 @@ def test_only_a_definite_dial_back_answer_changes_reachability():
     assert reachability_verdict(DialBackResult([], {})) is False  # announced nothing dialable
 
 
+async def test_behind_a_nat_that_keeps_its_announced_address_a_peer_is_punchable(monkeypatch):
+    """The dial-back fails; then every backbone saw a dial from our listen port come from our
+    announced address (an eim NAT): punchable. One backbone seeing another port (a symmetric
+    NAT) or a dial-back that reaches us (reachable) makes it not punchable."""
+    import peer.measure.service as service
+
+    announced = "/ip4/198.51.100.7/tcp/4001"
+    seen = {"bb1": announced, "bb2": announced}
+    dial_back = {"result": DialBackResult([], {announced: "dial failed: timeout"})}
+    mapping_checks: list[str] = []
+
+    async def measure_link(node, backbone, *, target_seconds):
+        return LinkMeasurement(1e6, 1e6, 0.02)
+
+    async def check_reachable(node, backbone):
+        return dial_back["result"]
+
+    async def observed_from_listen_port(node, backbone):
+        mapping_checks.append(backbone)
+        return seen[backbone]
+
+    async def backbones() -> list:
+        return ["bb1", "bb2"]
+
+    monkeypatch.setattr(service, "measure_link", measure_link)
+    monkeypatch.setattr(service, "check_reachable", check_reachable)
+    monkeypatch.setattr(service, "observed_from_listen_port", observed_from_listen_port)
+    node = SimpleNamespace(peer_id="me", announce=[announced])
+    m = Measurements(node, PeerConfig(), find_backbones=backbones)  # type: ignore[arg-type]
+
+    assert await m._measure_links()
+    caps = m.capabilities()
+    assert m.verdict is False and caps is not None and caps.punchable and not caps.reachable
+    assert mapping_checks == ["bb1", "bb2"]
+
+    seen["bb2"] = "/ip4/198.51.100.7/tcp/61234"  # another port for another destination
+    assert await m._measure_links()
+    assert m.capabilities().punchable is False  # type: ignore[union-attr]
+
+    dial_back["result"] = DialBackResult([announced], {})
+    mapping_checks.clear()
+    assert await m._measure_links()
+    caps = m.capabilities()
+    assert caps is not None and caps.reachable and not caps.punchable
+    assert mapping_checks == []  # reachable: nothing to punch
+
+
 def test_capabilities_carry_the_newest_attestation_of_each_backbone():
     from peer.measure.attestation import MAX_ATTESTATIONS
     from tests.helpers import new_identity

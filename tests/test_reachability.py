@@ -12,9 +12,13 @@ from peer.measure.reachability import (
     MAX_CONCURRENT,
     DialBackServer,
     check_reachable,
+    observed_addr,
+    observed_from_listen_port,
     open_dialer,
+    punchable,
     same_ip,
 )
+from peer.net.holepunch import listen_source
 from peer.net.host import open_node
 from tests.helpers import new_identity, nodes
 
@@ -71,3 +75,39 @@ async def test_checks_beyond_the_limit_are_answered_busy_at_once():
         with trio.fail_after(1):
             result = await server.check(peer.peer_id, [addr], observed_ip="127.0.0.1")
         assert result.reachable == [] and result.unreachable[addr].startswith(BUSY)
+
+
+def test_punchable_needs_every_backbone_to_see_the_listen_port_at_one_announced_address():
+    announced = ["/ip4/198.51.100.7/tcp/4001", "/ip4/10.0.0.2/tcp/4001"]
+    at_router = "/ip4/198.51.100.7/tcp/4001"
+    assert punchable([at_router], announced)
+    assert punchable([at_router, at_router], announced)
+    assert not punchable([], announced)  # nobody looked
+    assert not punchable(["/ip4/198.51.100.7/tcp/61234"], announced)  # symmetric: a new port
+    assert not punchable([at_router, "/ip4/198.51.100.7/tcp/61234"], announced)
+    assert not punchable([at_router, ""], announced)  # an older backbone did not say
+    assert observed_addr(("198.51.100.7", 4001)) == at_router
+    assert observed_addr(("2001:db8::1", 4001)) == "/ip6/2001:db8::1/tcp/4001"
+    assert observed_addr(None) == "" and observed_addr(("not an ip", 1)) == ""
+
+
+async def test_a_backbone_tells_where_a_dial_from_our_listen_port_comes_from():
+    """The mapping check dials the backbone from our listen port on a connection of its own
+    (beside the one we hold), asks on it, and closes it: on loopback the backbone sees our
+    listen address itself. A backbone that does not serve the protocol leaves it None."""
+    async with nodes(3) as (backbone, peer, plain), open_dialer(new_identity()) as dialer:
+        DialBackServer(backbone.host, dialer)
+        await peer.connect(backbone.peer_id, backbone.announce, timeout=5)
+        network = peer.host.get_network()
+        held = list(network.connections[backbone.peer_id])
+        listening = listen_source(peer)
+        assert listening is not None and listening[1] > 0
+        with trio.fail_after(20):
+            seen = await observed_from_listen_port(peer, backbone.peer_id)
+        assert seen == f"/ip4/127.0.0.1/tcp/{listening[1]}"
+        assert punchable([seen], [f"/ip4/127.0.0.1/tcp/{listening[1]}"])
+        assert network.connections[backbone.peer_id] == held  # its own connection closed
+
+        await peer.connect(plain.peer_id, plain.announce, timeout=5)
+        with trio.fail_after(20):
+            assert await observed_from_listen_port(peer, plain.peer_id) is None

@@ -139,6 +139,20 @@ def test_links_not_measured_yet_show_as_unknown_not_as_client_only():
     assert (probed.upload_bps, probed.client_only) == (5e6, True)
     backbone = row("backbone", msgspec.structs.replace(caps(0.0, 0.0), rtt_s=0.0))
     assert (backbone.reachable, backbone.client_only) == (True, False)
+    punch = msgspec.structs.replace(caps(100.0, 5e6, reachable=False), punchable=True)
+    assert (row("peer", punch).reachable, row("peer", punch).client_only) == (False, False)
+
+
+def test_peers_reachable_by_hole_punching_aggregate_where_everyone_reaches_them():
+    punch = msgspec.structs.replace(caps(10, 1e6, reachable=False), punchable=True)
+    behind_nat = [record(1, "peer", punch), record(2, "peer", punch)]
+    assignment, note = assign_group(behind_nat)
+    assert note is None and assignment is not None
+    assert all(share > 0 for _, share in assignment.work.values()), assignment.work
+    # A peer behind a symmetric NAT reaches neither: nobody can aggregate for all three.
+    symmetric = record(3, "peer", caps(10, 1e6, reachable=False))
+    assignment, note = assign_group([*behind_nat, symmetric])
+    assert assignment is None and "publicly reachable peer or backbone" in note
 
 
 def test_status_shows_the_roles_played_not_the_solvers_advice():

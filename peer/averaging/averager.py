@@ -50,8 +50,8 @@ from peer.averaging.compression import CODECS
 from peer.averaging.group import (
     Joined,
     Ticket,
+    able_to_reduce,
     attested_bandwidth,
-    can_reduce,
     longest_round,
     round_timeouts,
     stated_size,
@@ -867,13 +867,13 @@ def _spec_problem(
 
 def _share_over_cap(spec: RoundSpec, declared: dict[str, Ticket]) -> str | None:
     """Whether the leader gave a member more than `share_cap` of the vector, m counting the
-    members whose DHT ticket in our view lets them reduce (`group.can_reduce`). The leader
+    members whose DHT ticket in our view lets them reduce (`group.able_to_reduce`). The leader
     counts at least those (`group.reducers`), so an honest spec always passes; a lying leader
     cannot hand itself, or anyone, more than the cap (it could hand itself all of it before).
     With one contribution or none there is nothing to steer (`group.shares_for`)."""
     if sum(m.computes for m in spec.members) <= 1:
         return None
-    able = sum(can_reduce(declared.get(m.peer_id)) for m in spec.members)
+    able = sum(able_to_reduce([declared.get(m.peer_id) for m in spec.members]))
     cap = share_cap(able)
     total = math.fsum(m.share for m in spec.members)
     for m in spec.members:

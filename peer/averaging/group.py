@@ -30,7 +30,7 @@ from peer.averaging.allreduce import Member, RoundSpec
 from peer.measure.attestation import Evidence, attested_link
 from peer.measure.capabilities import Capabilities
 from peer.net.tls import MAX_CERT_BYTES
-from peer.roles import PeerCapacity, cap_shares, optimal_shares
+from peer.roles import PeerCapacity, aggregators, cap_shares, optimal_shares
 from peer.roles.model import bytes_per_round
 
 Host = Annotated[str, msgspec.Meta(max_length=64)]
@@ -107,8 +107,27 @@ def round_id_of(
 
 
 def can_reduce(ticket: Ticket | None) -> bool:
-    """Whether a ticket lets its peer reduce: it says it is reachable, or says nothing."""
+    """Whether a ticket says its peer can be dialled: it says it is reachable, or says nothing."""
     return ticket is not None and (ticket.capabilities is None or ticket.capabilities.reachable)
+
+
+def can_punch(ticket: Ticket | None) -> bool:
+    """Whether a ticket says its peer is reachable by hole punching (`Capabilities.punchable`)."""
+    return ticket is not None and ticket.capabilities is not None and ticket.capabilities.punchable
+
+
+def able_to_reduce(
+    tickets: Sequence[Ticket | None], declared: Mapping[str, Ticket] | None = None
+) -> list[bool]:
+    """Who in a group may hold a share, by its ticket or the one it declared in the DHT
+    (`declared`: our view): `peer.roles.aggregators` over the group (a peer reachable only by
+    hole punching reduces when every member reaches it). More tickets never make fewer able."""
+    declared = declared or {}
+    seen = [(t, declared.get(t.peer_id)) if t is not None else (None, None) for t in tickets]
+    return aggregators(
+        [can_reduce(t) or can_reduce(d) for t, d in seen],
+        [can_punch(t) or can_punch(d) for t, d in seen],
+    )
 
 
 def attested_bandwidth(ticket: Ticket, evidence: Evidence) -> tuple[float, float] | None:
@@ -122,8 +141,7 @@ def reducers(tickets: Sequence[Ticket], declared: Mapping[str, Ticket] | None = 
     """Who may hold a share (sorted like `tickets`): whoever can reduce by its ticket, or by the
     ticket it declared in the DHT (`declared`: our view), so a leader never counts fewer
     reducers than a member checking its spec from the DHT tickets does; everyone if nobody."""
-    declared = declared or {}
-    able = [can_reduce(t) or can_reduce(declared.get(t.peer_id)) for t in tickets]
+    able = able_to_reduce(tickets, declared)
     return able if any(able) else [True] * len(tickets)
 
 
@@ -196,7 +214,9 @@ def build_spec(
         Member(
             peer_id=t.peer_id,
             host=t.data_host,
-            port=t.data_port,
+            # Behind a NAT that lets punches in, nothing listens at its data address: members
+            # reach it over a libp2p stream at once (port 0), not after a dial times out.
+            port=0 if can_punch(t) and not can_reduce(t) else t.data_port,
             computes=t.computes,
             share=share,
             weight=seats[t.peer_id][1],

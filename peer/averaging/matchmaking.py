@@ -41,7 +41,7 @@ import trio
 from libp2p.peer.id import ID
 
 from peer.averaging.allreduce import RoundSpec
-from peer.averaging.group import Joined, Ticket, build_spec, can_reduce
+from peer.averaging.group import Joined, Ticket, build_spec, can_punch, can_reduce
 from peer.averaging.moshpit import MAX_BASIS_BYTES
 from peer.dht.node import DHT
 from peer.dht.records import owner_key
@@ -457,14 +457,16 @@ class Matchmaker:
 
 def leader_candidates(members: Sequence[str], me: str, tickets: Mapping[str, Ticket]) -> list[str]:
     """Whom we ask to lead our group, in order, ending with ourselves (we lead if none takes
-    us). A member whose ticket says it cannot be dialled (behind NAT: client-only) never leads:
+    us). A member whose ticket says it cannot be dialled (behind NAT, client-only; a peer
+    reachable by hole punching can be) never leads:
     nobody could join it, and two such peers each led a group of one for a whole run. So a
     reachable member asks the reachable ones below it, an unreachable one every reachable one;
     waits still only go toward reachable peers, lower ones among them: no deadlock."""
 
     def dialable(peer_id: str) -> bool:
+        # A peer reached by hole punching answers joins over its relayed connection meanwhile.
         ticket = tickets.get(peer_id)
-        return ticket is None or can_reduce(ticket)
+        return ticket is None or can_reduce(ticket) or can_punch(ticket)
 
     reachable = sorted(m for m in members if m != me and dialable(m))
     if dialable(me):

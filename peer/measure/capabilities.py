@@ -46,6 +46,11 @@ class Capabilities(msgspec.Struct, frozen=True):
     attestations: Annotated[tuple[Attestation, ...], msgspec.Meta(max_length=MAX_ATTESTATIONS)] = ()
     """Backbones' signed measurements of its link, the newest of each (checked by readers).
     The default keeps older records decodable; older readers ignore the field."""
+    punchable: bool = False
+    """Not reachable, but its NAT maps its listen port to the address it announces (what a
+    backbone saw of a dial from that port, `peer.measure.reachability.punchable`): peers that
+    are reachable or punchable themselves reach it by hole punching (`peer.roles.aggregators`).
+    A claim, like `reachable`."""
 
 
 def to_capacity(peer_id: str, capabilities: Capabilities) -> PeerCapacity | None:

@@ -2,7 +2,15 @@
 
 Protocol `/peertrain/dialback/1`, one check per stream:
 
-    DialBack{addrs} -> DialBackResult{reachable: [addr], unreachable: {addr: why}}
+    DialBack{addrs} -> DialBackResult{reachable: [addr], unreachable: {addr: why}, observed}
+
+`observed` is where the request's connection came from, as the backbone saw it. A peer the
+dial-back did not reach then checks its NAT's mapping (`observed_from_listen_port`): it dials
+the backbone from its listen port, as a hole punch dials, and asks with no addresses on that
+connection (nothing is dialed, only `observed` answered). A NAT that maps the listen port to
+the address the peer announces (endpoint-independent mapping that keeps the port) lets peers
+punch through to it: the peer is `punchable` and may aggregate for peers that reach it
+(`peer.roles.aggregators`). A symmetric NAT shows another port, and the peer stays client-only.
 
 The backbone dials from a second host with its own throw-away identity, because its main host
 already has a connection to the caller and would reuse it. The Noise handshake proves that
@@ -21,7 +29,7 @@ import ipaddress
 import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager, suppress
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
 import trio
@@ -30,8 +38,10 @@ from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
 from peer.errors import DECODE_ERRORS, DeadlineExceeded, ProtocolError, RemoteError, Unreachable
+from peer.net.holepunch import ip4_tcp, listen_source
 from peer.net.host import Node, create_host, parse_multiaddr
 from peer.net.identity import Identity
+from peer.net.relay import stream_on
 from peer.net.rpc import TRANSPORT_ERRORS, FramedStream
 
 log = logging.getLogger("peertrain.reachability")
@@ -53,6 +63,9 @@ class DialBack(msgspec.Struct):
 class DialBackResult(msgspec.Struct):
     reachable: list[str]
     unreachable: dict[str, str]
+    observed: str = ""
+    """Where the request's connection came from, as the backbone saw it (`/ip4/<ip>/tcp/<port>`;
+    "" from older backbones). A request with no addresses only asks for this."""
 
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -65,6 +78,26 @@ def same_ip(addr: Multiaddr, observed_ip: str) -> bool:
         )
     except Exception:  # not an ip4 address, or not parseable: never dialed
         return False
+
+
+def observed_addr(remote: tuple[str, int] | None) -> str:
+    """A connection's remote (ip, port) as a multiaddr string ("" if unknown)."""
+    if not remote:
+        return ""
+    try:
+        kind = "ip6" if ipaddress.ip_address(remote[0]).version == 6 else "ip4"
+    except ValueError:
+        return ""
+    return f"/{kind}/{remote[0]}/tcp/{int(remote[1])}"
+
+
+def punchable(observed: Sequence[str], announced: Sequence[str]) -> bool:
+    """Whether peers can punch through our NAT to us (pure): every backbone that saw a dial
+    from our listen port (`observed`, at least one) saw it come from one address we announce.
+    Hole punching aims at our announced addresses (`peer.net.holepunch`), so our NAT must map
+    the listen port to one of them for every destination. A symmetric NAT gives each new
+    connection another port (`--random-fully`): the address seen is not the announced one."""
+    return bool(observed) and len(set(observed)) == 1 and observed[0] in set(announced)
 
 
 class DialBackServer:
@@ -88,9 +121,13 @@ class DialBackServer:
                 return
             request = msgspec.msgpack.decode(frame, type=DialBack)
             remote = stream.get_remote_address()
-            result = await self.check(
-                caller, request.addrs, observed_ip=remote[0] if remote else ""
-            )
+            if request.addrs:
+                result = await self.check(
+                    caller, request.addrs, observed_ip=remote[0] if remote else ""
+                )
+            else:  # only where we see it: nothing dialed, nothing held
+                result = DialBackResult([], {})
+            result.observed = observed_addr(remote)
             await framed.write_frame(_encode(result))
             with trio.move_on_after(1.0):
                 await stream.close()
@@ -145,6 +182,43 @@ class DialBackServer:
         with trio.CancelScope(shield=True), trio.move_on_after(1.0), suppress(TRANSPORT_ERRORS):
             await self.dialer.get_network().close_peer(caller)  # type: ignore[attr-defined]
         self.dialer.get_peerstore().clear_addrs(caller)
+
+
+async def observed_from_listen_port(node: Node, backbone: ID) -> str | None:
+    """Where `backbone` sees a connection from our listen port come from: a new connection
+    dialed from that port (as a hole punch dials), asked on that very connection, then closed.
+    None when we have no listen port, no direct address of the backbone, or it did not answer
+    (an older backbone answers ""). Raises nothing: it only ever leaves a peer client-only."""
+    source = listen_source(node)
+    network: Any = node.host.get_network()
+    if source is None:
+        return None
+    for addr in node.host.get_peerstore().addrs(backbone)[:MAX_ADDRS]:
+        if ip4_tcp(str(addr)) is None:  # a relayed or non-TCP address: not the backbone's own
+            continue
+        conn = None
+        try:
+            with trio.fail_after(DIAL_TIMEOUT):
+                conn = await network.dial_addr(addr, backbone, source)
+                stream = await stream_on(conn, PROTOCOL, timeout=DIAL_TIMEOUT)
+                framed = FramedStream(stream, MAX_CONTROL_BYTES)
+                try:
+                    await framed.write_frame(_encode(DialBack([])))
+                    frame = await framed.read_frame()
+                finally:
+                    await framed.reset()
+            if frame is None:
+                return None
+            return msgspec.msgpack.decode(frame, type=DialBackResult).observed
+        except (trio.TooSlowError, *DECODE_ERRORS) as error:
+            log.debug("mapping check with %s at %s: %r", backbone, addr, error)
+        except Exception as error:  # py-libp2p's dials raise several unrelated types
+            log.debug("mapping check with %s at %s failed: %r", backbone, addr, error)
+        finally:
+            if conn is not None:
+                with trio.CancelScope(shield=True), trio.move_on_after(1.0), suppress(Exception):
+                    await conn.close()
+    return None
 
 
 @asynccontextmanager

@@ -36,7 +36,13 @@ from peer.measure.attestation import MAX_ATTESTATIONS, Attestation, attest
 from peer.measure.capabilities import Capabilities
 from peer.measure.ema import RateEMA
 from peer.measure.probe import LinkMeasurement, ProbeServer, measure_link
-from peer.measure.reachability import BUSY, DialBackResult, check_reachable
+from peer.measure.reachability import (
+    BUSY,
+    DialBackResult,
+    check_reachable,
+    observed_from_listen_port,
+    punchable,
+)
 from peer.net.host import Node
 from peer.priority import lower_priority
 
@@ -103,6 +109,8 @@ class Measurements:
         self.verdict: bool | None = None
         """The last dial-back's verdict (None before the first): a peer announces itself to the
         DHT once it is True, and holds relay slots while it is False (`peer.daemon`)."""
+        self.punchable = False
+        """With the verdict False: peers can punch through its NAT (`Capabilities.punchable`)."""
         self.measured_at = 0.0
         self.attestations: dict[str, Attestation] = {}  # signer -> its newest of us
         self._changed = trio.Event()
@@ -170,6 +178,7 @@ class Measurements:
             download_bps=link.download_bps if link else 0.0,
             rtt_s=link.rtt_s if link else 0.0,
             reachable=self.reachable,
+            punchable=self.punchable and not self.reachable,
             device=compute.device if compute else "",
             free_memory_bytes=compute.free_memory_bytes if compute else 0,
             measured_at=self.measured_at,
@@ -275,7 +284,7 @@ class Measurements:
         except RemoteError as error:
             log.warning("could not look up the backbones: %s", error)
             return False
-        links, verdict = [], None
+        links, verdict, observed = [], None, []
         for backbone in backbones[: self.config.measure.max_backbones]:
             try:
                 links.append(
@@ -285,10 +294,16 @@ class Measurements:
                 )
                 if self.probe_server is None and verdict is not True:
                     verdict = reachability_verdict(await check_reachable(self.node, backbone))
+                    if verdict is False:  # behind NAT: can peers punch through it?
+                        seen = await observed_from_listen_port(self.node, backbone)
+                        if seen is not None:
+                            observed.append(seen)
             except RemoteError as error:
                 log.warning("could not measure the link to backbone %s: %s", backbone, error)
         if verdict is not None:
             self.reachable = self.verdict = verdict
+            announced = [str(a) for a in self.node.announce]
+            self.punchable = not verdict and punchable(observed, announced)
         self.keep_attestations(link.attestation for link in links)
         if links:
             self.link = best_link(links)
@@ -300,7 +315,7 @@ class Measurements:
                 self.link.upload_bps / 1e6,
                 self.link.download_bps / 1e6,
                 self.link.rtt_s * 1e3,
-                "reachable" if self.reachable else "client-only (not reachable inbound)",
+                reach_words(self.reachable, self.punchable),
             )
             self._announce_change()
         return bool(links) or not backbones
@@ -338,6 +353,14 @@ class Measurements:
                 self.attestations[attestation.signer] = attestation
         newest = sorted(self.attestations.values(), key=lambda a: a.issued_at, reverse=True)
         self.attestations = {a.signer: a for a in newest[:MAX_ATTESTATIONS]}
+
+
+def reach_words(reachable: bool, punchable: bool) -> str:
+    if reachable:
+        return "reachable"
+    if punchable:
+        return "reachable by hole punching (its NAT keeps its announced address)"
+    return "client-only (not reachable inbound)"
 
 
 def reachability_verdict(result: DialBackResult) -> bool | None:

@@ -25,7 +25,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import trio
 from libp2p.abc import IHost, INetStream
@@ -33,7 +33,7 @@ from libp2p.exceptions import BaseLibp2pError
 from libp2p.network.stream.exceptions import StreamEOF
 from libp2p.peer.id import ID
 
-from peer.net.relay.internals import is_relayed
+from peer.net.relay.internals import direct_conn, is_relayed, live_conn, stream_on
 
 log = logging.getLogger("peertrain.streamio")
 
@@ -43,6 +43,11 @@ TLS_PATH, STREAM_PATH = "tls", "libp2p"  # how a data-plane connection went, for
 WRITE_BYTES = 1 << 18  # per libp2p write at most: yamux cuts it into 64 KiB frames anyway
 READ_BYTES = 1 << 20  # per libp2p read at most (yamux copies out of its buffer once)
 WINDOW_POLL = 0.01  # yamux has no event for a window update: it polls at this rate too
+PUNCH_SECONDS = 5.0
+"""Seconds a relayed connection is given to become direct (a hole punch: one exchange over
+the relay, then simultaneous dials) before a data plane gives up on the peer for this try."""
+PUNCH_POLL = 0.05
+NEGOTIATE_SECONDS = 5.0  # multistream-select of a data-plane protocol on a live connection
 # Errors py-libp2p and trio raise when a stream or its connection goes away under us.
 TRANSPORT_ERRORS = (BaseLibp2pError, trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 
@@ -158,18 +163,29 @@ def _ended(muxed: object) -> bool:
     ) or (shutting_down is not None and shutting_down.is_set())
 
 
-async def open_stream(host: IHost, peer_id: ID, protocol: str) -> Libp2pStream:
-    """A new stream of `protocol` to `peer_id` over our libp2p connection to it (dialled from
-    the peerstore if none is open). OSError if it cannot be opened: to the data planes that is
-    the same failure as a refused TCP dial."""
+async def open_stream(
+    host: IHost, peer_id: ID, protocol: str, *, punch_seconds: float = PUNCH_SECONDS
+) -> Libp2pStream:
+    """A new stream of `protocol` to `peer_id` over our direct libp2p connection to it, made
+    if there is none (through a relay where the peer is reached so). A relayed connection
+    carries no tensors: we wait up to `punch_seconds` for the hole punch it starts
+    (`peer.net.holepunch`) to add a direct one. OSError if no stream can be opened: to the
+    data planes that is the same failure as a refused TCP dial."""
+    network: Any = host.get_network()
     try:
-        stream = Libp2pStream(await host.new_stream(peer_id, [protocol]))
-    except TRANSPORT_ERRORS as error:
+        if live_conn(network, peer_id) is None:
+            await network.dial_peer(peer_id)
+        conn = direct_conn(network, peer_id)
+        with trio.move_on_after(punch_seconds):
+            while conn is None and live_conn(network, peer_id) is not None:
+                await trio.sleep(PUNCH_POLL)
+                conn = direct_conn(network, peer_id)
+        if conn is not None:
+            # On exactly that connection: `host.new_stream` may pick a relayed one beside it.
+            return Libp2pStream(await stream_on(conn, protocol, timeout=NEGOTIATE_SECONDS))
+    except (*TRANSPORT_ERRORS, trio.TooSlowError) as error:
         raise OSError(f"cannot open {protocol} to {peer_id}: {error!r}"[:300]) from error
-    if stream.relayed:
-        await stream.reset()
-        raise OSError(f"only a relayed connection to {peer_id}: relays carry no tensors")
-    return stream
+    raise OSError(f"only a relayed connection to {peer_id}: relays carry no tensors")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -5,7 +5,7 @@ without a coordinator. `model` holds the cost model, `shares` the exact all-redu
 roles, `search` the choice of computing peers, `lp` the HiGHS reference used by tests.
 """
 
-from peer.roles.model import PeerCapacity, Prediction, predict
+from peer.roles.model import PeerCapacity, Prediction, aggregators, predict
 from peer.roles.search import EXACT_LIMIT, Assignment, PeerRole, assign_roles
 from peer.roles.shares import MAX_SHARE_RATIO, cap_shares, optimal_shares, share_cap
 
@@ -16,6 +16,7 @@ __all__ = [
     "PeerCapacity",
     "PeerRole",
     "Prediction",
+    "aggregators",
     "assign_roles",
     "cap_shares",
     "optimal_shares",

@@ -56,6 +56,18 @@ class PeerCapacity:
         return self.reachable and self.bandwidth > 0
 
 
+def aggregators(reachable: Sequence[bool], punchable: Sequence[bool]) -> list[bool]:
+    """Who may hold a share among peers that all send to every holder (pure): a reachable
+    peer, and one reachable only by hole punching when every peer is reachable or punchable.
+    A punch needs the NATs at both ends to keep their peer's address: a peer behind a
+    symmetric NAT reaches only reachable ones, so with one among them nobody behind NAT holds
+    a share; a reachable peer reaches a punchable one (its own dial goes straight in)."""
+    if len(reachable) != len(punchable):
+        raise ValueError("one reachable and one punchable flag per peer")
+    everyone = all(r or p for r, p in zip(reachable, punchable, strict=True))
+    return [r or (p and everyone) for r, p in zip(reachable, punchable, strict=True)]
+
+
 def bytes_per_round(*, computes: bool, share: float, computing: int) -> float:
     """Bytes peer i sends (and receives) per round, in units of P: c + g (K - 2c)."""
     c = 1.0 if computes else 0.0

@@ -43,6 +43,7 @@ from peer.errors import ConfigError, RemoteError
 from peer.files import state_folder
 from peer.heap import releaser
 from peer.measure.capabilities import Capabilities
+from peer.net.streamio import STREAM_PATH
 from peer.training.catchup import InPlaceCatchUp
 from peer.training.certificate import sign_step
 from peer.training.policy import (
@@ -121,6 +122,8 @@ class Tally:
     averaged_bytes: int = 0
     step_bytes: int = 0  # the last step's
     reduced: float = 0.0  # the fraction of the vector we reduced in the last averaging
+    reducing: int = 0  # averagings in which we reduced a part of the vector
+    stream_senders: int = 0  # members that sent us a part over a libp2p stream (no direct path)
     averaging_seconds: float = 0.0
     averagings: int = 0
     failures: Counter[str] = field(default_factory=Counter)
@@ -487,6 +490,10 @@ class Trainer:
         tally.step_bytes = sum(r.bytes_sent + r.bytes_received for r in result.rounds)
         if result.rounds:
             tally.reduced = result.rounds[-1].reduced
+        tally.reducing += any(r.reduced > 0 for r in result.rounds)
+        tally.stream_senders += sum(
+            path == STREAM_PATH for r in result.rounds for path in r.sender_paths.values()
+        )
         tally.averaged_bytes += tally.step_bytes
         return result
 
@@ -757,6 +764,9 @@ class Trainer:
             "utilisation": round(self.utilisation(), 4),
             "utilisation_after_first_step": round(self.utilisation(after_first_step=True), 4),
             "averaged_bytes": tally.averaged_bytes,
+            # averagings it reduced a part in, and parts it took over libp2p streams
+            "reducing": tally.reducing,
+            "stream_senders": tally.stream_senders,
             "downloads": tally.downloads,
             # (step, loss) of the latest evaluation on this peer, or None
             "validation": tally.validation,

@@ -56,7 +56,7 @@ from peer.net.relay.client import (
     reserve,
 )
 from peer.net.relay.dial import dial_via_relay, route_through_relays
-from peer.net.relay.internals import direct_conn, is_relayed, watch_relayed
+from peer.net.relay.internals import direct_conn, is_relayed, stream_on, watch_relayed
 from peer.net.relay.keep import RelaySlots
 from peer.net.relay.service import RelayService
 from peer.net.relay.wire import RelayRefused, parse_relayed_addr, relayed_addr
@@ -79,5 +79,6 @@ __all__ = [
     "relayed_addr",
     "reserve",
     "route_through_relays",
+    "stream_on",
     "watch_relayed",
 ]

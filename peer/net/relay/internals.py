@@ -16,6 +16,8 @@ from libp2p.io.exceptions import IOException
 from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.network.swarm import Swarm
 from libp2p.peer.id import ID
+from libp2p.protocol_muxer.multiselect_client import MultiselectClient
+from libp2p.protocol_muxer.multiselect_communicator import MultiselectCommunicator
 from libp2p.security.pnet.protector import new_protected_conn
 from multiaddr import Multiaddr
 
@@ -89,6 +91,23 @@ def direct_conn(network: Any, peer_id: ID) -> Any | None:
         if not conn.muxed_conn.is_closed and not is_relayed(conn.muxed_conn):
             return conn
     return None
+
+
+async def stream_on(conn: Any, protocol: str, *, timeout: float) -> INetStream:
+    """A new stream of `protocol` on exactly `conn` (a swarm connection): `host.new_stream`
+    picks any connection to the peer, a relayed one too. Multistream-select as the host does
+    it; the stream is reset if that fails."""
+    stream = await conn.new_stream()
+    try:
+        with trio.fail_after(timeout):
+            chosen = await MultiselectClient().select_one_of(
+                [protocol], MultiselectCommunicator(stream), max(1, int(timeout))
+            )
+    except BaseException:
+        await reset_stream(stream)
+        raise
+    stream.set_protocol(chosen)
+    return stream
 
 
 def is_relayed(muxed_conn: IMuxedConn) -> bool:
