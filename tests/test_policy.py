@@ -318,11 +318,17 @@ def test_the_last_finished_peer_leaves_only_once_its_stored_record_certifies_the
     assert isinstance(policy.next_action(Local(), T0), Wait)  # everyone holds d3, but
     read(policy, peer, stored(3), now=T0 + 1)  # our stored record has our signature only
     assert isinstance(policy.next_action(Local(), T0 + 1), Wait)
-    # z1 left (its signature stays ours); z2, at our step too, signed only for itself.
+    # z1 left (its signature stays ours); z2, at our step too, signed only for itself. Our
+    # stored record certifies the step now, but z2's does not: were we to leave, z2's would be
+    # the only record of the step, uncertified (the churn test's global step 0 after 29).
     z2 = other("z2", step=3, digest="d3", signatures=[StepSignature("z2", bytes(64))])
     read(policy, stored(3, "z1"), z2, now=T0 + 2)
     assert {s.signer for s in policy.held.signatures} == {ME, "z1", "z2"}
-    assert policy.next_action(Local(), T0 + 2) == Stop()
+    assert isinstance(policy.next_action(Local(), T0 + 2), Wait)
+    # z2 merged our signatures: its own record certifies the step too.
+    z2 = msgspec.structs.replace(z2, signatures=[StepSignature(p, bytes(64)) for p in ("z2", ME)])
+    read(policy, stored(3, "z1"), z2, now=T0 + 3)
+    assert policy.next_action(Local(), T0 + 3) == Stop()
     # Where our stores keep failing: no longer than the usual bound, and everyone agreed.
     unstored = make_policy(max_steps=3)
     finished(unstored, T0)

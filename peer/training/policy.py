@@ -508,7 +508,7 @@ class StepPolicy:
         if donors := self.donors(view, now):
             return self._catch_up(donors, view.global_step, left)
         settled = view.settled(self.held.step, self.held.digest)
-        if settled and self._stored_certificate():
+        if settled and self._stored_certificate() and self._others_certify(view):
             return self._stop("")
         if now > self._settle_patience and not view.catching_up(self.held.step):
             # Settled, our record not shown stored with the certificate (a store that failed):
@@ -531,6 +531,21 @@ class StepPolicy:
             and (ours.step, ours.digest) == (held.step, held.digest)
             # A record carries at most MAX_SIGNATURES: a larger quorum needs several records.
             and len({s.signer for s in ours.signatures}) >= min(self.quorum, MAX_SIGNATURES)
+        )
+
+    def _others_certify(self, view: CollaborationView) -> bool:
+        """Every other trainer's record at our step carries the step's certificate on its own,
+        as ours must (`_stored_certificate`). Whoever is last to leave leaves a certified record:
+        three peers once withdrew within 40 ms of the step while a restarted one's record still
+        carried only its own signature, and a status read saw global step 0 (the churn test)."""
+        held = self.held
+        if held.step == 0:  # every peer builds step 0 from the task: nothing to certify
+            return True
+        needed = min(self.quorum, MAX_SIGNATURES)
+        return all(
+            len({s.signer for s in r.signatures}) >= needed
+            for r in view.trainers(held.step)
+            if r.peer_id != self.me and r.digest == held.digest
         )
 
     def _stop(self, reason: str) -> Stop:
