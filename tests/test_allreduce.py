@@ -57,6 +57,7 @@ class Player:
     share: float
     weight: float
     vector: np.ndarray
+    host: str = "127.0.0.1"
 
     @property
     def peer_id(self) -> str:
@@ -65,7 +66,7 @@ class Player:
     def member(self) -> Member:
         return Member(
             peer_id=self.peer_id,
-            host="127.0.0.1",
+            host=self.host,
             port=self.port,
             computes=self.computes,
             share=self.share,
@@ -97,9 +98,10 @@ async def run_group(
     seed: int = 0,
     size: int = SIZE,
     tweak: Callable[[list[np.ndarray]], None] = lambda vectors: None,
+    host: str = "127.0.0.1",
 ) -> tuple[list[Player], list[np.ndarray], list[RoundReport | None]]:
     """Run one round; returns players (sorted as in the spec), original vectors, reports.
-    `tweak` may change the members' vectors before the round."""
+    `tweak` may change the members' vectors before the round; `host`: where they listen."""
     rng = np.random.default_rng(seed)
     identities = sorted((new_identity() for _ in roles), key=lambda i: i.peer_id.to_base58())
     behaviours = behaviours or {}
@@ -108,10 +110,10 @@ async def run_group(
         for identity, role in zip(identities, roles, strict=True):
             computes, share = ROLES[role]
             server = DataServer(data_identity(identity))
-            port = await nursery.start(server.serve, "127.0.0.1", 0)
+            port = await nursery.start(server.serve, host, 0)
             vector = rng.standard_normal(size).astype(np.float32) * 3
             weight = float(rng.integers(1, 5)) if computes else 0.0
-            players.append(Player(identity, server, port, computes, share, weight, vector))
+            players.append(Player(identity, server, port, computes, share, weight, vector, host))
         tweak([p.vector for p in players])
         originals = [p.vector.copy() for p in players]
         members = [p.member() for p in players]
@@ -191,6 +193,15 @@ async def test_exact_weighted_average_for_every_mix_of_roles(n, roles):
     for i, p in enumerate(players):
         if not p.computes:  # an aggregator keeps its own (zero-weight, unused) vector
             assert np.array_equal(p.vector, originals[i]) and reports[i].chunks == []
+
+
+async def test_members_on_ipv6_addresses_average_exactly():
+    players, originals, reports = await run_group(["normal", "normal", "aggregator"], host="::1")
+    expected = weighted_average(players, originals, lambda p: p.computes)
+    for i, p in enumerate(players):
+        if p.computes:
+            np.testing.assert_allclose(p.vector, expected, atol=TOLERANCE["none"])
+            assert reports[i].complete and reports[i].reducer_paths  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("codec", ["fp16", "int8"])

@@ -112,7 +112,13 @@ def free_port() -> int:
 
 
 def start_backbone(
-    start, tmp: Path, name: str, *bootstrap: str, port: int | None = None, options: tuple = ()
+    start,
+    tmp: Path,
+    name: str,
+    *bootstrap: str,
+    port: int | None = None,
+    options: tuple = (),
+    listen: str = LOOPBACK,
 ) -> tuple[Proc, str]:
     args = [
         "cli.backbone_cli",
@@ -120,7 +126,7 @@ def start_backbone(
         "--identity",
         str(tmp / f"{name}.key"),
         "--listen",
-        LOOPBACK,
+        listen,
         *options,
     ]
     if port is not None:
@@ -128,12 +134,14 @@ def start_backbone(
     for addr in bootstrap:
         args += ["--bootstrap", addr]
     proc = start(*args)
-    line = proc.wait_line("peer join --backbone /ip4/127.0.0.1/", timeout=30)
+    line = proc.wait_line("peer join --backbone /ip", timeout=30)
     return proc, line.split("--backbone ", 1)[1].strip()
 
 
-def start_peer(start, tmp: Path, name: str, backbones: list[str]) -> tuple[Proc, str]:
-    args = ["cli.peer_cli", "join", "--identity", str(tmp / f"{name}.key"), "--listen", LOOPBACK]
+def start_peer(
+    start, tmp: Path, name: str, backbones: list[str], *, listen: str = LOOPBACK
+) -> tuple[Proc, str]:
+    args = ["cli.peer_cli", "join", "--identity", str(tmp / f"{name}.key"), "--listen", listen]
     for addr in backbones:
         args += ["--backbone", addr]
     proc = start(*args)
@@ -247,6 +255,31 @@ def test_collaboration_lifecycle(procs, tmp_path, dead_backbone):
         assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
         # It withdrew its presence: gone at once, without waiting for expiry.
         assert peer_id not in listed_peers([survivor])
+
+
+def test_a_collaboration_on_ipv6_alone_measures_reachability_and_trains(procs, tmp_path):
+    """Backbone and peers listen on ::1 only: the peers join over IPv6, the backbone's
+    dial-back reaches them there (they are reachable, not client-only), and their averaged
+    steps cross the IPv6 data plane."""
+    _, addr = start_backbone(procs, tmp_path, "bb", listen="/ip6/::1/tcp/0")
+    assert addr.startswith("/ip6/::1/tcp/"), addr
+    peers = [start_peer(procs, tmp_path, f"p{i}", [addr], listen="/ip6/::1/tcp/0") for i in (0, 1)]
+    ids = {peer_id for _, peer_id in peers}
+    last: list[object] = [None]
+
+    def trained_and_reachable() -> bool:
+        report = status_report([addr])
+        training = report["collaboration"]["training"]
+        rows = [p for p in report["peers"] if p["peer_id"] in ids]
+        last[0] = (training, [(p["addrs"], p["reachable"], p["client_only"]) for p in rows])
+        return (
+            bool(training) and training["global_step"] >= 2 and training["bytes_per_step"] > 0
+            and len(rows) == 2 and all(p["reachable"] is True for p in rows)
+            and all(a.startswith("/ip6/::1/") for p in rows for a in p["addrs"])
+        )  # fmt: skip
+
+    wait_for(trained_and_reachable, timeout=120, what="IPv6 peers measured and trained",
+             last=lambda: last[0])  # fmt: skip
 
 
 def test_unreachable_backbone_is_a_one_line_error_with_exit_2(procs, tmp_path):

@@ -14,7 +14,8 @@ import pytest
 import trio
 from multiaddr import Multiaddr
 
-from peer.net.holepunch import HolePunchConfig, HolePuncher, check_punch_addrs, ip4_tcp
+from peer.net.holepunch import HolePunchConfig, HolePuncher, check_punch_addrs
+from peer.net.host import ip_tcp
 from peer.net.relay import RelayClient, RelayService, dial_via_relay, direct_conn, is_relayed
 from tests.test_relay import FAST_RETRY, WAIT, Echo, serve_echo, start_node
 
@@ -85,9 +86,10 @@ async def test_without_the_other_end_taking_part_the_connection_stays_relayed():
         assert reply.text == "relayed"
 
 
-def test_only_plain_ipv4_tcp_addresses_a_peer_may_ask_for_are_dialed():
+def test_only_plain_ip_tcp_addresses_a_peer_may_ask_for_are_dialed():
     sent = [
         "/ip4/198.51.100.7/tcp/4001",  # fine
+        "/ip6/2001:db8::7/tcp/4001",  # fine too
         "/ip4/127.0.0.1/tcp/22",  # loopback: only if ours is loopback too
         "/ip4/169.254.169.254/tcp/80",  # link-local (cloud metadata)
         "/ip4/0.0.0.0/tcp/4001",
@@ -99,12 +101,28 @@ def test_only_plain_ipv4_tcp_addresses_a_peer_may_ask_for_are_dialed():
         "not an address",
     ]
     assert check_punch_addrs(sent, own_host="203.0.113.1") == [
-        Multiaddr("/ip4/198.51.100.7/tcp/4001")
+        Multiaddr("/ip4/198.51.100.7/tcp/4001"),
+        Multiaddr("/ip6/2001:db8::7/tcp/4001"),
     ]
     on_one_machine = check_punch_addrs(sent, own_host="127.0.0.1")
     assert Multiaddr("/ip4/127.0.0.1/tcp/22") in on_one_machine
-    assert len(check_punch_addrs(sent * 3, own_host="203.0.113.1")) == 1  # at most 8 read
-    assert ip4_tcp("/ip4/10.0.0.1/tcp/5") == ("10.0.0.1", 5)
+    assert Multiaddr("/ip6/::1/tcp/4001") in on_one_machine
+    assert len(check_punch_addrs(sent * 3, own_host="203.0.113.1")) == 2  # at most 8 read
+    assert ip_tcp("/ip4/10.0.0.1/tcp/5") == ("10.0.0.1", 5)
+    assert ip_tcp("/ip6/2001:db8::7/tcp/5") == ("2001:db8::7", 5)
+    assert ip_tcp("/ip6/2001:db8::7/tcp/5/p2p-circuit") is None
+
+
+def test_a_peer_offers_its_announced_addresses_then_the_one_backbones_saw():
+    from types import SimpleNamespace
+
+    from peer.net.holepunch import punch_addrs
+
+    node = SimpleNamespace(
+        announce=[Multiaddr("/ip4/10.0.0.2/tcp/4001"), Multiaddr("/dns4/x.example/tcp/1")],
+        punch_observed=["/ip4/198.51.100.7/tcp/61234", "/ip4/10.0.0.2/tcp/4001"],
+    )
+    assert punch_addrs(node) == ["/ip4/10.0.0.2/tcp/4001", "/ip4/198.51.100.7/tcp/61234"]  # type: ignore[arg-type]
 
 
 async def test_a_relayed_connection_carries_no_tensors_either_way():

@@ -98,10 +98,11 @@ def test_only_a_definite_dial_back_answer_changes_reachability():
     assert reachability_verdict(DialBackResult([], {})) is False  # announced nothing dialable
 
 
-async def test_behind_a_nat_that_keeps_its_announced_address_a_peer_is_punchable(monkeypatch):
-    """The dial-back fails; then every backbone saw a dial from our listen port come from our
-    announced address (an eim NAT): punchable. One backbone seeing another port (a symmetric
-    NAT) or a dial-back that reaches us (reachable) makes it not punchable."""
+async def test_behind_a_nat_that_keeps_its_address_a_peer_is_punchable(monkeypatch):
+    """The dial-back fails; then every backbone saw a dial from our listen port come from one
+    address: the announced one (punchable), or one we do not announce that two backbones saw
+    alike (punchable, and offered in hole punches). Two backbones seeing different ports (a
+    symmetric NAT), or a dial-back that reaches us (reachable), make it not punchable."""
     import peer.measure.service as service
 
     announced = "/ip4/198.51.100.7/tcp/4001"
@@ -117,7 +118,7 @@ async def test_behind_a_nat_that_keeps_its_announced_address_a_peer_is_punchable
 
     async def observed_from_listen_port(node, backbone):
         mapping_checks.append(backbone)
-        return seen[backbone]
+        return seen[backbone], 4001
 
     async def backbones() -> list:
         return ["bb1", "bb2"]
@@ -125,17 +126,22 @@ async def test_behind_a_nat_that_keeps_its_announced_address_a_peer_is_punchable
     monkeypatch.setattr(service, "measure_link", measure_link)
     monkeypatch.setattr(service, "check_reachable", check_reachable)
     monkeypatch.setattr(service, "observed_from_listen_port", observed_from_listen_port)
-    node = SimpleNamespace(peer_id="me", announce=[announced])
+    node = SimpleNamespace(peer_id="me", announce=[announced], punch_observed=[])
     m = Measurements(node, PeerConfig(), find_backbones=backbones)  # type: ignore[arg-type]
 
     assert await m._measure_links()
     caps = m.capabilities()
     assert m.verdict is False and caps is not None and caps.punchable and not caps.reachable
-    assert mapping_checks == ["bb1", "bb2"]
+    assert mapping_checks == ["bb1", "bb2"] and node.punch_observed == []  # announced already
 
-    seen["bb2"] = "/ip4/198.51.100.7/tcp/61234"  # another port for another destination
+    outside = "/ip4/198.51.100.7/tcp/61234"  # not announced, another port, seen by both
+    seen.update(bb1=outside, bb2=outside)
     assert await m._measure_links()
-    assert m.capabilities().punchable is False  # type: ignore[union-attr]
+    assert m.capabilities().punchable and node.punch_observed == [outside]  # type: ignore[union-attr]
+
+    seen["bb2"] = "/ip4/198.51.100.7/tcp/61235"  # another port for another destination
+    assert await m._measure_links()
+    assert m.capabilities().punchable is False and node.punch_observed == []  # type: ignore[union-attr]
 
     dial_back["result"] = DialBackResult([announced], {})
     mapping_checks.clear()

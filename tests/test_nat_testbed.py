@@ -337,7 +337,7 @@ def verdict(bed: NatBed, host: str) -> str | None:
 
 
 CLIENT_ONLY = "client-only (not reachable inbound)"
-PUNCHABLE = "reachable by hole punching (its NAT keeps its announced address)"
+PUNCHABLE = "reachable by hole punching (its NAT keeps its address)"
 
 
 @dataclass

@@ -8,19 +8,21 @@ Protocol `/peertrain/dialback/1`, one check per stream:
 dial-back did not reach then checks its NAT's mapping (`observed_from_listen_port`): it dials
 the backbone from its listen port, as a hole punch dials, and asks with no addresses on that
 connection (nothing is dialed, only `observed` answered). A NAT that maps the listen port to
-the address the peer announces (endpoint-independent mapping that keeps the port) lets peers
-punch through to it: the peer is `punchable` and may aggregate for peers that reach it
-(`peer.roles.aggregators`). A symmetric NAT shows another port, and the peer stays client-only.
+the address the peer announces, or that keeps its listen port, or that several backbones saw
+alike (endpoint-independent mapping) lets peers punch through to it (`punch_address`): the
+peer is `punchable`, offers that address in hole punches, and may aggregate for peers that
+reach it (`peer.roles.aggregators`). A symmetric NAT shows another port, and the peer stays
+client-only.
 
 The backbone dials from a second host with its own throw-away identity, because its main host
 already has a connection to the caller and would reuse it. The Noise handshake proves that
 whoever answers at the address holds the caller's key. As in libp2p's AutoNAT, only addresses
 whose IP is the one the caller's connection comes from are dialed, so nobody can make a
 backbone dial third parties; a peer behind NAT announces private addresses, none match, and it
-is (correctly) found client-only. Only IPv4 addresses are checked today, so a peer reachable
-over IPv6 alone counts as client-only. Checks run one at a time per caller and at most
-`MAX_CONCURRENT` at once (beyond that the answer is "busy" at once, so the caller keeps its
-previous verdict), each dial bounded by `DIAL_TIMEOUT`.
+is (correctly) found client-only. IPv4 and IPv6 addresses are checked alike: a peer whose
+connection comes over IPv6 has its IPv6 addresses with that IP dialed. Checks run one at a
+time per caller and at most `MAX_CONCURRENT` at once (beyond that the answer is "busy" at
+once, so the caller keeps its previous verdict), each dial bounded by `DIAL_TIMEOUT`.
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
 from peer.errors import DECODE_ERRORS, DeadlineExceeded, ProtocolError, RemoteError, Unreachable
-from peer.net.holepunch import ip4_tcp, listen_source
-from peer.net.host import Node, create_host, parse_multiaddr
+from peer.net.holepunch import ip_version, listen_source
+from peer.net.host import Node, create_host, host_of, ip_tcp, parse_multiaddr
 from peer.net.identity import Identity
 from peer.net.relay import stream_on
 from peer.net.rpc import TRANSPORT_ERRORS, FramedStream
@@ -72,12 +74,16 @@ _encode = msgspec.msgpack.Encoder().encode
 
 
 def same_ip(addr: Multiaddr, observed_ip: str) -> bool:
+    """Whether `addr` is an IPv4 or IPv6 address with the IP the caller's connection comes from
+    (an IPv4-mapped IPv6 one, as a dual-stack listener reports IPv4 callers, as its IPv4)."""
     try:
-        return ipaddress.ip_address(addr.value_for_protocol("ip4")) == ipaddress.ip_address(
-            observed_ip
-        )
-    except Exception:  # not an ip4 address, or not parseable: never dialed
+        ours = ipaddress.ip_address(host_of(str(addr)) or "")
+        theirs = ipaddress.ip_address(observed_ip)
+    except ValueError:  # not an ip address, or not parseable: never dialed
         return False
+    if isinstance(theirs, ipaddress.IPv6Address) and theirs.ipv4_mapped is not None:
+        theirs = theirs.ipv4_mapped
+    return ours == theirs
 
 
 def observed_addr(remote: tuple[str, int] | None) -> str:
@@ -91,13 +97,24 @@ def observed_addr(remote: tuple[str, int] | None) -> str:
     return f"/{kind}/{remote[0]}/tcp/{int(remote[1])}"
 
 
-def punchable(observed: Sequence[str], announced: Sequence[str]) -> bool:
-    """Whether peers can punch through our NAT to us (pure): every backbone that saw a dial
-    from our listen port (`observed`, at least one) saw it come from one address we announce.
-    Hole punching aims at our announced addresses (`peer.net.holepunch`), so our NAT must map
-    the listen port to one of them for every destination. A symmetric NAT gives each new
-    connection another port (`--random-fully`): the address seen is not the announced one."""
-    return bool(observed) and len(set(observed)) == 1 and observed[0] in set(announced)
+def punch_address(observed: Sequence[tuple[str, int]], announced: Sequence[str]) -> str | None:
+    """Where peers can punch through our NAT to us (pure), or None. `observed`: per backbone
+    asked, (where it saw a dial from our listen port come from, that listen port). Every one
+    (at least one) saw it come from the same address,
+    and that address is one we announce (we know our router's outside address), or it keeps
+    our listen port, or at least two backbones saw it (a NAT that maps the port alike for
+    different destinations: endpoint-independent). A symmetric NAT gives each new connection
+    another port (`--random-fully`): one backbone sees a new port, two see two."""
+    seen = {address for address, _ in observed}
+    if len(seen) != 1 or "" in seen:
+        return None
+    address, listen_port = observed[0]
+    if address in set(announced):
+        return address
+    parsed = ip_tcp(address)
+    if parsed is None:
+        return None
+    return address if parsed[1] == listen_port or len(observed) >= 2 else None
 
 
 class DialBackServer:
@@ -184,17 +201,19 @@ class DialBackServer:
         self.dialer.get_peerstore().clear_addrs(caller)
 
 
-async def observed_from_listen_port(node: Node, backbone: ID) -> str | None:
-    """Where `backbone` sees a connection from our listen port come from: a new connection
-    dialed from that port (as a hole punch dials), asked on that very connection, then closed.
-    None when we have no listen port, no direct address of the backbone, or it did not answer
-    (an older backbone answers ""). Raises nothing: it only ever leaves a peer client-only."""
-    source = listen_source(node)
+async def observed_from_listen_port(node: Node, backbone: ID) -> tuple[str, int] | None:
+    """(Where `backbone` sees a connection from our listen port come from, that port): a new
+    connection dialed from the port (as a hole punch dials), asked on that very connection,
+    then closed. None when we have no listen port, no direct address of the backbone, or it
+    did not answer (an older backbone answers ""). Raises nothing: it only ever leaves a peer
+    client-only."""
     network: Any = node.host.get_network()
-    if source is None:
-        return None
     for addr in node.host.get_peerstore().addrs(backbone)[:MAX_ADDRS]:
-        if ip4_tcp(str(addr)) is None:  # a relayed or non-TCP address: not the backbone's own
+        parsed = ip_tcp(str(addr))
+        if parsed is None:  # a relayed or non-TCP address: not the backbone's own
+            continue
+        source = listen_source(node, ip_version(parsed[0]))
+        if source is None:  # we listen on no port of that IP version
             continue
         conn = None
         try:
@@ -209,7 +228,7 @@ async def observed_from_listen_port(node: Node, backbone: ID) -> str | None:
                     await framed.reset()
             if frame is None:
                 return None
-            return msgspec.msgpack.decode(frame, type=DialBackResult).observed
+            return msgspec.msgpack.decode(frame, type=DialBackResult).observed, source[1]
         except (trio.TooSlowError, *DECODE_ERRORS) as error:
             log.debug("mapping check with %s at %s: %r", backbone, addr, error)
         except Exception as error:  # py-libp2p's dials raise several unrelated types

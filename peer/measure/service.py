@@ -41,7 +41,7 @@ from peer.measure.reachability import (
     DialBackResult,
     check_reachable,
     observed_from_listen_port,
-    punchable,
+    punch_address,
 )
 from peer.net.host import Node
 from peer.priority import lower_priority
@@ -303,7 +303,10 @@ class Measurements:
         if verdict is not None:
             self.reachable = self.verdict = verdict
             announced = [str(a) for a in self.node.announce]
-            self.punchable = not verdict and punchable(observed, announced)
+            address = None if verdict else punch_address(observed, announced)
+            self.punchable = address is not None
+            # Where we learned it, not from --announce: hole punches offer it too.
+            self.node.punch_observed = [address] if address and address not in announced else []
         self.keep_attestations(link.attestation for link in links)
         if links:
             self.link = best_link(links)
@@ -359,7 +362,7 @@ def reach_words(reachable: bool, punchable: bool) -> str:
     if reachable:
         return "reachable"
     if punchable:
-        return "reachable by hole punching (its NAT keeps its announced address)"
+        return "reachable by hole punching (its NAT keeps its address)"
     return "client-only (not reachable inbound)"
 
 

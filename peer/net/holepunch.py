@@ -5,7 +5,7 @@ Theory of operation (libp2p/specs relay/DCUtR.md; messages of our own, framed ms
 A reached B through a relay (B is behind NAT and accepted the circuit). B, the end that
 accepted it, opens `/peertrain/holepunch/1` over the relayed connection:
 
-    B -> A  Connect{addrs}   B's direct addresses (IPv4/TCP, what it announces)
+    B -> A  Connect{addrs}   B's direct addresses (IP/TCP, what it announces)
     A -> B  Connect{addrs}   A's                             (B measures the round trip)
     B -> A  Sync             A dials B's addresses at once;
                              B waits rtt/2 + `sync_margin`, then dials A's addresses
@@ -26,7 +26,7 @@ it before the upgrade get to finish), and `connected_directly(peer)` says so. On
 (a symmetric NAT maps every destination to a new port: nothing to aim at) both stay on the
 relayed connection; nothing is retried until a new relayed connection is made.
 
-What the remote sends is hostile: at most `MAX_ADDRS` addresses, each `/ip4/<ip>/tcp/<port>`
+What the remote sends is hostile: at most `MAX_ADDRS` addresses, each `/ip4|ip6/<ip>/tcp/<port>`
 and acceptable to `check_dial_address` (no loopback, link-local or unspecified address unless
 ours is one too), dialed once per attempt, each dial bounded, with the peer id Noise must
 prove: the remote cannot make us talk to a third party beyond a few SYNs. One attempt per
@@ -36,6 +36,7 @@ size; a peer's bad message ends that attempt only.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import time
 from dataclasses import dataclass
@@ -49,7 +50,7 @@ from multiaddr import Multiaddr
 
 from peer.errors import DECODE_ERRORS, ProtocolError
 from peer.net.admission import check_dial_address
-from peer.net.host import Node
+from peer.net.host import Node, ip_tcp, tcp_multiaddr
 from peer.net.relay import direct_conn, is_relayed, watch_relayed
 from peer.net.rpc import TRANSPORT_ERRORS, FramedStream
 
@@ -100,50 +101,43 @@ class HolePunchStatistics:
 
 
 def punch_addrs(node: Node) -> list[str]:
-    """Our addresses worth aiming at: the announced IPv4/TCP ones (a NATed peer announces
-    its router's outside address; see docs/ARCHITECTURE.md, "Relay")."""
+    """Our addresses worth aiming at: the announced IP/TCP ones (a NATed peer may announce its
+    router's outside address; see docs/ARCHITECTURE.md, "Relay"), then the one backbones saw
+    our listen port mapped to (`Node.punch_observed`)."""
     out = []
-    for addr in node.announce:
-        parsed = ip4_tcp(str(addr))
+    for addr in [*node.announce, *node.punch_observed]:
+        parsed = ip_tcp(str(addr))
         if parsed is not None and str(addr) not in out:
             out.append(str(addr))
     return out[:MAX_ADDRS]
-
-
-def ip4_tcp(text: str) -> tuple[str, int] | None:
-    """(ip, port) of exactly `/ip4/<ip>/tcp/<port>`, else None."""
-    try:
-        maddr = Multiaddr(text)
-        names = [p.name for p in maddr.protocols()]
-        if names != ["ip4", "tcp"]:
-            return None
-        return str(maddr.value_for_protocol("ip4")), int(maddr.value_for_protocol("tcp"))
-    except Exception:  # the multiaddr package raises several unrelated types
-        return None
 
 
 def check_punch_addrs(addrs: list[str], *, own_host: str) -> list[Multiaddr]:
     """The addresses a peer sent that we may dial (see the module docstring); others skipped."""
     out = []
     for text in addrs[:MAX_ADDRS]:
-        parsed = ip4_tcp(text)
+        parsed = ip_tcp(text)
         if parsed is None:
             continue
         try:
             check_dial_address(*parsed, own_host=own_host)
         except ProtocolError:
             continue
-        out.append(Multiaddr(f"/ip4/{parsed[0]}/tcp/{parsed[1]}"))
+        out.append(tcp_multiaddr(*parsed))
     return out
 
 
-def listen_source(node: Node) -> tuple[str, int] | None:
-    """(ip, port) of our first IPv4/TCP listener: dials leave from it."""
+def listen_source(node: Node, family: int = 4) -> tuple[str, int] | None:
+    """(ip, port) of our first TCP listener of IP version `family`: dials leave from it."""
     for addr in node.host.get_addrs():
-        parsed = ip4_tcp(str(addr).split("/p2p/")[0])
-        if parsed is not None and parsed[1]:
+        parsed = ip_tcp(str(addr).split("/p2p/")[0])
+        if parsed is not None and parsed[1] and ip_version(parsed[0]) == family:
             return parsed
     return None
+
+
+def ip_version(ip: str) -> int:
+    return ipaddress.ip_address(ip).version
 
 
 class HolePuncher:
@@ -217,7 +211,7 @@ class HolePuncher:
 
     def _own_host(self) -> str:
         addrs = punch_addrs(self.node)
-        return ip4_tcp(addrs[0])[0] if addrs else "0.0.0.0"  # type: ignore[index]
+        return ip_tcp(addrs[0])[0] if addrs else "0.0.0.0"  # type: ignore[index]
 
     async def _read(self, framed: FramedStream, kind: type) -> Any:
         with trio.fail_after(self.config.message_seconds):
@@ -308,10 +302,11 @@ class HolePuncher:
         """Dial every address at once from our listen port; True once a direct connection
         to `peer_id` exists (ours, or the one the other end's dial made)."""
         network: Any = self.node.host.get_network()
-        source = listen_source(self.node)
         dial = network.dial_addr_as_responder if as_responder else network.dial_addr
 
         async def one(addr: Multiaddr) -> None:
+            # From our listen port of the address's family (IPv6 firewalls keep state too).
+            source = listen_source(self.node, ip_version(ip_tcp(str(addr))[0]))  # type: ignore[index]
             try:
                 with trio.fail_after(self.config.dial_seconds):
                     await dial(addr, peer_id, source)

@@ -28,6 +28,8 @@ py-libp2p 0.8.1 defaults that we override, and why (see docs/ARCHITECTURE.md):
   partition cut a backbone's connection, its peers redialled 0.0.0.0 and failed for minutes.
   The peerstore hides unspecified addresses, and an explicit `connect` dials the addresses it
   is given.
+- its TCP stream reports no remote address for an IPv6 connection (it expects `getpeername`
+  to give two items; IPv6 gives four); we take the first two.
 - identify: every new connection runs an identify exchange in the background, from both
   ends: ~40 % of a connection's CPU (measured in one process, both ends: 15-19 ms -> 9-11 ms
   per connection and first stream), taken from the DHT lookup that dialed. Nothing of ours
@@ -138,7 +140,31 @@ def create_host(
     # it: on connect, on a new connection, on a stream); see the module docstring.
     host._schedule_identify = _no_identify  # type: ignore[attr-defined]
     _hide_unspecified_addrs(host.get_peerstore())
+    _report_ipv6_remote_addresses()
     return host
+
+
+def _report_ipv6_remote_addresses() -> None:
+    """py-libp2p's TCP stream gives no remote address for an IPv6 connection (its
+    `getpeername` has four items where it expects two): the dial-back could not tell where a
+    caller on IPv6 came from. The pinned version's class, patched once."""
+    from libp2p.io.trio import TrioTCPStream
+
+    original = TrioTCPStream.get_remote_address
+    if getattr(original, "peertrain", False):
+        return
+
+    def get_remote_address(self: Any) -> tuple[str, int] | None:
+        address = original(self)
+        if address is None:
+            with suppress(AttributeError, OSError):
+                peer = self.stream.socket.getpeername()
+                if isinstance(peer, tuple) and len(peer) >= 2:
+                    address = (str(peer[0]), int(peer[1]))
+        return address
+
+    get_remote_address.peertrain = True  # type: ignore[attr-defined]
+    TrioTCPStream.get_remote_address = get_remote_address  # type: ignore[method-assign]
 
 
 def _no_identify(peer_id: ID, *, reason: str) -> None:
@@ -167,27 +193,58 @@ def _unspecified(addr: Multiaddr) -> bool:
     return False
 
 
-def _interface_ips() -> list[str]:
+def _interface_ips(family: str = "AF_INET") -> list[str]:
     ips = []
     for addrs in psutil.net_if_addrs().values():
         for addr in addrs:
-            if addr.family.name == "AF_INET":
+            # An IPv6 link-local address needs its interface (%eth0) to be dialled: left out.
+            if addr.family.name == family and "%" not in addr.address:
                 ips.append(addr.address)
     # Addresses another machine can use come first; loopback last.
     return sorted(set(ips), key=lambda ip: (ipaddress.ip_address(ip).is_loopback, ip))
 
 
+def ip_tcp(text: str) -> tuple[str, int] | None:
+    """(ip, port) of exactly `/ip4/<ip>/tcp/<port>` or `/ip6/<ip>/tcp/<port>`, else None."""
+    try:
+        maddr = Multiaddr(text)
+        names = [p.name for p in maddr.protocols()]
+        if names not in (["ip4", "tcp"], ["ip6", "tcp"]):
+            return None
+        return str(maddr.value_for_protocol(names[0])), int(maddr.value_for_protocol("tcp"))
+    except Exception:  # the multiaddr package raises several unrelated types
+        return None
+
+
+def tcp_multiaddr(ip: str, port: int) -> Multiaddr:
+    """`/ip4/<ip>/tcp/<port>` or `/ip6/...`, whichever `ip` is."""
+    kind = "ip6" if ipaddress.ip_address(ip).version == 6 else "ip4"
+    return Multiaddr(f"/{kind}/{ip}/tcp/{port}")
+
+
+def host_of(text: str) -> str | None:
+    """The IP literal an `/ip4/...` or `/ip6/...` multiaddr starts with, else None (also for
+    a relayed address: its IP is the relay's)."""
+    try:
+        maddr = Multiaddr(text)
+        names = [p.name for p in maddr.protocols()]
+        if names[0] not in ("ip4", "ip6") or "p2p-circuit" in names:
+            return None
+        return str(maddr.value_for_protocol(names[0]))
+    except Exception:  # not a multiaddr, or no parts
+        return None
+
+
 def dialable_addrs(bound: Sequence[Multiaddr]) -> list[Multiaddr]:
-    """Expand wildcard listen addresses (0.0.0.0) into one address per local interface."""
+    """Expand wildcard listen addresses (0.0.0.0, ::) into one address per local interface
+    of that family."""
     out: list[Multiaddr] = []
     for maddr in bound:
-        try:
-            ip = maddr.value_for_protocol("ip4")
-        except Exception:
-            ip = None
-        if ip == "0.0.0.0":
-            rest = str(maddr).removeprefix("/ip4/0.0.0.0")
-            out.extend(Multiaddr(f"/ip4/{local}{rest}") for local in _interface_ips())
+        ip = host_of(str(maddr))
+        if ip in ("0.0.0.0", "::"):
+            kind, family = ("ip4", "AF_INET") if ip == "0.0.0.0" else ("ip6", "AF_INET6")
+            rest = str(maddr).removeprefix(f"/{kind}/{ip}")
+            out.extend(Multiaddr(f"/{kind}/{local}{rest}") for local in _interface_ips(family))
         else:
             out.append(maddr)
     return out
@@ -210,6 +267,10 @@ class Node:
     the backbones we were configured with); `peer.net.relay.route_through_relays` dials them."""
     relayed_announce: Callable[[], list[str]] = list
     """Our own relayed addresses (a `RelayClient`'s `relayed_addrs` while we hold slots)."""
+    punch_observed: list[str] = field(default_factory=list)
+    """Where backbones saw a dial from our listen port come from, when that is where peers
+    can punch to us and we do not announce it (`peer.measure.reachability.punch_address`):
+    offered in hole punches beside `announce` (`peer.net.holepunch.punch_addrs`)."""
 
     @property
     def peer_id(self) -> ID:
@@ -325,16 +386,15 @@ def _check_ports_free(listen_addrs: Sequence[Multiaddr]) -> None:
 
 
 def bind_error(maddr: Multiaddr) -> OSError | None:
-    """Why a plain bind of an ip4/tcp address with a fixed port fails (None: it binds, or the
-    address is not ip4/tcp with a fixed port). libp2p's own listener sets SO_REUSEPORT and
+    """Why a plain bind of an ip4/ip6 tcp address with a fixed port fails (None: it binds, or
+    the address is not ip/tcp with a fixed port). libp2p's own listener sets SO_REUSEPORT and
     would bind a taken port anyway."""
-    try:
-        ip, port = maddr.value_for_protocol("ip4"), int(maddr.value_for_protocol("tcp"))
-    except Exception:  # not an ip4/tcp address: nothing of ours to check
+    parsed = ip_tcp(str(maddr))
+    if parsed is None or parsed[1] == 0:  # not an ip/tcp address: nothing of ours to check
         return None
-    if port == 0:
-        return None
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+    ip, port = parsed
+    family = socket.AF_INET6 if ipaddress.ip_address(ip).version == 6 else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is fine
         try:
             probe.bind((ip, port))
@@ -357,15 +417,8 @@ async def _close_peer(network: object, peer_id: ID) -> None:
 
 
 def data_plane_hosts(node: Node, listen: Sequence[str]) -> tuple[str, str]:
-    """(address to bind, address others dial) for the data plane's TCP ports: the IPv4 of the
-    first listen address, and of the first announced one."""
-
-    def ip4(text: str, fallback: str) -> str:
-        try:
-            return Multiaddr(text).value_for_protocol("ip4") or fallback
-        except Exception:  # an /ip6 or /dns address: no IPv4 here
-            return fallback
-
-    bind = ip4(listen[0], "0.0.0.0") if listen else "0.0.0.0"
-    advertised = ip4(str(node.announce[0]), bind) if node.announce else bind
+    """(address to bind, address others dial) for the data plane's TCP ports: the IP (v4 or
+    v6) of the first listen address, and of the first announced one."""
+    bind = (host_of(listen[0]) if listen else None) or "0.0.0.0"
+    advertised = (host_of(str(node.announce[0])) if node.announce else None) or bind
     return bind, advertised

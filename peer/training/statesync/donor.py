@@ -13,11 +13,10 @@ from dataclasses import dataclass, field
 import trio
 from libp2p.abc import INetStream
 from libp2p.peer.id import ID
-from multiaddr import Multiaddr
 
 from peer.errors import ProtocolError, RpcError
 from peer.net.admission import Admission, AdmissionLimits
-from peer.net.host import Node
+from peer.net.host import Node, host_of
 from peer.net.ratelimit import ByteBudgets
 from peer.net.rpc import RpcServer
 from peer.net.streamio import (
@@ -238,10 +237,9 @@ class StateDonor:
         if bound not in ("", "0.0.0.0", "::"):
             return bound
         for addr in self.node.announce:
-            try:
-                return Multiaddr(str(addr)).value_for_protocol("ip4") or "127.0.0.1"
-            except Exception:  # not an ip4 address
-                continue
+            host = host_of(str(addr))
+            if host is not None:  # else a /dns address: not an IP to hand out
+                return host
         return "127.0.0.1"
 
     async def hash_snapshot(self) -> Snapshot | None:

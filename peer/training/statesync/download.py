@@ -14,11 +14,10 @@ from typing import Protocol, TypeVar
 
 import trio
 from libp2p.peer.id import ID
-from multiaddr import Multiaddr
 
 from peer.errors import DeadlineExceeded, ProtocolError, RemoteError
 from peer.net.admission import check_dial_address, connect
-from peer.net.host import Node
+from peer.net.host import Node, host_of
 from peer.net.streamio import (
     DIRECT_TIMEOUT,
     STATE_PROTOCOL,
@@ -560,12 +559,11 @@ def _nowhere(index: int) -> memoryview:
 
 
 def _own_host(node: Node) -> str:
-    """The IPv4 others reach us at (a loopback one for a collaboration on one machine)."""
+    """The IP others reach us at (a loopback one for a collaboration on one machine)."""
     for text in node.public_addrs():
-        with suppress(Exception):  # an /ip6 or /dns address
-            host = Multiaddr(text).value_for_protocol("ip4")
-            if host:
-                return str(host)
+        host = host_of(text)
+        if host is not None:  # else a /dns or relayed address
+            return host
     return "127.0.0.1"
 
 
