@@ -47,10 +47,10 @@ class Capabilities(msgspec.Struct, frozen=True):
     """Backbones' signed measurements of its link, the newest of each (checked by readers).
     The default keeps older records decodable; older readers ignore the field."""
     punchable: bool = False
-    """Not reachable, but its NAT maps its listen port to the address it announces (what a
-    backbone saw of a dial from that port, `peer.measure.reachability.punchable`): peers that
-    are reachable or punchable themselves reach it by hole punching (`peer.roles.aggregators`).
-    A claim, like `reachable`."""
+    """Not reachable, but its NAT maps its listen port alike for every destination (what
+    backbones saw of dials from that port, `peer.measure.reachability.punch_address`): peers
+    that are reachable or punchable themselves reach it by hole punching
+    (`peer.roles.aggregators`). A claim, like `reachable`."""
 
 
 def to_capacity(peer_id: str, capabilities: Capabilities) -> PeerCapacity | None:

@@ -65,7 +65,7 @@ class DialBack(msgspec.Struct):
 class DialBackResult(msgspec.Struct):
     reachable: list[str]
     unreachable: dict[str, str]
-    observed: str = ""
+    observed: Addr = ""
     """Where the request's connection came from, as the backbone saw it (`/ip4/<ip>/tcp/<port>`;
     "" from older backbones). A request with no addresses only asks for this."""
 
@@ -100,11 +100,11 @@ def observed_addr(remote: tuple[str, int] | None) -> str:
 def punch_address(observed: Sequence[tuple[str, int]], announced: Sequence[str]) -> str | None:
     """Where peers can punch through our NAT to us (pure), or None. `observed`: per backbone
     asked, (where it saw a dial from our listen port come from, that listen port). Every one
-    (at least one) saw it come from the same address,
-    and that address is one we announce (we know our router's outside address), or it keeps
-    our listen port, or at least two backbones saw it (a NAT that maps the port alike for
-    different destinations: endpoint-independent). A symmetric NAT gives each new connection
-    another port (`--random-fully`): one backbone sees a new port, two see two."""
+    (at least one) saw the same address, and it is one we announce (we know our router's
+    outside address), or it keeps our listen port, or at least two backbones saw it (a NAT
+    that maps the port alike for different destinations: endpoint-independent). A symmetric
+    NAT gives each new connection another port (`--random-fully`): one backbone sees a new
+    port, two see two."""
     seen = {address for address, _ in observed}
     if len(seen) != 1 or "" in seen:
         return None

@@ -30,6 +30,10 @@ py-libp2p 0.8.1 defaults that we override, and why (see docs/ARCHITECTURE.md):
   is given.
 - its TCP stream reports no remote address for an IPv6 connection (it expects `getpeername`
   to give two items; IPv6 gives four); we take the first two.
+- its yamux only logs a sender that goes past the receive window it granted, and buffers every
+  byte: one stream could grow our memory without bound. Stream buffers are bounded (32 MiB
+  each, 128 MiB per connection: twice and eight times its largest window); past that the
+  connection is closed.
 - identify: every new connection runs an identify exchange in the background, from both
   ends: ~40 % of a connection's CPU (measured in one process, both ends: 15-19 ms -> 9-11 ms
   per connection and first stream), taken from the DHT lookup that dialed. Nothing of ours
@@ -58,6 +62,7 @@ from libp2p.peer.peerinfo import PeerInfo
 from libp2p.rcmgr import new_resource_manager
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
+from libp2p.stream_muxer.yamux.yamux import MAX_WINDOW_SIZE, Yamux
 from multiaddr import Multiaddr
 
 from peer.errors import ConfigError, Unreachable
@@ -141,6 +146,7 @@ def create_host(
     host._schedule_identify = _no_identify  # type: ignore[attr-defined]
     _hide_unspecified_addrs(host.get_peerstore())
     _report_ipv6_remote_addresses()
+    _bound_yamux_buffers()
     return host
 
 
@@ -165,6 +171,62 @@ def _report_ipv6_remote_addresses() -> None:
 
     get_remote_address.peertrain = True  # type: ignore[attr-defined]
     TrioTCPStream.get_remote_address = get_remote_address  # type: ignore[method-assign]
+
+
+MAX_STREAM_BUFFER = 2 * MAX_WINDOW_SIZE
+"""Bytes a yamux stream's receive buffer may hold: twice the largest window py-libp2p grants
+(16 MiB). An honest sender never has more than the window in flight."""
+MAX_CONNECTION_BUFFER = 8 * MAX_WINDOW_SIZE
+"""...and all streams of one connection together (eight full windows: our data planes hold a
+few streams per peer at once)."""
+
+
+class WindowExceeded(trio.TooSlowError):
+    """A peer sent past the receive window. A `TooSlowError` because that is what py-libp2p's
+    yamux reader closes the connection on, wherever it is raised; any other error while it
+    reads a frame only ends that stream, and the sender's next frames are read and dropped."""
+
+
+class _BoundedBuffer(bytearray):
+    def __init__(self, data: Any = b"", *, owner: _BoundedBuffers) -> None:
+        super().__init__(data)
+        self.owner = owner
+
+    def extend(self, data: Any) -> None:
+        if len(self) + len(data) > MAX_STREAM_BUFFER:
+            raise WindowExceeded(
+                f"a stream's sender went {len(self) + len(data)} B past its window"
+            )
+        if self.owner.total() + len(data) > MAX_CONNECTION_BUFFER:
+            raise WindowExceeded("the streams' senders went past their windows together")
+        super().extend(data)
+
+
+class _BoundedBuffers(dict):
+    def __setitem__(self, key: Any, value: Any) -> None:
+        if isinstance(value, bytearray) and not isinstance(value, _BoundedBuffer):
+            value = _BoundedBuffer(value, owner=self)
+        super().__setitem__(key, value)
+
+    def total(self) -> int:
+        return sum(len(buffer) for buffer in self.values())
+
+
+def _bound_yamux_buffers() -> None:
+    """py-libp2p's yamux only logs a sender that goes past the receive window and keeps every
+    byte: a peer could grow our memory without bound over one stream. Its streams' buffers
+    are made bounded (`MAX_STREAM_BUFFER`, `MAX_CONNECTION_BUFFER`); past them the connection
+    is closed. The pinned version's class, patched once."""
+    original = Yamux.__init__
+    if getattr(original, "peertrain", False):
+        return
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        self.stream_buffers = _BoundedBuffers(self.stream_buffers)
+
+    __init__.peertrain = True  # type: ignore[attr-defined]
+    Yamux.__init__ = __init__  # type: ignore[method-assign]
 
 
 def _no_identify(peer_id: ID, *, reason: str) -> None:
