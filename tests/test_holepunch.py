@@ -108,6 +108,10 @@ def test_only_plain_ip_tcp_addresses_a_peer_may_ask_for_are_dialed():
     assert Multiaddr("/ip4/127.0.0.1/tcp/22") in on_one_machine
     assert Multiaddr("/ip6/::1/tcp/4001") in on_one_machine
     assert len(check_punch_addrs(sent * 3, own_host="203.0.113.1")) == 2  # at most 8 read
+    # Private networks: only from a peer in one itself (a site's LAN, the NAT testbed).
+    lan = ["/ip4/10.0.0.5/tcp/4001", "/ip4/192.168.1.9/tcp/22", "/ip6/fd00::5/tcp/4001"]
+    assert check_punch_addrs(lan, own_host="203.0.113.1") == []
+    assert check_punch_addrs(lan, own_host="10.68.0.2") == [Multiaddr(a) for a in lan]
     assert ip_tcp("/ip4/10.0.0.1/tcp/5") == ("10.0.0.1", 5)
     assert ip_tcp("/ip6/2001:db8::7/tcp/5") == ("2001:db8::7", 5)
     assert ip_tcp("/ip6/2001:db8::7/tcp/5/p2p-circuit") is None

@@ -26,12 +26,13 @@ it before the upgrade get to finish), and `connected_directly(peer)` says so. On
 (a symmetric NAT maps every destination to a new port: nothing to aim at) both stay on the
 relayed connection; nothing is retried until a new relayed connection is made.
 
-What the remote sends is hostile: at most `MAX_ADDRS` addresses, each `/ip4|ip6/<ip>/tcp/<port>`
-and acceptable to `check_dial_address` (no loopback, link-local or unspecified address unless
-ours is one too), dialed once per attempt, each dial bounded, with the peer id Noise must
-prove: the remote cannot make us talk to a third party beyond a few SYNs. One attempt per
-peer at a time, `max_concurrent` in all; the stream and each message are bounded in time and
-size; a peer's bad message ends that attempt only.
+What the remote sends is hostile: at most `MAX_ADDRS` addresses, each
+`/ip4|ip6/<ip>/tcp/<port>` and acceptable to `check_dial_address` (no loopback, link-local or
+unspecified address unless ours is one too; no private-network address unless ours is one too),
+dialed once per attempt, each dial bounded, with the peer id Noise must prove: the remote
+cannot make us talk to a third party beyond a few SYNs. One attempt per peer at a time,
+`max_concurrent` in all; the stream and each message are bounded in time and size; a peer's bad
+message ends that attempt only.
 """
 
 from __future__ import annotations
@@ -112,9 +113,24 @@ def punch_addrs(node: Node) -> list[str]:
     return out[:MAX_ADDRS]
 
 
+PRIVATE_NETWORKS = tuple(
+    ipaddress.ip_network(n)
+    for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "fc00::/7")
+)
+"""RFC 1918, carrier-grade NAT (RFC 6598) and unique local IPv6 (RFC 4193) networks."""
+
+
+def in_private_network(ip: str) -> bool:
+    address = ipaddress.ip_address(ip)
+    return any(address in network for network in PRIVATE_NETWORKS)
+
+
 def check_punch_addrs(addrs: list[str], *, own_host: str) -> list[Multiaddr]:
-    """The addresses a peer sent that we may dial (see the module docstring); others skipped."""
+    """The addresses a peer sent that we may dial (see the module docstring); others skipped.
+    An address in a private network only if ours is in one too (peers on one site): a peer
+    cannot aim our SYNs into the networks behind a public one."""
     out = []
+    own_private = in_private_network(own_host)
     for text in addrs[:MAX_ADDRS]:
         parsed = ip_tcp(text)
         if parsed is None:
@@ -122,6 +138,8 @@ def check_punch_addrs(addrs: list[str], *, own_host: str) -> list[Multiaddr]:
         try:
             check_dial_address(*parsed, own_host=own_host)
         except ProtocolError:
+            continue
+        if in_private_network(parsed[0]) and not own_private:
             continue
         out.append(tcp_multiaddr(*parsed))
     return out
