@@ -36,6 +36,7 @@ from peer.net.relay import (
     is_relayed,
     reserve,
 )
+from peer.net.relay.book import site_of
 from peer.net.relay.wire import STOP_PROTOCOL
 from peer.net.rpc import RpcServer
 from tests.helpers import LOOPBACK, new_identity
@@ -411,6 +412,37 @@ def test_the_book_counts_reservations_per_source_and_circuits_per_peer():
     assert book.connection_closed(conn_b) == [b]
     assert book.open_circuit(a, b, source="5.6.7.8", now=5)[0] is StatusCode.NO_RESERVATION
     assert book.open_circuit(b, a, source="5.6.7.8", now=15)[0] is StatusCode.NO_RESERVATION
+
+
+def test_a_full_relay_gives_a_newcomer_from_a_less_busy_site_a_slot():
+    """Review finding: reservations had no eviction, so a few addresses (or one IPv6 /56 split
+    into /64 sources) held every slot until they expired. Full, a newcomer takes the slot
+    nearest expiry of the busiest site (IPv4 /24, IPv6 /48) while that site holds at least two
+    more than the newcomer's; the busiest cannot take it back."""
+    book = RelayBook(RelayLimits(max_reservations=8, max_reservations_per_source=8))
+    ids = [new_identity().peer_id for _ in range(12)]
+    # One /56 as eight /64 sources: one slot each, every slot of the relay.
+    for i in range(8):
+        assert book.reserve(ids[i], source=f"2001:db8:0:{i}::/64", conn=object(), now=i) is (
+            StatusCode.OK
+        )
+    assert site_of("2001:db8:0:7::/64") == "2001:db8::/48" and site_of("1.2.3.4") == "1.2.3.0/24"
+    assert book.reserve(ids[8], source="198.51.100.7", conn=object(), now=10) is StatusCode.OK
+    assert book.expiry(ids[0]) is None  # the busiest site's slot nearest expiry went
+    assert book.statistics().evicted == 1 and book.statistics().reservations == 8
+    # The busiest site cannot take it back: it would evict itself (7 of 8 are its own).
+    again = book.reserve(ids[0], source="2001:db8:0:0::/64", conn=object(), now=11)
+    assert again is StatusCode.RESERVATION_REFUSED and book.expiry(ids[8]) is not None
+    # Shares even out: from two sites at 4 and 4, nobody evicts anybody.
+    even = RelayBook(RelayLimits(max_reservations=8, max_reservations_per_source=8))
+    for i in range(8):
+        site = "10.0.0.1" if i < 4 else "10.9.0.1"
+        assert even.reserve(ids[i], source=site, conn=object(), now=i) is StatusCode.OK
+    assert even.reserve(ids[8], source="10.0.0.1", conn=object(), now=9) is (
+        StatusCode.RESERVATION_REFUSED
+    )
+    assert even.reserve(ids[9], source="10.5.0.1", conn=object(), now=9) is StatusCode.OK
+    assert even.statistics().evicted == 1
 
 
 async def test_a_stop_naming_no_peer_id_is_refused_and_the_peer_lives_on():

@@ -4,6 +4,7 @@ destination and per source address (synchronous, clock passed in; the I/O shell 
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 
 from libp2p.peer.id import ID
@@ -15,7 +16,8 @@ class RelayLimits:
     """What a relay gives to peers behind NAT (sized for control traffic, not tensors)."""
 
     max_reservations: int = 128
-    """Reservations held at once."""
+    """Reservations held at once. Full, a newcomer takes one from the busiest site (IPv4 /24,
+    IPv6 /48) while that site holds at least two more than the newcomer's (`site_of`)."""
     max_reservations_per_source: int = 8
     """Of those, from one IPv4 address or IPv6 /64 (peer ids are free; addresses are not)."""
     reservation_seconds: int = 900
@@ -54,6 +56,17 @@ class RelayLimits:
             )
 
 
+def site_of(source: str) -> str:
+    """The site a per-source key (`peer.net.inbound.source_of`: an IPv4 address or an IPv6
+    /64) belongs to, for fair shares when the relay is full: its IPv4 /24 or IPv6 /48."""
+    try:
+        network = ipaddress.ip_network(source, strict=False)
+    except ValueError:
+        return source
+    prefix = 24 if network.version == 4 else 48
+    return str(network.supernet(new_prefix=prefix)) if network.prefixlen > prefix else str(network)
+
+
 @dataclass(eq=False)
 class _Slot:
     peer_id: ID
@@ -78,6 +91,8 @@ class RelayStatistics:
     """Reservations and circuits refused (limits, no reservation, a forged peer id)."""
     cut: int
     """Circuits cut at their byte or time limit."""
+    evicted: int = 0
+    """Reservations ended early to give a newcomer from a less busy site its share."""
 
 
 class RelayBook:
@@ -87,7 +102,7 @@ class RelayBook:
         self.limits = limits
         self._slots: dict[ID, _Slot] = {}
         self._circuits: set[Circuit] = set()
-        self.refused = self.cut = 0
+        self.refused = self.cut = self.evicted = 0
 
     def reserve(self, peer_id: ID, *, source: str, conn: object, now: float) -> StatusCode:
         """Reserve (or renew) a slot for `peer_id`, authenticated on `conn` from `source`."""
@@ -99,13 +114,30 @@ class RelayBook:
             per_source = sum(
                 s.source == source for s in self._slots.values() if s.peer_id != peer_id
             )
-            if (
-                held is None and len(self._slots) >= self.limits.max_reservations
-            ) or per_source >= self.limits.max_reservations_per_source:
+            full = held is None and len(self._slots) >= self.limits.max_reservations
+            if per_source >= self.limits.max_reservations_per_source or (
+                full and not self._evict_for(site_of(source))
+            ):
                 self.refused += 1
                 return StatusCode.RESERVATION_REFUSED
         self._slots[peer_id] = _Slot(peer_id, source, conn, now + self.limits.reservation_seconds)
         return StatusCode.OK
+
+    def _evict_for(self, site: str) -> bool:
+        """Full: make room for a newcomer from `site` by ending the reservation nearest its
+        expiry of the site holding the most, if that site holds at least two more than the
+        newcomer's would. Every site then keeps a fair share: a few sites (or one /56 split
+        into /64 sources) no longer hold every slot until the reservations expire."""
+        held: dict[str, list[_Slot]] = {}
+        for slot in self._slots.values():
+            held.setdefault(site_of(slot.source), []).append(slot)
+        busiest = max(held.values(), key=len)
+        if len(busiest) < len(held.get(site, ())) + 2:
+            return False
+        victim = min(busiest, key=lambda s: s.expire)
+        del self._slots[victim.peer_id]
+        self.evicted += 1
+        return True
 
     def expiry(self, peer_id: ID) -> float | None:
         slot = self._slots.get(peer_id)
@@ -155,7 +187,9 @@ class RelayBook:
         self._circuits.discard(circuit)
 
     def statistics(self) -> RelayStatistics:
-        return RelayStatistics(len(self._slots), len(self._circuits), self.refused, self.cut)
+        return RelayStatistics(
+            len(self._slots), len(self._circuits), self.refused, self.cut, self.evicted
+        )
 
     def _expire(self, now: float) -> None:
         for peer in [p for p, slot in self._slots.items() if slot.expire <= now]:
