@@ -112,6 +112,11 @@ def test_only_plain_ip_tcp_addresses_a_peer_may_ask_for_are_dialed():
     lan = ["/ip4/10.0.0.5/tcp/4001", "/ip4/192.168.1.9/tcp/22", "/ip6/fd00::5/tcp/4001"]
     assert check_punch_addrs(lan, own_host="203.0.113.1") == []
     assert check_punch_addrs(lan, own_host="10.68.0.2") == [Multiaddr(a) for a in lan]
+    # ...however it is written: an IPv4-mapped or NAT64 address dials the IPv4 one.
+    disguised = ["/ip6/::ffff:10.0.0.1/tcp/22", "/ip6/64:ff9b::a00:1/tcp/22"]
+    assert check_punch_addrs(disguised, own_host="203.0.113.1") == []
+    # A peer also seen at a public address is not on its peers' private networks.
+    assert check_punch_addrs(lan, own_host="10.68.0.2", private_ok=False) == []
     assert ip_tcp("/ip4/10.0.0.1/tcp/5") == ("10.0.0.1", 5)
     assert ip_tcp("/ip6/2001:db8::7/tcp/5") == ("2001:db8::7", 5)
     assert ip_tcp("/ip6/2001:db8::7/tcp/5/p2p-circuit") is None
@@ -127,6 +132,10 @@ def test_a_peer_offers_its_announced_addresses_then_the_one_backbones_saw():
         punch_observed=["/ip4/198.51.100.7/tcp/61234", "/ip4/10.0.0.2/tcp/4001"],
     )
     assert punch_addrs(node) == ["/ip4/10.0.0.2/tcp/4001", "/ip4/198.51.100.7/tcp/61234"]  # type: ignore[arg-type]
+    # Seen at a public address: its peers' private addresses are not on its site.
+    assert HolePuncher(node)._private_ok() is False  # type: ignore[arg-type]
+    node.punch_observed = []
+    assert HolePuncher(node)._private_ok() is True  # type: ignore[arg-type]
 
 
 async def test_a_relayed_connection_carries_no_tensors_either_way():
@@ -135,7 +144,7 @@ async def test_a_relayed_connection_carries_no_tensors_either_way():
     two NATed peers through a relay stalled on its circuit)."""
     from peer.net.streamio import ALLREDUCE_PROTOCOL, Libp2pStream, open_stream
 
-    async with punched(dialer_punches=False) as (_relay, nated, dialer, _np, _dp, client):
+    async with punched(dialer_punches=False) as (_relay, nated, dialer, nated_punch, _dp, client):
         seen: list[bool] = []
 
         async def handler(raw) -> None:
@@ -151,6 +160,11 @@ async def test_a_relayed_connection_carries_no_tensors_either_way():
             while not seen:
                 await trio.sleep(0.01)
         assert seen and all(seen)  # both streams, ours refused and this one, were relayed
+        # The NATed end ran the punch, and it failed: its data planes stop waiting for one.
+        with trio.fail_after(WAIT):
+            assert await nated_punch.wait_outcome(dialer.peer_id) is False
+        with trio.fail_after(1), pytest.raises(OSError, match="relays carry no tensors"):
+            await open_stream(nated.host, dialer.peer_id, ALLREDUCE_PROTOCOL, punch_seconds=60)
 
 
 async def test_a_data_stream_waits_for_the_punch_and_takes_the_direct_connection():

@@ -195,3 +195,39 @@ async def test_an_explicit_connect_dials_the_given_address_first():
         with trio.fail_after(20):
             await a.connect(b.peer_id, b.announce, timeout=10)
         assert store.addrs(b.peer_id) == b.announce
+
+
+async def test_a_protocol_name_that_is_not_utf8_is_a_libp2p_error_not_a_crash():
+    """py-libp2p decoded a remote's multistream-select line as UTF-8 outside its own error
+    handling: a member or donor answering `\\xff\\xfe` raised UnicodeDecodeError through the
+    averaging, past every handler of libp2p's errors (found in review). Now its own error."""
+    from libp2p.exceptions import BaseLibp2pError
+    from libp2p.protocol_muxer.multiselect_client import MultiselectClient
+    from libp2p.protocol_muxer.multiselect_communicator import MultiselectCommunicator
+    from libp2p.utils.varint import encode_varint_prefixed
+
+    async with nodes(1):  # a host is made: py-libp2p's class is patched by then
+        pass
+
+    class Remote:
+        """Answers the handshake, then a protocol line of invalid UTF-8."""
+
+        def __init__(self) -> None:
+            self.pending = encode_varint_prefixed(b"/multistream/1.0.0\n")
+            self.pending += encode_varint_prefixed(b"\xff\xfe\n")
+
+        async def write(self, data: bytes) -> None:
+            pass
+
+        async def read(self, n: int | None = None) -> bytes:
+            n = len(self.pending) if n is None else n
+            out, self.pending = self.pending[:n], self.pending[n:]
+            return out
+
+        async def close(self) -> None:
+            pass
+
+    with pytest.raises(BaseLibp2pError):
+        await MultiselectClient().select_one_of(
+            ["/peertrain/test/1"], MultiselectCommunicator(Remote()), 5
+        )

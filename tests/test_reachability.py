@@ -91,6 +91,7 @@ def test_the_punch_address_is_where_every_backbone_saw_the_listen_port_mapped_al
     assert observed_addr(("198.51.100.7", 4001)) == router
     assert observed_addr(("2001:db8::1", 4001)) == "/ip6/2001:db8::1/tcp/4001"
     assert observed_addr(None) == "" and observed_addr(("not an ip", 1)) == ""
+    assert observed_addr(("::ffff:198.51.100.7", 4001)) == router  # a dual-stack listener's
 
 
 async def test_a_backbone_tells_where_a_dial_from_our_listen_port_comes_from():

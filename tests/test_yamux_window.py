@@ -53,3 +53,34 @@ async def test_a_sender_past_the_receive_window_loses_its_connection():
             for b in getattr(c.muxed_conn, "stream_buffers", {}).values()
         ]
         assert sum(buffers) < MAX_STREAM_BUFFER
+
+
+def test_the_connection_total_follows_every_change_and_drops_what_nobody_reads():
+    """The running total (no sum over a remote's thousands of streams per frame) follows the
+    reader taking bytes, streams going away, and drops bytes for a reset stream (a reducer
+    giving up on a sender, over retried rounds, used to keep them counted for 60 s) and bytes
+    after a sender's FIN."""
+    from types import SimpleNamespace
+
+    from peer.net.host import _BoundedBuffers
+
+    streams = {1: SimpleNamespace(reset_received=False, recv_closed=False),
+               2: SimpleNamespace(reset_received=False, recv_closed=False)}  # fmt: skip
+    buffers = _BoundedBuffers(SimpleNamespace(streams=streams), {})
+    buffers[1], buffers[2] = bytearray(), bytearray()
+    buffers[1].extend(b"a" * 100)
+    buffers[2].extend(b"b" * 50)
+    assert buffers.total == 150
+    del buffers[1][:30]  # the reader took 30 bytes
+    assert buffers.total == 120 and len(buffers[1]) == 70
+    streams[2].recv_closed = True  # FIN: more bytes are a violation, what was sent stays
+    buffers[2].extend(b"c" * 10)
+    assert buffers.total == 120 and bytes(buffers[2]) == b"b" * 50
+    streams[1].reset_received = True  # reset: what it held goes
+    buffers[1].extend(b"d" * 10)
+    assert buffers.total == 50 and len(buffers[1]) == 0
+    buffers.pop(2)
+    assert buffers.total == 0
+    buffers[3] = bytearray(b"e" * 5)
+    buffers.clear()
+    assert buffers.total == 0

@@ -42,7 +42,7 @@ from multiaddr import Multiaddr
 from peer.errors import DECODE_ERRORS, DeadlineExceeded, ProtocolError, RemoteError, Unreachable
 from peer.net.holepunch import ip_version, listen_source
 from peer.net.host import Node, create_host, host_of, ip_tcp, parse_multiaddr
-from peer.net.identity import Identity
+from peer.net.identity import Identity, ephemeral_identity
 from peer.net.relay import stream_on
 from peer.net.rpc import TRANSPORT_ERRORS, FramedStream
 
@@ -87,14 +87,17 @@ def same_ip(addr: Multiaddr, observed_ip: str) -> bool:
 
 
 def observed_addr(remote: tuple[str, int] | None) -> str:
-    """A connection's remote (ip, port) as a multiaddr string ("" if unknown)."""
+    """A connection's remote (ip, port) as a multiaddr string ("" if unknown); an
+    IPv4-mapped IPv6 address (a dual-stack listener's IPv4 caller) as `/ip4/`."""
     if not remote:
         return ""
     try:
-        kind = "ip6" if ipaddress.ip_address(remote[0]).version == 6 else "ip4"
+        address = ipaddress.ip_address(remote[0])
     except ValueError:
         return ""
-    return f"/{kind}/{remote[0]}/tcp/{int(remote[1])}"
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return f"/ip{address.version}/{address}/tcp/{int(remote[1])}"
 
 
 def punch_address(observed: Sequence[tuple[str, int]], announced: Sequence[str]) -> str | None:
@@ -202,41 +205,55 @@ class DialBackServer:
 
 
 async def observed_from_listen_port(node: Node, backbone: ID) -> tuple[str, int] | None:
-    """(Where `backbone` sees a connection from our listen port come from, that port): a new
-    connection dialed from the port (as a hole punch dials), asked on that very connection,
-    then closed. None when we have no listen port, no direct address of the backbone, or it
-    did not answer (an older backbone answers ""). Raises nothing: it only ever leaves a peer
-    client-only."""
-    network: Any = node.host.get_network()
-    for addr in node.host.get_peerstore().addrs(backbone)[:MAX_ADDRS]:
-        parsed = ip_tcp(str(addr))
-        if parsed is None:  # a relayed or non-TCP address: not the backbone's own
-            continue
-        source = listen_source(node, ip_version(parsed[0]))
-        if source is None:  # we listen on no port of that IP version
-            continue
-        conn = None
-        try:
-            with trio.fail_after(DIAL_TIMEOUT):
-                conn = await network.dial_addr(addr, backbone, source)
-                stream = await stream_on(conn, PROTOCOL, timeout=DIAL_TIMEOUT)
-                framed = FramedStream(stream, MAX_CONTROL_BYTES)
-                try:
-                    await framed.write_frame(_encode(DialBack([])))
-                    frame = await framed.read_frame()
-                finally:
-                    await framed.reset()
-            if frame is None:
-                return None
-            return msgspec.msgpack.decode(frame, type=DialBackResult).observed, source[1]
-        except (trio.TooSlowError, *DECODE_ERRORS) as error:
-            log.debug("mapping check with %s at %s: %r", backbone, addr, error)
-        except Exception as error:  # py-libp2p's dials raise several unrelated types
-            log.debug("mapping check with %s at %s failed: %r", backbone, addr, error)
-        finally:
-            if conn is not None:
-                with trio.CancelScope(shield=True), trio.move_on_after(1.0), suppress(Exception):
-                    await conn.close()
+    """(Where `backbone` sees a connection from our listen port come from, that port): a
+    connection dialed from the port (as a hole punch dials) by a throw-away host, so that no
+    call of ours can pick it (it is closed after one question); asked on that connection.
+    None when we have no listen port, no direct address of the backbone, or it did not answer
+    (an older backbone answers ""). Raises nothing: it only ever leaves a peer client-only."""
+    addrs = [a for a in node.host.get_peerstore().addrs(backbone)[:MAX_ADDRS] if ip_tcp(str(a))]
+    if not addrs:  # relayed or non-TCP addresses only: not the backbone's own
+        return None
+    try:
+        async with open_dialer(ephemeral_identity(), node.network_key) as dialer:
+            for addr in addrs:
+                seen = await _observed_once(dialer, node, backbone, addr)
+                if seen is not None:
+                    return seen
+    except Exception as error:  # py-libp2p's host start and stop raise several types
+        log.debug("mapping check with %s: %r", backbone, error)
+    return None
+
+
+async def _observed_once(
+    dialer: IHost, node: Node, backbone: ID, addr: Multiaddr
+) -> tuple[str, int] | None:
+    parsed = ip_tcp(str(addr))
+    source = listen_source(node, ip_version(parsed[0])) if parsed else None
+    if source is None:  # we listen on no port of that IP version
+        return None
+    network: Any = dialer.get_network()
+    conn = None
+    try:
+        with trio.fail_after(DIAL_TIMEOUT):
+            conn = await network.dial_addr(addr, backbone, source)
+            stream = await stream_on(conn, PROTOCOL, timeout=DIAL_TIMEOUT)
+            framed = FramedStream(stream, MAX_CONTROL_BYTES)
+            try:
+                await framed.write_frame(_encode(DialBack([])))
+                frame = await framed.read_frame()
+            finally:
+                await framed.reset()
+        if frame is None:
+            return None
+        return msgspec.msgpack.decode(frame, type=DialBackResult).observed, source[1]
+    except (trio.TooSlowError, *DECODE_ERRORS) as error:
+        log.debug("mapping check with %s at %s: %r", backbone, addr, error)
+    except Exception as error:  # py-libp2p's dials raise several unrelated types
+        log.debug("mapping check with %s at %s failed: %r", backbone, addr, error)
+    finally:
+        if conn is not None:
+            with trio.CancelScope(shield=True), trio.move_on_after(1.0), suppress(Exception):
+                await conn.close()
     return None
 
 

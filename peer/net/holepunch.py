@@ -52,7 +52,7 @@ from multiaddr import Multiaddr
 from peer.errors import DECODE_ERRORS, ProtocolError
 from peer.net.admission import check_dial_address
 from peer.net.host import Node, ip_tcp, tcp_multiaddr
-from peer.net.relay import direct_conn, is_relayed, watch_relayed
+from peer.net.relay.internals import direct_conn, is_relayed, note_punch, watch_relayed
 from peer.net.rpc import TRANSPORT_ERRORS, FramedStream
 
 log = logging.getLogger("peertrain.holepunch")
@@ -115,22 +115,35 @@ def punch_addrs(node: Node) -> list[str]:
 
 PRIVATE_NETWORKS = tuple(
     ipaddress.ip_network(n)
-    for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "fc00::/7")
-)
-"""RFC 1918, carrier-grade NAT (RFC 6598) and unique local IPv6 (RFC 4193) networks."""
+    for n in (
+        "10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10", "fc00::/7",
+        "fec0::/10",
+    )
+)  # fmt: skip
+"""RFC 1918, carrier-grade NAT (RFC 6598), unique local (RFC 4193) and site-local IPv6."""
+NAT64 = ipaddress.ip_network("64:ff9b::/96")
 
 
 def in_private_network(ip: str) -> bool:
+    """Whether `ip` is in a private network; an IPv4-mapped or NAT64 IPv6 address as the
+    IPv4 address it carries (a socket dials that)."""
     address = ipaddress.ip_address(ip)
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            address = address.ipv4_mapped
+        elif address in NAT64:
+            address = ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
     return any(address in network for network in PRIVATE_NETWORKS)
 
 
-def check_punch_addrs(addrs: list[str], *, own_host: str) -> list[Multiaddr]:
+def check_punch_addrs(
+    addrs: list[str], *, own_host: str, private_ok: bool | None = None
+) -> list[Multiaddr]:
     """The addresses a peer sent that we may dial (see the module docstring); others skipped.
-    An address in a private network only if ours is in one too (peers on one site): a peer
-    cannot aim our SYNs into the networks behind a public one."""
+    An address in a private network only if `private_ok` (default: `own_host` is in one): a
+    peer cannot aim our SYNs into the networks behind a public one."""
     out = []
-    own_private = in_private_network(own_host)
+    own_private = in_private_network(own_host) if private_ok is None else private_ok
     for text in addrs[:MAX_ADDRS]:
         parsed = ip_tcp(text)
         if parsed is None:
@@ -213,6 +226,7 @@ class HolePuncher:
 
     def _record(self, peer_id: ID, direct: bool) -> None:
         self._outcomes[peer_id] = direct
+        note_punch(self.node.host.get_network(), peer_id, direct)
         while len(self._outcomes) > MAX_OUTCOMES:
             del self._outcomes[next(iter(self._outcomes))]
         if direct:
@@ -230,6 +244,14 @@ class HolePuncher:
     def _own_host(self) -> str:
         addrs = punch_addrs(self.node)
         return ip_tcp(addrs[0])[0] if addrs else "0.0.0.0"  # type: ignore[index]
+
+    def _private_ok(self) -> bool:
+        """Private-network addresses are aimed at only by a peer all of whose punch addresses
+        are private (one site, or the NAT testbed): one that announces, or was seen at, a
+        public address is reached from the internet, and its peers' private ones are not
+        on its site."""
+        hosts = [ip_tcp(a)[0] for a in punch_addrs(self.node)]  # type: ignore[index]
+        return bool(hosts) and all(in_private_network(h) for h in hosts)
 
     async def _read(self, framed: FramedStream, kind: type) -> Any:
         with trio.fail_after(self.config.message_seconds):
@@ -268,7 +290,9 @@ class HolePuncher:
             await framed.write_frame(_encode(Connect(punch_addrs(self.node))))
             reply = await self._read(framed, Connect)
             rtt = time.monotonic() - sent
-            theirs = check_punch_addrs(reply.addrs, own_host=self._own_host())
+            theirs = check_punch_addrs(
+                reply.addrs, own_host=self._own_host(), private_ok=self._private_ok()
+            )
             await framed.write_frame(_encode(Sync()))
         except (trio.TooSlowError, ProtocolError, *DECODE_ERRORS, *TRANSPORT_ERRORS) as error:
             log.debug("hole punch exchange with %s failed: %r", peer_id, error)
@@ -299,7 +323,9 @@ class HolePuncher:
             try:
                 self._attempts += 1
                 request = await self._read(framed, Connect)
-                theirs = check_punch_addrs(request.addrs, own_host=self._own_host())
+                theirs = check_punch_addrs(
+                    request.addrs, own_host=self._own_host(), private_ok=self._private_ok()
+                )
                 await framed.write_frame(_encode(Connect(punch_addrs(self.node))))
                 await self._read(framed, Sync)
                 await framed.reset()

@@ -30,6 +30,8 @@ py-libp2p 0.8.1 defaults that we override, and why (see docs/ARCHITECTURE.md):
   is given.
 - its TCP stream reports no remote address for an IPv6 connection (it expects `getpeername`
   to give two items; IPv6 gives four); we take the first two.
+- its multistream-select reader lets a remote's non-UTF-8 protocol line raise
+  `UnicodeDecodeError`, which no caller expects; it raises its own error instead.
 - its yamux only logs a sender that goes past the receive window it granted, and buffers every
   byte: one stream could grow our memory without bound. Stream buffers are bounded (32 MiB
   each, 128 MiB per connection: twice and eight times its largest window); past that the
@@ -59,6 +61,8 @@ from libp2p.crypto.x25519 import create_new_key_pair as create_x25519_key_pair
 from libp2p.network.config import ConnectionConfig, RetryConfig
 from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
+from libp2p.protocol_muxer.exceptions import MultiselectCommunicatorError
+from libp2p.protocol_muxer.multiselect_communicator import MultiselectCommunicator
 from libp2p.rcmgr import new_resource_manager
 from libp2p.security.noise.transport import PROTOCOL_ID as NOISE_PROTOCOL_ID
 from libp2p.security.noise.transport import Transport as NoiseTransport
@@ -147,7 +151,28 @@ def create_host(
     _hide_unspecified_addrs(host.get_peerstore())
     _report_ipv6_remote_addresses()
     _bound_yamux_buffers()
+    _decode_multiselect_safely()
     return host
+
+
+def _decode_multiselect_safely() -> None:
+    """py-libp2p's multistream-select reader decodes a remote's protocol line as UTF-8 outside
+    its own error handling: invalid bytes raised `UnicodeDecodeError` past every handler that
+    expects libp2p's errors (a stream opened to a member or donor that answers so ended the
+    averaging, and the daemon). It raises its own `MultiselectCommunicatorError` instead. The
+    pinned version's class, patched once."""
+    original = MultiselectCommunicator.read
+    if getattr(original, "peertrain", False):
+        return
+
+    async def read(self: Any) -> str:
+        try:
+            return await original(self)
+        except UnicodeDecodeError as error:
+            raise MultiselectCommunicatorError("a protocol name that is not UTF-8") from error
+
+    read.peertrain = True  # type: ignore[attr-defined]
+    MultiselectCommunicator.read = read  # type: ignore[method-assign]
 
 
 def _report_ipv6_remote_addresses() -> None:
@@ -188,28 +213,68 @@ class WindowExceeded(trio.TooSlowError):
 
 
 class _BoundedBuffer(bytearray):
-    def __init__(self, data: Any = b"", *, owner: _BoundedBuffers) -> None:
+    """One yamux stream's receive buffer, counted in its connection's total."""
+
+    def __init__(self, data: Any = b"", *, owner: _BoundedBuffers, key: int) -> None:
         super().__init__(data)
-        self.owner = owner
+        self.owner, self.key = owner, key
 
     def extend(self, data: Any) -> None:
+        stream = self.owner.muxed.streams.get(self.key)
+        if stream is not None and stream.reset_received:  # reset: nobody reads it any more
+            self.clear()
+            return
+        if stream is not None and stream.recv_closed:  # bytes after the sender's FIN
+            return
         if len(self) + len(data) > MAX_STREAM_BUFFER:
             raise WindowExceeded(
                 f"a stream's sender went {len(self) + len(data)} B past its window"
             )
-        if self.owner.total() + len(data) > MAX_CONNECTION_BUFFER:
+        if self.owner.total + len(data) > MAX_CONNECTION_BUFFER:
             raise WindowExceeded("the streams' senders went past their windows together")
         super().extend(data)
+        self.owner.total += len(data)
+
+    def __delitem__(self, index: Any) -> None:  # the reader takes bytes off the front
+        before = len(self)
+        super().__delitem__(index)
+        self.owner.total -= before - len(self)
+
+    def clear(self) -> None:
+        self.owner.total -= len(self)
+        super().clear()
 
 
 class _BoundedBuffers(dict):
+    """A yamux connection's stream buffers, with their running total (no sum per frame: a
+    remote may hold thousands of streams)."""
+
+    def __init__(self, muxed: Any, buffers: dict) -> None:
+        super().__init__()
+        self.muxed = muxed
+        self.total = 0
+        for key, value in buffers.items():
+            self[key] = value
+
     def __setitem__(self, key: Any, value: Any) -> None:
         if isinstance(value, bytearray) and not isinstance(value, _BoundedBuffer):
-            value = _BoundedBuffer(value, owner=self)
+            value = _BoundedBuffer(value, owner=self, key=key)
+        old = self.get(key)
+        self.total += len(value) - (len(old) if old is not None else 0)
         super().__setitem__(key, value)
 
-    def total(self) -> int:
-        return sum(len(buffer) for buffer in self.values())
+    def __delitem__(self, key: Any) -> None:
+        self.total -= len(self[key])
+        super().__delitem__(key)
+
+    def pop(self, key: Any, *default: Any) -> Any:
+        if key in self:
+            self.total -= len(self[key])
+        return super().pop(key, *default)
+
+    def clear(self) -> None:
+        self.total = 0
+        super().clear()
 
 
 def _bound_yamux_buffers() -> None:
@@ -223,7 +288,7 @@ def _bound_yamux_buffers() -> None:
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
-        self.stream_buffers = _BoundedBuffers(self.stream_buffers)
+        self.stream_buffers = _BoundedBuffers(self, self.stream_buffers)
 
     __init__.peertrain = True  # type: ignore[attr-defined]
     Yamux.__init__ = __init__  # type: ignore[method-assign]

@@ -33,7 +33,13 @@ from libp2p.exceptions import BaseLibp2pError
 from libp2p.network.stream.exceptions import StreamEOF
 from libp2p.peer.id import ID
 
-from peer.net.relay.internals import direct_conn, is_relayed, live_conn, stream_on
+from peer.net.relay.internals import (
+    direct_conn,
+    is_relayed,
+    live_conn,
+    punch_failed,
+    stream_on,
+)
 
 log = logging.getLogger("peertrain.streamio")
 
@@ -168,8 +174,8 @@ async def open_stream(
 ) -> Libp2pStream:
     """A new stream of `protocol` to `peer_id` over our direct libp2p connection to it, made
     if there is none (through a relay where the peer is reached so). A relayed connection
-    carries no tensors: we wait up to `punch_seconds` for the hole punch it starts
-    (`peer.net.holepunch`) to add a direct one. OSError if no stream can be opened: to the
+    carries no tensors: we wait up to `punch_seconds` for the hole punch the end that accepted
+    it starts (`peer.net.holepunch`) to add a direct one, and no longer once it failed. OSError if no stream can be opened: to the
     data planes that is the same failure as a refused TCP dial."""
     network: Any = host.get_network()
     try:
@@ -178,6 +184,8 @@ async def open_stream(
         conn = direct_conn(network, peer_id)
         with trio.move_on_after(punch_seconds):
             while conn is None and live_conn(network, peer_id) is not None:
+                if punch_failed(network, peer_id):  # the punch ran, and failed: no use waiting
+                    break
                 await trio.sleep(PUNCH_POLL)
                 conn = direct_conn(network, peer_id)
         if conn is not None:

@@ -85,6 +85,28 @@ def mark_relayed(
         callback(muxed_conn.peer_id, inbound)
 
 
+# Relayed connections whose hole punch ended (True: a direct one was made), set by
+# `peer.net.holepunch`: a data plane waiting for a punch on one stops once it failed.
+_punched: weakref.WeakKeyDictionary[IMuxedConn, bool] = weakref.WeakKeyDictionary()
+
+
+def note_punch(network: Any, peer_id: ID, direct: bool) -> None:
+    """Record how the hole punch over our relayed connections to `peer_id` ended."""
+    for conn in network.connections.get(peer_id, ()):
+        if is_relayed(conn.muxed_conn):
+            _punched[conn.muxed_conn] = direct
+
+
+def punch_failed(network: Any, peer_id: ID) -> bool:
+    """A hole punch over an open relayed connection to `peer_id` ended without a direct one
+    (nothing is retried until a new relayed connection is made)."""
+    return any(
+        _punched.get(conn.muxed_conn) is False
+        for conn in network.connections.get(peer_id, ())
+        if is_relayed(conn.muxed_conn) and not conn.muxed_conn.is_closed
+    )
+
+
 def direct_conn(network: Any, peer_id: ID) -> Any | None:
     """The swarm's open connection to `peer_id` that does not run through a relay, if any."""
     for conn in network.connections.get(peer_id, ()):
@@ -97,7 +119,8 @@ async def stream_on(conn: Any, protocol: str, *, timeout: float) -> INetStream:
     """A new stream of `protocol` on exactly `conn` (a swarm connection): `host.new_stream`
     picks any connection to the peer, a relayed one too. Multistream-select as the host does
     it; the stream is reset if that fails."""
-    stream = await conn.new_stream()
+    with trio.fail_after(timeout):  # yamux may hold a new stream back (its backlog)
+        stream = await conn.new_stream()
     try:
         with trio.fail_after(timeout):
             chosen = await MultiselectClient().select_one_of(
