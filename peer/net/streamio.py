@@ -175,8 +175,9 @@ async def open_stream(
     """A new stream of `protocol` to `peer_id` over our direct libp2p connection to it, made
     if there is none (through a relay where the peer is reached so). A relayed connection
     carries no tensors: we wait up to `punch_seconds` for the hole punch the end that accepted
-    it starts (`peer.net.holepunch`) to add a direct one, and no longer once it failed. OSError if no stream can be opened: to the
-    data planes that is the same failure as a refused TCP dial."""
+    it starts (`peer.net.holepunch`) to add a direct one, and no longer once it failed.
+    OSError if no stream can be opened: to the data planes that is the same failure as a
+    refused TCP dial."""
     network: Any = host.get_network()
     try:
         if live_conn(network, peer_id) is None:
@@ -193,7 +194,7 @@ async def open_stream(
             return Libp2pStream(await stream_on(conn, protocol, timeout=NEGOTIATE_SECONDS))
     except (*TRANSPORT_ERRORS, trio.TooSlowError) as error:
         raise OSError(f"cannot open {protocol} to {peer_id}: {error!r}"[:300]) from error
-    raise OSError(f"only a relayed connection to {peer_id}: relays carry no tensors")
+    raise OSError(f"no direct connection to {peer_id}, only relayed: relays carry no tensors")
 
 
 @dataclass(frozen=True, kw_only=True)
