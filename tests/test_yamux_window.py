@@ -1,4 +1,4 @@
-"""py-libp2p's yamux keeps whatever a sender sends past its window (`host._bound_yamux_buffers`)."""
+"""py-libp2p's yamux kept whatever a sender sent past its window (`libp2p_patches`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import struct
 import trio
 from libp2p.stream_muxer.yamux.yamux import TYPE_DATA, YAMUX_HEADER_FORMAT
 
-from peer.net.host import MAX_STREAM_BUFFER
+from peer.net.libp2p_patches import MAX_STREAM_BUFFER
 from tests.helpers import nodes
 
 PROTOCOL = "/peertrain/test-window/1"
@@ -62,7 +62,7 @@ def test_the_connection_total_follows_every_change_and_drops_what_nobody_reads()
     after a sender's FIN."""
     from types import SimpleNamespace
 
-    from peer.net.host import _BoundedBuffers
+    from peer.net.libp2p_patches import _BoundedBuffers
 
     streams = {1: SimpleNamespace(reset_received=False, recv_closed=False),
                2: SimpleNamespace(reset_received=False, recv_closed=False)}  # fmt: skip
