@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import functools
+import socket
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 
+import pytest
 import trio
 
 from peer.config import DhtConfig
@@ -17,6 +19,18 @@ from peer.net.identity import Identity, ephemeral_identity
 from peer.net.tls import DataIdentity
 
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
+            probe.bind(("::1", 0))
+        return True
+    except OSError:  # no IPv6 here (a container may have it off)
+        return False
+
+
+needs_ipv6 = pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback (::1) here")
 
 
 new_identity = ephemeral_identity

@@ -36,7 +36,7 @@ from peer.averaging.partition import chunk_ranges
 from peer.averaging.wire import DONE, Channel, include_mask, mask_bytes
 from peer.errors import ProtocolError
 from peer.net.identity import Identity
-from tests.helpers import data_identity, new_identity
+from tests.helpers import data_identity, needs_ipv6, new_identity
 
 ROUND = b"test-round"
 SIZE = 10_007  # not a multiple of anything: uneven parts and a short last chunk
@@ -195,6 +195,7 @@ async def test_exact_weighted_average_for_every_mix_of_roles(n, roles):
             assert np.array_equal(p.vector, originals[i]) and reports[i].chunks == []
 
 
+@needs_ipv6
 async def test_members_on_ipv6_addresses_average_exactly():
     players, originals, reports = await run_group(["normal", "normal", "aggregator"], host="::1")
     expected = weighted_average(players, originals, lambda p: p.computes)

@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.helpers import load_factor
+from tests.helpers import load_factor, needs_ipv6
 
 ROOT = Path(__file__).resolve().parent.parent
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -257,6 +257,7 @@ def test_collaboration_lifecycle(procs, tmp_path, dead_backbone):
         assert peer_id not in listed_peers([survivor])
 
 
+@needs_ipv6
 def test_a_collaboration_on_ipv6_alone_measures_reachability_and_trains(procs, tmp_path):
     """Backbone and peers listen on ::1 only: the peers join over IPv6, the backbone's
     dial-back reaches them there (they are reachable, not client-only), and their averaged

@@ -15,7 +15,7 @@ from multiaddr import Multiaddr
 
 from peer.errors import ConfigError
 from peer.net.host import dialable_addrs, open_node, split_peer_addr
-from tests.helpers import LOOPBACK, new_identity, nodes
+from tests.helpers import LOOPBACK, needs_ipv6, new_identity, nodes
 
 
 async def test_plaintext_only_dialer_is_rejected():
@@ -86,6 +86,14 @@ def test_wildcard_listen_expands_to_interface_addresses():
     assert expanded[-1] == "/ip4/127.0.0.1/tcp/4001"  # loopback is listed last
     kept = dialable_addrs([Multiaddr("/ip4/10.1.2.3/tcp/5")])
     assert [str(a) for a in kept] == ["/ip4/10.1.2.3/tcp/5"]
+
+
+@needs_ipv6
+def test_an_ipv6_wildcard_expands_to_this_machine_s_ipv6_addresses():
+    six = [str(a) for a in dialable_addrs([Multiaddr("/ip6/::/tcp/4001")])]
+    assert "/ip6/::1/tcp/4001" in six and six[-1] == "/ip6/::1/tcp/4001"  # loopback last
+    # No link-local address: it needs its interface (a zone) to be dialled.
+    assert all(a.startswith("/ip6/") and "/ip6/::/" not in a and "fe80" not in a for a in six)
 
 
 async def test_announce_addresses_replace_the_listen_ones():

@@ -20,7 +20,7 @@ from peer.measure.reachability import (
 )
 from peer.net.holepunch import listen_source
 from peer.net.host import open_node
-from tests.helpers import new_identity, nodes
+from tests.helpers import needs_ipv6, new_identity, nodes
 
 
 def unused_port() -> int:
@@ -122,6 +122,7 @@ def test_ipv6_addresses_are_checked_like_ipv4_ones():
     assert not same_ip(Multiaddr("/ip4/198.51.100.7/tcp/5/p2p-circuit"), "198.51.100.7")
 
 
+@needs_ipv6
 async def test_a_peer_on_ipv6_alone_is_dialed_back_and_mapped_over_ipv6():
     """A peer that listens and announces on IPv6 only, reaching the backbone over IPv6: the
     dial-back reaches it there, and its listen port's mapping is checked over IPv6."""
