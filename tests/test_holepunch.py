@@ -125,7 +125,7 @@ def test_only_plain_ip_tcp_addresses_a_peer_may_ask_for_are_dialed():
 def test_a_peer_offers_its_announced_addresses_then_the_one_backbones_saw():
     from types import SimpleNamespace
 
-    from peer.net.holepunch import punch_addrs
+    from peer.net.holepunch import private_targets_ok, punch_addrs
 
     node = SimpleNamespace(
         announce=[Multiaddr("/ip4/10.0.0.2/tcp/4001"), Multiaddr("/dns4/x.example/tcp/1")],
@@ -133,9 +133,9 @@ def test_a_peer_offers_its_announced_addresses_then_the_one_backbones_saw():
     )
     assert punch_addrs(node) == ["/ip4/10.0.0.2/tcp/4001", "/ip4/198.51.100.7/tcp/61234"]  # type: ignore[arg-type]
     # Seen at a public address: its peers' private addresses are not on its site.
-    assert HolePuncher(node)._private_ok() is False  # type: ignore[arg-type]
-    node.punch_observed = []
-    assert HolePuncher(node)._private_ok() is True  # type: ignore[arg-type]
+    assert private_targets_ok(punch_addrs(node)) is False  # type: ignore[arg-type]
+    assert private_targets_ok(["/ip4/10.0.0.2/tcp/4001"]) is True
+    assert private_targets_ok([]) is False
 
 
 async def test_a_relayed_connection_carries_no_tensors_either_way():

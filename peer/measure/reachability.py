@@ -40,8 +40,17 @@ from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
 from peer.errors import DECODE_ERRORS, DeadlineExceeded, ProtocolError, RemoteError, Unreachable
-from peer.net.holepunch import ip_version, listen_source
-from peer.net.host import Node, create_host, host_of, ip_tcp, parse_multiaddr
+from peer.net.admission import unmapped
+from peer.net.holepunch import listen_source
+from peer.net.host import (
+    Node,
+    create_host,
+    host_of,
+    ip_tcp,
+    ip_version,
+    parse_multiaddr,
+    tcp_multiaddr,
+)
 from peer.net.identity import Identity, ephemeral_identity
 from peer.net.relay import stream_on
 from peer.net.rpc import TRANSPORT_ERRORS, FramedStream
@@ -77,13 +86,9 @@ def same_ip(addr: Multiaddr, observed_ip: str) -> bool:
     """Whether `addr` is an IPv4 or IPv6 address with the IP the caller's connection comes from
     (an IPv4-mapped IPv6 one, as a dual-stack listener reports IPv4 callers, as its IPv4)."""
     try:
-        ours = ipaddress.ip_address(host_of(str(addr)) or "")
-        theirs = ipaddress.ip_address(observed_ip)
+        return ipaddress.ip_address(host_of(str(addr)) or "") == unmapped(observed_ip)
     except ValueError:  # not an ip address, or not parseable: never dialed
         return False
-    if isinstance(theirs, ipaddress.IPv6Address) and theirs.ipv4_mapped is not None:
-        theirs = theirs.ipv4_mapped
-    return ours == theirs
 
 
 def observed_addr(remote: tuple[str, int] | None) -> str:
@@ -92,12 +97,9 @@ def observed_addr(remote: tuple[str, int] | None) -> str:
     if not remote:
         return ""
     try:
-        address = ipaddress.ip_address(remote[0])
+        return str(tcp_multiaddr(str(unmapped(remote[0])), int(remote[1])))
     except ValueError:
         return ""
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    return f"/ip{address.version}/{address}/tcp/{int(remote[1])}"
 
 
 def punch_address(observed: Sequence[tuple[str, int]], announced: Sequence[str]) -> str | None:
@@ -210,13 +212,17 @@ async def observed_from_listen_port(node: Node, backbone: ID) -> tuple[str, int]
     call of ours can pick it (it is closed after one question); asked on that connection.
     None when we have no listen port, no direct address of the backbone, or it did not answer
     (an older backbone answers ""). Raises nothing: it only ever leaves a peer client-only."""
-    addrs = [a for a in node.host.get_peerstore().addrs(backbone)[:MAX_ADDRS] if ip_tcp(str(a))]
+    addrs = [
+        (addr, parsed)
+        for addr in node.host.get_peerstore().addrs(backbone)[:MAX_ADDRS]
+        if (parsed := ip_tcp(str(addr))) is not None
+    ]
     if not addrs:  # relayed or non-TCP addresses only: not the backbone's own
         return None
     try:
         async with open_dialer(ephemeral_identity(), node.network_key) as dialer:
-            for addr in addrs:
-                seen = await _observed_once(dialer, node, backbone, addr)
+            for addr, (ip, _) in addrs:
+                seen = await _observed_once(dialer, node, backbone, addr, ip_version(ip))
                 if seen is not None:
                     return seen
     except Exception as error:  # py-libp2p's host start and stop raise several types
@@ -225,10 +231,9 @@ async def observed_from_listen_port(node: Node, backbone: ID) -> tuple[str, int]
 
 
 async def _observed_once(
-    dialer: IHost, node: Node, backbone: ID, addr: Multiaddr
+    dialer: IHost, node: Node, backbone: ID, addr: Multiaddr, family: int
 ) -> tuple[str, int] | None:
-    parsed = ip_tcp(str(addr))
-    source = listen_source(node, ip_version(parsed[0])) if parsed else None
+    source = listen_source(node, family)
     if source is None:  # we listen on no port of that IP version
         return None
     network: Any = dialer.get_network()

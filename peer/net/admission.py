@@ -222,15 +222,22 @@ def check_dial_address(host: str, port: int, *, own_host: str) -> None:
         raise ProtocolError(f"data address {host} is a loopback, unspecified or link-local one")
 
 
+def unmapped(ip: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """The address `ip` reaches: an IPv4-mapped IPv6 one (a dual-stack socket's IPv4 peer) as
+    its IPv4 address. ValueError if `ip` is no IP literal."""
+    address = ipaddress.ip_address(ip)
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
+
+
 def _is_local(host: str) -> bool:
     """Loopback, unspecified (0.0.0.0 reaches this machine), link-local (cloud metadata),
     multicast or reserved; an IPv4-mapped IPv6 address as the IPv4 address it maps."""
     try:
-        address = ipaddress.ip_address(host)
+        address = unmapped(host)
     except ValueError:
         return False
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
     return (
         address.is_loopback
         or address.is_unspecified

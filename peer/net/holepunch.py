@@ -50,8 +50,8 @@ from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
 from peer.errors import DECODE_ERRORS, ProtocolError
-from peer.net.admission import check_dial_address
-from peer.net.host import Node, ip_tcp, tcp_multiaddr
+from peer.net.admission import check_dial_address, unmapped
+from peer.net.host import Node, ip_tcp, ip_version, tcp_multiaddr
 from peer.net.relay.internals import direct_conn, is_relayed, note_punch, watch_relayed
 from peer.net.rpc import TRANSPORT_ERRORS, FramedStream
 
@@ -127,13 +127,19 @@ NAT64 = ipaddress.ip_network("64:ff9b::/96")
 def in_private_network(ip: str) -> bool:
     """Whether `ip` is in a private network; an IPv4-mapped or NAT64 IPv6 address as the
     IPv4 address it carries (a socket dials that)."""
-    address = ipaddress.ip_address(ip)
-    if isinstance(address, ipaddress.IPv6Address):
-        if address.ipv4_mapped is not None:
-            address = address.ipv4_mapped
-        elif address in NAT64:
-            address = ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
+    address = unmapped(ip)
+    if address in NAT64:
+        address = ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
     return any(address in network for network in PRIVATE_NETWORKS)
+
+
+def private_targets_ok(own_addrs: list[str]) -> bool:
+    """Whether we may aim punches at private-network addresses: only if all of our own punch
+    addresses (`punch_addrs`) are private (one site, or the NAT testbed). A peer that
+    announces, or was seen at, a public address is reached from the internet, and its peers'
+    private addresses are not on its site."""
+    hosts = [parsed[0] for a in own_addrs if (parsed := ip_tcp(a)) is not None]
+    return bool(hosts) and all(in_private_network(h) for h in hosts)
 
 
 def check_punch_addrs(
@@ -165,10 +171,6 @@ def listen_source(node: Node, family: int = 4) -> tuple[str, int] | None:
         if parsed is not None and parsed[1] and ip_version(parsed[0]) == family:
             return parsed
     return None
-
-
-def ip_version(ip: str) -> int:
-    return ipaddress.ip_address(ip).version
 
 
 class HolePuncher:
@@ -245,14 +247,6 @@ class HolePuncher:
         addrs = punch_addrs(self.node)
         return ip_tcp(addrs[0])[0] if addrs else "0.0.0.0"  # type: ignore[index]
 
-    def _private_ok(self) -> bool:
-        """Private-network addresses are aimed at only by a peer all of whose punch addresses
-        are private (one site, or the NAT testbed): one that announces, or was seen at, a
-        public address is reached from the internet, and its peers' private ones are not
-        on its site."""
-        hosts = [ip_tcp(a)[0] for a in punch_addrs(self.node)]  # type: ignore[index]
-        return bool(hosts) and all(in_private_network(h) for h in hosts)
-
     async def _read(self, framed: FramedStream, kind: type) -> Any:
         with trio.fail_after(self.config.message_seconds):
             frame = await framed.read_frame()
@@ -291,7 +285,9 @@ class HolePuncher:
             reply = await self._read(framed, Connect)
             rtt = time.monotonic() - sent
             theirs = check_punch_addrs(
-                reply.addrs, own_host=self._own_host(), private_ok=self._private_ok()
+                reply.addrs,
+                own_host=self._own_host(),
+                private_ok=private_targets_ok(punch_addrs(self.node)),
             )
             await framed.write_frame(_encode(Sync()))
         except (trio.TooSlowError, ProtocolError, *DECODE_ERRORS, *TRANSPORT_ERRORS) as error:
@@ -324,7 +320,9 @@ class HolePuncher:
                 self._attempts += 1
                 request = await self._read(framed, Connect)
                 theirs = check_punch_addrs(
-                    request.addrs, own_host=self._own_host(), private_ok=self._private_ok()
+                    request.addrs,
+                    own_host=self._own_host(),
+                    private_ok=private_targets_ok(punch_addrs(self.node)),
                 )
                 await framed.write_frame(_encode(Connect(punch_addrs(self.node))))
                 await self._read(framed, Sync)

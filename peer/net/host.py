@@ -194,10 +194,14 @@ def ip_tcp(text: str) -> tuple[str, int] | None:
         return None
 
 
+def ip_version(ip: str) -> int:
+    """4 or 6; ValueError if `ip` is no IP literal."""
+    return ipaddress.ip_address(ip).version
+
+
 def tcp_multiaddr(ip: str, port: int) -> Multiaddr:
     """`/ip4/<ip>/tcp/<port>` or `/ip6/...`, whichever `ip` is."""
-    kind = "ip6" if ipaddress.ip_address(ip).version == 6 else "ip4"
-    return Multiaddr(f"/{kind}/{ip}/tcp/{port}")
+    return Multiaddr(f"/ip{ip_version(ip)}/{ip}/tcp/{port}")
 
 
 def host_of(text: str) -> str | None:
@@ -371,7 +375,7 @@ def bind_error(maddr: Multiaddr) -> OSError | None:
     if parsed is None or parsed[1] == 0:  # not an ip/tcp address: nothing of ours to check
         return None
     ip, port = parsed
-    family = socket.AF_INET6 if ipaddress.ip_address(ip).version == 6 else socket.AF_INET
+    family = socket.AF_INET6 if ip_version(ip) == 6 else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT is fine
         try:

@@ -24,8 +24,15 @@ from libp2p.protocol_muxer.exceptions import MultiselectCommunicatorError
 from libp2p.protocol_muxer.multiselect_communicator import MultiselectCommunicator
 from libp2p.stream_muxer.yamux.yamux import MAX_WINDOW_SIZE, Yamux
 
+_patched = False
+
 
 def patch_libp2p() -> None:
+    """Apply the patches below, once per process (each wraps the method it replaces)."""
+    global _patched
+    if _patched:
+        return
+    _patched = True
     _decode_multiselect_safely()
     _report_ipv6_remote_addresses()
     _bound_yamux_buffers()
@@ -35,11 +42,8 @@ def _decode_multiselect_safely() -> None:
     """py-libp2p's multistream-select reader decodes a remote's protocol line as UTF-8 outside
     its own error handling: invalid bytes raised `UnicodeDecodeError` past every handler that
     expects libp2p's errors (a stream opened to a member or donor that answers so ended the
-    averaging, and the daemon). It raises its own `MultiselectCommunicatorError` instead. The
-    pinned version's class, patched once."""
+    averaging, and the daemon). It raises its own `MultiselectCommunicatorError` instead."""
     original = MultiselectCommunicator.read
-    if getattr(original, "peertrain", False):
-        return
 
     async def read(self: Any) -> str:
         try:
@@ -47,17 +51,14 @@ def _decode_multiselect_safely() -> None:
         except UnicodeDecodeError as error:
             raise MultiselectCommunicatorError("a protocol name that is not UTF-8") from error
 
-    read.peertrain = True  # type: ignore[attr-defined]
     MultiselectCommunicator.read = read  # type: ignore[method-assign]
 
 
 def _report_ipv6_remote_addresses() -> None:
     """py-libp2p's TCP stream gives no remote address for an IPv6 connection (its
     `getpeername` has four items where it expects two): the dial-back could not tell where a
-    caller on IPv6 came from. The pinned version's class, patched once."""
+    caller on IPv6 came from."""
     original = TrioTCPStream.get_remote_address
-    if getattr(original, "peertrain", False):
-        return
 
     def get_remote_address(self: Any) -> tuple[str, int] | None:
         address = original(self)
@@ -68,7 +69,6 @@ def _report_ipv6_remote_addresses() -> None:
                     address = (str(peer[0]), int(peer[1]))
         return address
 
-    get_remote_address.peertrain = True  # type: ignore[attr-defined]
     TrioTCPStream.get_remote_address = get_remote_address  # type: ignore[method-assign]
 
 
@@ -155,14 +155,11 @@ def _bound_yamux_buffers() -> None:
     """py-libp2p's yamux only logs a sender that goes past the receive window and keeps every
     byte: a peer could grow our memory without bound over one stream. Its streams' buffers
     are made bounded (`MAX_STREAM_BUFFER`, `MAX_CONNECTION_BUFFER`); past them the connection
-    is closed. The pinned version's class, patched once."""
+    is closed."""
     original = Yamux.__init__
-    if getattr(original, "peertrain", False):
-        return
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
         self.stream_buffers = _BoundedBuffers(self, self.stream_buffers)
 
-    __init__.peertrain = True  # type: ignore[attr-defined]
     Yamux.__init__ = __init__  # type: ignore[method-assign]

@@ -529,9 +529,13 @@ class StepPolicy:
         return (
             ours is not None
             and (ours.step, ours.digest) == (held.step, held.digest)
-            # A record carries at most MAX_SIGNATURES: a larger quorum needs several records.
-            and len({s.signer for s in ours.signatures}) >= min(self.quorum, MAX_SIGNATURES)
+            and self._certifies_alone(ours)
         )
+
+    def _certifies_alone(self, record: ProgressRecord) -> bool:
+        """`record` carries its step's certificate on its own. A record carries at most
+        MAX_SIGNATURES: a larger quorum needs several records."""
+        return len({s.signer for s in record.signatures}) >= min(self.quorum, MAX_SIGNATURES)
 
     def _others_certify(self, view: CollaborationView) -> bool:
         """Every other trainer's record at our step carries the step's certificate on its own,
@@ -541,9 +545,8 @@ class StepPolicy:
         held = self.held
         if held.step == 0:  # every peer builds step 0 from the task: nothing to certify
             return True
-        needed = min(self.quorum, MAX_SIGNATURES)
         return all(
-            len({s.signer for s in r.signatures}) >= needed
+            self._certifies_alone(r)
             for r in view.trainers(held.step)
             if r.peer_id != self.me and r.digest == held.digest
         )
