@@ -19,6 +19,7 @@ import logging
 import math
 import random
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -63,7 +64,6 @@ log = logging.getLogger(__name__)
 EPOCH = 1.8e9  # the simulated wall clock at virtual time 0
 BACKBONES = 2
 VECTOR = 64  # values a simulated trainer averages
-TICK = 0.01  # virtual seconds: the longest the clock may jump while a thread runs
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,9 @@ class Attempt:
 
     peer: str
     epoch: int
+    """Its gathering's close (`int(gather_until * 1000)`): the calls of one gathering share it."""
+    step: int
+    """The step it averaged for."""
     started: float
     peers_seen: int
     """Contributions in its view of the gathering."""
@@ -128,6 +131,9 @@ class Report:
     scenario: Scenario
     wall_seconds: float
     attempts: list[Attempt]
+    cut: frozenset[int]
+    """Epochs with calls still in progress when the run ended: rounds not over, neither failed
+    nor complete."""
     volunteers: list[Volunteer]
     digests_agree: bool
     """Every trainer that holds the collaboration's newest step holds the same bits."""
@@ -173,6 +179,8 @@ class Collaboration:
         self.backbones: list[SimNode] = []
         self.trainers: dict[str, Trainer] = {}
         self.attempts: list[Attempt] = []
+        self.in_flight: Counter[int] = Counter()  # epoch -> averaging calls in progress
+        self.cut: frozenset[int] = frozenset()
         self.dht_seconds: dict[str, list[float]] = {"store": [], "get": []}
         self.views: list[tuple[int, int]] = []
         self.departures = self.arrivals = 0
@@ -268,7 +276,6 @@ class Collaboration:
             data_port=4002,
             trusted=frozenset(b.peer_id.to_base58() for b in self.backbones),
         )
-        self._record_attempts(me, averager)
         capabilities = self._capabilities(node, speed)
         worker = SimWorker(
             vector_size=VECTOR,
@@ -288,6 +295,7 @@ class Collaboration:
             monotonic=trio.current_time,
             worker=worker,  # type: ignore[arg-type]
         )
+        self._record_attempts(me, averager, lambda: trainer.step + 1)
         observe = trainer.progress.on_read
 
         def observed(view: CollaborationView) -> None:
@@ -312,16 +320,23 @@ class Collaboration:
             self.network.leave(node.peer_id)
             self.trainers.pop(me, None)
 
-    def _record_attempts(self, me: str, averager: Averager) -> None:
+    def _record_attempts(self, me: str, averager: Averager, step: Callable[[], int]) -> None:
+        """Each averaging call of `averager` recorded as it returns (`step`: the step it is for,
+        read as it starts); while it runs, counted as in flight (`cut` at the end)."""
         average = averager.average
 
         async def recorded(*args: Any, **kwargs: Any) -> AveragingResult:
-            started = trio.current_time()
-            result = await average(*args, **kwargs)
+            started, epoch, for_step = trio.current_time(), kwargs["epoch"], step()
+            self.in_flight[epoch] += 1
+            try:
+                result = await average(*args, **kwargs)
+            finally:
+                self.in_flight[epoch] -= 1
             self.attempts.append(
                 Attempt(
                     peer=me,
-                    epoch=kwargs["epoch"],
+                    epoch=epoch,
+                    step=for_step,
                     started=started,
                     peers_seen=result.peers_seen,
                     members=result.members if result.average is not None else 0,
@@ -364,7 +379,6 @@ class Collaboration:
     async def run(self) -> None:
         scenario = self.scenario
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_tick)
             await self.start_backbones(nursery)
             scopes: dict[int, trio.CancelScope] = {}
 
@@ -397,6 +411,7 @@ class Collaboration:
                     next_index += 1
                     self.arrivals += 1
                 self.final = self._final_state()
+                self.cut = frozenset(epoch for epoch, calls in self.in_flight.items() if calls)
                 self.ideal = ideal_step_seconds(scenario, self)
                 self.ended = True
                 self.ended_at = trio.current_time()
@@ -427,13 +442,6 @@ class Collaboration:
         return len(steps.get(newest, set())) <= 1, newest
 
 
-async def _tick() -> None:
-    """Bounds each jump of the virtual clock: a thread's work (the averager copies vectors in
-    threads) would otherwise let it jump to the next timer while the thread runs."""
-    while True:
-        await trio.sleep(TICK)
-
-
 def ideal_step_seconds(scenario: Scenario, collaboration: Collaboration) -> float:
     """DeDLOC's ideal step for the trainers alive at the end: the role solver's optimum
     (`peer.roles.assign_roles`: who computes, one all-reduce with bandwidth-optimal shares,
@@ -462,8 +470,9 @@ def ideal_step_seconds(scenario: Scenario, collaboration: Collaboration) -> floa
 
 
 def run_collaboration(scenario: Scenario) -> Report:
-    # The DHT draws its refresh targets from `random`: seeded too. (Python's hash seed still
-    # orders sets: runs of one seed differ in detail unless PYTHONHASHSEED is set.)
+    # The DHT draws its refresh targets from `random`: seeded too. Runs of one seed still
+    # differ in detail: trio runs the tasks ready at once in a random order, and wakes those
+    # with equal deadlines in the order of their scopes' addresses.
     random.seed(scenario.seed)
     collaboration = Collaboration(scenario)
     started = time.perf_counter()
@@ -475,6 +484,7 @@ def run_collaboration(scenario: Scenario) -> Report:
         scenario=scenario,
         wall_seconds=time.perf_counter() - started,
         attempts=[a for a in collaboration.attempts if a.started >= collaboration.measured_from],
+        cut=collaboration.cut,
         volunteers=collaboration.volunteers,
         digests_agree=agree,
         newest_step=newest,

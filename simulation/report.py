@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from simulation.collaboration import Attempt, Report
+from simulation.collaboration import EPOCH, Attempt, Report
 
 
 @dataclass(frozen=True)
@@ -24,14 +25,17 @@ class Summary:
     """Averaging calls that ended with an exact average over some peers (`AveragingResult`)."""
     complete_share: float
     """Averaging calls whose average holds every contribution of their view."""
-    gatherings: int
-    agreed_gatherings: float
-    """Gatherings (the averaging of one step by the peers that met for it) in which most of
-    their peers ended on one average: the step the collaboration takes (its certificate)."""
-    complete_gatherings: float
-    """Gatherings in which every peer that took part got the average over its whole view."""
+    rounds: int
+    """The collaboration's tries at a step that ended (`rounds_of`)."""
+    cut_rounds: int
+    """Rounds still averaging when the run ended: not counted as either."""
+    agreed_rounds: float
+    """Rounds in which most of their peers ended on one average: the step the collaboration
+    takes (its certificate; the others download it)."""
+    complete_rounds: float
+    """Rounds in which every peer that took part got the average over its whole view."""
     peers_on_the_step: float
-    """Per gathering, the share of its peers on its most common average; the mean."""
+    """Per round, the share of its peers on its most common average; the mean."""
     dht_ops_per_step: float
     """DHT stores and gets per trainer per collaboration step."""
     store_p50: float
@@ -56,12 +60,9 @@ def summarize(report: Report) -> Summary:
     scenario = report.scenario
     seconds = scenario.minutes * 60
     hours = seconds / 3600
-    by_epoch: dict[int, list[Attempt]] = defaultdict(list)
-    for attempt in report.attempts:
-        if attempt.peers_seen > 0:  # called too late to be in the gathering: not a member
-            by_epoch[attempt.epoch].append(attempt)
-    gatherings = list(by_epoch.values())
-    on_the_step = [_most_common_average(g) / len(g) for g in gatherings]
+    everyone = rounds_of(report.attempts)
+    rounds = [r for r in everyone if not report.cut & {a.epoch for a in r}]
+    on_the_step = [_most_common_average(r) / len(r) for r in rounds]
     ops = sum(len(times) for times in report.dht_seconds.values())
     coverage = [seen / alive for seen, alive in report.views if alive]
     reasons: dict[str, int] = defaultdict(int)
@@ -78,9 +79,10 @@ def summarize(report: Report) -> Summary:
         attempts=len(report.attempts),
         averaged_share=_share(a.members > 0 for a in report.attempts),
         complete_share=_share(a.complete for a in report.attempts),
-        gatherings=len(gatherings),
-        agreed_gatherings=_share(share > 0.5 for share in on_the_step),
-        complete_gatherings=_share(all(a.complete for a in g) for g in gatherings),
+        rounds=len(rounds),
+        cut_rounds=len(everyone) - len(rounds),
+        agreed_rounds=_share(share > 0.5 for share in on_the_step),
+        complete_rounds=_share(all(a.complete for a in r) for r in rounds),
         peers_on_the_step=statistics.fmean(on_the_step) if on_the_step else 0.0,
         dht_ops_per_step=ops / scenario.peers / max(1, report.steps),
         store_p50=_quantile(report.dht_seconds["store"], 0.5),
@@ -99,8 +101,30 @@ def summarize(report: Report) -> Summary:
     )
 
 
-def _most_common_average(gathering: list[Attempt]) -> int:
-    counts = Counter(a.average for a in gathering if a.average)
+def rounds_of(attempts: Iterable[Attempt]) -> list[list[Attempt]]:
+    """The averaging calls by round: the collaboration's try at one step, i.e. the calls of
+    that step in one gathering (one epoch), or in several gatherings open at once (calls of
+    the step made at nearly the same moment split its peers: one round, and those apart from
+    its majority are not on the step). A gathering that opened after the last one closed (its
+    calls started later) is the next try. Calls made too late for their gathering (an empty
+    view) are in none."""
+    by_step: dict[int, dict[int, list[Attempt]]] = defaultdict(lambda: defaultdict(list))
+    for attempt in attempts:
+        if attempt.peers_seen > 0:
+            by_step[attempt.step][attempt.epoch].append(attempt)
+    rounds: list[list[Attempt]] = []
+    for step in sorted(by_step):
+        closes = -math.inf  # the current round's latest close, virtual seconds
+        for epoch, calls in sorted(by_step[step].items()):
+            if min(a.started for a in calls) >= closes:
+                rounds.append([])
+            rounds[-1].extend(calls)
+            closes = max(closes, epoch / 1000 - EPOCH)
+    return rounds
+
+
+def _most_common_average(calls: list[Attempt]) -> int:
+    counts = Counter(a.average for a in calls if a.average)
     return max(counts.values(), default=0)
 
 
@@ -136,10 +160,11 @@ def rows(summary: Summary) -> list[tuple[str, str]]:
             f"{s.averaged_share:.1%} / {s.complete_share:.1%} of {s.attempts}",
         ),
         (
-            "gatherings where most peers agree (a step) / all complete",
-            f"{s.agreed_gatherings:.1%} / {s.complete_gatherings:.1%} of {s.gatherings}",
+            "rounds where most peers agree (a step) / all complete",
+            f"{s.agreed_rounds:.1%} / {s.complete_rounds:.1%} of {s.rounds}"
+            f" ({s.cut_rounds} cut by the end)",
         ),
-        ("peers on their gathering's step (mean)", f"{s.peers_on_the_step:.1%}"),
+        ("peers on their round's step (mean)", f"{s.peers_on_the_step:.1%}"),
         ("DHT stores+gets per trainer per step", f"{s.dht_ops_per_step:.0f}"),
         ("DHT store p50 / p99", f"{s.store_p50 * 1000:.0f} / {s.store_p99 * 1000:.0f} ms"),
         ("DHT get p50 / p99", f"{s.get_p50 * 1000:.0f} / {s.get_p99 * 1000:.0f} ms"),

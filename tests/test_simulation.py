@@ -4,6 +4,7 @@ rules, and small collaborations on it train as real ones do. The 300-peer runs a
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import msgspec
 import numpy as np
@@ -13,10 +14,10 @@ import trio
 from peer.averaging.allreduce import Member, RoundSpec
 from peer.errors import DeadlineExceeded, RpcError, Unreachable
 from peer.net.rpc import RpcServer
-from simulation.collaboration import Scenario, run_collaboration
+from simulation.collaboration import EPOCH, Attempt, Scenario, run_collaboration
 from simulation.dataplane import SimDataPlane, SimDataServer, SimIdentity
-from simulation.network import MBIT, Link, SimNetwork
-from simulation.report import summarize
+from simulation.network import MBIT, Link, SimNetwork, Traffic
+from simulation.report import rounds_of, summarize
 
 SLOW_LINK = Link(upload=10 * MBIT, download=10 * MBIT, rtt=0.2)
 FAST_LINK = Link(upload=100 * MBIT, download=100 * MBIT, rtt=0.02)
@@ -167,6 +168,37 @@ async def test_a_member_that_never_comes_fails_the_round_for_the_others(autojump
         assert absent in report.dropped_senders and absent in report.excluded()
 
 
+def call(peer: str, step: int, close: float, started: float, average: bytes = b"a") -> Attempt:
+    """One averaging call for `step` in the gathering closing at `close` (virtual seconds)."""
+    epoch = int((EPOCH + close) * 1000)
+    return Attempt(peer, epoch, step, started, peers_seen=3, members=3, average=average, why="")
+
+
+def test_a_round_is_a_steps_try_and_calls_split_at_once_are_one_round():
+    first, split = call("a", 1, close=10, started=8), call("b", 1, close=10.6, started=9)
+    retry = call("a", 1, close=30, started=27)  # called after the first gathering closed
+    nxt = call("a", 2, close=50, started=47)
+    late = Attempt("c", first.epoch, 1, 11, peers_seen=0, members=0, average=b"", why="late")
+    rounds = rounds_of([nxt, retry, late, split, first])
+    assert rounds == [[first, split], [retry], [nxt]]
+
+
+def test_rounds_cut_by_the_end_count_neither_way():
+    agreed = [call(p, 1, close=10, started=8) for p in "abc"]
+    split = [call(p, 2, close=40, started=38, average=p.encode()) for p in "abc"]
+    report = SimpleNamespace(
+        scenario=small(peers=3, minutes=1), attempts=[*agreed, *split], cut=frozenset(),
+        dht_seconds={"store": [], "get": []}, views=[], traffic=Traffic(), wall_seconds=1.0,
+        steps=1, ideal_step_seconds=1.0, departures=0, arrivals=0, downloads=0,
+        digests_agree=True,
+    )  # fmt: skip
+    summary = summarize(report)  # type: ignore[arg-type]
+    assert (summary.rounds, summary.agreed_rounds, summary.cut_rounds) == (2, 0.5, 0)
+    report.cut = frozenset({split[0].epoch})
+    summary = summarize(report)  # type: ignore[arg-type]
+    assert (summary.rounds, summary.agreed_rounds, summary.cut_rounds) == (1, 1.0, 1)
+
+
 def small(**fields) -> Scenario:
     """A 4 MB model and 512-sample steps: several steps in a few simulated minutes."""
     return Scenario(model_bytes=4e6, target_batch=512, warmup_minutes=1, **fields)
@@ -176,7 +208,7 @@ def test_a_small_collaboration_trains_with_every_average_exact():
     report = run_collaboration(small(peers=6, minutes=4, churn_per_hour=0, seed=1))
     summary = summarize(report)
     assert summary.steps >= 4
-    assert summary.complete_share == 1.0 and summary.complete_gatherings == 1.0
+    assert summary.complete_share == 1.0 and summary.complete_rounds == 1.0
     assert report.digests_agree
     assert summary.view_coverage > 0.95
 
@@ -224,6 +256,6 @@ def test_three_hundred_simulated_volunteers_with_churn_take_their_steps():
     summary = summarize(report)
     assert report.departures >= 1 and report.arrivals >= 1
     assert summary.steps >= 3
-    assert summary.agreed_gatherings >= 0.9, summary.agreed_gatherings
+    assert summary.agreed_rounds >= 0.9, summary.agreed_rounds
     assert summary.view_coverage > 0.95
     assert report.digests_agree
