@@ -34,6 +34,8 @@ class Summary:
     takes (its certificate; the others download it)."""
     complete_rounds: float
     """Rounds in which every peer that took part got the average over its whole view."""
+    late_gatherings: int
+    """Gatherings of a step called after a round had taken it (`Round.late_gatherings`)."""
     peers_on_the_step: float
     """Per round, the share of its peers on its most common average; the mean."""
     dht_ops_per_step: float
@@ -61,8 +63,8 @@ def summarize(report: Report) -> Summary:
     seconds = scenario.minutes * 60
     hours = seconds / 3600
     everyone = rounds_of(report.attempts)
-    rounds = [r for r in everyone if not report.cut & {a.epoch for a in r}]
-    on_the_step = [_most_common_average(r) / len(r) for r in rounds]
+    rounds = [r for r in everyone if not report.cut & r.epochs]
+    on_the_step = [r.on_the_step for r in rounds]
     ops = sum(len(times) for times in report.dht_seconds.values())
     coverage = [seen / alive for seen, alive in report.views if alive]
     reasons: dict[str, int] = defaultdict(int)
@@ -82,7 +84,8 @@ def summarize(report: Report) -> Summary:
         rounds=len(rounds),
         cut_rounds=len(everyone) - len(rounds),
         agreed_rounds=_share(share > 0.5 for share in on_the_step),
-        complete_rounds=_share(all(a.complete for a in r) for r in rounds),
+        complete_rounds=_share(all(a.complete for a in r.calls) for r in rounds),
+        late_gatherings=sum(r.late_gatherings for r in rounds),
         peers_on_the_step=statistics.fmean(on_the_step) if on_the_step else 0.0,
         dht_ops_per_step=ops / scenario.peers / max(1, report.steps),
         store_p50=_quantile(report.dht_seconds["store"], 0.5),
@@ -101,25 +104,52 @@ def summarize(report: Report) -> Summary:
     )
 
 
-def rounds_of(attempts: Iterable[Attempt]) -> list[list[Attempt]]:
+@dataclass
+class Round:
+    """The collaboration's try at one step (`rounds_of`)."""
+
+    step: int
+    calls: list[Attempt]
+    late_gatherings: int = 0
+    """Gatherings of the step opened after this round took it: peers that missed it,
+    averaging apart (they are not on the step, and download it)."""
+
+    @property
+    def epochs(self) -> set[int]:
+        return {a.epoch for a in self.calls}
+
+    @property
+    def on_the_step(self) -> float:
+        """The share of its calls on its most common average."""
+        return _most_common_average(self.calls) / len(self.calls)
+
+
+def rounds_of(attempts: Iterable[Attempt]) -> list[Round]:
     """The averaging calls by round: the collaboration's try at one step, i.e. the calls of
     that step in one gathering (one epoch), or in several gatherings open at once (calls of
     the step made at nearly the same moment split its peers: one round, and those apart from
     its majority are not on the step). A gathering that opened after the last one closed (its
-    calls started later) is the next try. Calls made too late for their gathering (an empty
-    view) are in none."""
+    calls started later) is the next try, unless the step was taken (most of a round's calls
+    on one average): then its peers missed the step, and count in that round, off the step.
+    Calls made too late for their gathering (an empty view) are in none."""
     by_step: dict[int, dict[int, list[Attempt]]] = defaultdict(lambda: defaultdict(list))
     for attempt in attempts:
         if attempt.peers_seen > 0:
             by_step[attempt.step][attempt.epoch].append(attempt)
-    rounds: list[list[Attempt]] = []
+    rounds: list[Round] = []
     for step in sorted(by_step):
         closes = -math.inf  # the current round's latest close, virtual seconds
+        taken = math.inf  # the close after which the current round held the step
         for epoch, calls in sorted(by_step[step].items()):
-            if min(a.started for a in calls) >= closes:
-                rounds.append([])
-            rounds[-1].extend(calls)
+            opened = min(a.started for a in calls)
+            if opened >= taken:
+                rounds[-1].late_gatherings += 1
+            elif opened >= closes:  # the last one closed before this one opened: a new try
+                rounds.append(Round(step, []))
+            rounds[-1].calls.extend(calls)
             closes = max(closes, epoch / 1000 - EPOCH)
+            if taken == math.inf and rounds[-1].on_the_step > 0.5:
+                taken = closes
     return rounds
 
 
@@ -165,6 +195,7 @@ def rows(summary: Summary) -> list[tuple[str, str]]:
             f" ({s.cut_rounds} cut by the end)",
         ),
         ("peers on their round's step (mean)", f"{s.peers_on_the_step:.1%}"),
+        ("gatherings of a step already taken (those who missed it)", str(s.late_gatherings)),
         ("DHT stores+gets per trainer per step", f"{s.dht_ops_per_step:.0f}"),
         ("DHT store p50 / p99", f"{s.store_p50 * 1000:.0f} / {s.store_p99 * 1000:.0f} ms"),
         ("DHT get p50 / p99", f"{s.get_p50 * 1000:.0f} / {s.get_p99 * 1000:.0f} ms"),

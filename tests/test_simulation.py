@@ -176,11 +176,20 @@ def call(peer: str, step: int, close: float, started: float, average: bytes = b"
 
 def test_a_round_is_a_steps_try_and_calls_split_at_once_are_one_round():
     first, split = call("a", 1, close=10, started=8), call("b", 1, close=10.6, started=9)
-    retry = call("a", 1, close=30, started=27)  # called after the first gathering closed
-    nxt = call("a", 2, close=50, started=47)
-    late = Attempt("c", first.epoch, 1, 11, peers_seen=0, members=0, average=b"", why="late")
-    rounds = rounds_of([nxt, retry, late, split, first])
-    assert rounds == [[first, split], [retry], [nxt]]
+    failed = call("c", 1, close=10, started=8.5, average=b"c")  # 2 of 3 on one: step taken
+    missed = call("d", 1, close=14, started=11)  # called after the step was taken
+    missed_too = call("e", 1, close=14.5, started=11.5)  # another of those, at once
+    nxt = call("a", 2, close=50, started=47, average=b"")  # no average: not taken
+    retry = call("a", 2, close=70, started=67)  # step 2 was not taken: the next try
+    late = Attempt("f", first.epoch, 1, 11, peers_seen=0, members=0, average=b"", why="late")
+    rounds = rounds_of([retry, nxt, late, missed_too, missed, failed, split, first])
+    by_peer = [(r.step, sorted(r.calls, key=lambda a: a.peer), r.late_gatherings) for r in rounds]
+    assert by_peer == [
+        (1, [first, split, failed, missed, missed_too], 2),
+        (2, [nxt], 0),
+        (2, [retry], 0),
+    ]
+    assert rounds[0].on_the_step == 0.8
 
 
 def test_rounds_cut_by_the_end_count_neither_way():
