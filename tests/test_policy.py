@@ -562,6 +562,26 @@ def test_only_the_lowest_trainer_calls_a_step_unless_it_stays_silent():
     assert isinstance(high.next_action(ours, T0 + fallback + 0.1), Call)
 
 
+def test_fallback_callers_take_turns_from_the_lowest_up():
+    """When the lowest stays silent, the peers that wait for it do not all call at once (at
+    300 simulated peers 36 did, within 2 s): each live peer between the lowest and us adds a
+    turn, time enough for its call to be seen. A gone one (stale record) adds none."""
+    silent = other("0", samples=20, holding=True, updated_at=T0)
+    next_up, _ = dedloc(silent, other("a", samples=20, holding=True, updated_at=T0))
+    ours = Local(samples=24, samples_per_second=10.0)
+    assert isinstance(next_up.next_action(ours, T0), Wait)  # "m": "a" is between "0" and us
+    fallback = next_up.timing.fallback_caller_wait(next_up.store_seconds)
+    turn = next_up.timing.fallback_turn(next_up.store_seconds)
+    assert turn > 0
+    assert isinstance(next_up.next_action(ours, T0 + fallback + 0.1), Wait)  # "a"'s turn
+    assert isinstance(next_up.next_action(ours, T0 + fallback + turn + 0.1), Call)
+    # "a" is gone (its record stale): our turn comes right after the lowest's.
+    gone = other("a", samples=20, holding=True, updated_at=T0 - next_up.timing.stale_record - 1)
+    after_gone, _ = dedloc(silent, gone)
+    assert isinstance(after_gone.next_action(ours, T0), Wait)
+    assert isinstance(after_gone.next_action(ours, T0 + fallback + 0.1), Call)
+
+
 def test_a_caller_done_with_its_own_quota_waits_for_the_collaboration():
     """Being done with one's own quota is not the batch being full: a step called then made
     the others declare half-way through theirs. Nor does a peer with nothing to do take over

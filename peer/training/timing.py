@@ -137,8 +137,14 @@ class Timing:
         return 2 * self.progress_interval + self.reading
 
     def fallback_caller_wait(self, store_seconds: float) -> float:
-        """How long a peer other than the designated caller waits before calling a step."""
+        """How long a peer other than the designated caller waits before calling a step (the
+        next lowest; the others a `fallback_turn` more per live peer below them)."""
         return self.progress_interval + self.reading + 4 * store_seconds
+
+    def fallback_turn(self, store_seconds: float) -> float:
+        """How long a call takes to be seen by the others: its record lands (a store), and a
+        read up to `reading` old that takes about a store's time shows it."""
+        return 2 * store_seconds + self.reading
 
     @property
     def solo_wait(self) -> float:
