@@ -35,7 +35,7 @@ class Summary:
     complete_rounds: float
     """Rounds in which every peer that took part got the average over its whole view."""
     late_gatherings: int
-    """Gatherings of a step called after a round had taken it (`Round.late_gatherings`)."""
+    """Gatherings of a step opened after a round had taken it (`Round.late_gatherings`)."""
     peers_on_the_step: float
     """Per round, the share of its peers on its most common average; the mean."""
     dht_ops_per_step: float

@@ -15,6 +15,7 @@ from peer.averaging.reduce import ChunkResult
 from peer.config import AveragingConfig, PeerConfig, TaskConfig, TrainingConfig
 from peer.training.certificate import CARRIED_SIGNATURES, MAX_SIGNATURES, StepSignature, carried
 from peer.training.policy import (
+    MAX_FALLBACK_TURNS,
     MAX_WAIT_FOR_OTHERS,
     REMEASURE_STEPS,
     SLOW_CLAIM,
@@ -580,6 +581,18 @@ def test_fallback_callers_take_turns_from_the_lowest_up():
     after_gone, _ = dedloc(silent, gone)
     assert isinstance(after_gone.next_action(ours, T0), Wait)
     assert isinstance(after_gone.next_action(ours, T0 + fallback + 0.1), Call)
+
+    # Ids ground below ours hold our fallback call back by MAX_FALLBACK_TURNS turns at most.
+    def crowd(now: float) -> list[ProgressRecord]:  # 20 fresh records between "0" and us
+        fresh = [other(f"a{i:02}", samples=1, holding=True, updated_at=now) for i in range(20)]
+        return [silent, *fresh]
+
+    held_back, _ = dedloc(*crowd(T0))
+    longest = fallback + MAX_FALLBACK_TURNS * turn
+    assert isinstance(held_back.next_action(ours, T0), Wait)
+    for now, action in ((T0 + longest - 0.2, Wait), (T0 + longest + 0.1, Call)):
+        read(held_back, *crowd(now), now=now)
+        assert isinstance(held_back.next_action(ours, now), action)
 
 
 def test_a_caller_done_with_its_own_quota_waits_for_the_collaboration():

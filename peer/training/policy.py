@@ -69,6 +69,9 @@ WARN_AFTER_FAILURES = 3
 MAX_DOWNLOAD_BACKOFF = 30.0
 #: Seconds at most that a peer holds its calls for others still in a failed averaging.
 MAX_WAIT_FOR_OTHERS = 600.0
+#: Turns at most a fallback caller waits for the peers below it (`_may_call`): fresh records
+#: with ground ids below ours delay our fallback call by no more than this many.
+MAX_FALLBACK_TURNS = 8
 #: Steps after which a peer dealt no micro-batch computes one anyway. Its rate is the quotas'
 #: only input, and without a micro-batch it is never measured again: a restarted peer whose
 #: first (warm-up) micro-batch was slow got no quota and stayed idle for the rest of the run.
@@ -791,9 +794,9 @@ class StepPolicy:
             for peer_id, r in peers.items()
             if lowest < peer_id < self.me and now - r.updated_at <= self.timing.stale_record
         )
-        fallback = self.timing.fallback_caller_wait(self.store_seconds) + between * (
-            self.timing.fallback_turn(self.store_seconds)
-        )
+        fallback = self.timing.fallback_caller_wait(self.store_seconds) + min(
+            between, MAX_FALLBACK_TURNS
+        ) * self.timing.fallback_turn(self.store_seconds)
         record = peers[lowest]
         stale = now - record.updated_at > self.timing.stale_record
         return waited >= fallback and (
