@@ -243,9 +243,12 @@ class HolePuncher:
         self._changed.set()
         self._changed = trio.Event()
 
-    def _own_host(self) -> str:
-        addrs = punch_addrs(self.node)
-        return ip_tcp(addrs[0])[0] if addrs else "0.0.0.0"  # type: ignore[index]
+    def _targets(self, addrs: list[str]) -> list[Multiaddr]:
+        """Those of a peer's punch addresses we dial (`check_punch_addrs`), judged against
+        our own punch addresses: their host, and whether they are all private."""
+        ours = punch_addrs(self.node)
+        own_host = ip_tcp(ours[0])[0] if ours else "0.0.0.0"  # type: ignore[index]
+        return check_punch_addrs(addrs, own_host=own_host, private_ok=private_targets_ok(ours))
 
     async def _read(self, framed: FramedStream, kind: type) -> Any:
         with trio.fail_after(self.config.message_seconds):
@@ -284,11 +287,7 @@ class HolePuncher:
             await framed.write_frame(_encode(Connect(punch_addrs(self.node))))
             reply = await self._read(framed, Connect)
             rtt = time.monotonic() - sent
-            theirs = check_punch_addrs(
-                reply.addrs,
-                own_host=self._own_host(),
-                private_ok=private_targets_ok(punch_addrs(self.node)),
-            )
+            theirs = self._targets(reply.addrs)
             await framed.write_frame(_encode(Sync()))
         except (trio.TooSlowError, ProtocolError, *DECODE_ERRORS, *TRANSPORT_ERRORS) as error:
             log.debug("hole punch exchange with %s failed: %r", peer_id, error)
@@ -319,11 +318,7 @@ class HolePuncher:
             try:
                 self._attempts += 1
                 request = await self._read(framed, Connect)
-                theirs = check_punch_addrs(
-                    request.addrs,
-                    own_host=self._own_host(),
-                    private_ok=private_targets_ok(punch_addrs(self.node)),
-                )
+                theirs = self._targets(request.addrs)
                 await framed.write_frame(_encode(Connect(punch_addrs(self.node))))
                 await self._read(framed, Sync)
                 await framed.reset()

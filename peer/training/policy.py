@@ -764,7 +764,7 @@ class StepPolicy:
             if r.peer_id != self.me
             and r.samples_per_second > 0
             and not (r.holding or r.downloading)
-            and now - r.updated_at <= self.timing.stale_record
+            and self._fresh(r, now)
         ]
         ceiling = SLOW_CLAIM * statistics.median_low([local.batch_seconds, *claims])
         seconds = sorted([local.batch_seconds, *(min(c, ceiling) for c in claims)])
@@ -790,20 +790,22 @@ class StepPolicy:
         # later call than the others averaged apart and downloaded).
         waited = now - self._ready_since
         between = sum(
-            1
-            for peer_id, r in peers.items()
-            if lowest < peer_id < self.me and now - r.updated_at <= self.timing.stale_record
+            1 for peer_id, r in peers.items() if lowest < peer_id < self.me and self._fresh(r, now)
         )
         fallback = self.timing.fallback_caller_wait(self.store_seconds) + min(
             between, MAX_FALLBACK_TURNS
         ) * self.timing.fallback_turn(self.store_seconds)
         record = peers[lowest]
-        stale = now - record.updated_at > self.timing.stale_record
+        stale = not self._fresh(record, now)
         return waited >= fallback and (
             stale
             or record.holding
             or waited >= fallback + 4 * self.timing.window(self.store_seconds)
         )
+
+    def _fresh(self, record: ProgressRecord, now: float) -> bool:
+        """`record` was published recently enough that its peer looks alive (`stale_record`)."""
+        return now - record.updated_at <= self.timing.stale_record
 
     def _majority(self, result: AveragingResult) -> bool:
         """Whether the peers behind `result` are more than half of the trainers at this step
