@@ -131,7 +131,7 @@ class Baselines:
 
 
 def product_state(
-    size: int, mode: str, micro_batch: int, *, rate_seconds: float
+    size: int, mode: str, micro_batch: int, *, rate_seconds: float, device: torch.device
 ) -> tuple[TorchWorker, TrainingState, float]:
     """The worker a peer runs, after enough micro-batches to time them and one step (so the
     optimizers hold their state); its captured state; its samples/s on one thread."""
@@ -140,7 +140,7 @@ def product_state(
         overrides={"training.mode": mode, "task.micro_batch": micro_batch, "training.seed": 0},
     ).config
     worker = TorchWorker(
-        ScaleGPTTask(SIZES[size]), config, device=torch.device("cpu"), peer_id="scale-benchmark"
+        ScaleGPTTask(SIZES[size]), config, device=device, peer_id="scale-benchmark"
     )
 
     async def run() -> float:
@@ -312,24 +312,27 @@ PLAIN_PROCESS = """
 import sys, time, torch
 from peer.training.task import load_task
 torch.set_num_threads(1)
-task = load_task(sys.argv[1])
-model = task.build_model()
+task, device = load_task(sys.argv[1]), torch.device(sys.argv[3])
+model = task.build_model().to(device)
 optimizer = task.make_optimizer(model.parameters())
 generator = torch.Generator().manual_seed(0)
 for _ in range(2):
     optimizer.zero_grad()
-    task.loss(model, task.sample_batch(int(sys.argv[2]), generator)).backward()
+    batch = tuple(t.to(device) for t in task.sample_batch(int(sys.argv[2]), generator))
+    task.loss(model, batch).backward()
     optimizer.step()
 print("ready", flush=True)
 time.sleep(3600)
 """
 
 
-def plain_process_stop(task_name: str, micro_batch: int) -> tuple[float | None, int | None]:
-    """A plain process holding the model and AdamW after two steps, ended by SIGINT through
-    the interpreter's default path: (seconds to exit, its peak RSS in bytes)."""
+def plain_process_stop(
+    task_name: str, micro_batch: int, device: str
+) -> tuple[float | None, int | None]:
+    """A plain process holding the model and AdamW after two steps on `device`, ended by
+    SIGINT through the interpreter's default path: (seconds to exit, its peak RSS in bytes)."""
     child = subprocess.Popen(
-        [sys.executable, "-c", PLAIN_PROCESS, task_name, str(micro_batch)],
+        [sys.executable, "-c", PLAIN_PROCESS, task_name, str(micro_batch), device],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
@@ -572,6 +575,7 @@ def collaboration_env(settings: Settings, args: argparse.Namespace) -> dict[str,
         # Checkpoints during the run too, so their memory and stalls are in the figures.
         "PEERTRAIN_TRAINING_CHECKPOINT_INTERVAL": str(args.checkpoint_interval),
         "PEERTRAIN_LOG_LEVEL": args.log_level,
+        "PEERTRAIN_TASK_DEVICE": args.device,
     }
 
 
@@ -885,7 +889,9 @@ def measure_baselines(
     """This mode's state and its baselines; `shared` keeps the per-size ones (the all-reduce
     floor, the plain process) between modes."""
     micro_batch = SIZES[size].micro_batch
-    worker, state, rate = product_state(size, mode, micro_batch, rate_seconds=args.rate_seconds)
+    worker, state, rate = product_state(
+        size, mode, micro_batch, rate_seconds=args.rate_seconds, device=torch.device(args.device)
+    )
 
     state_bytes = len(to_bytes(state))
     trio.run(worker.hold, 1)  # the state it serves, as a trainer holds it after a step
@@ -899,7 +905,9 @@ def measure_baselines(
     gc.collect()  # the peers get the memory back before they start
     if "floor" not in shared:
         shared["floor"] = allreduce_floor(vector_bytes, rounds=3, timeout=900)
-        shared["plain"] = plain_process_stop(f"benchmarks.scale_task:gpt_{size}m", micro_batch)
+        shared["plain"] = plain_process_stop(
+            f"benchmarks.scale_task:gpt_{size}m", micro_batch, args.device
+        )
     floor = shared["floor"]
     plain_stop, plain_rss = shared["plain"]  # type: ignore[misc]
     return Baselines(
@@ -943,6 +951,9 @@ def main() -> None:
         "--link-mbit", type=int, default=0, help="shape the loopback to this rate (root)"
     )
     parser.add_argument("--log-level", choices=["debug", "info"], default="info", help="peers'")
+    parser.add_argument(
+        "--device", default="cpu", help="the peers' task.device (cuda: all on one GPU)"
+    )
     args = parser.parse_args()
     if args.link_mbit and SHAPED_ENV not in os.environ:  # the same run, in the namespace
         sys.exit(

@@ -32,6 +32,14 @@ PEER_DATA_ERRORS = (
 )
 
 
+def first_error(group: BaseExceptionGroup) -> BaseException:
+    """The first leaf of a (nested) exception group, such as trio's nurseries raise."""
+    error: BaseException = group
+    while isinstance(error, BaseExceptionGroup):
+        error = error.exceptions[0]
+    return error
+
+
 class PeertrainError(Exception):
     """Base class of every error peertrain raises on purpose."""
 

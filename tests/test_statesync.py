@@ -605,6 +605,41 @@ async def test_a_donor_that_dies_mid_download_is_replaced():
             assert str(peers[0]) in stats.dropped
 
 
+@pytest.mark.parametrize("into", [False, True], ids=["run", "run_into"])
+async def test_every_donor_dying_mid_download_is_one_download_failure(into):
+    """The last donor gone part-way: a `StateDownloadFailed` (a RemoteError, which the trainer
+    retries), not an exception group around it, which ended the joining daemon (seen on a
+    GPU run where all three donors moved on to a new step at once)."""
+    state = Snapshot(7, blob())
+    stopped = trio.Event()
+    wraps = {0: lambda stream: Faulty(stream, stop_after=2 * CHUNK, stopped=stopped)}
+    failure: list[BaseException] = []
+    with trio.fail_after(TIMEOUT):
+        async with nodes(1) as (downloader,), donors([state], wraps=wraps) as running:
+            peers = await connect(downloader, running)
+            job = StateDownload(downloader, peers, min_step=7, parallel=1, stall_timeout=5)
+            sink = Whole(len(state.blob), lambda: None)
+
+            async def download() -> None:
+                deadline = trio.current_time() + 20
+                try:
+                    await (
+                        job.run_into(sink, deadline=deadline)
+                        if into
+                        else job.run(deadline=deadline)
+                    )
+                except BaseException as error:  # its type is the point
+                    failure.append(error)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(download)
+                await stopped.wait()
+                running[0].kill()
+    (error,) = failure
+    assert type(error) is StateDownloadFailed, repr(error)
+    assert "no donor left" in str(error)
+
+
 async def test_a_busy_donor_refuses_and_the_download_uses_others_or_fails_clearly():
     state = Snapshot(7, blob(MIN_CHUNK_BYTES * 5))
     with trio.fail_after(TIMEOUT):

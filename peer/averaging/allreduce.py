@@ -86,7 +86,7 @@ from peer.averaging.wire import (
     receive_frame,
     send_frame,
 )
-from peer.errors import DECODE_ERRORS, ProtocolError
+from peer.errors import DECODE_ERRORS, ProtocolError, first_error
 from peer.net.admission import Admission, AdmissionLimits, check_dial_address, connect
 from peer.net.host import Node
 from peer.net.streamio import (
@@ -636,7 +636,7 @@ class _Round:
                     nursery.start_soon(self._send_chunks, channel, j)
                     await self._receive_averages(channel, j)
         except* (trio.TooSlowError, *CONNECTION_ERRORS) as group:
-            error = _first(group)
+            error = first_error(group)  # the error that ended the connection
             self.report.failed_reducers[reducer.peer_id] = _reason(error)
             log.debug("reducer %s failed: %r", reducer.peer_id, error)
 
@@ -964,7 +964,7 @@ class _PartService:
                         await self._take_chunks(channel, sender)
                         await self._take_receipt(channel, sender)
                 except* (trio.TooSlowError, *CONNECTION_ERRORS) as group:
-                    error = _first(group)
+                    error = first_error(group)  # the error that ended the connection
                     if sender in self.reducer.waiting_for():
                         self.drop(sender, _reason(error))
                         self.publish()
@@ -1201,14 +1201,6 @@ async def _forward(channel: Channel, outgoing: trio.MemoryReceiveChannel) -> Non
     async for index, count, mask, payload in outgoing:
         await channel.send(index, count, payload, prefix=mask)
     await channel.send(DONE, 0, b"")
-
-
-def _first(group: BaseExceptionGroup) -> BaseException:
-    """The first leaf of a (nested) exception group: the error that ended a connection."""
-    error: BaseException = group
-    while isinstance(error, BaseExceptionGroup):
-        error = error.exceptions[0]
-    return error
 
 
 def _reason(error: BaseException) -> str:

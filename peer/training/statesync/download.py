@@ -15,7 +15,7 @@ from typing import Protocol, TypeVar
 import trio
 from libp2p.peer.id import ID
 
-from peer.errors import DeadlineExceeded, ProtocolError, RemoteError
+from peer.errors import DeadlineExceeded, ProtocolError, RemoteError, first_error
 from peer.net.admission import check_dial_address, connect
 from peer.net.host import Node, host_of
 from peer.net.streamio import (
@@ -204,6 +204,13 @@ class StateDownload:
                 result = await download
         except trio.TooSlowError:
             raise StateDownloadFailed(self._failure("not finished by the deadline")) from None
+        except BaseExceptionGroup as group:
+            # Raised inside a nursery, a failure comes out wrapped: the trainer retries a
+            # StateDownloadFailed, and anything else (a group) would end the daemon.
+            failed, rest = group.split(StateDownloadFailed)
+            if failed is None or rest is not None:
+                raise
+            raise first_error(failed) from None
         finally:
             await self._release_tickets()
         stats = self.statistics()
