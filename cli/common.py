@@ -15,7 +15,7 @@ import trio
 import typer
 
 from peer.config import LoadedConfig, load_config
-from peer.errors import PeertrainError, UserError
+from peer.errors import UserError, find_error
 from peer.logs import setup_logging
 
 EXIT_USER_ERROR = 2
@@ -155,18 +155,6 @@ def exit_at_once(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def find_error(error: BaseException) -> PeertrainError | None:
-    """The first of our own (user or remote) errors in a possibly nested exception group."""
-    if isinstance(error, PeertrainError):
-        return error
-    if isinstance(error, BaseExceptionGroup):
-        for inner in error.exceptions:
-            found = find_error(inner)
-            if found is not None:
-                return found
-    return None
 
 
 def echo(line: str) -> None:

@@ -25,7 +25,7 @@ from rich.text import Text
 
 from cli.render import duration, status_table
 from peer.config import load_config
-from peer.errors import RemoteError
+from peer.errors import RemoteError, find_error
 from peer.status import collect_status
 from peer.training.progress import CollaborationView
 
@@ -193,8 +193,11 @@ async def run_demo(peers: int, timeout: float) -> None:
             while time.monotonic() < deadline and outcome.reached is None:
                 try:
                     report = await collect_status(config)
-                except RemoteError as error:
-                    live.update(Text(f"status: {error}"))
+                except Exception as error:  # a group, when raised inside the node's nursery
+                    ours = find_error(error)
+                    if not isinstance(ours, RemoteError):
+                        raise
+                    live.update(Text(f"status: {ours}"))
                     await trio.sleep(1.0)
                     continue
                 view = report.training

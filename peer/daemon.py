@@ -16,6 +16,7 @@ import logging
 import resource
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -53,6 +54,7 @@ if TYPE_CHECKING:  # torch takes a second or two to import; backbones never need
 
     from peer.training.task import Task
     from peer.training.trainer import Trainer
+    from peer.training.worker import WorkerFactory
 
 log = logging.getLogger("peertrain.daemon")
 
@@ -91,10 +93,12 @@ async def run_daemon(
     role: Role,
     on_ready: Callable[[Node], None] = lambda node: None,
     on_trainer: Callable[[Trainer], None] = lambda trainer: None,
+    own_loop: OwnLoop | None = None,
     task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run a node until `stop` is set. `on_ready` sees it once it has joined and published presence.
-    A peer trains (`on_trainer` sees its trainer) and stops by itself when training is done.
+    A peer trains (`on_trainer` sees its trainer) and stops by itself when training is done:
+    the task `config` names, or (`own_loop`) a training loop of the user's own.
 
     Stopping is two-phase: the node's own tasks end first (presence is withdrawn) while the
     host still runs, then the host closes. Cancelling from outside also stops it, but then
@@ -103,7 +107,9 @@ async def run_daemon(
     seeds = parse_backbones(config.collaboration.backbones)
     if role == "peer" and not seeds:
         raise Unreachable("no backbone given; pass --backbone MADDR (printed by `backbone start`)")
-    workload = load_workload(config) if role == "peer" else None  # config errors come first
+    workload = None
+    if role == "peer":  # config errors come first
+        workload = (own_loop.task, own_loop.device) if own_loop else load_workload(config)
     identity = load_or_create_identity(Path(config.identity.path).expanduser())
     network_key = load_network_key(config.collaboration.network_key)
     inbound = inbound_limits(config)
@@ -179,6 +185,7 @@ async def run_daemon(
                         dht, config.collaboration.name, first=reached
                     ),
                     workload=workload,
+                    benchmark=own_loop is None,
                     probe_server=probe_server,
                 )
                 if role == "peer":  # a DHT server once a backbone could dial it
@@ -262,6 +269,7 @@ async def run_daemon(
                             measurements,
                             lambda trainer: on_trainer(sources.add_trainer(trainer)),
                             stop,
+                            own_loop.make_worker if own_loop else None,
                         )
                     await stop.wait()
                     running.cancel_scope.cancel()
@@ -276,13 +284,34 @@ async def train_then_stop(
     measurements: Measurements,
     on_trainer: Callable[[Trainer], None],
     stop: trio.Event,
+    make_worker: WorkerFactory | None,
 ) -> None:
     from peer.training.service import run_training
+    from peer.training.worker import TorchWorker
 
     task, device = workload
-    await run_training(node, dht, config, task, device, measurements, on_trainer=on_trainer)
+    await run_training(
+        node,
+        dht,
+        config,
+        task,
+        device,
+        measurements,
+        on_trainer=on_trainer,
+        make_worker=make_worker or TorchWorker,
+    )
     log.info("training finished")
     stop.set()
+
+
+@dataclass(frozen=True)
+class OwnLoop:
+    """A peer whose training loop is the user's own (`peertrain.Optimizer`): its task describes
+    the user's model and optimizer, and `make_worker` builds the worker that loop feeds."""
+
+    task: Task
+    device: torch.device
+    make_worker: WorkerFactory
 
 
 async def find_backbones(dht: DHT, collaboration: str, *, first: Sequence[ID]) -> list[ID]:

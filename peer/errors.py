@@ -48,6 +48,18 @@ class UserError(PeertrainError):
     """Bad input from the person running peertrain; the message says what to do."""
 
 
+def find_error(error: BaseException) -> PeertrainError | None:
+    """The first of our own (user or remote) errors in a possibly nested exception group."""
+    if isinstance(error, PeertrainError):
+        return error
+    if isinstance(error, BaseExceptionGroup):
+        for inner in error.exceptions:
+            found = find_error(inner)
+            if found is not None:
+                return found
+    return None
+
+
 class ConfigError(UserError):
     """A configuration value is unknown, of the wrong type or out of range."""
 

@@ -75,6 +75,9 @@ class SimWorker:
         self._samples += self.micro_batch
         return Computed(samples=self.micro_batch, loss=1.0, seconds=seconds)
 
+    async def start_take(self) -> tuple[int, Taken]:
+        return self._samples, self.take_soon()
+
     def take_soon(self) -> Taken:
         samples = self._samples
         mean = self.gradient / samples if samples else self.gradient

@@ -58,6 +58,7 @@ class Service:
         server.add_unary("slow", Slow, self.slow)
         server.add_unary("forbid", Slow, self.forbid)
         server.add_unary("crash", Slow, self.crash)
+        server.add_unary("stale", Slow, self.stale)
         server.add_streaming("count", Count, self.count)
         server.add_unary("nap", Nap, self.nap)
 
@@ -76,6 +77,10 @@ class Service:
 
     async def forbid(self, caller: ID, request: Slow) -> Slow:
         raise RpcError("forbidden", "not for you")
+
+    async def stale(self, caller: ID, request: Slow) -> Slow:
+        async with trio.open_nursery():  # raised in a nursery: an exception group
+            raise RemoteError("the state moved on; ask again")
 
     async def crash(self, caller: ID, request: Slow) -> Slow:
         raise ValueError("a bug in the handler")
@@ -154,6 +159,13 @@ async def test_typed_errors_reach_the_caller():
             await client.rpc.call(server.peer_id, "test", "crash", Slow(), Slow, timeout=5)
         assert info.value.code == "internal"
         assert "ValueError" not in info.value.message  # no internals leak to the caller
+        # A peer's fault raised inside a nursery is answered as one, not as our crash.
+        with pytest.raises(RpcError) as info:
+            await client.rpc.call(server.peer_id, "test", "stale", Slow(), Slow, timeout=5)
+        assert (info.value.code, info.value.message) == (
+            "bad_request",
+            "the state moved on; ask again",
+        )
         await good_call(client, server)
 
 

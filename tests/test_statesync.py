@@ -640,6 +640,25 @@ async def test_every_donor_dying_mid_download_is_one_download_failure(into):
     assert "no donor left" in str(error)
 
 
+async def test_a_sink_refusing_the_state_is_one_download_failure():
+    """The trainer's sink refuses a state no quorum certified with a plain RemoteError
+    (`publisher.check_certified`), inside the download's nursery: it must come out as a
+    `StateDownloadFailed`, which the trainer retries, not a group that ends the daemon."""
+    state = Snapshot(7, blob())
+
+    def refuse() -> None:
+        raise RemoteError("donors sent step 7 with digest ab, which fewer than 2 peers signed")
+
+    with trio.fail_after(TIMEOUT):
+        async with nodes(1) as (downloader,), donors([state]) as running:
+            peers = await connect(downloader, running)
+            job = StateDownload(downloader, peers, min_step=7, parallel=1, stall_timeout=5)
+            with pytest.raises(StateDownloadFailed, match="fewer than 2 peers signed"):
+                await job.run_into(
+                    Whole(len(state.blob), refuse), deadline=trio.current_time() + 20
+                )
+
+
 async def test_a_busy_donor_refuses_and_the_download_uses_others_or_fails_clearly():
     state = Snapshot(7, blob(MIN_CHUNK_BYTES * 5))
     with trio.fail_after(TIMEOUT):

@@ -20,6 +20,7 @@ before every round); it is reachable by definition (peers joined by dialing it).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -89,15 +90,19 @@ class Measurements:
         *,
         find_backbones: Callable[[], Awaitable[list[ID]]],
         workload: tuple[Task, torch.device] | None = None,
+        benchmark: bool = True,
         probe_server: ProbeServer | None = None,
     ) -> None:
         """`find_backbones()` names the backbones to probe, best first (asked before every
         round, so backbones that start later count). A peer passes its task and device
-        (`workload`); a backbone its `probe_server`."""
+        (`workload`); a backbone its `probe_server`. `benchmark=False`: the task cannot be run
+        here (a training loop of the user's own computes it): compute is measured only from
+        training, however long that takes to begin."""
         self.node = node
         self.config = config
         self.find_backbones = find_backbones
         self.workload = workload
+        self.benchmark = benchmark
         self.probe_server = probe_server
         self.compute: ComputeMeasurement | None = None
         self.link: LinkMeasurement | None = None
@@ -194,7 +199,7 @@ class Measurements:
             # Once training computes (a trainer is in step with the collaboration by then),
             # not beside a late joiner's state download and load, which the benchmark and
             # the link probes slowed down; a trainer that never gets there is measured anyway.
-            with trio.move_on_after(TRAINING_WAIT):
+            with trio.move_on_after(TRAINING_WAIT if self.benchmark else math.inf):
                 await self._training.wait()
                 if self._gradient_bytes is not None:
                     await self._trained_enough.wait()

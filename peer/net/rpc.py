@@ -39,11 +39,13 @@ from peer.errors import (
     DeadlineExceeded,
     MalformedReply,
     MessageTooLarge,
+    PeertrainError,
     ProtocolError,
     RemoteError,
     RpcError,
     Unreachable,
     UserError,
+    first_error,
 )
 from peer.net.framing import FrameDecoder, encode_frame
 
@@ -351,6 +353,10 @@ class RpcServer:
             raise ProtocolError("the caller reset the stream before the reply")
         if isinstance(outcome, TRANSPORT_ERRORS):
             raise outcome
+        if isinstance(outcome, BaseExceptionGroup):  # from a nursery inside the handler
+            ours, rest = outcome.split(PeertrainError)
+            if ours is not None and rest is None:
+                outcome = first_error(ours)
         if isinstance(outcome, RpcError):
             await self._send_error(framed, outcome.code, outcome.message)
         elif isinstance(outcome, (RemoteError, UserError)):

@@ -26,7 +26,7 @@ from peer.training.statesync import Snapshot, StateDonor, StateDownload
 from peer.training.statesync.inplace import Sink
 from peer.training.task import Task
 from peer.training.trainer import Trainer
-from peer.training.worker import TorchWorker
+from peer.training.worker import TorchWorker, WorkerFactory
 
 
 async def run_training(
@@ -38,9 +38,12 @@ async def run_training(
     measurements: Measurements,
     *,
     on_trainer: Callable[[Trainer], None] = lambda trainer: None,
+    make_worker: WorkerFactory = TorchWorker,
     task_status: trio.TaskStatus[Trainer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Train until the trainer finishes (max_steps or the validation target) or is cancelled."""
+    """Train until the trainer finishes (max_steps or the validation target) or is cancelled.
+    `make_worker`: the worker that owns the model (another for a training loop of the user's
+    own, `peer.embed`)."""
     bind, advertised = data_plane_hosts(node, config.net.listen)  # the donor's too
     async with trio.open_nursery() as nursery:
         averager = await start_averager(nursery, node, dht, config)
@@ -73,7 +76,7 @@ async def run_training(
         # seconds: in a thread, or the event loop stalls (1.4 s at 10 M parameters).
         worker = await trio.to_thread.run_sync(
             functools.partial(
-                TorchWorker, task, config, device=device, peer_id=node.peer_id.to_base58()
+                make_worker, task, config, device=device, peer_id=node.peer_id.to_base58()
             )
         )
         # The interpreter's heap is now mostly torch's and the model's bookkeeping: out of the

@@ -190,6 +190,7 @@ class LargeBatch(Shared):
         precision: Precision | None = None,
         clip_grad_norm: float = 0.0,
         delayed: bool = False,
+        own_sums: bool = False,
     ) -> None:
         super().__init__(
             model,
@@ -205,8 +206,11 @@ class LargeBatch(Shared):
         # model's worth of memory more, and autograd.grad's outputs beside them) where .grad
         # cannot serve: a delayed step uses it while we accumulate the next one, bf16 sums of
         # many micro-batches lose the small ones, fp16 unscales .grad micro-batch by micro-batch.
+        # `own_sums`: a training loop of the user's own backpropagates into .grad between our
+        # calls (`add_gradients`), so the sums cannot live there.
         self.in_grad = (
             not delayed
+            and not own_sums
             and self.precision.scaler is None
             and all(p.dtype == torch.float32 for p in self.params)
         )
@@ -239,6 +243,17 @@ class LargeBatch(Shared):
                         total.add_(grad)
             self.samples += size
         return float(loss.detach())
+
+    def add_gradients(self, size: int) -> None:
+        """Add the gradient a training loop of its own left in .grad, that of its micro-batch's
+        mean loss, as the sum over its `size` samples; .grad is cleared (`own_sums` only)."""
+        assert not self.in_grad, "own_sums=True: .grad belongs to the training loop"
+        with torch.no_grad():
+            for total, p in zip(self.sums, self.params, strict=True):
+                if p.grad is not None:  # a parameter the loss does not use
+                    total.add_(p.grad, alpha=size)
+                p.grad = None
+        self.samples += size
 
     def _gradients(self, loss: torch.Tensor, size: int) -> list[torch.Tensor | None] | None:
         """d (loss * size) / d params, unscaled; None if fp16 overflowed."""
@@ -373,6 +388,14 @@ class LocalSGD(Shared):
             self.schedule.step()
             self.samples += size
         return float(loss.detach())
+
+    def inner_step(self, size: int) -> None:
+        """One inner step with the gradient a training loop of its own left in .grad, over
+        `size` samples; .grad is cleared."""
+        self.inner.step()
+        self.schedule.step()
+        self.inner.zero_grad(set_to_none=True)
+        self.samples += size
 
     def take(self) -> tuple[np.ndarray, int]:
         """The pseudo-gradient (anchor - local), the buffers, and the inner samples behind it.

@@ -429,8 +429,7 @@ class Trainer:
         # Queued before any later micro-batch, awaited while our ticket is stored: at 100 M
         # the copy of the gradients took longer than the margin before the close, and made
         # our ticket late (the first try of every step failed).
-        samples = self.worker.samples
-        taking = self.worker.take_soon()
+        samples, taking = await self.worker.start_take()
 
         async def taken() -> np.ndarray:
             vector, took = await taking.result()

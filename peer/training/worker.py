@@ -26,10 +26,10 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Generic, ParamSpec, TypeVar
+from typing import Any, Generic, ParamSpec, Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -78,6 +78,14 @@ def task_batches(task: Task, micro_batch: int, seed: int) -> Iterator[tuple[Any,
     generator = torch.Generator().manual_seed(seed)
     while True:
         yield task.sample_batch(micro_batch, generator), micro_batch
+
+
+class WorkerFactory(Protocol):
+    """What builds a peer's worker (`TorchWorker` itself, or `peer.embed`'s)."""
+
+    def __call__(
+        self, task: Task, config: PeerConfig, *, device: torch.device, peer_id: str
+    ) -> TorchWorker: ...
 
 
 @dataclass(frozen=True, eq=False)
@@ -163,7 +171,12 @@ class TorchWorker:
         device: torch.device,
         peer_id: str,
         batches: BatchSource | None = None,
+        executor: Executor | None = None,
+        own_loop: bool = False,
     ) -> None:
+        """`executor`: where torch work runs (default: a thread of its own). `own_loop`: a
+        training loop of the user's own computes (`peer.embed`): no micro-batch is ours to
+        cut short, and DeDLOC keeps its gradient sums out of .grad."""
         training = config.training
         self.task = task
         self.device = device
@@ -188,7 +201,9 @@ class TorchWorker:
                 **numerics,
             )
             if training.mode == "diloco"
-            else LargeBatch(task, model, delayed=training.delayed_updates, **numerics)
+            else LargeBatch(
+                task, model, delayed=training.delayed_updates, own_sums=own_loop, **numerics
+            )
         )
         #: Model tensors a step certifies: the parameters and the averaged buffers.
         self.certified_names = shared.certified
@@ -203,7 +218,7 @@ class TorchWorker:
         self._validation_batches: list[Any] | None = None
         # One thread of its own for all torch work (the operations share tensors), run at a
         # lower priority than the event loop's (`NICENESS`).
-        self._thread = ThreadPoolExecutor(
+        self._thread: Executor = executor or ThreadPoolExecutor(
             max_workers=1, thread_name_prefix="peertrain-torch", initializer=lower_priority
         )
         self._writer = trio.CapacityLimiter(1)  # checkpoints, one at a time
@@ -223,7 +238,8 @@ class TorchWorker:
         #: A download into our own tensors began and did not finish: they hold parts of two
         #: states, nothing to train, serve or save (`take_in_place`).
         self.torn = False
-        _cut_short_on(model, lambda: self._computing and self.stopping.is_set())
+        if not own_loop:
+            _cut_short_on(model, lambda: self._computing and self.stopping.is_set())
 
     @property
     def samples(self) -> int:
@@ -260,6 +276,10 @@ class TorchWorker:
 
     async def take(self) -> tuple[np.ndarray, int]:
         return await self.take_soon().result()
+
+    async def start_take(self) -> tuple[int, Pending[tuple[np.ndarray, int]]]:
+        """The samples of local work a take now will hand over, and that take, queued (`take_soon`)."""
+        return self.samples, self.take_soon()
 
     def take_soon(self) -> Pending[tuple[np.ndarray, int]]:
         """Queue the take now (before any micro-batch asked for later), to be awaited later:

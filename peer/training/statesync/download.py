@@ -206,11 +206,15 @@ class StateDownload:
             raise StateDownloadFailed(self._failure("not finished by the deadline")) from None
         except BaseExceptionGroup as group:
             # Raised inside a nursery, a failure comes out wrapped: the trainer retries a
-            # StateDownloadFailed, and anything else (a group) would end the daemon.
-            failed, rest = group.split(StateDownloadFailed)
-            if failed is None or rest is not None:
+            # StateDownloadFailed, and anything else (a group) would end the daemon. A sink's
+            # refusal (a RemoteError: a state no quorum certified) is the download's failure.
+            remote, rest = group.split(RemoteError)
+            if remote is None or rest is not None:
                 raise
-            raise first_error(failed) from None
+            error = first_error(remote)
+            if isinstance(error, StateDownloadFailed):
+                raise error from None
+            raise StateDownloadFailed(self._failure(f"its state: {error}")) from None
         finally:
             await self._release_tickets()
         stats = self.statistics()

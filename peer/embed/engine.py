@@ -1,0 +1,127 @@
+"""The peer daemon in a background thread of its own, for a training loop of the user's own.
+
+`peer join` runs `run_daemon` under trio in the main thread; `peertrain.Optimizer` runs the
+same `run_daemon` here, in a thread, so that a plain synchronous loop can train: one
+implementation, two faces. The loop and the engine meet only through the worker
+(`LoopWorker`): its steps feed the engine, and the engine's work on the model runs in them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+import trio
+
+from peer.config import PeerConfig
+from peer.daemon import OwnLoop, run_daemon
+from peer.embed.rendezvous import Rendezvous
+from peer.embed.worker import LoopTask, LoopWorker
+from peer.errors import PeertrainError, UserError, find_error
+from peer.training.trainer import Trainer
+
+#: How often a loop that has stopped stepping serves the engine's work while it stops.
+SERVE_INTERVAL = 0.05
+
+
+class EngineStopped(UserError):
+    """The engine ended (its error, if any, is the cause): the loop cannot step any more."""
+
+
+class Engine:
+    def __init__(self, config: PeerConfig, task: LoopTask, device: torch.device) -> None:
+        self.config = config
+        self.rendezvous = Rendezvous()
+        self.worker: LoopWorker | None = None
+        self.trainer: Trainer | None = None
+        self.error: BaseException | None = None
+        self._own_loop = OwnLoop(task, device, self._make_worker)
+        self._ready = threading.Event()
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._stop: trio.Event | None = None
+        self._thread = threading.Thread(target=self._main, name="peertrain-engine", daemon=True)
+
+    def _make_worker(
+        self, task: LoopTask, config: PeerConfig, *, device: torch.device, peer_id: str
+    ) -> LoopWorker:
+        self.worker = LoopWorker(
+            task, config, device=device, peer_id=peer_id, rendezvous=self.rendezvous
+        )
+        return self.worker
+
+    def _on_trainer(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+        self._ready.set()
+
+    def start(self, timeout: float) -> None:
+        """Join the collaboration; return once training can begin. Raises the engine's error
+        (a PeertrainError: one line that says what to do) or TimeoutError."""
+        self._thread.start()
+        # The engine may need the loop's thread meanwhile (a state download is loaded there).
+        deadline = threading.Event()
+        timer = threading.Timer(timeout, deadline.set)
+        timer.start()
+        try:
+            while not self._ready.wait(SERVE_INTERVAL):
+                self.rendezvous.run_pending()
+                if not self._thread.is_alive():
+                    raise self._ended()
+                if deadline.is_set():
+                    self.stop()
+                    raise TimeoutError(
+                        f"not training within {timeout:g} s: check the backbone addresses "
+                        "and that a backbone is running (or give a longer startup_timeout)"
+                    )
+        finally:
+            timer.cancel()
+
+    def _ended(self) -> PeertrainError:
+        if isinstance(self.error, PeertrainError):
+            return self.error
+        stopped = EngineStopped(
+            "peertrain's engine has stopped; create a new Optimizer to join again"
+        )
+        stopped.__cause__ = self.error
+        return stopped
+
+    def check(self) -> None:
+        """Raise if the engine has ended (training done, stopped, or failed)."""
+        if self._thread.ident is not None and not self._thread.is_alive():
+            raise self._ended()
+
+    def _main(self) -> None:
+        try:
+            trio.run(self._run)
+        except BaseException as error:  # handed to the loop's thread
+            self.error = find_error(error) or error
+        finally:
+            if self.worker is not None:
+                self.worker.steps.close()
+
+    async def _run(self) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        self._stop = trio.Event()
+        await run_daemon(
+            self.config,
+            self._stop,
+            role="peer",
+            on_trainer=self._on_trainer,
+            own_loop=self._own_loop,
+        )
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop the engine (its final checkpoint too), serving the work it still queues for
+        the model meanwhile; idempotent."""
+        if self._token is not None and self._stop is not None and self._thread.is_alive():
+            with contextlib.suppress(trio.RunFinishedError):  # it ended meanwhile
+                trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
+        waited = 0.0
+        while self._thread.is_alive() and waited < timeout:
+            self.rendezvous.run_pending()
+            self._thread.join(SERVE_INTERVAL)
+            waited += SERVE_INTERVAL
+        self.rendezvous.shutdown(cancel_futures=True)
+
+
+__all__ = ["Engine", "EngineStopped"]

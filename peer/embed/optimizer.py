@@ -1,0 +1,127 @@
+"""`peertrain.Optimizer`: collaborative training from a training loop of one's own.
+
+    model = Net()
+    opt = peertrain.Optimizer(model, torch.optim.AdamW(model.parameters()),
+                              backbones=["/ip4/.../tcp/.../p2p/..."], target_batch=4096)
+    for x, y in loader:
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step(batch_size=len(x), loss=loss)
+        opt.zero_grad()
+    opt.shutdown()
+
+It wraps the user's optimizer as hivemind.Optimizer does. DeDLOC (`mode="dedloc"`): each
+`step()` adds the loop's gradient to this peer's share of the collaboration's global batch of
+`target_batch` samples; once the peers together have it, the averaged gradient is applied by
+the user's optimizer, the same step on every peer. DiLoCo (`mode="diloco"`): each `step()` is
+an inner step of the user's optimizer; every `inner_steps` of them the peers average their
+progress and take an outer Nesterov step. Everything else is `peer join`'s: state download
+on joining late, checkpoints, status records and metrics (`config`, dotted keys as in the
+config file).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from peer.config import load_config
+from peer.embed.engine import Engine
+from peer.embed.worker import LoopTask, SchedulerFactory
+from peer.errors import ConfigError
+
+
+class Optimizer:
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        *,
+        backbones: Sequence[str],
+        mode: str = "dedloc",
+        target_batch: int = 4096,
+        batch_size: int = 32,
+        inner_steps: int | None = None,
+        name: str | None = None,
+        collaboration: str | None = None,
+        network_key: str | None = None,
+        scheduler: SchedulerFactory | None = None,
+        config: Mapping[str, Any] | None = None,
+        startup_timeout: float = 300.0,
+    ) -> None:
+        """Join the collaboration whose backbones are `backbones` and return once this peer
+        can train (after a state download if the collaboration is ahead).
+
+        `model` and `optimizer` are the loop's own; every peer gives the same `name` (default:
+        the model's class), model and optimizer type. `batch_size`: the samples of a typical
+        `step()` (the engine's unit of work). `scheduler(optimizer)`: a learning-rate scheduler,
+        stepped once per collaborative step. Raises a `peer.errors.PeertrainError` whose
+        one-line message says what to do (a wrong setting, no backbone answering)."""
+        if not isinstance(model, nn.Module):
+            raise ConfigError("peertrain.Optimizer(model, ...): model must be a torch.nn.Module")
+        if isinstance(backbones, str):
+            backbones = [backbones]
+        name = name or f"{type(model).__module__}.{type(model).__qualname__}"
+        overrides: dict[str, Any] = {
+            "collaboration.backbones": list(backbones),
+            "collaboration.name": collaboration,
+            "collaboration.network_key": network_key,
+            "task.name": name,
+            "task.target_batch": target_batch,
+            "task.micro_batch": batch_size,
+            "training.mode": mode,
+            "training.inner_steps": inner_steps,
+            "training.validation_interval": 0,  # the loop validates, on its own data
+            **(config or {}),
+        }
+        self.config = load_config(env=os.environ, overrides=overrides).config
+        first = next(iter(model.parameters()), None)
+        if first is None:
+            raise ConfigError("peertrain.Optimizer: the model has no parameters to train")
+        self.model = model
+        self.optimizer = optimizer
+        self._batch_size = batch_size
+        task = LoopTask(name, model, optimizer, scheduler)
+        self._engine = Engine(self.config, task, first.device)
+        self._engine.start(startup_timeout)
+
+    @property
+    def global_step(self) -> int:
+        """The collaboration's step this peer holds (each one a global batch applied)."""
+        trainer = self._engine.trainer
+        return trainer.step if trainer is not None else 0
+
+    def step(self, batch_size: int | None = None, loss: float | torch.Tensor | None = None) -> None:
+        """After `loss.backward()`: this micro-batch's gradient (of its mean loss over
+        `batch_size` samples) joins the collaboration's batch (DeDLOC), or takes an inner
+        step (DiLoCo); the engine's work on the model since the last step runs first (a step
+        applied, a state loaded). `loss` (optional) feeds the status and logs."""
+        self._engine.check()
+        samples = self._batch_size if batch_size is None else int(batch_size)
+        if samples < 1:
+            raise ValueError(f"batch_size must be at least 1, not {batch_size!r}")
+        value = float(loss.detach()) if isinstance(loss, torch.Tensor) else loss
+        worker = self._engine.worker
+        assert worker is not None  # built before `start` returned
+        worker.step(samples, value if value is None or math.isfinite(value) else None)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.model.zero_grad(set_to_none=set_to_none)
+
+    def shutdown(self) -> None:
+        """Leave the collaboration: the final checkpoint is written, records withdrawn."""
+        self._engine.stop()
+
+    def __enter__(self) -> Optimizer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+__all__ = ["Optimizer"]

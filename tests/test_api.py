@@ -1,0 +1,123 @@
+"""`peertrain.Optimizer`: a training loop of one's own as a peer (`peer.embed`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import peertrain
+from peer.embed.rendezvous import Rendezvous
+from peer.training.strategies import LargeBatch
+from peer.training.task import TinyTask
+from tests.collab_processes import BASE_ENV, ROOT, Collaboration
+
+# ---------------------------------------------------------------- the pieces
+
+
+def test_the_rendezvous_runs_queued_work_in_the_stepping_thread_in_order():
+    rendezvous = Rendezvous()
+    ran: list[tuple[str, int]] = []
+    first = rendezvous.submit(lambda: ran.append((threading.current_thread().name, 1)) or 1)
+    failing = rendezvous.submit(lambda: 1 / 0)
+    last = rendezvous.submit(lambda: ran.append((threading.current_thread().name, 3)) or 3)
+    assert not first.done()  # nothing runs until the loop steps
+    worker = threading.Thread(target=rendezvous.run_pending, name="the-loop")
+    worker.start()
+    worker.join(5)
+    assert ran == [("the-loop", 1), ("the-loop", 3)]
+    assert first.result() == 1 and last.result() == 3
+    with pytest.raises(ZeroDivisionError):
+        failing.result()
+    rendezvous.shutdown(cancel_futures=True)
+    with pytest.raises(RuntimeError):
+        rendezvous.submit(lambda: None)
+
+
+def test_gradients_of_a_loop_of_its_own_add_up_as_the_daemon_s_sums():
+    """Two micro-batches through `add_gradients` (the loop's mean-loss backward, then its
+    sample count) hand over the same vector as the daemon's own accumulation."""
+    task = TinyTask()
+    generator = torch.Generator().manual_seed(3)
+    batches = [(task.sample_batch(n, generator), n) for n in (8, 24)]
+    daemon = LargeBatch(task, task.build_model())
+    loop = LargeBatch(task, task.build_model(), own_sums=True)
+    assert daemon.in_grad and not loop.in_grad
+    for batch, n in batches:
+        daemon.accumulate(batch, n)
+        task.loss(loop.model, batch).backward()  # what the user's loop does
+        loop.add_gradients(n)
+        assert all(p.grad is None for p in loop.model.parameters())
+    (ours, samples), (theirs, expected) = loop.take(), daemon.take()
+    assert samples == expected == 32
+    np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-7)
+
+
+# ---------------------------------------------------------------- with a `peer join`
+
+ENV = {
+    "PEERTRAIN_TASK_NAME": "tiny",
+    "PEERTRAIN_TASK_MICRO_BATCH": "16",
+    "PEERTRAIN_TASK_TARGET_BATCH": "128",
+    "PEERTRAIN_TRAINING_GATHER_WINDOW": "1.0",
+    "PEERTRAIN_TRAINING_PROGRESS_INTERVAL": "0.5",
+    "PEERTRAIN_TRAINING_VALIDATION_INTERVAL": "0",
+}
+STEPS = 3
+
+
+def test_a_plain_loop_and_a_peer_join_train_together(tmp_path, monkeypatch, caplog):
+    """The issue's bar: a plain PyTorch loop with `peertrain.Optimizer` and a `peer join` of the
+    same task take the same collaborative steps on loopback."""
+    caplog.set_level(logging.INFO, logger="peertrain")
+    for key, value in {**BASE_ENV, **ENV}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(ROOT)
+    collab = Collaboration(tmp_path, ENV)
+    opt = None
+    try:
+        collab.start_backbone()
+        peer = collab.start_peer(0)
+        task = TinyTask()
+        model = task.build_model()
+        opt = peertrain.Optimizer(
+            model,
+            task.make_optimizer(model.parameters()),
+            backbones=[collab.backbone_addr],
+            name=task.name,  # the same task as `peer join --task tiny`
+            batch_size=16,
+            target_batch=128,
+            config={
+                "identity.path": str(tmp_path / "loop.key"),
+                "training.checkpoint_dir": str(tmp_path / "loop-checkpoints"),
+            },
+            startup_timeout=90,
+        )
+        generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+        deadline = time.monotonic() + 120
+        while opt.global_step < STEPS and time.monotonic() < deadline:
+            batch = task.sample_batch(16, generator)
+            loss = task.loss(model, batch)
+            loss.backward()
+            opt.step(batch_size=16, loss=loss)
+            opt.zero_grad()
+            time.sleep(0.01)  # a micro-batch's worth of time, as a real loop spends
+        reached = opt.global_step
+    finally:
+        if opt is not None:
+            opt.shutdown()
+        collab.close()
+    log = peer.log.read_text(errors="replace")
+    assert reached >= STEPS, log[-3000:]
+    steps = [r for r in peer.records() if "applied" in r]
+    together = [r["applied"]["step"] for r in steps if r["applied"]["peers"] == 2]
+    assert len(together) >= STEPS - 1, log[-3000:]  # the first may have been the peer's alone
+    # The loop's side of the same steps: its engine applied them with both peers' samples.
+    ours = [r.applied for r in caplog.records if hasattr(r, "applied")]
+    assert {a["step"] for a in ours if a["peers"] == 2} & set(together), (ours, together)
+    assert all(a["samples"] > 0 for a in ours if a["peers"] == 2)  # the loop's own samples
