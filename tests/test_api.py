@@ -71,14 +71,16 @@ ENV = {
 STEPS = 3
 
 
-def test_a_plain_loop_and_a_peer_join_train_together(tmp_path, monkeypatch, caplog):
+@pytest.mark.parametrize("mode", ["dedloc", "diloco"])
+def test_a_plain_loop_and_a_peer_join_train_together(tmp_path, monkeypatch, caplog, mode):
     """The issue's bar: a plain PyTorch loop with `peertrain.Optimizer` and a `peer join` of the
     same task take the same collaborative steps on loopback."""
     caplog.set_level(logging.INFO, logger="peertrain")
-    for key, value in {**BASE_ENV, **ENV}.items():
+    env = {**ENV, "PEERTRAIN_TRAINING_MODE": mode, "PEERTRAIN_TRAINING_INNER_STEPS": "4"}
+    for key, value in {**BASE_ENV, **env}.items():
         monkeypatch.setenv(key, value)
     monkeypatch.chdir(ROOT)
-    collab = Collaboration(tmp_path, ENV)
+    collab = Collaboration(tmp_path, env)
     opt = None
     try:
         collab.start_backbone()
@@ -90,6 +92,8 @@ def test_a_plain_loop_and_a_peer_join_train_together(tmp_path, monkeypatch, capl
             task.make_optimizer(model.parameters()),
             backbones=[collab.backbone_addr],
             name=task.name,  # the same task as `peer join --task tiny`
+            mode=mode,
+            inner_steps=4,
             batch_size=16,
             target_batch=128,
             config={
