@@ -58,6 +58,21 @@ def test_gradients_of_a_loop_of_its_own_add_up_as_the_daemon_s_sums():
     np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize(
+    ("config", "says"),
+    [
+        ({"training.precision": "fp16"}, "torch.autocast in your loop"),
+        ({"training.delayed_updates": True}, "not supported"),
+        ({"task.target_batch": -1}, "task.target_batch"),
+    ],
+)
+def test_settings_the_loop_cannot_honour_are_one_line_errors_before_joining(config, says):
+    model = TinyTask().build_model()
+    with pytest.raises(peertrain.ConfigError, match=says) as caught:
+        peertrain.Optimizer(model, torch.optim.SGD(model.parameters()), backbones=[], config=config)
+    assert "\n" not in str(caught.value)
+
+
 # ---------------------------------------------------------------- with a `peer join`
 
 ENV = {
@@ -125,3 +140,16 @@ def test_a_plain_loop_and_a_peer_join_train_together(tmp_path, monkeypatch, capl
     ours = [r.applied for r in caplog.records if hasattr(r, "applied")]
     assert {a["step"] for a in ours if a["peers"] == 2} & set(together), (ours, together)
     assert all(a["samples"] > 0 for a in ours if a["peers"] == 2)  # the loop's own samples
+
+
+def test_no_backbone_is_a_one_line_error_from_the_engine(tmp_path):
+    model = TinyTask().build_model()
+    with pytest.raises(peertrain.RemoteError, match="no backbone given") as caught:
+        peertrain.Optimizer(
+            model,
+            torch.optim.SGD(model.parameters()),
+            backbones=[],
+            config={"identity.path": str(tmp_path / "k")},
+            startup_timeout=30,
+        )
+    assert "\n" not in str(caught.value)

@@ -80,6 +80,17 @@ class Optimizer:
             **(config or {}),
         }
         self.config = load_config(env=os.environ, overrides=overrides).config
+        training = self.config.training
+        if training.precision != "fp32":  # the loop runs its own forward: autocast is its own
+            raise ConfigError(
+                f"training.precision = {training.precision!r} is the daemon's own autocast; "
+                "with peertrain.Optimizer use torch.autocast in your loop and leave it fp32 "
+                "(GradScaler is not supported yet)"
+            )
+        if training.delayed_updates:
+            raise ConfigError(
+                "training.delayed_updates is not supported with peertrain.Optimizer yet"
+            )
         first = next(iter(model.parameters()), None)
         if first is None:
             raise ConfigError("peertrain.Optimizer: the model has no parameters to train")
