@@ -12,7 +12,9 @@ import pytest
 import torch
 
 import peertrain
+from peer.config import PeerConfig
 from peer.embed.rendezvous import Rendezvous
+from peer.embed.worker import LoopTask, LoopWorker
 from peer.training.strategies import LargeBatch
 from peer.training.task import TinyTask
 from tests.collab_processes import BASE_ENV, ROOT, Collaboration
@@ -63,6 +65,7 @@ def test_gradients_of_a_loop_of_its_own_add_up_as_the_daemon_s_sums():
     [
         ({"training.precision": "fp16"}, "torch.autocast in your loop"),
         ({"training.delayed_updates": True}, "not supported"),
+        ({"training.validation_interval": 5}, "validate in your loop"),
         ({"task.target_batch": -1}, "task.target_batch"),
     ],
 )
@@ -71,6 +74,40 @@ def test_settings_the_loop_cannot_honour_are_one_line_errors_before_joining(conf
     with pytest.raises(peertrain.ConfigError, match=says) as caught:
         peertrain.Optimizer(model, torch.optim.SGD(model.parameters()), backbones=[], config=config)
     assert "\n" not in str(caught.value)
+
+
+def loop_worker() -> tuple[LoopWorker, TinyTask]:
+    task = TinyTask()
+    model = task.build_model()
+    loop_task = LoopTask("tiny", model, task.make_optimizer(model.parameters()))
+    worker = LoopWorker(
+        loop_task, PeerConfig(), device=torch.device("cpu"), peer_id="p", rendezvous=Rendezvous()
+    )
+    return worker, task
+
+
+def test_a_step_applied_in_the_loop_s_step_leaves_its_gradient_to_add():
+    """The engine's step is applied through .grad, inside `opt.step()` after the loop's
+    backward: the loop's gradient must survive it (it was consumed, its samples counted)."""
+    worker, task = loop_worker()
+    batch = task.sample_batch(8, torch.Generator().manual_seed(1))
+    task.loss(worker.model, batch).backward()
+    expected = [p.grad.clone() * 8 for p in worker.model.parameters()]
+    worker.rendezvous.submit(worker._apply, np.zeros(worker.vector_size, np.float32))
+    worker.step(8, None)
+    assert worker.samples == 8
+    for total, want in zip(worker.strategy.sums, expected, strict=True):
+        torch.testing.assert_close(total, want)
+
+
+def test_a_gradient_computed_before_a_state_load_is_dropped():
+    worker, task = loop_worker()
+    task.loss(worker.model, task.sample_batch(8, torch.Generator().manual_seed(1))).backward()
+    worker.rendezvous.submit(lambda: setattr(worker, "loads", worker.loads + 1))  # a load
+    worker.step(8, None)
+    assert worker.samples == 0
+    assert all(float(total.abs().sum()) == 0 for total in worker.strategy.sums)
+    assert all(p.grad is None for p in worker.model.parameters())
 
 
 # ---------------------------------------------------------------- with a `peer join`

@@ -87,6 +87,11 @@ class Optimizer:
                 "with peertrain.Optimizer use torch.autocast in your loop and leave it fp32 "
                 "(GradScaler is not supported yet)"
             )
+        if training.validation_interval:
+            raise ConfigError(
+                "training.validation_interval: the engine has no validation data of a loop "
+                "of its own; validate in your loop and leave it 0"
+            )
         if training.delayed_updates:
             raise ConfigError(
                 "training.delayed_updates is not supported with peertrain.Optimizer yet"

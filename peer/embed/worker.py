@@ -144,15 +144,26 @@ class LoopWorker(TorchWorker):
         """The loop's step (its thread): the engine's work queued since the last one, then the
         gradient the loop left in .grad as `samples` samples of local work."""
         with self.rendezvous.step_lock:
-            self.rendezvous.run_pending()
             strategy = self.strategy
-            if self.torn:  # a download into our tensors failed part-way: nothing to add to
-                self.model.zero_grad(set_to_none=True)
-            elif isinstance(strategy, LargeBatch):
-                strategy.add_gradients(samples)
-            else:  # DiLoCo: an inner step (the state a donor serves is the anchor, not these)
-                assert isinstance(strategy, LocalSGD)
-                strategy.inner_step(samples)
+            # The engine's work uses .grad (a step is applied through it): the loop's gradient
+            # waits aside meanwhile, or the step would consume it.
+            grads = [p.grad for p in strategy.params]
+            for p in strategy.params:
+                p.grad = None
+            loads = self.loads
+            self.rendezvous.run_pending()
+            if self.torn or self.loads != loads:
+                # Computed on a state we no longer hold (or hold only in part): dropped.
+                samples = 0
+            else:
+                for p, grad in zip(strategy.params, grads, strict=True):
+                    p.grad = grad
+                if isinstance(strategy, LargeBatch):
+                    strategy.add_gradients(samples)
+                else:  # DiLoCo: an inner step (a donor serves the anchor, not these)
+                    assert isinstance(strategy, LocalSGD)
+                    strategy.inner_step(samples)
+            self.model.zero_grad(set_to_none=True)
         self.steps.add(samples, loss)
 
 

@@ -238,6 +238,9 @@ class TorchWorker:
         #: A download into our own tensors began and did not finish: they hold parts of two
         #: states, nothing to train, serve or save (`take_in_place`).
         self.torn = False
+        #: States loaded so far (restored or downloaded): a gradient computed before one
+        #: belongs to no state we hold (`peer.embed`).
+        self.loads = 0
         if not own_loop:
             _cut_short_on(model, lambda: self._computing and self.stopping.is_set())
 
@@ -382,6 +385,7 @@ class TorchWorker:
         self, state: states.TrainingState, from_donor: bool, release: Releaser | None
     ) -> None:
         strategy = self.strategy
+        self.loads += 1
         if from_donor:
             optimizers = {name: strategy.optimizers()[name] for name in strategy.shared}
             states.restore(state, self.model, optimizers, from_donor=True, release=release)
