@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
 import tomllib
 import typing
@@ -150,6 +151,9 @@ class TaskConfig(_Section):
     """Samples the collaboration accumulates per optimizer step."""
     device: str = "auto"
     """auto (CUDA if present, else CPU), cpu, cuda or cuda:N."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments of a package.module:factory task: `[task.args]` in the file (strings,
+    numbers, booleans, lists of them), a JSON object in PEERTRAIN_TASK_ARGS."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -397,7 +401,7 @@ _SECTION_TYPES = typing.get_type_hints(PeerConfig)
 SECTIONS: dict[str, type[_Section]] = {
     f.name: _SECTION_TYPES[f.name] for f in dataclasses.fields(PeerConfig)
 }
-#: section -> field -> annotated type (str, int, float, bool or list[str]).
+#: section -> field -> annotated type (str, int, float, bool, list[str] or dict[str, Any]).
 FIELDS: dict[str, dict[str, Any]] = {
     section: {f.name: typing.get_type_hints(cls)[f.name] for f in dataclasses.fields(cls)}
     for section, cls in SECTIONS.items()
@@ -411,7 +415,23 @@ _EXPECTED: dict[Any, str] = {
     float: "expected a number",
     str: "expected a string",
     list[str]: "expected a list of strings (comma-separated in the environment)",
+    dict[str, Any]: (
+        "expected a table of name = value (strings, numbers, booleans or lists of them; a JSON "
+        "object in the environment)"
+    ),
 }
+
+#: What a `dict[str, Any]` field's values may be (TOML's and JSON's plain values).
+_PLAIN = (str, int, float, bool)
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, float):
+        return math.isfinite(value)
+    return isinstance(value, _PLAIN) or (
+        isinstance(value, list) and all(isinstance(v, _PLAIN) and _plain(v) for v in value)
+    )
+
 
 # Cross-field rules: (key, other key, holds(value, other), expectation). Checked after every
 # layer is merged, so a file may set ttl and a flag refresh.
@@ -600,6 +620,11 @@ def _parse_env(dotted: str, text: str, origin: str) -> Any:
         raise ConfigError(f"{dotted} = {text!r} (from {origin}): {_EXPECTED[kind]}") from None
     if kind == list[str]:
         return [item.strip() for item in text.split(",") if item.strip()]
+    if kind == dict[str, Any]:
+        try:
+            return json.loads(text)
+        except ValueError:
+            raise ConfigError(f"{dotted} = {text!r} (from {origin}): {_EXPECTED[kind]}") from None
     return text
 
 
@@ -626,6 +651,11 @@ def _coerce(dotted: str, value: Any, origin: str) -> Any:
             low, expected = (0.0, ">= 0") if zero_ok else (None, "> 0")
             in_range = value >= 0 if low is not None else value > 0
             problem = None if math.isfinite(value) and in_range else f"expected a number {expected}"
+    elif kind == dict[str, Any]:
+        ok = isinstance(value, dict) and all(
+            isinstance(k, str) and k.isidentifier() and _plain(v) for k, v in value.items()
+        )
+        value = dict(value) if ok else value
     elif kind == list[str]:
         ok = isinstance(value, list | tuple) and all(isinstance(v, str) for v in value)
         if ok:

@@ -333,7 +333,7 @@ def load_workload(config: PeerConfig) -> tuple[Task, torch.device]:
     from peer.measure.compute import pick_device
     from peer.training.task import load_task
 
-    task = load_task(config.task.name)
+    task = load_task(config.task.name, config.task.args)
     device = pick_device(config.task.device)
     warm_imports(task)
     return task, device

@@ -189,7 +189,7 @@ def check_device(task: TaskConfig) -> tuple[Finding, int]:
     except ConfigError as error:
         return Finding("device", "fail", str(error), "set task.device to auto or cpu"), 0
     try:
-        model = load_task(task.name).build_model()
+        model = load_task(task.name, task.args).build_model()
     except ConfigError as error:
         advice = "set task.name to gpt, tiny, or a package.module:factory importable here"
         return Finding("device", "fail", str(error), advice), 0

@@ -9,7 +9,9 @@ implementation, two faces. The loop and the engine meet only through the worker
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
+import time
 
 import torch
 import trio
@@ -17,12 +19,11 @@ import trio
 from peer.config import PeerConfig
 from peer.daemon import OwnLoop, run_daemon
 from peer.embed.rendezvous import Rendezvous
-from peer.embed.worker import LoopTask, LoopWorker
+from peer.embed.worker import SERVE_INTERVAL, LoopTask, LoopWorker
 from peer.errors import PeertrainError, UserError, find_error
 from peer.training.trainer import Trainer
 
-#: How often a loop that has stopped stepping serves the engine's work while it stops.
-SERVE_INTERVAL = 0.05
+log = logging.getLogger("peertrain.engine")
 
 
 class EngineStopped(UserError):
@@ -37,7 +38,6 @@ class Engine:
         self.trainer: Trainer | None = None
         self.error: BaseException | None = None
         self._own_loop = OwnLoop(task, device, self._make_worker)
-        self._ready = threading.Event()
         self._token: trio.lowlevel.TrioToken | None = None
         self._stop: trio.Event | None = None
         self._thread = threading.Thread(target=self._main, name="peertrain-engine", daemon=True)
@@ -52,35 +52,47 @@ class Engine:
 
     def _on_trainer(self, trainer: Trainer) -> None:
         self.trainer = trainer
-        self._ready.set()
 
     def start(self, timeout: float) -> None:
-        """Join the collaboration; return once training can begin. Raises the engine's error
-        (a PeertrainError: one line that says what to do) or TimeoutError."""
+        """Join the collaboration; return once the engine asks for the loop's first
+        micro-batch (after its first read and any state download, loaded in this thread
+        meanwhile). Raises the engine's error (a PeertrainError: one line that says what to
+        do) or TimeoutError."""
         self._thread.start()
-        # The engine may need the loop's thread meanwhile (a state download is loaded there).
-        deadline = threading.Event()
-        timer = threading.Timer(timeout, deadline.set)
-        timer.start()
-        try:
-            while not self._ready.wait(SERVE_INTERVAL):
-                self.rendezvous.run_pending()
-                if not self._thread.is_alive():
-                    raise self._ended()
-                if deadline.is_set():
-                    self.stop()
-                    raise TimeoutError(
-                        f"not training within {timeout:g} s: check the backbone addresses "
-                        "and that a backbone is running (or give a longer startup_timeout)"
-                    )
-        finally:
-            timer.cancel()
+        deadline = time.monotonic() + timeout
+
+        def given_up() -> bool:
+            return not self._thread.is_alive() or time.monotonic() > deadline
+
+        while self.worker is None and not given_up():  # joining, building the worker
+            time.sleep(SERVE_INTERVAL)
+        if self.worker is not None:
+            self.worker.wait_turn(until=given_up)
+        if not self._thread.is_alive():
+            raise self._ended()
+        if self.worker is None or not self.worker.pacer.asked:
+            self.stop()
+            raise TimeoutError(
+                f"not training within {timeout:g} s: check the backbone addresses and that "
+                "a backbone is running (or give a longer startup_timeout)"
+            )
+
+    @property
+    def finished(self) -> bool:
+        """The engine ended without an error (training done: max_steps or the target)."""
+        return self._thread.ident is not None and not self._thread.is_alive() and not self.error
 
     def _ended(self) -> PeertrainError:
         if isinstance(self.error, PeertrainError):
             return self.error
+        if self.error is None:
+            return EngineStopped(
+                "the collaboration's training is finished (or this peer was stopped): "
+                "create a new Optimizer to train again"
+            )
         stopped = EngineStopped(
-            "peertrain's engine has stopped; create a new Optimizer to join again"
+            f"peertrain's engine failed ({type(self.error).__name__}: {self.error}); "
+            "create a new Optimizer to join again"
         )
         stopped.__cause__ = self.error
         return stopped
@@ -93,11 +105,15 @@ class Engine:
     def _main(self) -> None:
         try:
             trio.run(self._run)
-        except BaseException as error:  # handed to the loop's thread
+        except BaseException as error:  # handed to the loop's thread, and said now
             self.error = find_error(error) or error
+            if isinstance(self.error, PeertrainError):
+                log.error("%s", self.error)
+            else:
+                log.error("peertrain's engine failed", exc_info=self.error)
         finally:
             if self.worker is not None:
-                self.worker.steps.close()
+                self.worker.pacer.close()
 
     async def _run(self) -> None:
         self._token = trio.lowlevel.current_trio_token()
@@ -116,11 +132,17 @@ class Engine:
         if self._token is not None and self._stop is not None and self._thread.is_alive():
             with contextlib.suppress(trio.RunFinishedError):  # it ended meanwhile
                 trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
-        waited = 0.0
-        while self._thread.is_alive() and waited < timeout:
-            self.rendezvous.run_pending()
+        deadline = time.monotonic() + timeout
+        while self._thread.is_alive() and time.monotonic() < deadline:
+            if self.worker is not None:
+                self.worker.serve()  # under the step lock: never beside the loop's own step
+            else:
+                self.rendezvous.run_pending()
             self._thread.join(SERVE_INTERVAL)
-            waited += SERVE_INTERVAL
+        if self._thread.is_alive():
+            log.warning(
+                "peertrain's engine did not stop within %g s; it ends with the process", timeout
+            )
         self.rendezvous.shutdown(cancel_futures=True)
 
 

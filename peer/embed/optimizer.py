@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -104,6 +105,8 @@ class Optimizer:
         self._batch_size = batch_size
         task = LoopTask(name, model, optimizer, scheduler)
         self._engine = Engine(self.config, task, first.device)
+        # Dropped without shutdown() (a notebook cell run again), it still leaves cleanly.
+        self._finalizer = weakref.finalize(self, self._engine.stop)
         self._engine.start(startup_timeout)
 
     @property
@@ -116,7 +119,9 @@ class Optimizer:
         """After `loss.backward()`: this micro-batch's gradient (of its mean loss over
         `batch_size` samples) joins the collaboration's batch (DeDLOC), or takes an inner
         step (DiLoCo); the engine's work on the model since the last step runs first (a step
-        applied, a state loaded). `loss` (optional) feeds the status and logs."""
+        applied, a state loaded). Returns when the engine wants the next micro-batch: while
+        the peers average (our share of the batch is in) it waits, as `peer join` does.
+        `loss` (optional) feeds the status and logs."""
         self._engine.check()
         samples = self._batch_size if batch_size is None else int(batch_size)
         if samples < 1:
@@ -129,9 +134,15 @@ class Optimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.model.zero_grad(set_to_none=set_to_none)
 
+    @property
+    def finished(self) -> bool:
+        """The collaboration's training is done (`training.max_steps` or the target reached):
+        `step()` raises from now on."""
+        return self._engine.finished
+
     def shutdown(self) -> None:
         """Leave the collaboration: the final checkpoint is written, records withdrawn."""
-        self._engine.stop()
+        self._finalizer()
 
     def __enter__(self) -> Optimizer:
         return self

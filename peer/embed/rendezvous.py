@@ -25,6 +25,8 @@ class Rendezvous(Executor):
         #: Held by the loop's thread while it runs a step, and by whoever needs a moment
         #: between two steps (`LoopWorker.start_take`).
         self.step_lock = threading.Lock()
+        #: Called after each submit (the loop, waiting for its turn, serves the work at once).
+        self.on_submit: Callable[[], None] = lambda: None
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
         future: Future[Any] = Future()
@@ -32,6 +34,7 @@ class Rendezvous(Executor):
             if self._closed:
                 raise RuntimeError("the training loop has ended")
             self._queue.append((future, fn, args, kwargs))
+        self.on_submit()
         return future
 
     def run_pending(self) -> int:

@@ -71,21 +71,67 @@ class LoopTask:
         return []
 
 
-class _Steps:
-    """The loop's steps since the engine last asked (`LoopWorker.compute`)."""
+class Pacer:
+    """The loop's micro-batches, paced as the daemon's worker thread is: the engine asks for
+    one (`compute`), the loop computes it and steps, and its next micro-batch waits for the
+    next ask. Without it a fast loop ran on while the peers averaged: 84-247 inner steps per
+    DiLoCo outer step of 4, global batches of 1,552-2,560 against a target of 128."""
 
     def __init__(self) -> None:
         self._changed = threading.Condition()
-        self._samples = 0
-        self._losses: list[float] = []
-        self._since = time.perf_counter()
+        self.asked = 0
+        """Micro-batches the engine asked for."""
+        self.delivered = 0
+        """Steps the loop took."""
         self.closed = False
+        self._samples = 0
+        self._seconds = 0.0
+        self._losses: list[float] = []
+        self._released = time.perf_counter()
 
-    def add(self, samples: int, loss: float | None) -> None:
+    # the engine's side (a worker thread)
+    def compute(self) -> Computed:
+        """Ask for a micro-batch; once the loop has stepped: its samples, mean loss and
+        seconds of computing (0 samples if the loop has ended)."""
         with self._changed:
+            self.asked += 1
+            self._changed.notify_all()
+            while self.delivered < self.asked and not self.closed:
+                self._changed.wait()
+            losses, self._losses = self._losses, []
+            done = Computed(
+                self._samples,
+                sum(losses) / len(losses) if losses else math.nan,
+                self._seconds,
+            )
+            self._samples, self._seconds = 0, 0.0
+            return done
+
+    # the loop's side
+    def step(self, samples: int, loss: float | None) -> None:
+        with self._changed:
+            self.delivered += 1
             self._samples += samples
+            self._seconds += time.perf_counter() - self._released
             if loss is not None and math.isfinite(loss):
                 self._losses.append(loss)
+            self._changed.notify_all()
+
+    def may_compute(self) -> bool:
+        """Whether the engine wants the loop's next micro-batch (or has ended); if so, its
+        time starts now."""
+        with self._changed:
+            if self.closed or self.asked > self.delivered:
+                self._released = time.perf_counter()
+                return True
+            return False
+
+    def wait(self, timeout: float) -> None:
+        with self._changed:
+            self._changed.wait(timeout)
+
+    def wake(self) -> None:
+        with self._changed:
             self._changed.notify_all()
 
     def close(self) -> None:
@@ -93,21 +139,10 @@ class _Steps:
             self.closed = True
             self._changed.notify_all()
 
-    def wait(self) -> Computed:
-        """Once the loop has stepped: its samples, mean loss and seconds since the last call
-        (0 samples if it has ended)."""
-        with self._changed:
-            while not self._samples and not self.closed:
-                self._changed.wait()
-            now = time.perf_counter()
-            losses, self._losses = self._losses, []
-            done = Computed(
-                self._samples,
-                sum(losses) / len(losses) if losses else math.nan,
-                now - self._since,
-            )
-            self._samples, self._since = 0, now
-            return done
+
+#: How often a loop that waits for its turn checks for the engine's work (it is woken at once
+#: when work is queued or a micro-batch asked for).
+SERVE_INTERVAL = 0.05
 
 
 class LoopWorker(TorchWorker):
@@ -124,11 +159,12 @@ class LoopWorker(TorchWorker):
             task, config, device=device, peer_id=peer_id, executor=rendezvous, own_loop=True
         )
         self.rendezvous = rendezvous
-        self.steps = _Steps()
+        self.pacer = Pacer()
+        rendezvous.on_submit = self.pacer.wake
 
     async def compute(self) -> Computed:
         # Only a wait (nothing of the model's): a cancelled one is left to end by itself.
-        return await trio.to_thread.run_sync(self.steps.wait, abandon_on_cancel=True)
+        return await trio.to_thread.run_sync(self.pacer.compute, abandon_on_cancel=True)
 
     async def start_take(self) -> tuple[int, Pending[tuple[Any, int]]]:
         # Between two of the loop's steps, so that no samples are added between the count
@@ -140,9 +176,23 @@ class LoopWorker(TorchWorker):
         finally:
             lock.release()
 
+    def serve(self) -> None:
+        """Run the engine's work queued so far (the loop's thread)."""
+        with self.rendezvous.step_lock:
+            self.rendezvous.run_pending()
+
+    def wait_turn(self, *, until: Callable[[], bool] = lambda: False) -> None:
+        """Until the engine asks for the loop's next micro-batch (or ends, or `until()`),
+        serving its work on the model meanwhile (the loop's thread)."""
+        while not self.pacer.may_compute() and not until():
+            self.serve()
+            self.pacer.wait(SERVE_INTERVAL)
+        self.serve()
+
     def step(self, samples: int, loss: float | None) -> None:
         """The loop's step (its thread): the engine's work queued since the last one, then the
-        gradient the loop left in .grad as `samples` samples of local work."""
+        gradient the loop left in .grad as `samples` samples of local work; returns when the
+        engine wants the next micro-batch."""
         with self.rendezvous.step_lock:
             strategy = self.strategy
             # The engine's work uses .grad (a step is applied through it): the loop's gradient
@@ -164,7 +214,8 @@ class LoopWorker(TorchWorker):
                     assert isinstance(strategy, LocalSGD)
                     strategy.inner_step(samples)
             self.model.zero_grad(set_to_none=True)
-        self.steps.add(samples, loss)
+        self.pacer.step(samples, loss)
+        self.wait_turn()
 
 
-__all__ = ["LoopTask", "LoopWorker", "SchedulerFactory"]
+__all__ = ["LoopTask", "LoopWorker", "Pacer", "SchedulerFactory"]

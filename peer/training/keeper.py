@@ -295,7 +295,7 @@ def state_digester(config: PeerConfig) -> tuple[Digest, Fingerprint]:
     """What `StateKeeper` checks a state's bytes with: the digest a trainer of the task
     computes (`TorchWorker.digest`), from the model's certified tensor names; and the task's
     fingerprint. The model is built on torch's meta device: names and shapes, no memory."""
-    task = load_task(config.task.name)
+    task = load_task(config.task.name, config.task.args)
     training = config.training
     with torch.device("meta"):
         model = task.build_model()

@@ -12,7 +12,7 @@ carried in the state: `schedule.py`).
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -138,9 +138,16 @@ class ByteGPTTask:
 BUILT_IN = {"gpt": ByteGPTTask, "tiny": TinyTask}
 
 
-def load_task(name: str) -> Task:
-    """A built-in task by name, or `package.module:factory`; a bad name is a ConfigError."""
+def load_task(name: str, args: Mapping[str, Any] | None = None) -> Task:
+    """A built-in task by name, or `package.module:factory` called with `args` (`[task.args]`);
+    a bad name or argument is a ConfigError."""
+    args = dict(args or {})
     if name in BUILT_IN:
+        if args:
+            raise ConfigError(
+                f"task.args = {args!r}: the built-in task {name!r} takes no arguments "
+                "(they are for a package.module:factory task)"
+            )
         return BUILT_IN[name]()
     module_name, _, factory_name = name.partition(":")
     if not factory_name:
@@ -151,10 +158,24 @@ def load_task(name: str) -> Task:
         factory = getattr(importlib.import_module(module_name), factory_name)
     except (ImportError, AttributeError) as error:
         raise ConfigError(f"task.name = {name!r}: cannot load it ({error})") from None
-    task = factory()
+    try:
+        task = factory(**args)
+    except TypeError as error:
+        if not _is_call_error(error):
+            raise  # raised inside the factory: the task's own bug
+        raise ConfigError(
+            f"task.args = {args!r}: {factory_name}() does not take them ({error}); set "
+            "[task.args] to its keyword arguments"
+        ) from None
     if not isinstance(task, Task):
         raise ConfigError(
             f"task.name = {name!r}: {factory_name}() returned {type(task).__name__}, which lacks "
             "name, build_model, sample_batch or loss"
         )
     return task
+
+
+def _is_call_error(error: TypeError) -> bool:
+    """Whether `error` is Python refusing the call's arguments, raised at the call itself (no
+    frame of the factory's in its traceback), not a TypeError from inside the factory."""
+    return error.__traceback__ is None or error.__traceback__.tb_next is None
