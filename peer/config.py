@@ -365,10 +365,14 @@ class LogConfig(_Section):
         "level": ("debug", "info", "warning", "error"),
         "format": ("rich", "json"),
     }
+    ZERO_OK: ClassVar[frozenset[str]] = frozenset({"collaboration_interval"})
     level: str = "info"
     """One of debug, info, warning, error."""
     format: str = "rich"
     """rich (for people) or json (one object per line, for machines)."""
+    collaboration_interval: float = 30.0
+    """A backbone's reads of the collaboration's progress, in seconds: a log line each time
+    the global step moved (step, trainers, loss, samples/s, time per step). 0: none."""
 
 
 @dataclass(frozen=True, kw_only=True)

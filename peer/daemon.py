@@ -213,6 +213,10 @@ async def run_daemon(
                         config.metrics.host,
                         config.metrics.port,
                     )
+                if role == "backbone" and config.log.collaboration_interval:
+                    from peer.training.collablog import log_collaboration
+
+                    await nursery.start(log_collaboration, dht, config)
                 if role == "backbone" and config.state.keep:
                     from peer.training.keeper import run_keeper
 

@@ -149,14 +149,19 @@ def test_a_plain_loop_and_a_peer_join_train_together(tmp_path, monkeypatch, capl
     """The issue's bar: a plain PyTorch loop with `peertrain.Optimizer` and a `peer join` of the
     same task take the same collaborative steps on loopback."""
     caplog.set_level(logging.INFO, logger="peertrain")
-    env = {**ENV, "PEERTRAIN_TRAINING_MODE": mode, "PEERTRAIN_TRAINING_INNER_STEPS": "4"}
+    env = {
+        **ENV,
+        "PEERTRAIN_TRAINING_MODE": mode,
+        "PEERTRAIN_TRAINING_INNER_STEPS": "4",
+        "PEERTRAIN_LOG_COLLABORATION_INTERVAL": "0.5",
+    }
     for key, value in {**BASE_ENV, **env}.items():
         monkeypatch.setenv(key, value)
     monkeypatch.chdir(ROOT)
     collab = Collaboration(tmp_path, env)
     opt = None
     try:
-        collab.start_backbone()
+        backbone = collab.start_backbone()
         peer = collab.start_peer(0)
         task = TinyTask()
         model = task.build_model()
@@ -190,6 +195,9 @@ def test_a_plain_loop_and_a_peer_join_train_together(tmp_path, monkeypatch, capl
             opt.shutdown()
         collab.close()
     log = peer.log.read_text(errors="replace")
+    # The backbone's log follows the collaboration: both trainers, their loss, the pace.
+    seen = [r["collaboration"] for r in backbone.records() if "collaboration" in r]
+    assert any(c["trainers"] == 2 and c["step_s"] and c["loss"] is not None for c in seen), seen
     assert reached >= STEPS, log[-3000:]
     steps = [r for r in peer.records() if "applied" in r]
     together = [r["applied"]["step"] for r in steps if r["applied"]["peers"] == 2]
