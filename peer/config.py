@@ -366,6 +366,7 @@ class LogConfig(_Section):
         "format": ("rich", "json"),
     }
     ZERO_OK: ClassVar[frozenset[str]] = frozenset({"collaboration_interval"})
+    EMPTY_OK: ClassVar[frozenset[str]] = frozenset({"tensorboard_dir"})
     level: str = "info"
     """One of debug, info, warning, error."""
     format: str = "rich"
@@ -373,6 +374,10 @@ class LogConfig(_Section):
     collaboration_interval: float = 30.0
     """A backbone's reads of the collaboration's progress, in seconds: a log line each time
     the global step moved (step, trainers, loss, samples/s, time per step). 0: none."""
+    tensorboard_dir: str = ""
+    """A peer's TensorBoard scalars (loss, samples/s, each step's peers, batch and times,
+    validation loss, `peertrain.Optimizer.log`'s metrics) under DIR/peer-<id end>; empty:
+    none. Needs `pip install tensorboard`."""
 
 
 @dataclass(frozen=True, kw_only=True)

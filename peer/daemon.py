@@ -110,6 +110,9 @@ async def run_daemon(
     workload = None
     if role == "peer":  # config errors come first
         workload = (own_loop.task, own_loop.device) if own_loop else load_workload(config)
+        from peer.training.tracking import check_tracking
+
+        check_tracking(config.log.tensorboard_dir)
     identity = load_or_create_identity(Path(config.identity.path).expanduser())
     network_key = load_network_key(config.collaboration.network_key)
     inbound = inbound_limits(config)

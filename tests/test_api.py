@@ -19,6 +19,7 @@ from peer.training.strategies import LargeBatch
 from peer.training.task import TinyTask
 from peer.training.worker import Computed
 from tests.collab_processes import BASE_ENV, ROOT, Collaboration
+from tests.test_tracking import scalars
 
 # ---------------------------------------------------------------- the pieces
 
@@ -177,6 +178,7 @@ def test_a_plain_loop_and_a_peer_join_train_together(tmp_path, monkeypatch, capl
             config={
                 "identity.path": str(tmp_path / "loop.key"),
                 "training.checkpoint_dir": str(tmp_path / "loop-checkpoints"),
+                "log.tensorboard_dir": str(tmp_path / "tensorboard"),
             },
             startup_timeout=90,
         )
@@ -188,6 +190,7 @@ def test_a_plain_loop_and_a_peer_join_train_together(tmp_path, monkeypatch, capl
             loss.backward()
             opt.step(batch_size=16, loss=loss)
             opt.zero_grad()
+            opt.log({"loss_seen_by_the_loop": loss})
             time.sleep(0.01)  # a micro-batch's worth of time, as a real loop spends
         reached = opt.global_step
     finally:
@@ -205,6 +208,11 @@ def test_a_plain_loop_and_a_peer_join_train_together(tmp_path, monkeypatch, capl
     # The loop's side of the same steps: its engine applied them with both peers' samples.
     ours = [r.applied for r in caplog.records if hasattr(r, "applied")]
     assert {a["step"] for a in ours if a["peers"] == 2} & set(together), (ours, together)
+    # Its TensorBoard scalars: the engine's figures at each step, and the loop's own metric.
+    written = scalars(tmp_path / "tensorboard")
+    assert {"train/loss", "step/peers", "step/global_batch"} <= written.keys(), written.keys()
+    assert max(step for step, _ in written["step/peers"]) >= STEPS
+    assert written["user/loss_seen_by_the_loop"]
     # The loop's own samples in them (a step the other peer's samples filled alone may have
     # none of ours: the engine asked the loop for no micro-batch then).
     assert sum(a["samples"] for a in ours if a["peers"] == 2) > 0, ours

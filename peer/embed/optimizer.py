@@ -22,6 +22,7 @@ config file).
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import weakref
@@ -35,6 +36,9 @@ from peer.config import load_config
 from peer.embed.engine import Engine
 from peer.embed.worker import LoopTask, SchedulerFactory
 from peer.errors import ConfigError
+from peer.training.tracking import user_metrics
+
+log = logging.getLogger("peertrain.optimizer")
 
 
 class Optimizer:
@@ -130,6 +134,23 @@ class Optimizer:
         worker = self._engine.worker
         assert worker is not None  # built before `start` returned
         worker.step(samples, value if value is None or math.isfinite(value) else None)
+
+    def log(self, metrics: Mapping[str, Any], *, step: int | None = None) -> None:
+        """Record metrics of your own (an accuracy, a learning rate) at the collaboration's
+        step (or `step`): as TensorBoard scalars `user/<name>` (`log.tensorboard_dir`) and in
+        the log (`user_metrics` in JSON). ValueError on a value that is not a finite number."""
+        values = user_metrics(metrics)
+        at = self.global_step if step is None else int(step)
+        trainer = self._engine.trainer
+        if trainer is not None:
+            trainer.tracker.scalars(at, values)
+        named = {name.removeprefix("user/"): value for name, value in values.items()}
+        log.info(
+            "metrics at step %d: %s",
+            at,
+            ", ".join(f"{name} {value:.6g}" for name, value in named.items()),
+            extra={"user_metrics": {"step": at, **named}},
+        )
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.model.zero_grad(set_to_none=set_to_none)

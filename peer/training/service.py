@@ -7,6 +7,7 @@ composed and owned by one nursery.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from peer.training.progress import ProgressRecord
 from peer.training.statesync import Snapshot, StateDonor, StateDownload
 from peer.training.statesync.inplace import Sink
 from peer.training.task import Task
+from peer.training.tracking import open_tracker
 from peer.training.trainer import Trainer
 from peer.training.worker import TorchWorker, WorkerFactory
 
@@ -45,74 +47,81 @@ async def run_training(
     `make_worker`: the worker that owns the model (another for a training loop of the user's
     own, `peer.embed`)."""
     bind, advertised = data_plane_hosts(node, config.net.listen)  # the donor's too
-    async with trio.open_nursery() as nursery:
-        averager = await start_averager(nursery, node, dht, config)
-        identity = averager.data_server.identity
+    # In a thread: torch's writer imports TensorBoard and opens its file.
+    tracker = await trio.to_thread.run_sync(
+        open_tracker, config.log.tensorboard_dir, node.peer_id.to_base58()
+    )
+    # Closed once every task that writes to it has ended (the trainer's own included).
+    with contextlib.closing(tracker):
+        async with trio.open_nursery() as nursery:
+            averager = await start_averager(nursery, node, dht, config)
+            identity = averager.data_server.identity
 
-        def job(donors: list[ProgressRecord], step: int) -> tuple[StateDownload, float]:
-            """A download of `step` from `donors`, and its deadline."""
-            limit = state_bytes_limit(trainer.worker.model)
-            capabilities = measurements.capabilities()
-            bandwidth = capabilities.download_bps if capabilities else None
-            download = StateDownload(
+            def job(donors: list[ProgressRecord], step: int) -> tuple[StateDownload, float]:
+                """A download of `step` from `donors`, and its deadline."""
+                limit = state_bytes_limit(trainer.worker.model)
+                capabilities = measurements.capabilities()
+                bandwidth = capabilities.download_bps if capabilities else None
+                download = StateDownload(
+                    node,
+                    [ID.from_base58(r.peer_id) for r in donors],
+                    min_step=step,
+                    parallel=config.state.parallel_donors,
+                    max_total_bytes=limit,
+                    rpc_timeout=manifest_seconds(config, limit),
+                )
+                return download, trio.current_time() + download_seconds(config, limit, bandwidth)
+
+            async def download(donors: list[ProgressRecord], step: int) -> Snapshot:
+                state, deadline = job(donors, step)
+                return await state.run(deadline=deadline)
+
+            async def download_into(donors: list[ProgressRecord], step: int, sink: Sink) -> int:
+                state, deadline = job(donors, step)
+                return await state.run_into(sink, deadline=deadline)
+
+            # Building a large model (its initialisation, the optimizers, the accumulators) takes
+            # seconds: in a thread, or the event loop stalls (1.4 s at 10 M parameters).
+            worker = await trio.to_thread.run_sync(
+                functools.partial(
+                    make_worker, task, config, device=device, peer_id=node.peer_id.to_base58()
+                )
+            )
+            # The interpreter's heap is now mostly torch's and the model's bookkeeping: out of the
+            # cyclic GC's reach, or each full collection scans it all on the event loop (a full
+            # collection of a shared heap was the whole p99 of the DHT benchmark's stores).
+            gc.freeze()
+            measurements.observe_model(gradient_bytes(worker.model))
+            trainer = Trainer(
+                worker=worker,
+                dht=dht,
+                averager=averager,
+                config=config,
+                task=task,
+                device=device,
+                download=download,
+                download_into=download_into,
+                capabilities=measurements.capabilities,
+                observe_training=measurements.observe_training,
+                clock=dht.clock,
+                tracker=tracker,
+            )
+            donor = StateDonor(
                 node,
-                [ID.from_base58(r.peer_id) for r in donors],
-                min_step=step,
-                parallel=config.state.parallel_donors,
-                max_total_bytes=limit,
-                rpc_timeout=manifest_seconds(config, limit),
+                trainer.snapshot,
+                identity=identity,
+                max_downloads=config.state.max_uploads,
+                chunk_bytes=config.state.chunk_bytes,
+                advertised_host=advertised,
+                caller_states=config.state.caller_states,
+                caller_window=config.state.caller_window,
             )
-            return download, trio.current_time() + download_seconds(config, limit, bandwidth)
-
-        async def download(donors: list[ProgressRecord], step: int) -> Snapshot:
-            state, deadline = job(donors, step)
-            return await state.run(deadline=deadline)
-
-        async def download_into(donors: list[ProgressRecord], step: int, sink: Sink) -> int:
-            state, deadline = job(donors, step)
-            return await state.run_into(sink, deadline=deadline)
-
-        # Building a large model (its initialisation, the optimizers, the accumulators) takes
-        # seconds: in a thread, or the event loop stalls (1.4 s at 10 M parameters).
-        worker = await trio.to_thread.run_sync(
-            functools.partial(
-                make_worker, task, config, device=device, peer_id=node.peer_id.to_base58()
-            )
-        )
-        # The interpreter's heap is now mostly torch's and the model's bookkeeping: out of the
-        # cyclic GC's reach, or each full collection scans it all on the event loop (a full
-        # collection of a shared heap was the whole p99 of the DHT benchmark's stores).
-        gc.freeze()
-        measurements.observe_model(gradient_bytes(worker.model))
-        trainer = Trainer(
-            worker=worker,
-            dht=dht,
-            averager=averager,
-            config=config,
-            task=task,
-            device=device,
-            download=download,
-            download_into=download_into,
-            capabilities=measurements.capabilities,
-            observe_training=measurements.observe_training,
-            clock=dht.clock,
-        )
-        donor = StateDonor(
-            node,
-            trainer.snapshot,
-            identity=identity,
-            max_downloads=config.state.max_uploads,
-            chunk_bytes=config.state.chunk_bytes,
-            advertised_host=advertised,
-            caller_states=config.state.caller_states,
-            caller_window=config.state.caller_window,
-        )
-        await nursery.start(donor.serve, bind, 0)
-        on_trainer(trainer)
-        await nursery.start(trainer.run)
-        task_status.started(trainer)
-        await trainer.finished.wait()
-        nursery.cancel_scope.cancel()
+            await nursery.start(donor.serve, bind, 0)
+            on_trainer(trainer)
+            await nursery.start(trainer.run)
+            task_status.started(trainer)
+            await trainer.finished.wait()
+            nursery.cancel_scope.cancel()
 
 
 #: Bytes per second a donor serializes and hashes a state at before its manifest answers, at

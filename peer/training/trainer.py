@@ -70,6 +70,7 @@ from peer.training.publisher import (
     remember_donors,
 )
 from peer.training.task import Task
+from peer.training.tracking import Tracker
 from peer.training.worker import BatchSource, TorchWorker
 
 if TYPE_CHECKING:
@@ -161,6 +162,7 @@ class Trainer:
         clock: Callable[[], float] = time.time,
         monotonic: Callable[[], float] = time.monotonic,
         worker: TorchWorker | None = None,
+        tracker: Tracker | None = None,
     ) -> None:
         """`worker`: the model and optimizers, built beforehand off the event loop (the
         daemon builds it in a thread); built here, on the calling thread, if not given.
@@ -178,6 +180,8 @@ class Trainer:
         self.observe_training = observe_training
         self.clock = clock
         self.monotonic = monotonic
+        #: TensorBoard's scalars (`log.tensorboard_dir`), or nothing.
+        self.tracker = tracker or Tracker()
         self.me = dht.node.peer_id.to_base58()
         self.worker = worker or TorchWorker(
             task, config, device=device, peer_id=self.me, batches=batches
@@ -560,6 +564,17 @@ class Trainer:
                 }
             },
         )
+        self.tracker.scalars(
+            self.step,
+            {
+                "train/loss": tally.loss,
+                "train/samples_per_s": tally.samples_per_second or None,
+                "step/peers": verdict.members,
+                "step/global_batch": batch,
+                "step/allreduce_s": sum(r.seconds for r in result.rounds),
+                "step/averaging_s": tally.last_step_seconds,
+            },
+        )
         interval = self.training.validation_interval
         self._validate_due = bool(interval) and self.step % interval == 0
 
@@ -681,6 +696,7 @@ class Trainer:
         if math.isfinite(loss):
             self.tally.recent_validation.append(loss)
         self.progress.publish_now()
+        self.tracker.scalars(self.step, {"validation/loss": loss})
         log.info("step %d: validation loss %.4f", self.step, loss)
 
     async def _checkpoint(
