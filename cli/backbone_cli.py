@@ -74,6 +74,13 @@ def start(
     log_level: common.LogLevelOpt = None,
     log_format: common.LogFormatOpt = None,
     metrics_port: common.MetricsPortOpt = None,
+    dashboard_port: Annotated[
+        int | None,
+        typer.Option(
+            "--dashboard-port",
+            help="Serve the web dashboard on this port (http://127.0.0.1:PORT/; 0: off).",
+        ),
+    ] = None,
 ) -> None:
     """Start a backbone and print the addresses peers should pass to `peer join --backbone`."""
     overrides = {
@@ -88,6 +95,7 @@ def start(
         "log.level": log_level,
         "log.format": log_format,
         "metrics.port": metrics_port,
+        "dashboard.port": dashboard_port,
     }
     loaded = backbone_config(config, overrides, port=port)
 

@@ -143,7 +143,7 @@ def summary(children: list[Child], outcome: Outcome, peers: int) -> Group:
     return Group(training, processes)
 
 
-async def run_demo(peers: int, timeout: float) -> None:
+async def run_demo(peers: int, timeout: float, dashboard_port: int = 0) -> None:
     console = Console()
     workdir = Path(tempfile.mkdtemp(prefix="peertrain-demo-"))
     children: list[Child] = []
@@ -160,12 +160,16 @@ async def run_demo(peers: int, timeout: float) -> None:
                 str(workdir / "backbone.key"),
                 "--listen",
                 LOOPBACK,
+                "--dashboard-port",
+                str(dashboard_port),
             ],
             read=True,
         )
         children.append(backbone)
         address = await read_backbone_addr(backbone, timeout=30)
         console.print(f"backbone up at {address}")
+        if dashboard_port:
+            console.print(f"dashboard at http://127.0.0.1:{dashboard_port}/")
         for index in range(peers):
             args = [
                 "cli.peer_cli",

@@ -15,6 +15,7 @@ from rich.live import Live
 from cli import common, config_cli, doctor_cli
 from cli.render import status_table, training_line, training_table
 from peer.daemon import run_daemon
+from peer.dashboard.service import run_dashboard
 from peer.errors import RemoteError
 from peer.net.host import Node
 from peer.status import StatusReport, collect_status, status_client
@@ -113,6 +114,16 @@ def status(
     interval: Annotated[
         float, typer.Option(help="Seconds between refreshes with --watch.", min=0.2)
     ] = 2.0,
+    serve: Annotated[
+        int | None,
+        typer.Option(
+            "--serve",
+            help="Serve the web dashboard on this port until Ctrl+C (http://127.0.0.1:PORT/; "
+            "0: any free port).",
+            min=0,
+            max=65535,
+        ),
+    ] = None,
     config: common.ConfigOpt = None,
     collaboration: common.CollabOpt = None,
     network_key: common.NetworkKeyOpt = None,
@@ -126,6 +137,8 @@ def status(
             "collaboration.name": collaboration,
             "collaboration.network_key": str(network_key) if network_key else None,
             "log.level": log_level or "warning",
+            "dashboard.port": serve,
+            "dashboard.interval": interval if serve is not None else None,
         },
     )
 
@@ -136,6 +149,14 @@ def status(
             Console().print(status_table(report))
 
     async def show(stop: trio.Event) -> None:
+        if serve is not None:
+            async with status_client(loaded.config) as poll, trio.open_nursery() as nursery:
+                port = await nursery.start(run_dashboard, loaded.config, poll)
+                host = loaded.config.dashboard.host
+                common.echo(f"dashboard at http://{host}:{port}/ (Ctrl+C to stop)")
+                await stop.wait()
+                nursery.cancel_scope.cancel()
+            return
         if not watch:
             render(await collect_status(loaded.config))
             return
@@ -169,6 +190,15 @@ def demo(
     timeout: Annotated[
         float, typer.Option(help="Seconds to train at most before giving up.", min=1)
     ] = 900.0,
+    dashboard_port: Annotated[
+        int,
+        typer.Option(
+            "--dashboard-port",
+            help="The backbone serves the web dashboard on this port (0: none).",
+            min=0,
+            max=65535,
+        ),
+    ] = 0,
 ) -> None:
     """Train the default task with a local collaboration (a backbone and N peer processes on
     loopback) until the validation-loss target in configs/demo.toml; exit 0 when reached."""
@@ -179,7 +209,7 @@ def demo(
             f"peer demo needs {DEMO_CONFIG}: run it from a peertrain checkout installed with "
             "`pip install -e .` (README quick start)"
         )
-    trio.run(run_demo, peers, timeout)
+    trio.run(run_demo, peers, timeout, dashboard_port)
 
 
 app.command(name="doctor")(doctor_cli.doctor)

@@ -24,6 +24,7 @@ from peer.errors import ConfigError
 __all__ = [
     "AveragingConfig",
     "CollaborationConfig",
+    "DashboardConfig",
     "DhtConfig",
     "IdentityConfig",
     "LoadedConfig",
@@ -360,6 +361,19 @@ class MetricsConfig(_Section):
 
 
 @dataclass(frozen=True, kw_only=True)
+class DashboardConfig(_Section):
+    MINIMUM: ClassVar[dict[str, int]] = {"port": 0}
+    MAXIMUM: ClassVar[dict[str, int]] = {"port": 65535}
+    port: int = 0
+    """TCP port of the web dashboard (`backbone start --dashboard-port`); 0: none."""
+    host: str = "127.0.0.1"
+    """Address it listens on; 0.0.0.0 shows it to other machines (it is read-only and shows
+    only the collaboration's public records)."""
+    interval: float = 2.0
+    """Seconds between its reads of the collaboration's records."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class LogConfig(_Section):
     CHOICES: ClassVar[dict[str, tuple[str, ...]]] = {
         "level": ("debug", "info", "warning", "error"),
@@ -395,6 +409,7 @@ class PeerConfig:
     state: StateConfig = field(default_factory=StateConfig)
     relay: RelayConfig = field(default_factory=RelayConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    dashboard: DashboardConfig = field(default_factory=DashboardConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
 
@@ -632,7 +647,7 @@ def _parse_env(dotted: str, text: str, origin: str) -> Any:
     if kind == dict[str, Any]:
         try:
             return json.loads(text)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise ConfigError(f"{dotted} = {text!r} (from {origin}): {_EXPECTED[kind]}") from None
     return text
 
@@ -661,10 +676,15 @@ def _coerce(dotted: str, value: Any, origin: str) -> Any:
             in_range = value >= 0 if low is not None else value > 0
             problem = None if math.isfinite(value) and in_range else f"expected a number {expected}"
     elif kind == dict[str, Any]:
-        ok = isinstance(value, dict) and all(
-            isinstance(k, str) and k.isidentifier() and _plain(v) for k, v in value.items()
-        )
-        value = dict(value) if ok else value
+        ok = isinstance(value, dict)
+        if ok:
+            bad = [
+                k
+                for k, v in value.items()
+                if not (isinstance(k, str) and k.isidentifier() and _plain(v))
+            ]
+            value = dict(value)
+            problem = f"{bad[0]!r}: {_EXPECTED[kind]}" if bad else None
     elif kind == list[str]:
         ok = isinstance(value, list | tuple) and all(isinstance(v, str) for v in value)
         if ok:

@@ -216,6 +216,13 @@ async def run_daemon(
                         config.metrics.host,
                         config.metrics.port,
                     )
+                if role == "backbone" and config.dashboard.port:
+                    from peer.dashboard.service import run_dashboard
+                    from peer.status import read_report
+
+                    await nursery.start(
+                        run_dashboard, config, partial(read_report, dht, config, [])
+                    )
                 if role == "backbone" and config.log.collaboration_interval:
                     from peer.training.collablog import log_collaboration
 

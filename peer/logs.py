@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import math
 import sys
 from typing import Any
 
@@ -123,6 +124,19 @@ def _rich_handler() -> logging.Handler:
     return handler
 
 
+def finite(value: Any) -> Any:
+    """`value` with every non-finite float as None: JSON has no NaN or Infinity (a browser's
+    parser, or a log shipper's, refuses the whole document). Other peers' figures can be
+    anything: a sum of two claims of 1e308 is inf."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per record: ts (ISO 8601 UTC), level, logger, msg, then `extra` fields."""
 
@@ -137,8 +151,9 @@ class JsonFormatter(logging.Formatter):
         for key, value in record.__dict__.items():
             if key in _STANDARD_ATTRS or key in line:
                 continue
+            value = finite(value)
             try:
-                json.dumps(value)
+                json.dumps(value, allow_nan=False)
             except (TypeError, ValueError):
                 continue  # a log line must never fail because of one odd `extra` value
             line[key] = value

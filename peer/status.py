@@ -291,12 +291,18 @@ async def status_client(config: PeerConfig) -> AsyncIterator[Callable[[], Awaita
         reached = await join(dht, seeds, backoff=STATUS_JOIN_BACKOFF)
 
         async def poll() -> StatusReport:
-            entries = await dht.get(presence_key(config.collaboration.name))
-            name = config.collaboration.name
-            progress = decode_progress(await dht.get(progress_key(name)), collaboration=name)
-            return _report(config, entries, progress, [str(peer_id) for peer_id in reached])
+            return await read_report(dht, config, [str(peer_id) for peer_id in reached])
 
         yield poll
+
+
+async def read_report(dht: DHT, config: PeerConfig, reached: list[str]) -> StatusReport:
+    """The collaboration as its presence and progress records say now, read through `dht`
+    (a status client's, or a backbone's own)."""
+    name = config.collaboration.name
+    entries = await dht.get(presence_key(name))
+    progress = decode_progress(await dht.get(progress_key(name)), collaboration=name)
+    return _report(config, entries, progress, reached)
 
 
 async def collect_status(config: PeerConfig) -> StatusReport:

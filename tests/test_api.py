@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import socket
 import threading
 import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -88,7 +91,7 @@ def test_the_loop_computes_only_what_the_engine_asks_for():
     engine.start()
     while not pacer.may_compute():  # the ask arrives
         pacer.wait(1.0)
-    pacer.step(16, 2.5)
+    pacer.step(16, 2.5, computed_at=time.perf_counter())
     engine.join(10)
     assert [(c.samples, c.loss) for c in asked] == [(16, 2.5)]
     assert not pacer.may_compute()  # stepped; no new ask: the loop's next micro-batch waits
@@ -145,6 +148,12 @@ ENV = {
 STEPS = 3
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 @pytest.mark.parametrize("mode", ["dedloc", "diloco"])
 def test_a_plain_loop_and_a_peer_join_train_together(tmp_path, monkeypatch, caplog, mode):
     """The issue's bar: a plain PyTorch loop with `peertrain.Optimizer` and a `peer join` of the
@@ -155,6 +164,8 @@ def test_a_plain_loop_and_a_peer_join_train_together(tmp_path, monkeypatch, capl
         "PEERTRAIN_TRAINING_MODE": mode,
         "PEERTRAIN_TRAINING_INNER_STEPS": "4",
         "PEERTRAIN_LOG_COLLABORATION_INTERVAL": "0.5",
+        "PEERTRAIN_DASHBOARD_PORT": str(free_port()),
+        "PEERTRAIN_DASHBOARD_INTERVAL": "0.5",
     }
     for key, value in {**BASE_ENV, **env}.items():
         monkeypatch.setenv(key, value)
@@ -193,6 +204,10 @@ def test_a_plain_loop_and_a_peer_join_train_together(tmp_path, monkeypatch, capl
             opt.log({"loss_seen_by_the_loop": loss})
             time.sleep(0.01)  # a micro-batch's worth of time, as a real loop spends
         reached = opt.global_step
+        # The backbone's dashboard, live from the records: a point per step, both trainers.
+        port = env["PEERTRAIN_DASHBOARD_PORT"]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/state", timeout=10) as reply:
+            dashboard = json.load(reply)
     finally:
         if opt is not None:
             opt.shutdown()
@@ -208,6 +223,9 @@ def test_a_plain_loop_and_a_peer_join_train_together(tmp_path, monkeypatch, capl
     # The loop's side of the same steps: its engine applied them with both peers' samples.
     ours = [r.applied for r in caplog.records if hasattr(r, "applied")]
     assert {a["step"] for a in ours if a["peers"] == 2} & set(together), (ours, together)
+    steps_drawn = [step for step, _ in dashboard["loss"]]
+    assert steps_drawn[-1] >= STEPS - 1 and steps_drawn == list(range(1, steps_drawn[-1] + 1))
+    assert sum(row["progress_role"] == "trainer" for row in dashboard["peers"]) == 2
     # Its TensorBoard scalars: the engine's figures at each step, and the loop's own metric.
     written = scalars(tmp_path / "tensorboard")
     assert {"train/loss", "step/peers", "step/global_batch"} <= written.keys(), written.keys()

@@ -26,3 +26,23 @@ def test_the_line_names_the_figures_and_copes_with_unknowns():
     )
     unknown = summary_line("demo", {**fields, "loss": None, "step_s": None})
     assert "loss -" in unknown and "first step seen" in unknown
+
+
+def test_a_collaboration_that_went_back_is_followed_again():
+    """A restart from an older checkpoint (or a forged high step that expired): once the
+    lower step persists, lines resume, instead of never again."""
+    clock = StepClock()
+    clock.observe(1000, now=0.0)
+    assert [clock.observe(5, now=t)[0] for t in (1.0, 2.0, 3.0)] == [False, False, True]
+    assert clock.observe(6, now=13.0) == (True, 10.0)
+
+
+def test_the_json_log_writes_other_peers_overflowing_figures_as_null():
+    import json
+    import logging
+
+    from peer.logs import JsonFormatter
+
+    record = logging.makeLogRecord({"msg": "x", "collaboration": {"samples_per_s": float("inf")}})
+    line = json.loads(JsonFormatter().format(record))  # strict JSON: no Infinity
+    assert line["collaboration"] == {"samples_per_s": None}

@@ -3,6 +3,8 @@ the environment or the Python API, checked like every other setting."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from peer.config import load_config
@@ -25,6 +27,17 @@ def broken(hidden: int = 1) -> WideTiny:
     return WideTiny(hidden=hidden, unknown=1)  # type: ignore[call-arg]  # the factory's bug
 
 
+def decorated(function):
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        return function(*args, **kwargs)
+
+    return wrapper
+
+
+wrapped = decorated(wide)
+not_a_factory = 42
+
 HERE = f"{__name__}"
 
 
@@ -46,7 +59,14 @@ def test_args_from_the_environment_are_a_json_object():
 
 @pytest.mark.parametrize(
     "value",
-    ['{"hidden": {"deep": 1}}', '{"not an identifier": 1}', "[1, 2]", "{broken", '{"x": NaN}'],
+    [
+        '{"hidden": {"deep": 1}}',
+        '{"not an identifier": 1}',
+        "[1, 2]",
+        "{broken",
+        '{"x": NaN}',
+        '{"x": ' + "[" * 100000 + "]" * 100000 + "}",  # deep enough to exhaust the parser
+    ],
 )
 def test_args_that_are_not_a_table_of_plain_values_are_refused(value):
     with pytest.raises(ConfigError, match=r"task\.args") as caught:
@@ -59,6 +79,14 @@ def test_args_the_factory_does_not_take_are_a_config_error_naming_them():
         load_task(f"{HERE}:wide", {"depth": 3})
     with pytest.raises(ConfigError, match="takes no arguments"):
         load_task("tiny", {"hidden": 3})
+
+
+def test_a_decorated_factory_is_checked_against_the_function_it_wraps():
+    with pytest.raises(ConfigError, match="does not take them"):
+        load_task(f"{HERE}:wrapped", {"depth": 3})
+    assert load_task(f"{HERE}:wrapped", {"hidden": 8}).build_model()[0].out_features == 8
+    with pytest.raises(ConfigError, match="not callable"):
+        load_task(f"{HERE}:not_a_factory")
 
 
 def test_a_type_error_inside_the_factory_is_its_own_bug_not_a_config_error():

@@ -79,8 +79,8 @@ class Engine:
 
     @property
     def finished(self) -> bool:
-        """The engine ended without an error (training done: max_steps or the target)."""
-        return self._thread.ident is not None and not self._thread.is_alive() and not self.error
+        """The collaboration's training is done here (max_steps or the target reached)."""
+        return self.trainer is not None and self.trainer.finished.is_set()
 
     def _ended(self) -> PeertrainError:
         if isinstance(self.error, PeertrainError):

@@ -111,7 +111,11 @@ class Optimizer:
         self._engine = Engine(self.config, task, first.device)
         # Dropped without shutdown() (a notebook cell run again), it still leaves cleanly.
         self._finalizer = weakref.finalize(self, self._engine.stop)
-        self._engine.start(startup_timeout)
+        try:
+            self._engine.start(startup_timeout)
+        except BaseException:  # Ctrl+C while joining too: leave, and say why
+            self._finalizer()
+            raise
 
     @property
     def global_step(self) -> int:
@@ -130,7 +134,14 @@ class Optimizer:
         samples = self._batch_size if batch_size is None else int(batch_size)
         if samples < 1:
             raise ValueError(f"batch_size must be at least 1, not {batch_size!r}")
-        value = float(loss.detach()) if isinstance(loss, torch.Tensor) else loss
+        if isinstance(loss, torch.Tensor):
+            if loss.numel() != 1:
+                raise ValueError(
+                    f"loss must be one number, not a tensor of shape {tuple(loss.shape)}"
+                )
+            value: float | None = float(loss.detach())
+        else:
+            value = None if loss is None else float(loss)
         worker = self._engine.worker
         assert worker is not None  # built before `start` returned
         worker.step(samples, value if value is None or math.isfinite(value) else None)
@@ -149,7 +160,7 @@ class Optimizer:
             "metrics at step %d: %s",
             at,
             ", ".join(f"{name} {value:.6g}" for name, value in named.items()),
-            extra={"user_metrics": {"step": at, **named}},
+            extra={"user_metrics": {"step": at, "values": named}},
         )
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -51,6 +51,8 @@ class Rendezvous(Executor):
                 future.set_result(fn(*args, **kwargs))
             except BaseException as error:  # the engine's caller gets it, as from a thread
                 future.set_exception(error)
+                if not isinstance(error, Exception):
+                    raise  # Ctrl+C or an exit is the loop's: it goes on up, the engine's too
             done += 1
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:

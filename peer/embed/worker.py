@@ -108,11 +108,13 @@ class Pacer:
             return done
 
     # the loop's side
-    def step(self, samples: int, loss: float | None) -> None:
+    def step(self, samples: int, loss: float | None, *, computed_at: float) -> None:
+        """The loop stepped: `samples` computed by `computed_at` (perf_counter; its step's
+        own work for the engine is not the loop's compute time)."""
         with self._changed:
             self.delivered += 1
             self._samples += samples
-            self._seconds += time.perf_counter() - self._released
+            self._seconds += max(0.0, computed_at - self._released)
             if loss is not None and math.isfinite(loss):
                 self._losses.append(loss)
             self._changed.notify_all()
@@ -193,6 +195,7 @@ class LoopWorker(TorchWorker):
         """The loop's step (its thread): the engine's work queued since the last one, then the
         gradient the loop left in .grad as `samples` samples of local work; returns when the
         engine wants the next micro-batch."""
+        computed_at = time.perf_counter()
         with self.rendezvous.step_lock:
             strategy = self.strategy
             # The engine's work uses .grad (a step is applied through it): the loop's gradient
@@ -214,7 +217,7 @@ class LoopWorker(TorchWorker):
                     assert isinstance(strategy, LocalSGD)
                     strategy.inner_step(samples)
             self.model.zero_grad(set_to_none=True)
-        self.pacer.step(samples, loss)
+        self.pacer.step(samples, loss, computed_at=computed_at)
         self.wait_turn()
 
 

@@ -23,17 +23,30 @@ from peer.training.progress import decode_progress, progress_key
 log = logging.getLogger("peertrain.collaboration")
 
 
+#: Reads in a row below the highest step seen after which the collaboration is taken to have
+#: gone back (restarted from an older checkpoint, or a forged high step has expired).
+GONE_BACK_READS = 3
+
+
 @dataclass
 class StepClock:
     """Seconds per global step, from when each new step was first seen (pure)."""
 
     step: int | None = None
     at: float | None = None
+    lower_reads: int = 0
 
     def observe(self, step: int, now: float) -> tuple[bool, float | None]:
         """Whether `step` is new, and the seconds per step since the last new one (None: the
-        first seen, or it went back)."""
-        if self.step is not None and step <= self.step:
+        first seen, or the collaboration went back)."""
+        if self.step is not None and step < self.step:
+            self.lower_reads += 1
+            if self.lower_reads < GONE_BACK_READS:
+                return False, None  # a stale read, most likely
+            self.step, self.at, self.lower_reads = step, now, 0
+            return True, None
+        self.lower_reads = 0
+        if self.step is not None and step == self.step:
             return False, None
         per_step = None
         if self.step is not None and self.at is not None:
@@ -43,6 +56,7 @@ class StepClock:
 
 
 def summary_fields(summary: TrainingSummary, step_seconds: float | None) -> dict[str, object]:
+    # Other peers' claims; the JSON formatter writes a non-finite one as null (`logs.finite`).
     return {
         "step": summary.global_step,
         "trainers": summary.trainers,

@@ -12,6 +12,7 @@ carried in the state: `schedule.py`).
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
@@ -158,24 +159,21 @@ def load_task(name: str, args: Mapping[str, Any] | None = None) -> Task:
         factory = getattr(importlib.import_module(module_name), factory_name)
     except (ImportError, AttributeError) as error:
         raise ConfigError(f"task.name = {name!r}: cannot load it ({error})") from None
-    try:
-        task = factory(**args)
+    if not callable(factory):
+        raise ConfigError(f"task.name = {name!r}: {factory_name} is not a factory (not callable)")
+    try:  # the arguments checked against its signature first: a TypeError after is its own
+        inspect.signature(factory).bind(**args)
     except TypeError as error:
-        if not _is_call_error(error):
-            raise  # raised inside the factory: the task's own bug
         raise ConfigError(
             f"task.args = {args!r}: {factory_name}() does not take them ({error}); set "
             "[task.args] to its keyword arguments"
         ) from None
+    except ValueError:
+        pass  # no signature to read (some built-ins): the call itself will tell
+    task = factory(**args)
     if not isinstance(task, Task):
         raise ConfigError(
             f"task.name = {name!r}: {factory_name}() returned {type(task).__name__}, which lacks "
             "name, build_model, sample_batch or loss"
         )
     return task
-
-
-def _is_call_error(error: TypeError) -> bool:
-    """Whether `error` is Python refusing the call's arguments, raised at the call itself (no
-    frame of the factory's in its traceback), not a TypeError from inside the factory."""
-    return error.__traceback__ is None or error.__traceback__.tb_next is None

@@ -12,6 +12,7 @@ pointed at the directory shows the peers side by side.
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 from collections.abc import Mapping
@@ -19,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from peer.errors import ConfigError
+
+log = logging.getLogger("peertrain.tracking")
 
 #: What a metric's name may be: TensorBoard tags, and JSON log keys.
 MAX_NAME = 100
@@ -42,10 +45,17 @@ class TensorBoardTracker(Tracker):
         # (the engine's loop, a user's `log`) from interleaving inside it.
         self._writer = SummaryWriter(log_dir=str(directory), flush_secs=10)
         self._lock = threading.Lock()
+        self._closed = False
         self.directory = directory
 
     def scalars(self, step: int, values: Mapping[str, float | None]) -> None:
         with self._lock:
+            if self._closed:  # torch's writer would open a new file that nobody flushes
+                log.warning(
+                    "TensorBoard scalars after the peer stopped are not written: %s",
+                    ", ".join(values),
+                )
+                return
             for tag, value in values.items():
                 if value is not None and math.isfinite(value):
                     self._writer.add_scalar(tag, value, global_step=step)
@@ -56,12 +66,14 @@ class TensorBoardTracker(Tracker):
 
     def close(self) -> None:
         with self._lock:
-            self._writer.close()
+            if not self._closed:
+                self._closed = True
+                self._writer.close()
 
 
 def check_tracking(directory: str) -> None:
     """ConfigError, saying what to do, if `directory` is set and TensorBoard is not installed
-    (checked when a peer starts, before it joins)."""
+    or the directory cannot be made (checked when a peer starts, before it joins)."""
     if not directory:
         return
     try:
@@ -70,6 +82,13 @@ def check_tracking(directory: str) -> None:
         raise ConfigError(
             f"log.tensorboard_dir = {directory!r}: TensorBoard is not installed; "
             "pip install tensorboard, or leave log.tensorboard_dir empty"
+        ) from None
+    try:
+        Path(directory).expanduser().mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(
+            f"log.tensorboard_dir = {directory!r}: cannot create it ({error.strerror}); "
+            "choose a directory this user can write"
         ) from None
 
 
@@ -92,7 +111,7 @@ def user_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
             value = value.detach()
         try:
             value = float(value)  # also a numpy scalar
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of several
             raise ValueError(f"metric {name!r} = {value!r}: expected a number") from None
         if not math.isfinite(value):
             raise ValueError(f"metric {name!r} = {value!r}: expected a finite number")

@@ -1,0 +1,121 @@
+"""The web dashboard (`peer.dashboard`): what it draws from status reports, and its server."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import trio
+
+from peer.dashboard.history import History
+from peer.dashboard.server import MAX_CONNECTIONS, serve_dashboard
+from peer.errors import UserError
+from peer.status import CollaborationSummary, StatusReport, TrainingSummary
+
+TIMEOUT = 20
+
+
+def report(step: int, trend: list[float], *, at: float, peers: int = 3, validation=None):
+    training = TrainingSummary(
+        global_step=step, trainers=peers, trainers_behind=0, keepers=0, samples=0,
+        target_batch=None, samples_per_s=100.0 * step, eta_s=None,
+        loss=trend[-1] if trend else None, loss_trend=trend, validation=validation,
+        validation_trend=[], bytes_per_step=0,
+    )  # fmt: skip
+    summary = CollaborationSummary(
+        name="demo", peers_online=peers, backbones_online=1, backbones_reached=[],
+        queried_at=at, assignment=None, assignment_note=None, training=training,
+    )  # fmt: skip
+    return StatusReport(summary, [])
+
+
+def test_every_step_gets_its_point_also_between_two_reads():
+    history = History()
+    history.add(report(5, [2.0, 1.9, 1.8], at=100.0))
+    history.add(report(8, [1.7, 1.6, 1.5], at=110.0, validation=(8, 1.55)))
+    history.add(report(8, [1.7, 1.6, float("nan")], at=120.0))  # a NaN is no point
+    state = history.to_json()
+    assert state["loss"] == [(3, 2.0), (4, 1.9), (5, 1.8), (6, 1.7), (7, 1.6), (8, 1.5)]
+    assert state["validation"] == [(8, 1.55)]
+    assert state["throughput"] == [(100.0, 500.0), (110.0, 800.0), (120.0, 800.0)]
+    assert state["peers_online"] == [(100.0, 3), (110.0, 3), (120.0, 3)]
+    assert state["collaboration"]["training"]["global_step"] == 8
+
+
+def test_the_history_is_bounded():
+    history = History(max_points=4)
+    for step in range(1, 20):
+        history.add(report(step, [1.0 / step], at=float(step)))
+    state = history.to_json()
+    assert [s for s, _ in state["loss"]] == [16, 17, 18, 19]
+    assert len(state["throughput"]) == len(state["peers_online"]) == 4
+
+
+async def get(port: int, request: bytes) -> bytes:
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        await stream.send_all(request)
+        reply = b""
+        try:
+            while chunk := await stream.receive_some(65536):
+                reply += chunk
+        except trio.BrokenResourceError:  # closed with our request unread: a reset
+            pass
+        return reply
+
+
+def body_of(reply: bytes) -> bytes:
+    return reply.split(b"\r\n\r\n", 1)[1]
+
+
+async def test_the_server_serves_the_page_and_finite_json_and_nothing_else():
+    state = {"loss": [[1, 2.5], [2, math.nan]], "x": math.inf}
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(serve_dashboard, "127.0.0.1", 0, lambda: state)
+            page = await get(port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert page.startswith(b"HTTP/1.1 200") and b'id="loss-chart"' in page
+            assert b"content-security-policy" in page.lower()
+            script = await get(port, b"GET /app.js HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert script.startswith(b"HTTP/1.1 200") and b"textContent" in script
+            data = await get(port, b"GET /api/state HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert json.loads(body_of(data)) == {"loss": [[1, 2.5], [2, None]], "x": None}
+            post = await get(
+                port, b"POST /api/state HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n"
+            )
+            assert post.startswith(b"HTTP/1.1 405")
+            missing = await get(port, b"GET /etc/passwd HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert missing.startswith(b"HTTP/1.1 404")
+            assert await get(port, b"\x00garbage\r\n\r\n") == b""  # closed, nothing more
+            huge = b"GET /" + b"a" * 20000 + b" HTTP/1.1\r\nHost: x\r\n\r\n"
+            assert not (await get(port, huge)).startswith(b"HTTP/1.1 200")
+            nursery.cancel_scope.cancel()
+
+
+async def test_idle_connections_beyond_the_limit_are_closed_and_requests_still_served(
+    autojump_clock,
+):
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(serve_dashboard, "127.0.0.1", 0, dict)
+            idle = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(MAX_CONNECTIONS)]
+            extra = await trio.open_tcp_stream("127.0.0.1", port)
+            with trio.move_on_after(1) as waited:  # well before REQUEST_SECONDS
+                assert await extra.receive_some(10) == b""  # no slot: closed unanswered
+            assert not waited.cancelled_caught
+            await trio.sleep(11)  # the idle ones time out (REQUEST_SECONDS) and free theirs
+            reply = await get(port, b"GET /api/state HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert reply.startswith(b"HTTP/1.1 200")
+            for stream in [*idle, extra]:
+                await stream.aclose()
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_port_in_use_is_a_one_line_error():
+    with trio.fail_after(TIMEOUT):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(serve_dashboard, "127.0.0.1", 0, dict)
+            with pytest.raises(UserError, match=r"in use; pick another dashboard\.port"):
+                await serve_dashboard("127.0.0.1", port, dict)
+            nursery.cancel_scope.cancel()
