@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
 
 import pytest
 import trio
@@ -12,6 +18,8 @@ from peer.dashboard.history import History
 from peer.dashboard.server import MAX_CONNECTIONS, serve_dashboard
 from peer.errors import UserError
 from peer.status import CollaborationSummary, StatusReport, TrainingSummary
+from tests.collab_processes import BASE_ENV, ROOT, Collaboration
+from tests.test_api import free_port
 
 TIMEOUT = 20
 
@@ -119,3 +127,39 @@ async def test_a_port_in_use_is_a_one_line_error():
             with pytest.raises(UserError, match=r"in use; pick another dashboard\.port"):
                 await serve_dashboard("127.0.0.1", port, dict)
             nursery.cancel_scope.cancel()
+
+
+def test_peer_status_serve_shows_the_collaboration_from_any_machine(tmp_path):
+    """`peer status --serve PORT`: the dashboard through a status client (here beside a
+    backbone process on loopback), until Ctrl+C."""
+    collab = Collaboration(tmp_path, {})
+    port = free_port()
+    status = None
+    try:
+        collab.start_backbone()
+        status = subprocess.Popen(
+            [sys.executable, "-m", "cli.peer_cli", "status", "--backbone", collab.backbone_addr,
+             "--serve", str(port), "--interval", "0.5"],
+            cwd=ROOT, env={**os.environ, **BASE_ENV},
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        deadline, state = time.monotonic() + 60, None
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/state", timeout=5) as r:
+                    state = json.load(r)
+                if state["peers"]:
+                    break
+            except OSError:
+                pass  # not listening yet
+            time.sleep(0.5)
+        assert state is not None and [p["role"] for p in state["peers"]] == ["backbone"], state
+        status.send_signal(signal.SIGINT)
+        output, _ = status.communicate(timeout=30)
+        assert status.returncode == 0, output
+        assert f"dashboard at http://127.0.0.1:{port}/" in output
+    finally:
+        if status is not None and status.poll() is None:
+            status.kill()
+            status.wait(10)
+        collab.close()
