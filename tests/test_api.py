@@ -125,6 +125,27 @@ def test_a_step_applied_in_the_loop_s_step_leaves_its_gradient_to_add():
         torch.testing.assert_close(total, want)
 
 
+def test_an_amp_scaled_gradient_counts_unscaled_and_an_overflow_not_at_all():
+    worker, task = loop_worker()
+    reference = task.build_model()
+    reference.load_state_dict(worker.model.state_dict())
+    batch = task.sample_batch(8, torch.Generator().manual_seed(1))
+    task.loss(reference, batch).backward()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(task.loss(worker.model, batch)).backward()
+    worker.step(8, None, scaler=scaler)
+    assert worker.samples == 8
+    for total, p in zip(worker.strategy.sums, reference.parameters(), strict=True):
+        torch.testing.assert_close(total, p.grad * 8)
+    # An overflow: nothing of it counts, and the scaler backs off.
+    scaler.scale(task.loss(worker.model, batch)).backward()
+    next(worker.model.parameters()).grad[0, 0] = float("inf")
+    worker.step(8, None, scaler=scaler)
+    assert worker.samples == 8
+    assert scaler.get_scale() == 512.0
+    assert all(p.grad is None for p in worker.model.parameters())
+
+
 def test_a_gradient_computed_before_a_state_load_is_dropped():
     worker, task = loop_worker()
     task.loss(worker.model, task.sample_batch(8, torch.Generator().manual_seed(1))).backward()
@@ -247,3 +268,86 @@ def test_no_backbone_is_a_one_line_error_from_the_engine(tmp_path):
             startup_timeout=30,
         )
     assert "\n" not in str(caught.value)
+
+
+@pytest.mark.slow  # 45 s: three engines in one process
+def test_loops_train_on_a_schedule_and_a_late_loop_downloads_their_state(
+    tmp_path, monkeypatch, caplog
+):
+    """Two loops (each an Optimizer in this process, its loop in a thread of its own) train on
+    a learning-rate schedule; a third joins late: its constructor returns holding their step
+    (a certified state download), and it then trains with them."""
+    caplog.set_level(logging.INFO, logger="peertrain")
+    for key, value in {**BASE_ENV, **ENV}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.chdir(ROOT)
+    collab = Collaboration(tmp_path, ENV)
+    task = TinyTask()
+    opts: list[peertrain.Optimizer] = []
+    stop = threading.Event()
+
+    def join(name: str) -> tuple[peertrain.Optimizer, torch.nn.Module]:
+        model = task.build_model()
+        opt = peertrain.Optimizer(
+            model,
+            task.make_optimizer(model.parameters()),
+            backbones=[collab.backbone_addr],
+            name="tiny-loop",
+            batch_size=16,
+            target_batch=64,
+            scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1 / (1 + s)),
+            config={
+                "identity.path": str(tmp_path / f"{name}.key"),
+                "training.checkpoint_dir": str(tmp_path / f"{name}-checkpoints"),
+            },
+            startup_timeout=90,
+        )
+        opts.append(opt)
+        return opt, model
+
+    def train(opt: peertrain.Optimizer, model: torch.nn.Module, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        deadline = time.monotonic() + 150
+        while not stop.is_set() and not opt.finished and time.monotonic() < deadline:
+            task.loss(model, task.sample_batch(16, generator)).backward()
+            opt.step(batch_size=16)
+            opt.zero_grad()
+
+    loops: list[threading.Thread] = []
+
+    def start(opt_and_model: tuple[peertrain.Optimizer, torch.nn.Module], seed: int) -> None:
+        loops.append(threading.Thread(target=train, args=(*opt_and_model, seed)))
+        loops[-1].start()
+
+    try:
+        collab.start_backbone()
+        first, second = join("a"), join("b")
+        start(first, 1)
+        start(second, 2)
+        deadline = time.monotonic() + 120
+        while first[0].global_step < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        late = join("c")  # returns once it holds the collaboration's state
+        joined_at = late[0].global_step
+        assert joined_at >= 2
+        assert any("downloaded the state of step" in r.getMessage() for r in caplog.records)
+        start(late, 3)
+        while late[0].global_step < joined_at + 1 and time.monotonic() < deadline + 60:
+            time.sleep(0.2)
+        stop.set()
+        for loop in loops:
+            loop.join(30)
+        together = [
+            r.applied for r in caplog.records if hasattr(r, "applied") and r.applied["peers"] == 3
+        ]
+        assert together, "the late loop never averaged with the other two"
+        # The schedule stepped once per global step on every peer, the late one included.
+        base = task.make_optimizer(task.build_model().parameters()).param_groups[0]["lr"]
+        for opt in opts:
+            lr = opt.optimizer.param_groups[0]["lr"]
+            assert lr == pytest.approx(base / (1 + opt.global_step)), (lr, opt.global_step)
+    finally:
+        stop.set()
+        for opt in opts:
+            opt.shutdown()
+        collab.close()

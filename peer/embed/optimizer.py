@@ -90,7 +90,7 @@ class Optimizer:
             raise ConfigError(
                 f"training.precision = {training.precision!r} is the daemon's own autocast; "
                 "with peertrain.Optimizer use torch.autocast in your loop and leave it fp32 "
-                "(GradScaler is not supported yet)"
+                "(and pass your GradScaler to opt.step(grad_scaler=...))"
             )
         if training.validation_interval:
             raise ConfigError(
@@ -123,13 +123,22 @@ class Optimizer:
         trainer = self._engine.trainer
         return trainer.step if trainer is not None else 0
 
-    def step(self, batch_size: int | None = None, loss: float | torch.Tensor | None = None) -> None:
+    def step(
+        self,
+        batch_size: int | None = None,
+        loss: float | torch.Tensor | None = None,
+        *,
+        grad_scaler: torch.amp.GradScaler | None = None,
+    ) -> None:
         """After `loss.backward()`: this micro-batch's gradient (of its mean loss over
         `batch_size` samples) joins the collaboration's batch (DeDLOC), or takes an inner
         step (DiLoCo); the engine's work on the model since the last step runs first (a step
         applied, a state loaded). Returns when the engine wants the next micro-batch: while
         the peers average (our share of the batch is in) it waits, as `peer join` does.
-        `loss` (optional) feeds the status and logs."""
+        `loss` (optional) feeds the status and logs. `grad_scaler`: the AMP scaler the loop's
+        backward used (`grad_scaler.scale(loss).backward()`): the gradient is unscaled before
+        it counts, a micro-batch whose gradient overflowed adds nothing, and the scaler is
+        updated (DiLoCo: the scaler steps the inner optimizer)."""
         self._engine.check()
         samples = self._batch_size if batch_size is None else int(batch_size)
         if samples < 1:
@@ -144,7 +153,9 @@ class Optimizer:
             value = None if loss is None else float(loss)
         worker = self._engine.worker
         assert worker is not None  # built before `start` returned
-        worker.step(samples, value if value is None or math.isfinite(value) else None)
+        worker.step(
+            samples, value if value is None or math.isfinite(value) else None, scaler=grad_scaler
+        )
 
     def log(self, metrics: Mapping[str, Any], *, step: int | None = None) -> None:
         """Record metrics of your own (an accuracy, a learning rate) at the collaboration's

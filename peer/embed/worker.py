@@ -71,6 +71,17 @@ class LoopTask:
         return []
 
 
+def _unscaled(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool:
+    """Unscale the loop's gradients in .grad (AMP); whether they are all finite."""
+    scaler.unscale_(optimizer)
+    return all(
+        bool(torch.isfinite(p.grad).all())
+        for group in optimizer.param_groups
+        for p in group["params"]
+        if p.grad is not None
+    )
+
+
 class Pacer:
     """The loop's micro-batches, paced as the daemon's worker thread is: the engine asks for
     one (`compute`), the loop computes it and steps, and its next micro-batch waits for the
@@ -191,7 +202,9 @@ class LoopWorker(TorchWorker):
             self.pacer.wait(SERVE_INTERVAL)
         self.serve()
 
-    def step(self, samples: int, loss: float | None) -> None:
+    def step(
+        self, samples: int, loss: float | None, *, scaler: torch.amp.GradScaler | None = None
+    ) -> None:
         """The loop's step (its thread): the engine's work queued since the last one, then the
         gradient the loop left in .grad as `samples` samples of local work; returns when the
         engine wants the next micro-batch."""
@@ -212,10 +225,15 @@ class LoopWorker(TorchWorker):
                 for p, grad in zip(strategy.params, grads, strict=True):
                     p.grad = grad
                 if isinstance(strategy, LargeBatch):
-                    strategy.add_gradients(samples)
+                    if scaler is not None and not _unscaled(scaler, strategy.optimizer):
+                        samples = 0  # overflowed: nothing of it counts (the scaler backs off)
+                    else:
+                        strategy.add_gradients(samples)
+                    if scaler is not None:
+                        scaler.update()
                 else:  # DiLoCo: an inner step (a donor serves the anchor, not these)
                     assert isinstance(strategy, LocalSGD)
-                    strategy.inner_step(samples)
+                    strategy.inner_step(samples, scaler=scaler)
             self.model.zero_grad(set_to_none=True)
         self.pacer.step(samples, loss, computed_at=computed_at)
         self.wait_turn()

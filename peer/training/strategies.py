@@ -389,13 +389,22 @@ class LocalSGD(Shared):
             self.samples += size
         return float(loss.detach())
 
-    def inner_step(self, size: int) -> None:
+    def inner_step(self, size: int, *, scaler: torch.amp.GradScaler | None = None) -> None:
         """One inner step with the gradient a training loop of its own left in .grad, over
-        `size` samples; .grad is cleared."""
-        self.inner.step()
-        self.schedule.step()
+        `size` samples (through its AMP `scaler`, which skips a step that overflowed: it
+        does not count toward the H inner steps); .grad is cleared."""
+        stepped = True
+        if scaler is None:
+            self.inner.step()
+        else:
+            scale = scaler.get_scale()
+            scaler.step(self.inner)
+            scaler.update()
+            stepped = scaler.get_scale() >= scale  # a skipped step backs the scale off
         self.inner.zero_grad(set_to_none=True)
-        self.samples += size
+        if stepped:
+            self.schedule.step()
+            self.samples += size
 
     def take(self) -> tuple[np.ndarray, int]:
         """The pseudo-gradient (anchor - local), the buffers, and the inner samples behind it.
