@@ -67,6 +67,7 @@ def main() -> None:
             output_dir=output, per_device_train_batch_size=8, gradient_accumulation_steps=1,
             max_steps=100_000, save_strategy="no", report_to=[], use_cpu=True,
             logging_steps=5, disable_tqdm=True, dataloader_num_workers=0,
+            max_grad_norm=0.0,  # clipping, if any: training.clip_grad_norm (the average)
         )  # fmt: skip
         opt = peertrain.Optimizer(
             net,

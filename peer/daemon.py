@@ -220,9 +220,8 @@ async def run_daemon(
                     from peer.dashboard.service import run_dashboard
                     from peer.status import read_report
 
-                    await nursery.start(
-                        run_dashboard, config, partial(read_report, dht, config, [])
-                    )
+                    read = partial(read_report, dht, config, [], assign=False)
+                    await nursery.start(run_dashboard, config, read)
                 if role == "backbone" and config.log.collaboration_interval:
                     from peer.training.collablog import log_collaboration
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import peertrain
-from peer.config import PeerConfig
+from peer.config import PeerConfig, TrainingConfig
 from peer.embed.rendezvous import Rendezvous
 from peer.embed.worker import LoopTask, LoopWorker, Pacer
 from peer.training.strategies import LargeBatch
@@ -144,6 +144,34 @@ def test_an_amp_scaled_gradient_counts_unscaled_and_an_overflow_not_at_all():
     assert worker.samples == 8
     assert scaler.get_scale() == 512.0
     assert all(p.grad is None for p in worker.model.parameters())
+    # The usual recipe for clipping: the loop unscales first; counted once, not unscaled twice.
+    scaler.scale(task.loss(worker.model, batch)).backward()
+    scaler.unscale_(worker.strategy.optimizer)
+    worker.step(8, None, scaler=scaler)
+    assert worker.samples == 16
+
+
+def test_a_diloco_inner_step_that_overflowed_is_skipped_and_not_counted():
+    task = TinyTask()
+    model = task.build_model()
+    config = PeerConfig(training=TrainingConfig(mode="diloco", inner_steps=4))
+    loop_task = LoopTask("tiny", model, task.make_optimizer(model.parameters()))
+    worker = LoopWorker(
+        loop_task, config, device=torch.device("cpu"), peer_id="p", rendezvous=Rendezvous()
+    )
+    worker.pacer.close()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    batch = task.sample_batch(8, torch.Generator().manual_seed(1))
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.scale(task.loss(model, batch)).backward()
+    next(model.parameters()).grad[0, 0] = float("nan")
+    worker.step(8, None, scaler=scaler)
+    assert worker.samples == 0  # not one of the H inner steps
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+    scaler.scale(task.loss(model, batch)).backward()
+    worker.step(8, None, scaler=scaler)
+    assert worker.samples == 8
+    assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
 def test_a_gradient_computed_before_a_state_load_is_dropped():

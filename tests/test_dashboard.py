@@ -15,7 +15,13 @@ import pytest
 import trio
 
 from peer.dashboard.history import History
-from peer.dashboard.server import MAX_CONNECTIONS, serve_dashboard
+from peer.dashboard.server import (
+    MAX_CONNECTIONS,
+    PER_ADDRESS,
+    REQUEST_SECONDS,
+    encode,
+    serve_dashboard,
+)
 from peer.errors import UserError
 from peer.status import CollaborationSummary, StatusReport, TrainingSummary
 from tests.collab_processes import BASE_ENV, ROOT, Collaboration
@@ -81,7 +87,7 @@ async def test_the_server_serves_the_page_and_finite_json_and_nothing_else():
     state = {"loss": [[1, 2.5], [2, math.nan]], "x": math.inf}
     with trio.fail_after(TIMEOUT):
         async with trio.open_nursery() as nursery:
-            port = await nursery.start(serve_dashboard, "127.0.0.1", 0, lambda: state)
+            port = await nursery.start(serve_dashboard, "127.0.0.1", 0, lambda: encode(state))
             page = await get(port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
             assert page.startswith(b"HTTP/1.1 200") and b'id="loss-chart"' in page
             assert b"content-security-policy" in page.lower()
@@ -89,6 +95,7 @@ async def test_the_server_serves_the_page_and_finite_json_and_nothing_else():
             assert script.startswith(b"HTTP/1.1 200") and b"textContent" in script
             data = await get(port, b"GET /api/state HTTP/1.1\r\nHost: x\r\n\r\n")
             assert json.loads(body_of(data)) == {"loss": [[1, 2.5], [2, None]], "x": None}
+            assert b"script-src 'self';" in page and b"unsafe-inline'; img" in page
             post = await get(
                 port, b"POST /api/state HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n"
             )
@@ -101,21 +108,39 @@ async def test_the_server_serves_the_page_and_finite_json_and_nothing_else():
             nursery.cancel_scope.cancel()
 
 
-async def test_idle_connections_beyond_the_limit_are_closed_and_requests_still_served(
+async def test_idle_connections_beyond_the_limits_are_closed_and_requests_still_served(
     autojump_clock,
 ):
+    async def refused(address: str) -> bool:
+        """A connection from `address` is closed unanswered at once (no slot for it)."""
+        extra = await trio.open_tcp_stream("127.0.0.1", port, local_address=address)
+        async with extra:
+            with trio.move_on_after(1) as waited:  # well before REQUEST_SECONDS
+                assert await extra.receive_some(10) == b""
+        return not waited.cancelled_caught
+
     with trio.fail_after(TIMEOUT):
         async with trio.open_nursery() as nursery:
-            port = await nursery.start(serve_dashboard, "127.0.0.1", 0, dict)
-            idle = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(MAX_CONNECTIONS)]
-            extra = await trio.open_tcp_stream("127.0.0.1", port)
-            with trio.move_on_after(1) as waited:  # well before REQUEST_SECONDS
-                assert await extra.receive_some(10) == b""  # no slot: closed unanswered
-            assert not waited.cancelled_caught
-            await trio.sleep(11)  # the idle ones time out (REQUEST_SECONDS) and free theirs
+            port = await nursery.start(serve_dashboard, "127.0.0.1", 0, lambda: b"{}")
+            idle = []
+            # One address holds PER_ADDRESS slots at most...
+            for _ in range(PER_ADDRESS):
+                idle.append(
+                    await trio.open_tcp_stream("127.0.0.1", port, local_address="127.0.0.2")
+                )
+            assert await refused("127.0.0.2")
+            # ...and all of them MAX_CONNECTIONS.
+            for n in range(3, 3 + MAX_CONNECTIONS // PER_ADDRESS - 1):
+                for _ in range(PER_ADDRESS):
+                    idle.append(
+                        await trio.open_tcp_stream("127.0.0.1", port, local_address=f"127.0.0.{n}")
+                    )
+            assert len(idle) == MAX_CONNECTIONS
+            assert await refused("127.0.0.99")
+            await trio.sleep(REQUEST_SECONDS + 1)  # the idle ones time out and free theirs
             reply = await get(port, b"GET /api/state HTTP/1.1\r\nHost: x\r\n\r\n")
             assert reply.startswith(b"HTTP/1.1 200")
-            for stream in [*idle, extra]:
+            for stream in idle:
                 await stream.aclose()
             nursery.cancel_scope.cancel()
 
@@ -123,7 +148,7 @@ async def test_idle_connections_beyond_the_limit_are_closed_and_requests_still_s
 async def test_a_port_in_use_is_a_one_line_error():
     with trio.fail_after(TIMEOUT):
         async with trio.open_nursery() as nursery:
-            port = await nursery.start(serve_dashboard, "127.0.0.1", 0, dict)
+            port = await nursery.start(serve_dashboard, "127.0.0.1", 0, lambda: b"{}")
             with pytest.raises(UserError, match=r"in use; pick another dashboard\.port"):
                 await serve_dashboard("127.0.0.1", port, dict)
             nursery.cancel_scope.cancel()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from peer.status import StatusReport
 
@@ -47,19 +47,25 @@ class History:
             step, value = summary.validation
             self.validation[step] = value
         for series in (self.loss, self.validation):
-            while len(series) > self.max_points:
-                del series[min(series)]
+            while len(series) > self.max_points:  # the oldest added goes, not the lowest
+                del series[next(iter(series))]  # step: one forged high step would stay
 
     def to_json(self) -> dict:
-        latest = self.latest.to_json() if self.latest else None
+        latest = self.latest
         return {
-            "collaboration": latest["collaboration"] if latest else None,
-            "peers": latest["peers"] if latest else [],
+            "collaboration": _collaboration(latest) if latest else None,
+            "peers": [asdict(row) for row in latest.peers] if latest else [],
             "loss": sorted(self.loss.items()),
             "validation": sorted(self.validation.items()),
             "throughput": list(self.throughput),
             "peers_online": list(self.peers),
         }
+
+
+def _collaboration(report: StatusReport) -> dict:
+    summary = asdict(report.collaboration)
+    summary.pop("assignment", None)  # the table shows each peer's work
+    return summary
 
 
 def _append(series: deque, point: tuple, limit: int) -> None:

@@ -3,8 +3,10 @@ assets) and its data as JSON
 (`/api/state`), over HTTP/1.1 parsed by h11 on trio. Read-only, and it serves only what the
 collaboration's public records say; it listens on 127.0.0.1 unless told otherwise.
 
-Every connection is bounded: at most `MAX_CONNECTIONS` at once (more are closed unanswered),
-`REQUEST_SECONDS` to send one request of at most `MAX_REQUEST_BYTES`, one request each."""
+Every connection is bounded: at most `MAX_CONNECTIONS` at once and `PER_ADDRESS` from one
+address (more are closed unanswered), `REQUEST_SECONDS` to send one request of at most
+`MAX_REQUEST_BYTES`, one request each; the state is encoded once per read of the records, not
+per request."""
 
 from __future__ import annotations
 
@@ -24,7 +26,10 @@ from peer.logs import finite
 log = logging.getLogger("peertrain.dashboard")
 
 MAX_CONNECTIONS = 32
-REQUEST_SECONDS = 10.0
+#: Connections at once from one address: one client cannot hold every slot.
+PER_ADDRESS = 8
+#: To send the request: a slow client holds its slot no longer than this.
+REQUEST_SECONDS = 3.0
 MAX_REQUEST_BYTES = 8192
 
 
@@ -43,11 +48,12 @@ ASSETS = {
 async def serve_dashboard(
     host: str,
     port: int,
-    state: Callable[[], dict],
+    document: Callable[[], bytes],
     *,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve the page and `state()` (as JSON) on (host, port); reports the bound port."""
+    """Serve the page and `document()` (the JSON state, encoded once per change by its
+    owner: a request costs no encoding) on (host, port); reports the bound port."""
     try:
         listeners = await trio.open_tcp_listeners(port, host=host)
     except OSError as error:
@@ -55,31 +61,63 @@ async def serve_dashboard(
         raise UserError(
             f"dashboard {host}:{port}: {why}; pick another dashboard.port (0 turns it off)"
         ) from None
-    slots = trio.CapacityLimiter(MAX_CONNECTIONS)
+    slots = _Slots()
     bound = listeners[0].socket.getsockname()[1]
     log.info("dashboard at http://%s:%d/", host if ":" not in host else f"[{host}]", bound)
     task_status.started(bound)
-    await trio.serve_listeners(partial(_connection, state=state, slots=slots), listeners)
+    await trio.serve_listeners(partial(_connection, document=document, slots=slots), listeners)
+
+
+class _Slots:
+    """At most MAX_CONNECTIONS connections in all and PER_ADDRESS from one address."""
+
+    def __init__(self) -> None:
+        self.total = 0
+        self.by_address: dict[str, int] = {}
+
+    def take(self, address: str) -> bool:
+        if self.total >= MAX_CONNECTIONS or self.by_address.get(address, 0) >= PER_ADDRESS:
+            return False
+        self.total += 1
+        self.by_address[address] = self.by_address.get(address, 0) + 1
+        return True
+
+    def give_back(self, address: str) -> None:
+        self.total -= 1
+        self.by_address[address] -= 1
+        if not self.by_address[address]:
+            del self.by_address[address]
 
 
 async def _connection(
-    stream: trio.SocketStream, *, state: Callable[[], dict], slots: trio.CapacityLimiter
+    stream: trio.SocketStream, *, document: Callable[[], bytes], slots: _Slots
 ) -> None:
     async with stream:
         try:
-            slots.acquire_nowait()
-        except trio.WouldBlock:
+            address = str(stream.socket.getpeername()[0])
+        except OSError:
+            return
+        if not slots.take(address):
             return  # too many at once: closed unanswered
         try:
             with trio.move_on_after(REQUEST_SECONDS):
-                await _answer(stream, state)
+                await _answer(stream, document)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, h11.ProtocolError):
             pass  # the client's fault or its departure: nothing of ours to report
+        except Exception:  # ours: logged, and the daemon that serves us goes on
+            log.exception("dashboard request failed")
         finally:
-            slots.release()
+            slots.give_back(address)
 
 
-async def _answer(stream: trio.SocketStream, state: Callable[[], dict]) -> None:
+#: The page may run its own script file and fetch from this server, nothing else.
+POLICY = (
+    b"default-src 'none'; script-src 'self'; connect-src 'self'; style-src 'unsafe-inline'; "
+    b"img-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
+
+
+async def _answer(stream: trio.SocketStream, document: Callable[[], bytes]) -> None:
     conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_REQUEST_BYTES)
     request = None
     while request is None:
@@ -99,8 +137,7 @@ async def _answer(stream: trio.SocketStream, state: Callable[[], dict]) -> None:
         name, kind = ASSETS[request.target]
         status, body = 200, asset(name)
     elif request.target == b"/api/state":
-        document = json.dumps(finite(state()), allow_nan=False, separators=(",", ":"))
-        status, kind, body = 200, b"application/json", document.encode()
+        status, kind, body = 200, b"application/json", document()
     else:
         status, kind, body = 404, b"text/plain", b"not found\n"
     headers = [
@@ -108,11 +145,7 @@ async def _answer(stream: trio.SocketStream, state: Callable[[], dict]) -> None:
         (b"content-length", str(len(body)).encode()),
         (b"cache-control", b"no-store"),
         (b"connection", b"close"),
-        # The page runs its own script only, and fetches from this server alone.
-        (
-            b"content-security-policy",
-            b"default-src 'self'; script-src 'unsafe-inline' 'self'; style-src 'unsafe-inline'",
-        ),
+        (b"content-security-policy", POLICY),
         (b"x-content-type-options", b"nosniff"),
     ]
     for event in (
@@ -123,4 +156,9 @@ async def _answer(stream: trio.SocketStream, state: Callable[[], dict]) -> None:
         await stream.send_all(conn.send(event))
 
 
-__all__ = ["ASSETS", "asset", "serve_dashboard"]
+def encode(state: dict) -> bytes:
+    """`state` as JSON, non-finite numbers as null (JSON has none)."""
+    return json.dumps(finite(state), allow_nan=False, separators=(",", ":")).encode()
+
+
+__all__ = ["ASSETS", "asset", "encode", "serve_dashboard"]

@@ -4,16 +4,18 @@ seconds into a `History`, and serves it (`server`). A backbone reads through its
 
 from __future__ import annotations
 
-import contextlib
+import logging
 from collections.abc import Awaitable, Callable
 
 import trio
 
 from peer.config import PeerConfig
 from peer.dashboard.history import History
-from peer.dashboard.server import serve_dashboard
+from peer.dashboard.server import encode, serve_dashboard
 from peer.errors import RemoteError
 from peer.status import StatusReport
+
+log = logging.getLogger("peertrain.dashboard")
 
 
 async def run_dashboard(
@@ -24,14 +26,21 @@ async def run_dashboard(
 ) -> None:
     """Serve the dashboard on `dashboard.host:dashboard.port`, reporting the bound port."""
     history = History()
+    document = encode(history.to_json())  # encoded once per read, served as it is
+
     async with trio.open_nursery() as nursery:
         port = await nursery.start(
-            serve_dashboard, config.dashboard.host, config.dashboard.port, history.to_json
+            serve_dashboard, config.dashboard.host, config.dashboard.port, lambda: document
         )
         task_status.started(port)
         while True:
-            with contextlib.suppress(RemoteError):  # no answer this time: the next read
+            try:
                 history.add(await read())
+                document = encode(history.to_json())
+            except RemoteError:
+                pass  # no answer this time: the next read
+            except Exception:  # records anyone can publish: a bug of ours they found, logged
+                log.exception("dashboard: reading the collaboration failed; reading again")
             await trio.sleep(config.dashboard.interval)
 
 

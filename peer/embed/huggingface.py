@@ -18,6 +18,7 @@ collaboration at the end.
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +27,8 @@ import torch
 from transformers import TrainerCallback
 
 from peer.embed.optimizer import Optimizer
+
+log = logging.getLogger("peertrain.huggingface")
 
 
 class TrainerOptimizer:
@@ -94,6 +97,22 @@ class PeertrainCallback(TrainerCallback):
         self.opt = opt
         self.max_global_steps = max_global_steps
         self.shutdown = shutdown
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if getattr(args, "fp16", False):
+            # accelerate's GradScaler only steps an optimizer it wraps, and ours is not one:
+            # the gradient would join the collaboration still scaled.
+            raise ValueError(
+                "peertrain.huggingface: fp16 is not supported through the Trainer yet; use "
+                "bf16=True (no scaler) or fp32"
+            )
+        if getattr(args, "max_grad_norm", 0):
+            log.warning(
+                "max_grad_norm = %s clips this peer's own gradient, not the averaged one: set "
+                "max_grad_norm=0 and training.clip_grad_norm in the Optimizer's config",
+                args.max_grad_norm,
+            )
+        return control
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         done = self.max_global_steps and self.opt.global_step >= self.max_global_steps

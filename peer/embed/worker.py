@@ -22,7 +22,7 @@ from torch import nn
 from peer.config import PeerConfig
 from peer.embed.rendezvous import Rendezvous
 from peer.errors import ConfigError
-from peer.training.strategies import LargeBatch, LocalSGD
+from peer.training.strategies import LargeBatch, LocalSGD, unscaled_finite
 from peer.training.worker import Computed, Pending, TorchWorker
 
 #: Builds the learning-rate scheduler of an optimizer (again after a state download).
@@ -69,17 +69,6 @@ class LoopTask:
 
     def validation_batches(self, micro_batch: int, count: int) -> list[Any]:
         return []
-
-
-def _unscaled(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool:
-    """Unscale the loop's gradients in .grad (AMP); whether they are all finite."""
-    scaler.unscale_(optimizer)
-    return all(
-        bool(torch.isfinite(p.grad).all())
-        for group in optimizer.param_groups
-        for p in group["params"]
-        if p.grad is not None
-    )
 
 
 class Pacer:
@@ -225,7 +214,7 @@ class LoopWorker(TorchWorker):
                 for p, grad in zip(strategy.params, grads, strict=True):
                     p.grad = grad
                 if isinstance(strategy, LargeBatch):
-                    if scaler is not None and not _unscaled(scaler, strategy.optimizer):
+                    if scaler is not None and not unscaled_finite(scaler, strategy.optimizer):
                         samples = 0  # overflowed: nothing of it counts (the scaler backs off)
                     else:
                         strategy.add_gradients(samples)

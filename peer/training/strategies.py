@@ -114,6 +114,25 @@ def clip_by_norm(gradient: np.ndarray, max_norm: float) -> np.ndarray:
     return (gradient * np.float32(max_norm / (norm + 1e-6))).astype(np.float32, copy=False)
 
 
+def unscaled_finite(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool:
+    """Unscale the gradients in .grad of `optimizer`'s parameters (AMP), unless the training
+    loop already did (to clip them, say); whether all are finite (one device sync)."""
+    try:
+        scaler.unscale_(optimizer)
+    except RuntimeError as error:
+        if "unscale_() has already been called" not in str(error):
+            raise
+    flags = [
+        torch.isfinite(p.grad).all()
+        for group in optimizer.param_groups
+        for p in group["params"]
+        if p.grad is not None
+    ]
+    if not flags:
+        return True
+    return bool(torch.stack([flag.to(flags[0].device) for flag in flags]).all())
+
+
 class Strategy(Protocol):
     model: nn.Module
     samples: int
@@ -397,10 +416,9 @@ class LocalSGD(Shared):
         if scaler is None:
             self.inner.step()
         else:
-            scale = scaler.get_scale()
-            scaler.step(self.inner)
+            stepped = unscaled_finite(scaler, self.inner)
+            scaler.step(self.inner)  # skipped if not finite (the unscale recorded it)
             scaler.update()
-            stepped = scaler.get_scale() >= scale  # a skipped step backs the scale off
         self.inner.zero_grad(set_to_none=True)
         if stepped:
             self.schedule.step()
