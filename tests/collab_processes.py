@@ -195,3 +195,40 @@ def wait_all(procs: list[Proc], timeout: float) -> None:
 def kill(proc: Proc) -> None:
     os.kill(proc.popen.pid, signal.SIGKILL)
     proc.popen.wait(timeout=10)
+
+
+def run_example_shards(
+    workdir: Path, script: str, steps: int, *, shards: int = 2, timeout: float = 400
+) -> list[str]:
+    """`examples/<script>` run once per shard beside a backbone (loopback), each with
+    `--shard i --shards N --steps STEPS` and its own identity and checkpoints; their outputs,
+    once all have exited 0 (every process killed by PID whatever happens)."""
+    collab = Collaboration(workdir, {"PEERTRAIN_LOG_LEVEL": "warning"})
+    runs: list[subprocess.Popen[str]] = []
+    try:
+        collab.start_backbone()
+        env = {**os.environ, **BASE_ENV, "PEERTRAIN_LOG_LEVEL": "warning"}
+        env.pop("PEERTRAIN_CONFIG")  # the example's own settings, with debug.toml's loopback
+        env["PEERTRAIN_NET_LISTEN"] = LOOPBACK
+        env["PEERTRAIN_TRAINING_GATHER_WINDOW"] = "1.0"
+        env["PEERTRAIN_TRAINING_PROGRESS_INTERVAL"] = "0.5"
+        for shard in range(shards):
+            runs.append(
+                subprocess.Popen(
+                    [sys.executable, f"examples/{script}", "--backbone", collab.backbone_addr,
+                     "--shard", str(shard), "--shards", str(shards), "--steps", str(steps),
+                     "--identity", str(workdir / f"example{shard}.key"),
+                     "--checkpoints", str(workdir / f"example-checkpoints{shard}")],
+                    cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                )
+            )  # fmt: skip
+        outputs = [run.communicate(timeout=timeout)[0] for run in runs]
+    finally:
+        for run in runs:
+            if run.poll() is None:
+                run.kill()
+                run.wait(10)
+        collab.close()
+    for run, output in zip(runs, outputs, strict=True):
+        assert run.returncode == 0, output[-3000:]
+    return outputs

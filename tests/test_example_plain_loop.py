@@ -3,46 +3,17 @@ of a dataset, train one model together through `peertrain.Optimizer` (loopback).
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 
-from tests.collab_processes import BASE_ENV, ROOT, Collaboration
+from tests.collab_processes import run_example_shards
 
 STEPS = 6
 
 
 def test_two_shards_of_a_dataloader_train_one_model_together(tmp_path):
-    collab = Collaboration(tmp_path, {"PEERTRAIN_LOG_LEVEL": "warning"})
-    loops: list[subprocess.Popen[str]] = []
-    try:
-        collab.start_backbone()
-        env = {**os.environ, **BASE_ENV, "PEERTRAIN_LOG_LEVEL": "warning"}
-        env.pop("PEERTRAIN_CONFIG")  # the example's own settings, with debug.toml's loopback
-        env["PEERTRAIN_NET_LISTEN"] = "/ip4/127.0.0.1/tcp/0"
-        env["PEERTRAIN_TRAINING_GATHER_WINDOW"] = "1.0"
-        env["PEERTRAIN_TRAINING_PROGRESS_INTERVAL"] = "0.5"
-        for shard in range(2):
-            loops.append(
-                subprocess.Popen(
-                    [sys.executable, "examples/plain_loop.py", "--backbone", collab.backbone_addr,
-                     "--shard", str(shard), "--shards", "2", "--steps", str(STEPS),
-                     "--identity", str(tmp_path / f"loop{shard}.key"),
-                     "--checkpoints", str(tmp_path / f"checkpoints{shard}")],
-                    cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                )
-            )  # fmt: skip
-        outputs = [loop.communicate(timeout=240)[0] for loop in loops]
-    finally:
-        for loop in loops:  # by PID, whatever happened
-            if loop.poll() is None:
-                loop.kill()
-                loop.wait(10)
-        collab.close()
+    outputs = run_example_shards(tmp_path, "plain_loop.py", STEPS, timeout=240)
     results = []
-    for loop, output in zip(loops, outputs, strict=True):
-        assert loop.returncode == 0, output[-3000:]
+    for output in outputs:
         found = re.search(
             r"step (\d+) after \d+ epochs of shard \d: loss ([\d.]+) -> ([\d.]+)", output
         )

@@ -68,6 +68,8 @@ class Engine:
             time.sleep(SERVE_INTERVAL)
         if self.worker is not None:
             self.worker.wait_turn(until=given_up)
+            if self.worker.pacer.closed:  # the engine is ending: its error, not a timeout
+                self._thread.join(SERVE_INTERVAL * 100)
         if not self._thread.is_alive():
             raise self._ended()
         if self.worker is None or not self.worker.pacer.asked:
