@@ -203,7 +203,7 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-@pytest.mark.parametrize("mode", ["dedloc", "diloco"])
+@pytest.mark.parametrize("mode", ["dedloc", pytest.param("diloco", marks=pytest.mark.slow)])
 def test_a_plain_loop_and_a_peer_join_train_together(tmp_path, monkeypatch, caplog, mode):
     """The issue's bar: a plain PyTorch loop with `peertrain.Optimizer` and a `peer join` of the
     same task take the same collaborative steps on loopback."""
