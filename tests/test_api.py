@@ -18,6 +18,7 @@ import peertrain
 from peer.config import PeerConfig, TrainingConfig
 from peer.embed.rendezvous import Rendezvous
 from peer.embed.worker import LoopTask, LoopWorker, Pacer
+from peer.training import state as states
 from peer.training.strategies import LargeBatch
 from peer.training.task import TinyTask
 from peer.training.worker import Computed
@@ -177,7 +178,14 @@ def test_a_diloco_inner_step_that_overflowed_is_skipped_and_not_counted():
 def test_a_gradient_computed_before_a_state_load_is_dropped():
     worker, task = loop_worker()
     task.loss(worker.model, task.sample_batch(8, torch.Generator().manual_seed(1))).backward()
-    worker.rendezvous.submit(lambda: setattr(worker, "loads", worker.loads + 1))  # a load
+    # A state loaded (the one we hold, restored as a resume restores a checkpoint).
+    state = states.capture(
+        0,
+        worker.model,
+        worker.strategy.optimizers(),
+        scheduler_state=worker.strategy.schedule.state(),
+    )
+    worker.rendezvous.submit(worker._load, state, False, None)
     worker.step(8, None)
     assert worker.samples == 0
     assert all(float(total.abs().sum()) == 0 for total in worker.strategy.sums)

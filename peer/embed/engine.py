@@ -41,6 +41,7 @@ class Engine:
         self._token: trio.lowlevel.TrioToken | None = None
         self._stop: trio.Event | None = None
         self._thread = threading.Thread(target=self._main, name="peertrain-engine", daemon=True)
+        self._built = threading.Event()  # the worker exists
 
     def _make_worker(
         self, task: LoopTask, config: PeerConfig, *, device: torch.device, peer_id: str
@@ -48,6 +49,7 @@ class Engine:
         self.worker = LoopWorker(
             task, config, device=device, peer_id=peer_id, rendezvous=self.rendezvous
         )
+        self._built.set()
         return self.worker
 
     def _on_trainer(self, trainer: Trainer) -> None:
@@ -64,8 +66,9 @@ class Engine:
         def given_up() -> bool:
             return not self._thread.is_alive() or time.monotonic() > deadline
 
-        while self.worker is None and not given_up():  # joining, building the worker
-            time.sleep(SERVE_INTERVAL)
+        # Joining, building the worker (this is the loop's thread, not the engine's loop).
+        while not self._built.wait(SERVE_INTERVAL) and not given_up():
+            pass
         if self.worker is not None:
             self.worker.wait_turn(until=given_up)
             if self.worker.pacer.closed:  # the engine is ending: its error, not a timeout
