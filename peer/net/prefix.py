@@ -1,0 +1,29 @@
+"""The network prefix a per-source limit counts, pure.
+
+Addresses are nearly free inside one network: a host on a /24 (a campus, a cloud subnet, a
+carrier-grade NAT pool) can take many of its addresses, and an IPv6 host is given a whole /64.
+Limits keyed on the exact address let one such host take as many slots as it has addresses,
+so every per-source limit (libp2p handshakes, data ports, the dashboard, metrics, dial-back
+checks) counts by `prefix_of`: the IPv4 /24 or the IPv6 /64. An IPv4-mapped IPv6 address
+counts as the IPv4 address it carries (a dual-stack socket reports IPv4 callers that way).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+
+IPV4_PREFIX = 24
+IPV6_PREFIX = 64
+
+
+def prefix_of(ip: str) -> str:
+    """The prefix `ip` counts under: its IPv4 /24 or IPv6 /64 as CIDR text; an address that
+    does not parse (a Unix socket's name, a test's stand-in) counts as itself."""
+    try:
+        address = ipaddress.ip_address(ip.split("%", 1)[0])  # a scoped IPv6 address's zone
+    except ValueError:
+        return ip
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    length = IPV4_PREFIX if address.version == 4 else IPV6_PREFIX
+    return str(ipaddress.ip_network((address, length), strict=False))
