@@ -1,6 +1,8 @@
 """Hole punching (peer.net.holepunch) on loopback: two peers joined through a relay upgrade
 to a direct connection and close the relayed one; a peer's addresses are checked before
-anything is dialed; a peer that does not take part leaves the connection relayed.
+anything is dialed; a peer that does not take part leaves the connection relayed; a peer
+cannot make us dial addresses of its choice again and again (one answer per relayed
+connection we dialed, none on one we accepted, an attempt budget).
 (Through real NAT routers: tests/test_nat_testbed.py.)"""
 
 from __future__ import annotations
@@ -10,13 +12,32 @@ import secrets
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
+import msgspec
 import pytest
 import trio
+from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
-from peer.net.holepunch import HolePunchConfig, HolePuncher, check_punch_addrs
-from peer.net.host import ip_tcp
-from peer.net.relay import RelayClient, RelayService, dial_via_relay, direct_conn, is_relayed
+from peer.net.holepunch import (
+    MAX_MESSAGE_BYTES,
+    PROTOCOL,
+    Connect,
+    HolePunchConfig,
+    HolePuncher,
+    Sync,
+    check_punch_addrs,
+)
+from peer.net.host import Node, ip_tcp
+from peer.net.relay import (
+    RelayClient,
+    RelayService,
+    dial_via_relay,
+    direct_conn,
+    is_relayed,
+    stream_on,
+)
+from peer.net.relay.internals import live_conn, punch_failed
+from peer.net.rpc import TRANSPORT_ERRORS, FramedStream
 from tests.test_relay import FAST_RETRY, WAIT, Echo, serve_echo, start_node
 
 FAST = HolePunchConfig(relay_grace_seconds=0.2)
@@ -24,10 +45,12 @@ FAST = HolePunchConfig(relay_grace_seconds=0.2)
 
 @asynccontextmanager
 async def punched(
-    *, key: str | None = None, dialer_punches: bool = True, config: HolePunchConfig = FAST
-) -> AsyncIterator[tuple[object, ...]]:
+    *, key: str | None = None, dialer_punches: bool = True, nated_punches: bool = True,
+    config: HolePunchConfig = FAST,
+) -> AsyncIterator[tuple[object, ...]]:  # fmt: skip
     """A relay, a NATed peer holding a slot on it, a dialer: both run a HolePuncher (the
-    dialer only if `dialer_punches`). Yields (relay, nated, dialer, nated's, dialer's)."""
+    dialer only if `dialer_punches`, the NATed peer only if `nated_punches`). Yields (relay,
+    nated, dialer, nated's, dialer's, the NATed peer's relay client)."""
     async with AsyncExitStack() as stack:
         relay = await start_node(stack, key=key)
         nated = await start_node(stack, key=key)
@@ -37,7 +60,8 @@ async def punched(
         client = RelayClient(nated, relay.public_addrs(), FAST_RETRY)
         await nursery.start(client.run)
         nated_punch = HolePuncher(nated, config)
-        await nursery.start(nated_punch.run)
+        if nated_punches:
+            await nursery.start(nated_punch.run)
         dialer_punch = HolePuncher(dialer, config)
         if dialer_punches:
             await nursery.start(dialer_punch.run)
@@ -197,3 +221,153 @@ async def test_a_data_stream_waits_for_the_punch_and_takes_the_direct_connection
         assert [s.relayed for s in streams] == [False] * 5 and seen == [False] * 5
         for stream in streams:
             await stream.reset()
+
+
+# ---------------------------------------------------------------------------- dials for others
+
+
+def test_attempts_are_budgeted_per_peer_and_in_total():
+    from peer.net.holepunch import PunchBudget
+
+    budget = PunchBudget(
+        HolePunchConfig(
+            peer_attempts=2, peer_window_seconds=100, total_attempts=3, total_window_seconds=30
+        )
+    )
+    assert [budget.try_start("a", now=0) for _ in range(3)] == [True, True, False]
+    assert budget.try_start("b", now=0) is True  # a's refusal took none of the shared tokens
+    assert budget.try_start("c", now=0) is False  # all spent: a fresh peer id buys nothing
+    assert budget.try_start("c", now=15) is True  # 3 per 30 s: 1.5 back
+    assert budget.try_start("a", now=20) is False  # 2 per 100 s: 0.4 back
+    assert budget.try_start("a", now=60) is True
+
+
+def test_each_address_is_dialed_once_however_it_is_written():
+    same = ["/ip4/198.51.100.7/tcp/4001", "/ip6/::ffff:198.51.100.7/tcp/4001"] * 4
+    assert check_punch_addrs(same, own_host="203.0.113.1") == [
+        Multiaddr("/ip4/198.51.100.7/tcp/4001")
+    ]
+
+
+@asynccontextmanager
+async def third_parties(n: int) -> AsyncIterator[tuple[list[str], list[int]]]:
+    """`n` TCP listeners on loopback (127.0.9.1, .2, ...) standing for machines that take no
+    part: each connection made to them is counted and closed. Yields (their addresses, [count])."""
+    accepted = [0]
+
+    async def count(stream: trio.SocketStream) -> None:
+        accepted[0] += 1
+        await stream.aclose()
+
+    async with trio.open_nursery() as nursery:
+        listeners = []
+        for i in range(n):
+            listeners += await trio.open_tcp_listeners(0, host=f"127.0.9.{i + 1}")
+        addrs = [
+            f"/ip4/{listener.socket.getsockname()[0]}/tcp/{listener.socket.getsockname()[1]}"
+            for listener in listeners
+        ]
+        await nursery.start(trio.serve_listeners, count, listeners)
+        yield addrs, accepted
+        nursery.cancel_scope.cancel()
+
+
+async def ask_for_punches(
+    asker: Node, target: ID, target_punch: HolePuncher, addrs: list[str], *, times: int
+) -> int:
+    """The asker opens the hole punch `times` times over its relayed connection to `target`,
+    naming `addrs` each time, and waits for every answered request's dials to end; how many
+    were answered."""
+    answered = 0
+    for _ in range(times):
+        conn = next(
+            c for c in asker.host.get_network().connections.get(target, ())
+            if is_relayed(c.muxed_conn)
+        )  # fmt: skip
+        stats = target_punch.statistics()
+        ended = stats.direct + stats.failed
+        try:
+            framed = FramedStream(await stream_on(conn, PROTOCOL, timeout=WAIT), MAX_MESSAGE_BYTES)
+        except TRANSPORT_ERRORS:
+            continue
+        try:
+            await framed.write_frame(msgspec.msgpack.encode(Connect(addrs)))
+            if await framed.read_frame() is None:
+                continue  # refused: the target closed the stream
+            await framed.write_frame(msgspec.msgpack.encode(Sync()))
+            answered += 1
+            while (lambda s: s.direct + s.failed)(target_punch.statistics()) == ended:
+                await trio.sleep(0.01)
+        except TRANSPORT_ERRORS:  # refused: the target reset the stream
+            continue
+        finally:
+            await framed.reset()
+    return answered
+
+
+async def test_a_peer_asking_again_on_a_relayed_connection_we_dialed_is_answered_once():
+    """The amplifier: a peer we reach through a relay asks for a hole punch 20 times, naming 8
+    machines that take no part each time. Answered every time, that was 160 connections to
+    them; as DCUtR, a relayed connection gets one answer: 8."""
+    async with (
+        third_parties(8) as (addrs, accepted),
+        punched(nated_punches=False) as (_relay, asker, victim, _np, victim_punch, client),
+    ):
+        with trio.fail_after(WAIT):
+            await dial_via_relay(victim, client.relayed_addrs()[0], timeout=WAIT)
+            answered = await ask_for_punches(asker, victim.peer_id, victim_punch, addrs, times=20)
+            while accepted[0] < 8 * answered:  # the last connections being accepted
+                await trio.sleep(0.01)
+        assert (answered, accepted[0]) == (1, 8)
+
+
+async def test_the_end_that_accepted_the_circuit_answers_no_hole_punch_request():
+    """A peer that dialed us through a relay is the end that answers a hole punch, never the
+    one that asks: its requests make us dial nothing (it was 8 connections per request)."""
+    async with (
+        third_parties(8) as (addrs, accepted),
+        punched(dialer_punches=False) as (_relay, victim, asker, victim_punch, _dp, client),
+    ):
+        with trio.fail_after(WAIT):
+            await dial_via_relay(asker, client.relayed_addrs()[0], timeout=WAIT)
+            # Our own request to it went unanswered (it runs no hole punch).
+            assert await victim_punch.wait_outcome(asker.peer_id) is False
+            answered = await ask_for_punches(asker, victim.peer_id, victim_punch, addrs, times=20)
+        assert (answered, accepted[0]) == (0, 0)
+
+
+async def test_a_peer_dialing_us_through_a_relay_again_and_again_is_punched_within_budget():
+    """Each relayed connection a peer makes to us starts a hole punch from our end, to the
+        addresses it answers with: reconnecting is bounded by the attempt budget (`peer_attempts`,
+    3 per 10 minutes by default): 5 connections, 3 hole punches."""
+    async with (
+        third_parties(8) as (addrs, accepted),
+        punched(dialer_punches=False) as (_relay, victim, asker, _vp, _dp, client),
+    ):
+        asked = [0]
+
+        async def answer(stream) -> None:  # the asker's end of the exchange, with others' addrs
+            framed = FramedStream(stream, MAX_MESSAGE_BYTES)
+            asked[0] += 1
+            with contextlib.suppress(*TRANSPORT_ERRORS):
+                await framed.read_frame()
+                await framed.write_frame(msgspec.msgpack.encode(Connect(addrs)))
+                await framed.read_frame()
+            await framed.reset()
+
+        asker.host.set_stream_handler(PROTOCOL, answer)
+        victim_network = victim.host.get_network()
+        asker_network = asker.host.get_network()
+        with trio.fail_after(WAIT):
+            for _ in range(5):
+                await dial_via_relay(asker, client.relayed_addrs()[0], timeout=WAIT)
+                while not punch_failed(victim_network, asker.peer_id):  # tried, or refused
+                    await trio.sleep(0.01)
+                await live_conn(asker_network, victim.peer_id).close()
+                while live_conn(victim_network, asker.peer_id) or live_conn(
+                    asker_network, victim.peer_id
+                ):
+                    await trio.sleep(0.01)
+            while accepted[0] < 8 * asked[0]:
+                await trio.sleep(0.01)
+        assert (asked[0], accepted[0]) == (3, 24)

@@ -26,13 +26,18 @@ it before the upgrade get to finish), and `connected_directly(peer)` says so. On
 (a symmetric NAT maps every destination to a new port: nothing to aim at) both stay on the
 relayed connection; nothing is retried until a new relayed connection is made.
 
-What the remote sends is hostile: at most `MAX_ADDRS` addresses, each
+What the remote sends is hostile: at most `MAX_ADDRS` distinct addresses, each
 `/ip4|ip6/<ip>/tcp/<port>` and acceptable to `check_dial_address` (no loopback, link-local or
 unspecified address unless ours is one too; no private-network address unless ours is one too),
 dialed once per attempt, each dial bounded, with the peer id Noise must prove: the remote
-cannot make us talk to a third party beyond a few SYNs. One attempt per peer at a time,
-`max_concurrent` in all; the stream and each message are bounded in time and size; a peer's bad
-message ends that attempt only.
+cannot make us talk to a third party beyond a few SYNs. Nor can it ask again and again: as
+DCUtR, A answers only on a relayed connection that A dialed (`relayed_inbound` is False: the
+end that accepted the circuit asks), and only once per relayed connection; and every attempt,
+at either end, takes a token from the peer's bucket and from one that all peers share
+(`PunchBudget`), so neither reconnecting nor fresh peer ids buy more than `total_attempts`
+attempts per `total_window_seconds`. One attempt per peer at a time, `max_concurrent` in all;
+the stream and each message are bounded in time and size; a peer's bad message ends that
+attempt only.
 """
 
 from __future__ import annotations
@@ -40,19 +45,28 @@ from __future__ import annotations
 import ipaddress
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Annotated, Any
 
 import msgspec
 import trio
-from libp2p.abc import INetStream
+from libp2p.abc import IMuxedConn, INetStream
 from libp2p.peer.id import ID
 from multiaddr import Multiaddr
 
 from peer.errors import DECODE_ERRORS, ProtocolError
 from peer.net.admission import check_dial_address, unmapped
 from peer.net.host import Node, ip_tcp, ip_version, tcp_multiaddr
-from peer.net.relay.internals import direct_conn, is_relayed, note_punch, watch_relayed
+from peer.net.ratelimit import ByteBudgets
+from peer.net.relay.internals import (
+    direct_conn,
+    is_relayed,
+    note_punch,
+    relayed_inbound,
+    stream_on,
+    watch_relayed,
+)
 from peer.net.rpc import TRANSPORT_ERRORS, FramedStream
 
 log = logging.getLogger("peertrain.holepunch")
@@ -92,6 +106,16 @@ class HolePunchConfig:
     """Seconds the relayed connection stays open after a direct one is made."""
     max_concurrent: int = 16
     """Attempts running at once (more relayed connections wait for a turn)."""
+    peer_attempts: int = 3
+    """Attempts with one peer (either end) in a burst, refilled over `peer_window_seconds`:
+    each dials up to `MAX_ADDRS` addresses that peer named."""
+    peer_window_seconds: float = 600.0
+    """Seconds over which a peer's `peer_attempts` refill."""
+    total_attempts: int = 64
+    """Attempts with all peers together in a burst, refilled over `total_window_seconds`
+    (peer ids are free: this bounds the dials that many of them can buy)."""
+    total_window_seconds: float = 60.0
+    """Seconds over which `total_attempts` refill."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +123,29 @@ class HolePunchStatistics:
     attempts: int
     direct: int
     failed: int
+    refused: int
+    """Requests not answered (wrong end of the circuit, asked again, over budget, busy)."""
+
+
+class PunchBudget:
+    """Which hole punch attempts may start, pure (the clock is passed in): a token bucket per
+    peer (`peer_attempts` per `peer_window_seconds`) and one for all peers together
+    (`total_attempts` per `total_window_seconds`). The peer's bucket is asked first, so a
+    peer that asks too often does not spend the others' tokens."""
+
+    def __init__(self, config: HolePunchConfig) -> None:
+        self._per_peer = ByteBudgets(
+            capacity=config.peer_attempts, window=config.peer_window_seconds
+        )
+        self._total = ByteBudgets(
+            capacity=config.total_attempts, window=config.total_window_seconds, max_callers=1
+        )
+
+    def try_start(self, peer_id: object, *, now: float) -> bool:
+        """Take a token for an attempt with `peer_id` at `now`; False: none left, refuse it."""
+        if self._per_peer.try_spend(peer_id, 1, now=now):
+            return False
+        return not self._total.try_spend(None, 1, now=now)
 
 
 def punch_addrs(node: Node) -> list[str]:
@@ -147,8 +194,10 @@ def check_punch_addrs(
 ) -> list[Multiaddr]:
     """The addresses a peer sent that we may dial (see the module docstring); others skipped.
     An address in a private network only if `private_ok` (default: `own_host` is in one): a
-    peer cannot aim our SYNs into the networks behind a public one."""
+    peer cannot aim our SYNs into the networks behind a public one. Each address once,
+    however it is written (an IPv4-mapped IPv6 address as the IPv4 one it dials)."""
     out = []
+    seen = set()
     own_private = in_private_network(own_host) if private_ok is None else private_ok
     for text in addrs[:MAX_ADDRS]:
         parsed = ip_tcp(text)
@@ -160,7 +209,10 @@ def check_punch_addrs(
             continue
         if in_private_network(parsed[0]) and not own_private:
             continue
-        out.append(tcp_multiaddr(*parsed))
+        target = (unmapped(parsed[0]), parsed[1])
+        if target not in seen:
+            seen.add(target)
+            out.append(tcp_multiaddr(*parsed))
     return out
 
 
@@ -180,11 +232,14 @@ class HolePuncher:
         self.node = node
         self.config = config or HolePunchConfig()
         self._limit = trio.CapacityLimiter(self.config.max_concurrent)
+        self._budget = PunchBudget(self.config)
         self._busy: set[ID] = set()
+        # Relayed connections a hole punch was asked for on (A's end): one each, as DCUtR.
+        self._asked: weakref.WeakSet[IMuxedConn] = weakref.WeakSet()
         self._outcomes: dict[ID, bool] = {}
         self._changed = trio.Event()
         self._nursery: trio.Nursery | None = None
-        self._attempts = self._direct = self._failed = 0
+        self._attempts = self._direct = self._failed = self._refused = 0
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         host = self.node.host
@@ -215,22 +270,30 @@ class HolePuncher:
         return self._outcomes[peer_id]
 
     def statistics(self) -> HolePunchStatistics:
-        return HolePunchStatistics(self._attempts, self._direct, self._failed)
+        return HolePunchStatistics(self._attempts, self._direct, self._failed, self._refused)
 
     # ------------------------------------------------------------------ both ends
 
     def _on_relayed(self, peer_id: ID, inbound: bool) -> None:
-        """A relayed connection came up: the end that accepted it starts the exchange."""
+        """A relayed connection came up: the end that accepted it starts the exchange, if
+        the budget allows (a peer can dial us through a relay again and again)."""
         self._outcomes.pop(peer_id, None)
-        if inbound and self._nursery is not None and peer_id not in self._busy:
-            self._busy.add(peer_id)
-            self._nursery.start_soon(self._initiate, peer_id)
+        if not inbound or self._nursery is None or peer_id in self._busy:
+            return
+        if not self._budget.try_start(peer_id, now=trio.current_time()):
+            self._refuse(peer_id)
+            return
+        self._busy.add(peer_id)
+        self._nursery.start_soon(self._initiate, peer_id)
+
+    def _refuse(self, peer_id: ID) -> None:
+        """An attempt refused for the budget: it failed, so data planes stop waiting for it."""
+        self._refused += 1
+        log.debug("hole punch with %s refused: over the attempt budget", peer_id)
+        self._settle(peer_id, False)
 
     def _record(self, peer_id: ID, direct: bool) -> None:
-        self._outcomes[peer_id] = direct
-        note_punch(self.node.host.get_network(), peer_id, direct)
-        while len(self._outcomes) > MAX_OUTCOMES:
-            del self._outcomes[next(iter(self._outcomes))]
+        self._settle(peer_id, direct)
         if direct:
             self._direct += 1
             if self._nursery is not None:
@@ -240,6 +303,12 @@ class HolePuncher:
         log.info(
             "hole punch with %s: %s", peer_id, "direct connection" if direct else "failed, relayed"
         )
+
+    def _settle(self, peer_id: ID, direct: bool) -> None:
+        self._outcomes[peer_id] = direct
+        note_punch(self.node.host.get_network(), peer_id, direct)
+        while len(self._outcomes) > MAX_OUTCOMES:
+            del self._outcomes[next(iter(self._outcomes))]
         self._changed.set()
         self._changed = trio.Event()
 
@@ -276,9 +345,21 @@ class HolePuncher:
         network: Any = self.node.host.get_network()
         if direct_conn(network, peer_id) is not None:
             return True
+        # On the relayed connection the peer dialed: A answers on no other (`host.new_stream`
+        # may pick one we dialed through a relay too).
+        conn = next(
+            (
+                c
+                for c in network.connections.get(peer_id, ())
+                if relayed_inbound(c.muxed_conn) and not c.muxed_conn.is_closed
+            ),
+            None,
+        )
+        if conn is None:
+            return False
         try:
-            stream = await self.node.host.new_stream(peer_id, [PROTOCOL])
-        except TRANSPORT_ERRORS as error:
+            stream = await stream_on(conn, PROTOCOL, timeout=self.config.message_seconds)
+        except (trio.TooSlowError, *TRANSPORT_ERRORS) as error:
             log.debug("%s takes no hole punch: %r", peer_id, error)
             return False
         framed = FramedStream(stream, MAX_MESSAGE_BYTES)
@@ -302,10 +383,21 @@ class HolePuncher:
     # ------------------------------------------------------------------ A: dialed through the relay
 
     async def _handle(self, stream: INetStream) -> None:
-        peer_id = stream.muxed_conn.peer_id
+        muxed = stream.muxed_conn
+        peer_id = muxed.peer_id
         framed = FramedStream(stream, MAX_MESSAGE_BYTES)
-        if not is_relayed(stream.muxed_conn) or peer_id in self._busy or self._nursery is None:
+        # Only on a relayed connection we dialed (the end that accepted it asks), once: any
+        # other request is a peer making us dial addresses of its choice for it.
+        ours = relayed_inbound(muxed) is False and muxed not in self._asked
+        if ours:
+            self._asked.add(muxed)
+        if not ours or peer_id in self._busy or self._nursery is None:
+            self._refused += 1
             await framed.reset()
+            return
+        if not self._budget.try_start(peer_id, now=trio.current_time()):
+            await framed.reset()
+            self._refuse(peer_id)
             return
         self._busy.add(peer_id)
         direct = False
@@ -313,6 +405,7 @@ class HolePuncher:
             try:
                 self._limit.acquire_nowait()
             except trio.WouldBlock:
+                self._refused += 1
                 await framed.reset()
                 return
             try:

@@ -43,9 +43,10 @@ def _require_libp2p() -> None:
 
 _require_libp2p()
 
-# Connections made through a relay, at either end. py-libp2p's own marker (ConnectionType) is
-# lost under a network key: its PskConn never sets the attributes it inherits.
-_relayed: weakref.WeakSet[IMuxedConn] = weakref.WeakSet()
+# Connections made through a relay, at either end, and whether the remote dialed it (we
+# accepted its STOP). py-libp2p's own marker (ConnectionType) is lost under a network key: its
+# PskConn never sets the attributes it inherits.
+_relayed: weakref.WeakKeyDictionary[IMuxedConn, bool] = weakref.WeakKeyDictionary()
 
 
 # Who wants to hear of new relayed connections, per swarm (peer.net.holepunch): called with
@@ -77,8 +78,9 @@ def mark_relayed(
 ) -> None:
     """Remember a relayed connection, and tell py-libp2p too: without the tag, under a
     network key its DCUtR took a relayed connection for a direct one and never punched.
-    Watchers of `network` (see `watch_relayed`) hear of it."""
-    _relayed.add(muxed_conn)
+    Watchers of `network` (see `watch_relayed`) hear of it. `inbound`: the remote dialed it
+    (we accepted the circuit's STOP), as opposed to our CONNECT through the relay."""
+    _relayed[muxed_conn] = inbound
     if swarm_conn is not None:
         swarm_conn.set_transport_info([circuit], ConnectionType.RELAYED)
     for callback in list(_watchers.get(network, ())) if network is not None else ():
@@ -136,6 +138,13 @@ async def stream_on(conn: Any, protocol: str, *, timeout: float) -> INetStream:
 def is_relayed(muxed_conn: IMuxedConn) -> bool:
     """Whether a connection runs through a relay (limited: control traffic only)."""
     return muxed_conn in _relayed
+
+
+def relayed_inbound(muxed_conn: IMuxedConn) -> bool | None:
+    """Who dialed a relayed connection: True if the remote did (we accepted its STOP, see
+    `peer.net.relay.client`), False if we did (our CONNECT, `peer.net.relay.dial`); None for
+    a connection not (yet) marked relayed. Set by us, not read from the remote's handshake."""
+    return _relayed.get(muxed_conn)
 
 
 def live_conn(network: Any, peer_id: ID) -> Any | None:
