@@ -20,17 +20,31 @@ whoever answers at the address holds the caller's key. As in libp2p's AutoNAT, o
 whose IP is the one the caller's connection comes from are dialed, so nobody can make a
 backbone dial third parties; a peer behind NAT announces private addresses, none match, and it
 is (correctly) found client-only. IPv4 and IPv6 addresses are checked alike: a peer whose
-connection comes over IPv6 has its IPv6 addresses with that IP dialed. Checks run one at a
-time per caller and at most `MAX_CONCURRENT` at once (beyond that the answer is "busy" at
-once, so the caller keeps its previous verdict), each dial bounded by `DIAL_TIMEOUT`.
+connection comes over IPv6 has its IPv6 addresses with that IP dialed.
+
+A check holds one of a backbone's few dial-back slots while it dials, and identities are free,
+so slots are counted by where the caller's connection comes from, not by who it says it is
+(`DialBackGate`): at most `max_per_prefix` running checks per network prefix (the IPv4 /24 or
+IPv6 /64, `peer.net.prefix.prefix_of`), `max_checks` in all, one per caller. When every slot
+is taken, a caller from a network holding fewer checks than the busiest one takes that
+network's oldest check's slot (that check is answered "busy"). Throw-away identities on one
+network hold one slot; to keep out a caller from another network an attacker needs as many
+networks as there are slots, and to displace its check it must ask again `max_checks` times
+while that check runs (about a second for a reachable peer). A check dials all its addresses
+at once under one deadline (`check_seconds`), so a request of addresses that accept TCP and
+never speak holds its slot for that long, not once per address (it was 8 x 5 s).
+A caller refused or displaced is answered "busy" at once; `check_reachable` asks again a
+few times (another peer of its network may be checked), then it keeps its previous verdict.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import logging
-from collections.abc import AsyncIterator, Sequence
+import random
+from collections.abc import AsyncIterator, Callable, Hashable, Sequence
 from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass, field
 from typing import Annotated, Any
 
 import msgspec
@@ -52,6 +66,7 @@ from peer.net.host import (
     tcp_multiaddr,
 )
 from peer.net.identity import Identity, ephemeral_identity
+from peer.net.prefix import prefix_of
 from peer.net.relay import stream_on
 from peer.net.rpc import TRANSPORT_ERRORS, FramedStream
 
@@ -63,6 +78,12 @@ MAX_CONTROL_BYTES = 8192
 DIAL_TIMEOUT = 5.0
 MAX_CONCURRENT = 8
 BUSY = "not checked, busy"
+BUSY_WAITS = (1.0, 2.0, 4.0)
+"""A caller's waits before asking again after a busy answer: another peer of its own network
+(a /24 of public addresses) holds the slot for `check_seconds` at most."""
+REPLY_TIMEOUT = DIAL_TIMEOUT * (MAX_ADDRS + 1)
+"""How long a caller waits for the answer: as long as backbones before `DialBackGate` took
+(they dialed one address after another, `DIAL_TIMEOUT` each)."""
 
 Addr = Annotated[str, msgspec.Meta(max_length=256)]
 
@@ -122,13 +143,123 @@ def punch_address(observed: Sequence[tuple[str, int]], announced: Sequence[str])
     return address if parsed[1] == listen_port or len(observed) >= 2 else None
 
 
+@dataclass(frozen=True, kw_only=True)
+class DialBackLimits:
+    """Limits on the dial-back checks a backbone runs (see the module docstring)."""
+
+    max_checks: int = MAX_CONCURRENT
+    """Checks running at once, over all callers."""
+    max_per_prefix: int = 1
+    """Of those, from one network prefix (IPv4 /24, IPv6 /64): identities there are free."""
+    check_seconds: float = DIAL_TIMEOUT
+    """One check's dials, all its addresses together (a reachable peer answers in ~1 s)."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_per_prefix <= self.max_checks:
+            raise ValueError(
+                f"max_per_prefix={self.max_per_prefix!r} must be between 1 and "
+                f"max_checks={self.max_checks!r}"
+            )
+        if not self.check_seconds > 0:
+            raise ValueError(f"check_seconds={self.check_seconds!r} must be positive")
+
+
+def _nothing() -> None:
+    pass
+
+
+@dataclass(eq=False)
+class Check:
+    """One dial-back check the gate let in."""
+
+    caller: Hashable
+    prefix: str
+    since: float
+    cancel: Callable[[], None] = field(default=_nothing, repr=False)
+    """Set by the I/O shell: stops this check's dials; callable from any task, never blocks."""
+
+
+@dataclass(frozen=True)
+class Admitted:
+    check: Check
+    displaced: Check | None = None
+    """The check whose slot it took, already off the books: the caller cancels it."""
+
+
+@dataclass(frozen=True)
+class Refused:
+    why: str
+
+
+@dataclass(frozen=True)
+class DialBackStatistics:
+    running: int
+    refused: int
+    """Requests answered "busy" at once (their caller's, network's or every slot taken)."""
+    displaced: int
+    """Checks stopped to let a caller from a less busy network in."""
+
+
+class DialBackGate:
+    """The bookkeeping of dial-back slots (synchronous, clock passed in): `admit` when a
+    request with addresses to dial arrives, `release` when its check's task ends."""
+
+    def __init__(self, limits: DialBackLimits) -> None:
+        self.limits = limits
+        self._running: dict[str, list[Check]] = {}  # by prefix, oldest first
+        self._callers: set[Hashable] = set()  # until their task ends, even if displaced
+        self._refused = self._displaced = 0
+
+    def admit(self, caller: Hashable, ip: str, *, now: float) -> Admitted | Refused:
+        """A request from `caller`, whose connection comes from `ip`."""
+        prefix = prefix_of(ip)
+        mine = self._running.get(prefix, [])
+        if caller in self._callers:
+            return self._refuse("a check for you is running")
+        if len(mine) >= self.limits.max_per_prefix:
+            return self._refuse(f"a check from your network ({prefix}) is running")
+        displaced = None
+        if self.running_count() >= self.limits.max_checks:
+            busiest = max(self._running.values(), key=lambda q: (len(q), -q[0].since))
+            if len(busiest) <= len(mine):  # we are (among) the busiest ourselves
+                return self._refuse("too many checks at once")
+            displaced = busiest[0]
+            self._drop(displaced)
+            self._displaced += 1
+        check = Check(caller, prefix, now)
+        self._running.setdefault(prefix, []).append(check)
+        self._callers.add(caller)
+        return Admitted(check, displaced)
+
+    def release(self, check: Check) -> None:
+        """The check's task ended (answered, failed or displaced); idempotent."""
+        self._drop(check)
+        self._callers.discard(check.caller)
+
+    def running_count(self) -> int:
+        return sum(len(q) for q in self._running.values())
+
+    def statistics(self) -> DialBackStatistics:
+        return DialBackStatistics(self.running_count(), self._refused, self._displaced)
+
+    def _refuse(self, why: str) -> Refused:
+        self._refused += 1
+        return Refused(why)
+
+    def _drop(self, check: Check) -> None:
+        queue = self._running.get(check.prefix, [])
+        with suppress(ValueError):
+            queue.remove(check)
+        if not queue:
+            self._running.pop(check.prefix, None)
+
+
 class DialBackServer:
     """Answers dial-back checks on a backbone, dialing from `dialer` (a second host)."""
 
-    def __init__(self, host: IHost, dialer: IHost) -> None:
+    def __init__(self, host: IHost, dialer: IHost, *, limits: DialBackLimits | None = None) -> None:
         self.dialer = dialer
-        self._limit = trio.CapacityLimiter(MAX_CONCURRENT)
-        self._checking: set[ID] = set()
+        self.gate = DialBackGate(limits or DialBackLimits())
         host.set_stream_handler(PROTOCOL, self._serve)
 
     async def _serve(self, stream: INetStream) -> None:
@@ -158,45 +289,56 @@ class DialBackServer:
             await framed.reset()
 
     async def check(self, caller: ID, addrs: Sequence[str], *, observed_ip: str) -> DialBackResult:
-        if caller in self._checking:
-            return DialBackResult([], dict.fromkeys(addrs, BUSY + ": a check for you is running"))
+        """Dial `caller` back at those of `addrs` that have the IP its connection comes from;
+        a request with none such holds no slot."""
+        targets, unreachable = _targets(addrs, observed_ip)
+        if not targets:
+            return DialBackResult([], unreachable)
+        admission = self.gate.admit(caller, observed_ip, now=trio.current_time())
+        if isinstance(admission, Refused):
+            return DialBackResult([], dict.fromkeys(addrs, f"{BUSY}: {admission.why}"))
+        check = admission.check
+        if admission.displaced is not None:
+            admission.displaced.cancel()
         try:
-            self._limit.acquire_nowait()
-        except trio.WouldBlock:
-            return DialBackResult([], dict.fromkeys(addrs, BUSY + ": too many checks at once"))
-        self._checking.add(caller)
-        try:
-            return await self._dial_each(caller, addrs, observed_ip)
+            with trio.CancelScope() as scope:
+                check.cancel = scope.cancel
+                result = await self._dial_all(caller, targets)
+                result.unreachable.update(unreachable)
+                return result
+            why = f"{BUSY}: a caller from a less busy network took this check's place"
+            return DialBackResult([], dict.fromkeys(addrs, why))
         finally:
-            self._checking.discard(caller)
-            self._limit.release()
+            self.gate.release(check)
 
-    async def _dial_each(
-        self, caller: ID, addrs: Sequence[str], observed_ip: str
-    ) -> DialBackResult:
-        reachable: list[str] = []
-        unreachable: dict[str, str] = {}
-        for text in addrs:
+    async def _dial_all(self, caller: ID, targets: dict[str, Multiaddr]) -> DialBackResult:
+        # All at once under one deadline: addresses that accept TCP and never speak cost the
+        # slot `check_seconds` in all (one after another, it was 5 s each: 40 s for eight).
+        seconds = self.gate.limits.check_seconds
+        deadline = trio.current_time() + seconds
+        outcome: dict[str, str | None] = {}  # None: reached
+
+        async def dial(text: str, addr: Multiaddr) -> None:
             try:
-                addr = parse_multiaddr(text, what="address")
-            except Exception:
-                unreachable[text] = "not a multiaddr"
-                continue
-            if not same_ip(addr, observed_ip):
-                unreachable[text] = f"not the address your connection comes from ({observed_ip})"
-                continue
-            try:
-                with trio.fail_after(DIAL_TIMEOUT):
+                with trio.fail_at(deadline):
                     # Exactly this address (no peerstore lookup), and Noise checks the key.
                     await self.dialer.get_network().dial_addr(addr, caller)  # type: ignore[attr-defined]
-                reachable.append(text)
+                outcome[text] = None
             except trio.TooSlowError:
-                unreachable[text] = f"no answer within {DIAL_TIMEOUT:.3g}s"
+                outcome[text] = f"no answer within {seconds:.3g}s"
             except TRANSPORT_ERRORS as error:
-                unreachable[text] = f"dial failed: {error}"[:200]
-            finally:
-                await self._hang_up(caller)
-        return DialBackResult(reachable, unreachable)
+                outcome[text] = f"dial failed: {error}"[:200]
+
+        try:
+            async with trio.open_nursery() as nursery:
+                for text, addr in targets.items():
+                    nursery.start_soon(dial, text, addr)
+        finally:
+            await self._hang_up(caller)
+        return DialBackResult(
+            [text for text in targets if outcome[text] is None],
+            {text: why for text, why in outcome.items() if why is not None},
+        )
 
     async def _hang_up(self, caller: ID) -> None:
         # Forget the addresses identify may have taught the dialer. (Not clear_peerdata: in
@@ -204,6 +346,23 @@ class DialBackServer:
         with trio.CancelScope(shield=True), trio.move_on_after(1.0), suppress(TRANSPORT_ERRORS):
             await self.dialer.get_network().close_peer(caller)  # type: ignore[attr-defined]
         self.dialer.get_peerstore().clear_addrs(caller)
+
+
+def _targets(addrs: Sequence[str], observed_ip: str) -> tuple[dict[str, Multiaddr], dict[str, str]]:
+    """(The addresses to dial, each once; why each other one is not dialed)."""
+    targets: dict[str, Multiaddr] = {}
+    unreachable: dict[str, str] = {}
+    for text in addrs:
+        try:
+            addr = parse_multiaddr(text, what="address")
+        except Exception:  # the multiaddr package raises several unrelated types
+            unreachable[text] = "not a multiaddr"
+            continue
+        if same_ip(addr, observed_ip):
+            targets[text] = addr
+        else:
+            unreachable[text] = f"not the address your connection comes from ({observed_ip})"
+    return targets, unreachable
 
 
 async def observed_from_listen_port(node: Node, backbone: ID) -> tuple[str, int] | None:
@@ -271,8 +430,28 @@ async def open_dialer(identity: Identity, network_key: str | None = None) -> Asy
         yield host
 
 
-async def check_reachable(node: Node, backbone: ID) -> DialBackResult:
-    """Ask `backbone` to dial us back on our announced addresses."""
+def answered_busy(result: DialBackResult) -> bool:
+    """Whether the backbone checked nothing because its slots were taken."""
+    return bool(result.unreachable) and all(
+        why.startswith(BUSY) for why in result.unreachable.values()
+    )
+
+
+async def check_reachable(
+    node: Node, backbone: ID, *, busy_waits: Sequence[float] = BUSY_WAITS
+) -> DialBackResult:
+    """Ask `backbone` to dial us back on our announced addresses. After a busy answer, ask
+    again after each of `busy_waits` seconds (times a random 0.5-1, so that peers that asked
+    together do not again) while it stays busy; the last answer is returned."""
+    for wait in busy_waits:
+        result = await _ask(node, backbone)
+        if not answered_busy(result):
+            return result
+        await trio.sleep(wait * random.uniform(0.5, 1.0))
+    return await _ask(node, backbone)
+
+
+async def _ask(node: Node, backbone: ID) -> DialBackResult:
     try:
         stream = await node.host.new_stream(backbone, [PROTOCOL])
     except TRANSPORT_ERRORS as error:
@@ -280,7 +459,7 @@ async def check_reachable(node: Node, backbone: ID) -> DialBackResult:
     framed = FramedStream(stream, MAX_CONTROL_BYTES)
     try:
         await framed.write_frame(_encode(DialBack([str(a) for a in node.announce[:MAX_ADDRS]])))
-        timeout = DIAL_TIMEOUT * (MAX_ADDRS + 1)
+        timeout = REPLY_TIMEOUT
         with trio.move_on_after(timeout):
             frame = await framed.read_frame()
             if frame is None:
