@@ -324,7 +324,7 @@ async def test_a_peer_answered_busy_asks_again():
     """Another peer of its /24 holds the network's slot: `check_reachable` asks again (after
     a second or so) and gets its verdict once that check ended."""
     async with nodes(2) as (backbone, peer), open_dialer(new_identity()) as dialer:
-        server = DialBackServer(backbone.host, dialer)
+        server = DialBackServer(backbone.host, dialer, limits=DialBackLimits(max_per_prefix=1))
         await peer.connect(backbone.peer_id, backbone.announce, timeout=5)
         neighbour = server.gate.admit("a peer of the same /24", "127.0.0.9", now=0)
         assert isinstance(neighbour, Admitted)

@@ -149,8 +149,10 @@ class DialBackLimits:
 
     max_checks: int = MAX_CONCURRENT
     """Checks running at once, over all callers."""
-    max_per_prefix: int = 1
-    """Of those, from one network prefix (IPv4 /24, IPv6 /64): identities there are free."""
+    max_per_prefix: int = 4
+    """Of those, from one network prefix (IPv4 /24, IPv6 /64): identities there are free, but
+    a campus or a NAT pool may hold several honest joiners at once (a newcomer from another
+    network displaces the busiest network's oldest check)."""
     check_seconds: float = DIAL_TIMEOUT
     """One check's dials, all its addresses together (a reachable peer answers in ~1 s)."""
 
