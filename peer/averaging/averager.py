@@ -59,6 +59,7 @@ from peer.averaging.group import (
 )
 from peer.averaging.matchmaking import GroupPlan, Matchmaker, RoundShape, TooFewPeers
 from peer.averaging.moshpit import Plan, Seat, basis_mask, basis_of, plan, rounds_for
+from peer.averaging.probation import Probation, seated, silent_members
 from peer.config import AveragingConfig, PeerConfig
 from peer.dht.node import DHT
 from peer.errors import ProtocolError, peer_fault
@@ -379,6 +380,8 @@ class Averager:
         self.data_port = data_port
         self.me = dht.node.peer_id.to_base58()
         self._store_seconds = 0.0  # recent ticket stores: the slowest, decaying
+        self.probation = Probation()
+        """Members we saw send nothing, named in our tickets (`peer.averaging.probation`)."""
         self.matchmaker = Matchmaker(
             dht,
             data_host=data_host,
@@ -511,6 +514,7 @@ class Averager:
             declared_at=self.dht.clock(),
             aggregation="centered_clip" if self.config.aggregation == "centered_clip" else "mean",
             size=size,
+            probation=self.probation.named(now=self.dht.clock()),
         )
 
     async def _gather(
@@ -553,11 +557,20 @@ class Averager:
         gather_until: float,
         on_round: Callable[[int, RoundReport, np.ndarray], None] = lambda i, report, values: None,
     ) -> AveragingResult:
+        # Members that others saw send nothing sit out, by the same rule in every view.
+        view, out = seated(view)
+        self.matchmaker.sit_out(namespace, out)
         # Contributions, not tickets: an aggregator-only ticket beside a lone trainer leaves it
         # alone (nothing to average; where min_group_size = 1 it may step by itself).
         contributions = sum(t.computes for t in view)
         result = AveragingResult(peers_seen=contributions)
         try:
+            if self.me in out:
+                result.skipped.append(
+                    "other members saw us send nothing in a recent round: we sit this "
+                    "gathering out (probation; see peer.averaging.probation)"
+                )
+                return result
             view = planned_view(view, self.config.group_size)
             if ticket not in view:
                 result.skipped.append(
@@ -584,6 +597,25 @@ class Averager:
             return result
         finally:
             self.matchmaker.forget(namespace)
+            self._judge(result)
+
+    def _judge(self, result: AveragingResult) -> None:
+        """Strike the members that sent us nothing in this averaging's rounds; clear those
+        whose contributions our values came to hold (they send)."""
+        silent: set[str] = set()
+        sent: set[str] = set()
+        for report in result.rounds:
+            silent |= silent_members(report.dropped_senders, report.failed_reducers, self.me)
+            sent |= report.agreed or frozenset()
+        now = self.dht.clock()
+        for peer_id in sorted(silent):
+            until = self.probation.strike(peer_id, now=now)
+            log.info(
+                "%s sent us nothing: our tickets name it for %.0f s (probation)",
+                peer_id,
+                until - now,
+            )
+        self.probation.cleared(sent - silent)
 
     async def _follow_plan(
         self,

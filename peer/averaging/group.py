@@ -58,6 +58,11 @@ class Ticket(msgspec.Struct, frozen=True):
     """Elements of its vector (0: not stated, older peers). An aggregator-only member, which
     has no vector, averages the size the tickets of certified-state holders state
     (`stated_size`, `Averager.aggregate`)."""
+    probation: Annotated[
+        list[Annotated[str, msgspec.Meta(max_length=128)]], msgspec.Meta(max_length=8)
+    ] = []
+    """Members it saw send nothing in a recent round (`peer.averaging.probation`): a ticket
+    that two others of a view name sits that gathering out."""
 
 
 MAX_AGGREGATE_ELEMENTS = 1 << 30

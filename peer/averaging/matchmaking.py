@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -166,6 +166,9 @@ class Matchmaker:
         # wait for our decision beyond 2 join_timeouts (members may still be in a round).
         self._namespaces: dict[str, float] = {}
         self._banned: dict[str, float] = {}  # peer id -> trio time its ban ends
+        # Per gathering we declared in: the peers our view seats none of (on probation,
+        # `peer.averaging.probation`); a single group's leader takes no join of theirs.
+        self._sitting_out: dict[str, frozenset[str]] = {}
         server = RpcServer(dht.node.host, SERVICE, max_message_bytes=dht.node.rpc.max_message_bytes)
         server.add_unary("join", Join, self._on_join)
         server.add_unary("alive", Alive, self._on_alive)
@@ -179,6 +182,12 @@ class Matchmaker:
         await self.dht.store(
             namespace, self.me, msgspec.msgpack.encode(ticket), expiration=expiration
         )
+
+    def sit_out(self, namespace: str, peers: Collection[str]) -> None:
+        """Our view of `namespace` seats none of `peers`: as its leader we seat none either,
+        whoever joins (a peer reads its own view, and may not leave itself out)."""
+        if namespace in self._namespaces:
+            self._sitting_out[namespace] = frozenset(peers)
 
     def expect_rounds(self, namespace: str, patience: float) -> None:
         """Our averaging in `namespace` takes several rounds of up to `patience` seconds: a
@@ -313,7 +322,8 @@ class Matchmaker:
                 while not expected <= set(gathering.joined):
                     gathering.arrived = trio.Event()
                     await gathering.arrived.wait()
-            members = [join.joined for join in gathering.joined.values()]
+            out = self._sitting_out.get(namespace, frozenset())
+            members = [join.joined for p, join in gathering.joined.items() if p not in out]
             needed = self.min_group_size
         if len(members) < needed:
             outcome = TooFew(len(members), needed)
@@ -424,6 +434,8 @@ class Matchmaker:
         patience = self._namespaces.get(request.namespace)
         if patience is None:
             return Redirect("not gathering for that epoch")
+        if who in self._sitting_out.get(request.namespace, ()):
+            return Redirect("sitting out: members of this averaging saw you send nothing")
         # What we list, our members check: a joiner they cannot use would make them refuse our
         # spec (and ban us), so it is refused here.
         ticket = request.joined.ticket
@@ -451,6 +463,7 @@ class Matchmaker:
     def forget(self, namespace: str) -> None:
         """Drop the gatherings of a finished averaging call."""
         self._namespaces.pop(namespace, None)
+        self._sitting_out.pop(namespace, None)
         for key in [k for k in self._gatherings if k[0] == namespace]:
             del self._gatherings[key]
 
