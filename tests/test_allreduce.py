@@ -543,21 +543,45 @@ async def test_codec_work_runs_off_the_event_loop_and_streams_chunk_by_chunk(inn
         assert np.array_equal(player.vector, players[0].vector)
 
 
-async def test_an_overflowing_sum_keeps_local_values_for_that_chunk_only():
-    def huge(vectors):
-        for v in vectors:
-            v[:CHUNK] = np.finfo(np.float32).max  # finite, but the weighted sum is not
+async def test_float32_max_values_are_averaged_finite_and_exact_for_everyone():
+    """A member sends float32-max values in its first chunk beside honest ones: the float32 sum
+    overflowed and that chunk was kept local by everyone, nobody dropped. The sums are float64
+    now: every chunk is averaged over everyone, bit for bit the float64 mean (added in spec
+    order, as `weighted_average` adds them), and nobody is dropped."""
 
-    players, originals, reports = await run_group(["normal", "normal"], tweak=huge)
-    for i in range(2):
-        overflowed = [c for c in reports[i].chunks if c.senders == 0]
-        assert [(c.start, c.end) for c in overflowed] == [(0, CHUNK)]
-        assert np.array_equal(players[i].vector[:CHUNK], originals[i][:CHUNK])
-        np.testing.assert_allclose(
-            players[i].vector[CHUNK:],
-            weighted_average(players, originals, lambda p: True)[CHUNK:],
-            atol=1e-5,
-        )
+    def huge(vectors):
+        vectors[1][:CHUNK] = np.finfo(np.float32).max  # finite, but a float32 sum is not
+        vectors[2][: CHUNK // 2] = -np.finfo(np.float32).max
+
+    players, originals, reports = await run_group(["normal"] * 3, tweak=huge, seed=4)
+    expected = weighted_average(players, originals, lambda p: True).astype(np.float32)
+    assert np.isfinite(expected).all() and np.abs(expected[:CHUNK]).max() > 1e37
+    for i in range(3):
+        assert reports[i].complete, reports[i]
+        assert {c.senders for c in reports[i].chunks} == {3}
+        assert players[i].vector.tobytes() == expected.tobytes()
+
+
+async def test_a_reducer_whose_own_values_decode_to_inf_drops_itself_not_the_chunk():
+    """int8 decodes a block of float32-max values to inf. A remote sender's such chunk is
+    refused and the sender dropped; the reducer's own, passed through the codec as it adds it,
+    made the sum inf and the chunk was kept local by everyone. Now the reducer leaves itself
+    out of that chunk and drops itself from its part: the others' average stands."""
+
+    def huge(vectors):
+        vectors[0][:CHUNK] = np.finfo(np.float32).max  # member 0 reduces part 0: chunk 0
+
+    players, originals, reports = await run_group(["normal"] * 3, codec="int8", tweak=huge)
+    me = players[0].peer_id
+    assert me in reports[0].dropped_senders and "not finite" in reports[0].dropped_senders[me]
+    others = {players[1].peer_id, players[2].peer_id}
+    expected = weighted_average(players, originals, lambda p: p.peer_id in others)
+    for i in range(3):
+        first = reports[i].chunks[0]
+        assert (first.start, first.end) == (0, CHUNK) and first.included == others
+        assert all(c.senders for c in reports[i].chunks)  # no chunk kept local
+        np.testing.assert_allclose(players[i].vector[:CHUNK], expected[:CHUNK], atol=0.1)
+        assert np.array_equal(players[i].vector[:CHUNK], players[0].vector[:CHUNK])
 
 
 async def test_hellos_racing_the_end_of_their_round_never_end_the_server():

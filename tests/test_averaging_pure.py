@@ -158,17 +158,19 @@ def test_check_is_the_pass_over_the_values_and_add_checked_keeps_the_books():
 def test_an_average_in_a_scratch_chunk_has_the_bits_of_the_running_sum():
     """`average(out=...)` sums in a caller's chunk (reused, full of old values) instead of the
     part-sized sum: the same float operations in the same order, so the same bits, and both
-    the bits of adding each contribution, weighted, as it settled (the implementation before)."""
+    the bits of adding each contribution, weighted, in order in float64, rounded once."""
     rng = np.random.default_rng(9)
     weights = dict(zip("abcd", [1.0, 2.5, 0.0, 1 / 3], strict=True))
     values = {s: (rng.standard_normal(10) * 10.0 ** rng.integers(-3, 4)).astype(np.float32)
               for s in weights}  # fmt: skip
-    expected = np.zeros(10, np.float32)
+    expected64 = np.zeros(10, np.float64)
+    total = 0.0
     for sender in "dbca":
         w = weights[sender]
         if w > 0:
-            expected += values[sender] if w == 1.0 else values[sender] * np.float32(w)
-    expected /= np.float32(sum(weights[s] for s in "dbca"))
+            expected64 += values[sender].astype(np.float64) * w
+            total += w
+    expected = (expected64 / total).astype(np.float32)
     averages = []
     for scratch in (None, np.full(16, np.nan, np.float32)):
         reducer = PartReducer(0, 10, chunk_elements=10, weights=weights, order=list("dbca"))
@@ -181,6 +183,101 @@ def test_an_average_in_a_scratch_chunk_has_the_bits_of_the_running_sum():
             assert np.shares_memory(average, scratch) and not reducer.sum.any()
         averages.append(average.tobytes())
     assert averages[0] == averages[1] == expected.tobytes()
+
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def reference_mean(values: list[np.ndarray], weights: list[float]) -> np.ndarray:
+    """The weighted mean in float64, added in the order given, rounded once to float32."""
+    total, acc = 0.0, np.zeros(len(values[0]), np.float64)
+    for v, w in zip(values, weights, strict=True):
+        acc += v.astype(np.float64) * w
+        total += w
+    return (acc / total).astype(np.float32)
+
+
+def averaged(weights: dict[str, float], values: dict[str, np.ndarray]):
+    """(reducer, average, senders) of one chunk that every sender delivered."""
+    size = len(next(iter(values.values())))
+    reducer = PartReducer(0, size, chunk_elements=size, weights=weights)
+    for sender, v in values.items():
+        reducer.add(sender, 0, v)
+    assert reducer.take_complete() == [0]
+    average, senders = reducer.average(0)
+    return reducer, average, senders
+
+
+def test_float32_max_beside_honest_values_is_averaged_finite_and_exact():
+    """A sender of finite float32-max values: the float32 sum overflowed, and the chunk was
+    kept local by everyone while nobody was at fault. The sum is float64 now: the average is
+    finite and exactly the float64 mean, over every sender (nobody is dropped)."""
+    honest = np.random.default_rng(2).standard_normal(6).astype(np.float32)
+    huge = np.array([FLOAT32_MAX, FLOAT32_MAX, -FLOAT32_MAX, FLOAT32_MAX, 1.0, 0.0], np.float32)
+    weights = {"a": 3.0, "b": 1.0, "c": 2.0}
+    values = {"a": honest, "b": huge, "c": huge}
+    reducer, average, senders = averaged(weights, values)
+    assert np.isfinite(average).all()
+    assert senders == 3 and reducer.included(0) == {"a", "b", "c"} and not reducer.unfit(0)
+    assert average.tobytes() == reference_mean([honest, huge, huge], [3.0, 1.0, 2.0]).tobytes()
+
+
+@pytest.mark.parametrize(
+    ("weights", "seed"),
+    [((2.0**24 + 1, 1.0), None), ((2.0**53 - 1, 2.0**52 + 3, 12345.0), 7)],
+    ids=["2^24+1", "near-2^53"],
+)
+def test_weights_above_2_24_give_the_exact_float64_mean(weights, seed):
+    """Sample counts are exact to 2^53: a float32 weight is exact only to 2^24 (2^24 + 1
+    samples counted as 2^24), and gives another mean than the float64 reference."""
+    if seed is None:
+        rows = [np.ones(4, np.float32), np.zeros(4, np.float32)]
+    else:
+        rng = np.random.default_rng(seed)
+        rows = [rng.standard_normal(4096).astype(np.float32) for _ in weights]
+    names = "abc"[: len(weights)]
+    _, average, _ = averaged(
+        dict(zip(names, weights, strict=True)), dict(zip(names, rows, strict=True))
+    )
+    expected = reference_mean(rows, list(weights))
+    assert average.tobytes() == expected.tobytes()
+    as_float32 = sum(r * np.float32(w) for r, w in zip(rows, weights, strict=True))
+    assert not np.array_equal(as_float32 / np.float32(sum(weights)), expected)
+
+
+def test_a_weight_above_2_53_is_refused():
+    with pytest.raises(ValueError, match="expected a number in"):
+        PartReducer(0, 4, chunk_elements=4, weights={"a": 2.0**53 + 2})
+
+
+@pytest.mark.parametrize("norm_factor", [None, 2.0], ids=["mean", "centered_clip"])
+def test_a_contribution_that_decodes_to_inf_is_left_out_and_its_sender_named(norm_factor):
+    """Our own contribution goes through the codec as the reducer adds it (`prepare`): int8
+    turns float32-max into inf. That sender is left out of the chunk (its weight too) and named
+    (`unfit`) for the shell to drop; the others' average stands (it voided the chunk for all)."""
+    int8 = CODECS["int8"]
+    rng = np.random.default_rng(4)
+    rows = {s: rng.standard_normal(BLOCK).astype(np.float32) for s in "abcd"}
+    rows["a"][:] = FLOAT32_MAX  # finite: `add` takes it
+
+    def as_sent(sender: str, values: np.ndarray) -> np.ndarray:
+        if sender != "a":
+            return values
+        return int8.decode(int8.encode(values), len(values))
+
+    weights = {"a": 5.0, "b": 1.0, "c": 2.0, "d": 4.0}
+    reducer = PartReducer(0, BLOCK, chunk_elements=BLOCK, weights=weights, norm_factor=norm_factor)
+    for sender in "abcd":
+        reducer.add(sender, 0, rows[sender])
+    assert reducer.take_complete() == [0]
+    with np.errstate(over="ignore"):
+        average, senders = reducer.average(0, prepare=as_sent)
+    assert np.isfinite(average).all()
+    assert list(reducer.unfit(0)) == ["a"] and "not finite" in reducer.unfit(0)["a"]
+    assert senders == 3 and reducer.included(0) == {"b", "c", "d"}
+    if norm_factor is None:
+        expected = reference_mean([rows[s] for s in "bcd"], [1.0, 2.0, 4.0])
+        assert average.tobytes() == expected.tobytes()
 
 
 def test_the_assembler_writes_a_chunk_only_if_it_is_valid():

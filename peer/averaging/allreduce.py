@@ -920,8 +920,10 @@ class _PartService:
                 )
                 for index, averaged in zip(batch, results, strict=True):
                     self.spare.extend(self.lent.pop(index, ()))  # its contributions are added
+                    for sender, reason in reducer.unfit(index).items():
+                        self.drop(sender, reason)  # left out of this chunk: out of the rest too
                     if averaged is None:
-                        continue  # nobody delivered it, or the sum overflowed: members keep local values
+                        continue  # nobody delivered it (or int8 made it inf): keep local values
                     count, payload = averaged
                     included = reducer.included(index)
                     if round_.assembler is not None:  # no checkpoint since the write
@@ -929,7 +931,7 @@ class _PartService:
                     mask = include_mask(included, round_.computing)
                     for outbox in self.outboxes.values():
                         outbox.send_nowait((index, count, mask, payload))
-                self._progress()
+                self.publish()  # a drop settles chunks too
             if reducer.done:
                 for sender in list(self.outboxes):
                     self._close_outbox(sender)
@@ -945,6 +947,8 @@ class _PartService:
         for index, (a, b) in enumerate(reducer.chunks):
             while self._held_back(me):
                 await self.progressed.wait()
+            if me in reducer.dropped:  # our own values decoded to inf (`reduce.unfit`)
+                return
             reducer.add_checked(me, index, self.round.vector[self.lo + a : self.lo + b])
             self.publish()
 
@@ -1140,9 +1144,10 @@ def _average_chunk(
     round_: _Round, reducer: PartReducer, index: int, buffers: _ChunkBuffers
 ) -> tuple[int, memoryview] | None:
     """(senders, wire bytes) of settled chunk `index`'s average, written (decoded, as every
-    member gets it) into our own vector if we compute; None if nobody delivered it or it is
-    not finite (the sum overflowed, or an int8 contribution of ours near float32's limit
-    decoded to inf): then every member keeps its local values."""
+    member gets it) into our own vector if we compute; None if nobody delivered it, or the
+    average, int8-encoded, decodes to inf (a value at float32's limit): then every member
+    keeps its local values. The average is finite (float64 sums, `reduce.weighted_mean`): a
+    contribution of ours that decodes to inf is left out, and `reducer.unfit` says so."""
     codec, assembler, me = round_.codec, round_.assembler, round_.me.peer_id
 
     def as_sent(sender: str, values: np.ndarray) -> np.ndarray:
@@ -1150,13 +1155,14 @@ def _average_chunk(
         if sender != me or not codec.transforms:
             return values
         wire = codec.encode(values, out=buffers.wire)
-        return codec.decode(wire, len(values), out=buffers.own)
+        with np.errstate(over="ignore"):  # int8 at float32's limit: inf, left out by `average`
+            return codec.decode(wire, len(values), out=buffers.own)
 
     # Sum in a buffer unless the wire bytes are a view of the sum (`none`) and must last
     # until every sender has them: then in the reducer's sum, or straight in our vector.
     in_place = not codec.transforms and assembler is None
     average, count = reducer.average(index, out=None if in_place else buffers.sum, prepare=as_sent)
-    if average is None or not np.isfinite(average).all():
+    if average is None:
         return None
     if assembler is None:
         return count, codec.encode(average)  # fp16, int8: a new buffer, until sent

@@ -3,25 +3,37 @@
 A reducer owns one part of the flat vector. `PartReducer` takes each sender's chunks and, once
 no sender still in the round owes a chunk (it *settles*), lines that chunk's contributions up
 in a fixed order (`order`: by the block each sender's value stands for, `moshpit.py`), not as
-they arrived; `average` adds them, weighted, in that order into one float32 sum: float
-addition is not associative, and the groups of a Moshpit round that hold the same blocks must
-compute bit-identical averages. Chunks wait until they settle (`queued`; the shell stops
-reading from a sender that is far ahead, the reducer's own contribution included, so this
-stays a few chunks per sender) and then until averaged (the shell averages settled chunks as
-they come, and stops reading while a few wait). Senders of weight 0 (a member that only needs
-the average) are checked and counted but add nothing. Each chunk records which senders it
-*includes*: those whose contribution it holds.
+they arrived; `average` adds them, weighted, in that order: float addition is not associative,
+and the groups of a Moshpit round that hold the same blocks must compute bit-identical
+averages. Chunks wait until they settle (`queued`; the shell stops reading from a sender that
+is far ahead, the reducer's own contribution included, so this stays a few chunks per sender)
+and then until averaged (the shell averages settled chunks as they come, and stops reading
+while a few wait). Senders of weight 0 (a member that only needs the average) are checked and
+counted but add nothing. Each chunk records which senders it *includes*: those whose
+contribution it holds.
 
 Threads. The bookkeeping (`add_checked`, `drop`, `take_complete`, `ResultAssembler.check` and
 `record`) belongs to one thread, the event loop's; the passes over values need not: `check`
 (before `add_checked`), `average` (of a settled chunk; one at a time) and
-`ResultAssembler.write` touch only their own chunk's memory and state that is final by then,
-so the shell runs them in worker threads while the loop goes on with other chunks.
+`ResultAssembler.write` touch only their own chunk's memory and state that is final by then
+(`average` may still leave a sender out of its chunk's books: the loop reads a settled
+chunk's only once it is averaged), so the shell runs them in worker threads while the loop
+goes on with other chunks.
 
 A sender that fails is dropped: it leaves every chunk that has not settled yet, even those it
 delivered, so that the reducer's chunks include the same senders wherever it can; only the
 chunks already settled (and sent out) keep it. Each chunk is normalised by the total weight of
 the senders it includes. A chunk that fails validation is never added, and its sender is dropped.
+
+Precision. The weighted sum is float64 (`weighted_mean`), the weights and their total too, and
+only the mean is rounded to float32: sample counts are exact up to 2^53 (a float32 weight is
+exact only up to 2^24: 2^24 + 1 samples counted as 2^24), and finite contributions cannot make
+it overflow (a float32 sum of two float32-max values is inf: the chunk was lost for everyone
+while nobody was at fault). With weights of at most `MAX_WEIGHT` the sum stays far inside
+float64's range, and the mean within its contributions' range, so it is finite. A contribution
+that is not finite never gets that far (`check`), except one that `prepare` makes (our own, as
+the codec decodes it): that one is left out of its chunk, and `unfit` names its sender for the
+caller to drop.
 
 With a `norm_factor` the reducer is robust instead (`peer.averaging.robust`): it averages each
 settled chunk with CenteredClip.
@@ -41,6 +53,11 @@ import numpy as np
 from peer.averaging.compression import BadPart
 from peer.averaging.partition import chunk_ranges
 from peer.averaging.robust import robust_average
+
+MAX_WEIGHT = 2.0**53
+"""The largest weight a sender may have: integers up to it are exact in float64."""
+SLICE_ELEMENTS = 1 << 15
+"""Elements per float64 pass of `weighted_mean`: its two scratch slices (512 KiB) stay in cache."""
 
 
 @dataclass(frozen=True)
@@ -70,8 +87,10 @@ class PartReducer:
         """`weights`: every sender's weight; `order`: the senders in the order their
         contributions are added (default: sorted)."""
         for sender, weight in weights.items():
-            if not (np.isfinite(weight) and weight >= 0):
-                raise ValueError(f"weight of {sender} is {weight!r}; expected a number >= 0")
+            if not (np.isfinite(weight) and 0 <= weight <= MAX_WEIGHT):
+                raise ValueError(
+                    f"weight of {sender} is {weight!r}; expected a number in [0, {MAX_WEIGHT:g}]"
+                )
         order = sorted(weights) if order is None else list(order)
         if sorted(order) != sorted(weights):
             raise ValueError("the order must list every sender exactly once")
@@ -91,8 +110,10 @@ class PartReducer:
         # Settled, in `order`, until averaged: (sender, values) of every sender of weight > 0.
         self.contributions: list[list[tuple[str, np.ndarray]]] = [[] for _ in self.chunks]
         self.queued: dict[str, int] = dict.fromkeys(weights, 0)  # chunks waiting, per sender
+        # Per chunk, senders left out of its average for values `prepare` made not finite.
+        self._unfit: list[dict[str, str]] = [{} for _ in self.chunks]
         self.norm_factor = norm_factor
-        self._product: np.ndarray | None = None  # a weighted contribution, before it is added
+        self._scratch: np.ndarray | None = None  # `weighted_mean`'s, reused: one average at a time
         for index in range(len(self.chunks)):  # without senders every chunk is settled (empty)
             self._settle(index)
 
@@ -102,7 +123,7 @@ class PartReducer:
         self.sum = np.empty(0, np.float32)
         self.early = [{} for _ in self.chunks]
         self.contributions = [[] for _ in self.chunks]
-        self._product = None
+        self._scratch = None
 
     def chunk_size(self, index: int) -> int:
         lo, hi = self.chunks[index]
@@ -208,6 +229,11 @@ class PartReducer:
         """The senders whose contributions chunk `index` holds (final once it settled)."""
         return frozenset(self.senders[index])
 
+    def unfit(self, index: int) -> dict[str, str]:
+        """Senders left out of chunk `index`'s average (and why): their values, as `prepare`
+        gave them, were not finite. Read once `average` returned: the caller drops them."""
+        return dict(self._unfit[index])
+
     def average(
         self,
         index: int,
@@ -217,44 +243,103 @@ class PartReducer:
     ) -> tuple[np.ndarray | None, int]:
         """(average, senders) of a settled chunk, computed in `out` (float32, at least the
         chunk's length: a caller's scratch) or else in place of its sum; (None, 0) if no sender
-        of weight > 0 delivered it. `prepare(sender, values)`, if given, gives the values to
-        add for each contribution as it is added (the shell passes its own through the codec
-        here, into a buffer it reuses). Once per chunk, one chunk at a time; safe in a worker
-        thread while the loop goes on with other chunks."""
+        of weight > 0 delivered it. The average is finite. `prepare(sender, values)`, if given,
+        gives the values to add for each contribution (the shell passes its own through the
+        codec here, into a buffer it reuses); a sender whose prepared values are not finite is
+        left out (`unfit`). Once per chunk, one chunk at a time; safe in a worker thread while
+        the loop goes on with other chunks (it writes only this chunk's books)."""
         lined_up, self.contributions[index] = self.contributions[index], []
-        total = self.chunk_weight[index]
-        if total <= 0:
-            return None, 0
         if prepare is not None:
-            lined_up = [(sender, prepare(sender, values)) for sender, values in lined_up]
+            lined_up = self._prepared(index, lined_up, prepare)
+        if not lined_up:
+            return None, 0
         lo, hi = self.chunks[index]
-        if out is None:
-            chunk = self.sum[lo:hi]
-        else:
-            # A part-sized sum is fresh memory every round: the kernel zeroes each page at its
-            # first write (a tenth of a round's CPU at 100 MB). One reused chunk is not.
-            chunk = out[: hi - lo]
-            chunk.fill(0.0)  # then the same float sums as in `sum`
+        # A part-sized sum is fresh memory every round: the kernel zeroes each page at its
+        # first write (a tenth of a round's CPU at 100 MB). One reused chunk is not.
+        chunk = self.sum[lo:hi] if out is None else out[: hi - lo]
+        weights = [self.weights[sender] for sender, _ in lined_up]
         if self.norm_factor is not None:
             chunk[:] = robust_average(
-                [values for _, values in lined_up],
-                [self.weights[sender] for sender, _ in lined_up],
-                norm_factor=self.norm_factor,
+                [values for _, values in lined_up], weights, norm_factor=self.norm_factor
             )  # in `order`: the same input everywhere
             return chunk, len(self.senders[index])
-        with np.errstate(over="ignore", invalid="ignore"):  # an overflow is the caller's check
-            for sender, values in lined_up:
-                weight = self.weights[sender]
-                if weight == 1.0:
-                    np.add(chunk, values, out=chunk)
-                else:  # rounded as `chunk += values * w`: the product, then the sum
-                    if self._product is None:  # reused: one average at a time
-                        self._product = np.empty(max(b - a for a, b in self.chunks), np.float32)
-                    product = self._product[: hi - lo]
-                    np.multiply(values, np.float32(weight), out=product)
-                    np.add(chunk, product, out=chunk)
-            chunk /= np.float32(total)
+        if self._scratch is None:
+            largest = max(b - a for a, b in self.chunks)
+            self._scratch = np.empty((2, min(SLICE_ELEMENTS, largest)), np.float64)
+        weighted_mean(
+            [values for _, values in lined_up],
+            weights,
+            float(self.chunk_weight[index]),
+            out=chunk,
+            scratch=self._scratch,
+        )
         return chunk, len(self.senders[index])
+
+    def _prepared(
+        self,
+        index: int,
+        lined_up: list[tuple[str, np.ndarray]],
+        prepare: Callable[[str, np.ndarray], np.ndarray],
+    ) -> list[tuple[str, np.ndarray]]:
+        """`lined_up` through `prepare`, without the senders it made not finite (then the
+        chunk's senders and total weight are theirs less those; values it returns as they
+        were passed `check` already)."""
+        kept, unfit = [], {}
+        for sender, values in lined_up:
+            prepared = prepare(sender, values)
+            if prepared is values or np.isfinite(prepared).all():
+                kept.append((sender, prepared))
+            else:
+                unfit[sender] = f"chunk {index} is not finite as the codec decodes it"
+        if unfit:
+            self._unfit[index] = unfit
+            self.senders[index] = self.senders[index] - unfit.keys()
+            total = 0.0
+            for sender, _ in kept:  # in order, as `_settle` adds them
+                total += self.weights[sender]
+            self.chunk_weight[index] = total
+        return kept
+
+
+def weighted_mean(
+    contributions: Sequence[np.ndarray],
+    weights: Sequence[float],
+    total: float,
+    *,
+    out: np.ndarray,
+    scratch: np.ndarray,
+) -> None:
+    """out[:] = sum_i weights[i] * contributions[i] / total, added in the order given, in
+    float64, then rounded to float32 (`out`). Contributions are finite float32 of out's length,
+    weights in [0, MAX_WEIGHT] and `total` their float64 sum, in order (> 0).
+
+    Why float64: float32 weights are exact only up to 2^24, and a float32 sum of finite values
+    overflows (two float32-max contributions). In float64 every product and partial sum is at
+    most n x 2^53 x 3.4e38 (far below 1.8e308), and the mean lies within the contributions'
+    range (to float64 rounding, far below float32's half step at its largest value), so it is
+    finite as float32. Each element is the same sequence of IEEE operations (one multiply and
+    one add per contribution, never fused, then one divide and one rounding to float32),
+    whatever the slicing and the machine: groups adding the same bits in the same order get
+    the same bits.
+
+    Cost: it goes `scratch.shape[1]` elements at a time (`scratch`: float64 (2, >= 1)) so that
+    its float64 sums stay in cache; each contribution is read once, `out` written once."""
+    step = scratch.shape[1]
+    accumulated, product = scratch[0], scratch[1]
+    size = len(out)
+    for start in range(0, size, step):
+        end = min(size, start + step)
+        into, term = accumulated[: end - start], product[: end - start]
+        for k, (values, weight) in enumerate(zip(contributions, weights, strict=True)):
+            piece = values[start:end]
+            if k == 0:
+                np.multiply(piece, np.float64(weight), out=into)  # the sum starts at it, not 0
+            elif weight == 1.0:
+                np.add(into, piece, out=into)
+            else:  # a float64 weight (np.float64: a Python float would make it a float32 product)
+                np.multiply(piece, np.float64(weight), out=term)
+                np.add(into, term, out=into)
+        np.divide(into, total, out=out[start:end], casting="same_kind")
 
 
 class ResultAssembler:

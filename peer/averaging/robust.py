@@ -23,7 +23,11 @@ instead keeps every sender's chunk and combines them in four stages:
 While fewer than half of a chunk's senders (by count) are malicious, the median norm, the
 coordinate-wise median and tau are set by honest senders. Among honest senders alone the result
 is close to their mean: identical contributions give exactly it, and the clipping only bites
-on outliers. NaN and Inf never get here: `PartReducer.add` rejects them in every mode.
+on outliers. NaN and Inf never get here: `PartReducer` leaves them out in every mode. The result
+is finite for finite float32 contributions, however large: norms and distances are taken in
+float64 (a float32 square overflows beyond 1.8e19), and every CenteredClip step moves
+the center to a convex combination of itself and the contributions (each weight share times a
+scale of at most 1), so it stays within their range.
 """
 
 from __future__ import annotations
