@@ -85,11 +85,15 @@ class NetConfig(_Section):
     inbound_max_pending: int = 64
     """Inbound libp2p connections still in their handshake, at most (peer.net.inbound)."""
     inbound_max_pending_per_source: int = 16
-    """Of those, from one IPv4 address or IPv6 /64."""
+    """Of those, from one IPv4 /24 or IPv6 /64; a newcomer past it takes its prefix's oldest."""
     inbound_handshake_seconds: float = 5.0
     """Seconds an inbound connection has to finish its handshake."""
     inbound_max_established: int = 160
     """Authenticated inbound connections kept; past it a newcomer prunes the least useful."""
+    inbound_accept_rate: float = 20.0
+    """TCP connections a second one IPv4 /24 or IPv6 /64 may open; more are closed at accept."""
+    inbound_accept_burst: int = 64
+    """TCP connections one IPv4 /24 or IPv6 /64 may open at once before that rate applies."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -333,7 +337,7 @@ class RelayConfig(_Section):
     max_reservations: int = 128
     """Backbones: reservations held at once."""
     max_reservations_per_source: int = 8
-    """Of those, from one IPv4 address or IPv6 /64."""
+    """Of those, from one IPv4 /24 or IPv6 /64."""
     reservation_seconds: int = 900
     """Lifetime of a reservation; peers renew at half of it."""
     max_circuits: int = 64
@@ -341,7 +345,7 @@ class RelayConfig(_Section):
     max_circuits_per_peer: int = 8
     """Of those, to one reserved peer."""
     max_circuits_per_source: int = 8
-    """Of those, opened from one IPv4 address or IPv6 /64."""
+    """Of those, opened from one IPv4 /24 or IPv6 /64."""
     circuit_bytes: int = 4194304
     """Data budget of one circuit (both directions together) before the relay cuts it."""
     circuit_seconds: int = 600

@@ -419,6 +419,8 @@ def inbound_limits(config: PeerConfig) -> InboundLimits:
             max_pending_per_source=net.inbound_max_pending_per_source,
             handshake_seconds=net.inbound_handshake_seconds,
             max_established=net.inbound_max_established,
+            accept_rate=net.inbound_accept_rate,
+            accept_burst=net.inbound_accept_burst,
         )
     except ValueError as error:
         raise ConfigError(f"net.inbound_*: {error}") from None

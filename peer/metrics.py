@@ -4,7 +4,10 @@ Nothing in the training loop or the DHT calls into this module: they keep plain 
 (`TrainerStatus`, `DHT.statistics()`, `Measurements`) and the collector reads them at scrape
 time. Each daemon has its own registry, so several daemons in one process (tests) never collide.
 The endpoint is a small HTTP/1.0 server on trio, owned by the daemon's nursery: GET /metrics
-only, one request per connection, a deadline on every read and a cap on the request's size.
+only, one request per connection, a deadline on every read and a cap on the request's size,
+and bounded connections (`LIMITS`, see `peer.net.slots`): a network prefix over its accept
+rate is closed at accept, at most `max_total` at once and `max_per_prefix` from one prefix (a
+newcomer past it takes its prefix's oldest).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from peer.errors import UserError
+from peer.net.admission import peer_address, serve_listeners
+from peer.net.slots import ListenerLimits, Slots
 
 if TYPE_CHECKING:  # the trainer imports torch; a backbone never needs it
     from peer.dht.node import DHT
@@ -40,6 +45,8 @@ PREFIX = "peertrain"
 REQUEST_TIMEOUT = 5.0
 MAX_REQUEST_BYTES = 8192
 FAILURE_KINDS = ("averaging_incomplete", "state_download")
+#: A Prometheus scrapes every 15 s or so, from one address; a few of them at most.
+LIMITS = ListenerLimits(max_total=16, max_per_prefix=4, accept_rate=5.0, accept_burst=10)
 
 
 @dataclass
@@ -208,6 +215,7 @@ async def serve_metrics(
     host: str,
     port: int,
     *,
+    limits: ListenerLimits = LIMITS,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve GET /metrics on host:port until cancelled; started() gets the bound port."""
@@ -221,16 +229,24 @@ async def serve_metrics(
     bound = listeners[0].socket.getsockname()[1]
     log.info("metrics at http://%s:%d/metrics", host, bound)
     task_status.started(bound)
+    slots: Slots[trio.CancelScope] = limits.slots()
 
     async def handle(stream: trio.SocketStream) -> None:
+        scope = trio.CancelScope()  # cancelled when a newcomer takes this slot
+        taken, evicted = slots.take(scope, peer_address(stream))
+        for victim in evicted:
+            victim.cancel()
         try:
-            await answer(stream, registry)
+            if taken:
+                with scope:
+                    await answer(stream, registry)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             pass  # the scraper hung up: nothing to tell anyone
         finally:
+            slots.release(scope)
             await stream.aclose()
 
-    await trio.serve_listeners(handle, listeners)
+    await serve_listeners(handle, listeners, budget=limits.budget())
 
 
 async def answer(stream: trio.abc.Stream, registry: CollectorRegistry) -> None:

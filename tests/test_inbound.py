@@ -8,7 +8,7 @@ import trio
 from libp2p.peer.id import ID
 
 from peer.net.host import open_node
-from peer.net.inbound import Admission, InboundGate, InboundLimits, Phase, source_of
+from peer.net.inbound import Admission, InboundGate, InboundLimits, Phase
 from tests.helpers import LOOPBACK, new_identity, nodes
 
 
@@ -23,51 +23,55 @@ def gate(**limits) -> InboundGate:
 # -- pending connections ----------------------------------------------------------------------
 
 
-def test_a_source_past_its_pending_cap_is_refused_and_others_are_not():
+def test_a_prefix_past_its_pending_cap_makes_room_with_its_own_oldest():
+    """Not refused: idle connections from a member's own public address (or /24) cannot keep
+    the member out."""
     g = gate(max_pending=8, max_pending_per_source=2)
-    assert all(g.admit("10.0.0.1", now=t)[0] is not None for t in (0, 1))
-    assert g.admit("10.0.0.1", now=2) == (None, [])
-    assert g.admit("10.0.0.2", now=3)[0] is not None
-    assert g.statistics().pending == 3 and g.statistics().refused == 1
+    first, _ = (g.admit("10.0.0.1", now=t)[0] for t in (0, 1))
+    newcomer, evicted = g.admit("10.0.0.9", now=2)  # the same /24
+    assert newcomer is not None and evicted == [first] and first.phase is Phase.GONE
+    assert g.admit("10.0.1.1", now=3)[1] == []  # another /24 has its own
+    assert g.statistics().pending == 3 and g.statistics().evicted == 1
 
 
-def test_a_full_gate_lets_a_newcomer_take_the_oldest_slot_of_the_fullest_source():
+def test_a_full_gate_lets_a_newcomer_take_the_oldest_slot_of_the_fullest_prefix():
     g = gate(max_pending=4, max_pending_per_source=4)
-    a = [g.admit("10.0.0.1", now=t)[0] for t in (0, 1, 2)]
-    g.admit("10.0.0.2", now=3)
-    newcomer, evicted = g.admit("10.0.0.3", now=4)
+    a = [g.admit("10.0.1.1", now=t)[0] for t in (0, 1, 2)]
+    g.admit("10.0.2.1", now=3)
+    newcomer, evicted = g.admit("10.0.3.1", now=4)
     assert newcomer is not None and evicted == [a[0]] and a[0].phase is Phase.GONE
-    # 10.0.0.1 (2 pending) is still the fullest: a fourth from it is refused ...
-    assert g.admit("10.0.0.1", now=5) == (None, [])
-    # ... and one from 10.0.0.2 (1 pending) takes 10.0.0.1's oldest.
-    assert g.admit("10.0.0.2", now=6)[1] == [a[1]]
+    # 10.0.1.0/24 (2 pending) is still the fullest: a fourth from it is refused ...
+    assert g.admit("10.0.1.2", now=5) == (None, [])
+    # ... and one from 10.0.2.0/24 (1 pending) takes 10.0.1.0/24's oldest.
+    assert g.admit("10.0.2.1", now=6)[1] == [a[1]]
     assert g.statistics().pending == 4 and g.statistics().evicted == 2
 
 
-def test_when_every_source_holds_one_a_new_source_takes_the_oldest_slot():
+def test_when_every_prefix_holds_one_a_new_prefix_takes_the_oldest_slot():
     g = gate(max_pending=3, max_pending_per_source=3)
-    first, *_ = [g.admit(f"10.0.0.{i}", now=i)[0] for i in (1, 2, 3)]
-    assert g.admit("10.0.0.9", now=9)[1] == [first]
-    assert g.admit("10.0.0.2", now=10) == (None, [])  # holds one, as does everyone
+    first, *_ = [g.admit(f"10.0.{i}.1", now=i)[0] for i in (1, 2, 3)]
+    assert g.admit("10.0.9.1", now=9)[1] == [first]
+    assert g.admit("10.0.2.1", now=10) == (None, [])  # holds one, as does everyone
 
 
 def test_a_released_connection_frees_its_slot_and_releasing_twice_is_harmless():
-    g = gate(max_pending=1, max_pending_per_source=1)
+    g = gate(max_pending=2, max_pending_per_source=2)
     admission, _ = g.admit("10.0.0.1", now=0)
     assert admission is not None
-    assert g.admit("10.0.0.1", now=1) == (None, [])
+    g.admit("10.0.1.1", now=1)
+    assert g.admit("10.0.1.2", now=1) == (None, [])  # every prefix holds one
     g.release(admission)
     g.release(admission)
-    assert g.statistics().pending == 0
-    assert g.admit("10.0.0.1", now=2)[0] is not None
+    assert g.statistics().pending == 1
+    assert g.admit("10.0.1.2", now=2) != (None, [])
 
 
-def test_sources_are_ipv4_addresses_and_ipv6_slash_64s():
-    assert source_of("203.0.113.5") == "203.0.113.5"
-    assert source_of("2001:db8:1:2:aaaa::1") == source_of("2001:db8:1:2:bbbb::2")
-    assert source_of("2001:db8:1:2::1") != source_of("2001:db8:1:3::1")
-    assert source_of("::ffff:203.0.113.5") == "203.0.113.5"
-    assert source_of("not an address") == "not an address"
+def test_connections_count_under_their_ipv4_slash_24_or_ipv6_slash_64():
+    g = gate()
+    assert g.admit("203.0.113.5", now=0)[0].source == "203.0.113.0/24"
+    assert g.admit("2001:db8:1:2:aaaa::1", now=0)[0].source == "2001:db8:1:2::/64"
+    assert g.admit("::ffff:203.0.113.9", now=0)[0].source == "203.0.113.0/24"
+    assert g.admit("203.0.113.0/24", now=0)[0].source == "203.0.113.0/24"  # the relay's
 
 
 @pytest.mark.parametrize(
@@ -77,6 +81,8 @@ def test_sources_are_ipv4_addresses_and_ipv6_slash_64s():
         ({"max_pending_per_source": 0}, "max_pending_per_source=0"),
         ({"handshake_seconds": 0}, "handshake_seconds=0"),
         ({"max_established": 0}, "max_established=0"),
+        ({"accept_rate": 0}, "accept_rate=0"),
+        ({"accept_burst": 0}, "accept_burst=0"),
     ],
 )
 def test_limits_that_cannot_work_are_refused_with_their_value(limits, match):
@@ -95,11 +101,11 @@ def established(g: InboundGate, ip: str, n: int, *, now: float, streams: int = 0
     return admission
 
 
-def test_one_past_max_established_prunes_one_from_the_source_holding_most():
+def test_one_past_max_established_prunes_one_from_the_prefix_holding_most():
     g = gate(max_established=3)
-    lone = established(g, "10.0.0.1", 1, now=0)
-    crowd = [established(g, "10.0.0.2", n, now=n) for n in (2, 3)]
-    newcomer, _ = g.admit("10.0.0.3", now=5)
+    lone = established(g, "10.0.1.1", 1, now=0)
+    crowd = [established(g, f"10.0.2.{n}", n, now=n) for n in (2, 3)]  # one /24
+    newcomer, _ = g.admit("10.0.3.1", now=5)
     assert newcomer is not None
     assert g.authenticate(newcomer, peer_id=peer(4), now=5, room=1000) == [crowd[0]]
     assert lone.phase is Phase.ESTABLISHED and newcomer.phase is Phase.ESTABLISHED
@@ -108,9 +114,9 @@ def test_one_past_max_established_prunes_one_from_the_source_holding_most():
 
 def test_a_connection_with_an_open_stream_outlasts_idle_ones():
     g = gate(max_established=2)
-    busy = established(g, "10.0.0.1", 1, now=0, streams=1)  # the oldest, but working
-    idle = established(g, "10.0.0.2", 2, now=1)
-    newcomer, _ = g.admit("10.0.0.3", now=2)
+    busy = established(g, "10.0.1.1", 1, now=0, streams=1)  # the oldest, but working
+    idle = established(g, "10.0.2.1", 2, now=1)
+    newcomer, _ = g.admit("10.0.3.1", now=2)
     assert newcomer is not None
     assert g.authenticate(newcomer, peer_id=peer(3), now=2, room=1000) == [idle]
     assert busy.phase is Phase.ESTABLISHED
@@ -120,10 +126,10 @@ def test_a_connection_holding_state_outlasts_idle_ones():
     """A relay reservation: its connection is idle between renewals, and pruning it would only
     make its peer reserve again."""
     g = gate(max_established=2)
-    holder = established(g, "10.0.0.1", 1, now=0)  # the oldest, idle ...
+    holder = established(g, "10.0.1.1", 1, now=0)  # the oldest, idle ...
     holder.held = lambda: True  # ... but holding a reservation
-    idle = established(g, "10.0.0.2", 2, now=1)
-    newcomer, _ = g.admit("10.0.0.3", now=2)
+    idle = established(g, "10.0.2.1", 2, now=1)
+    newcomer, _ = g.admit("10.0.3.1", now=2)
     assert newcomer is not None
     assert g.authenticate(newcomer, peer_id=peer(3), now=2, room=1000) == [idle]
     assert holder.phase is Phase.ESTABLISHED
@@ -131,10 +137,10 @@ def test_a_connection_holding_state_outlasts_idle_ones():
 
 def test_the_longest_idle_goes_first_and_any_stream_counts_as_activity():
     g = gate(max_established=2)
-    old = established(g, "10.0.0.1", 1, now=0)
-    young = established(g, "10.0.0.2", 2, now=1)
+    old = established(g, "10.0.1.1", 1, now=0)
+    young = established(g, "10.0.2.1", 2, now=1)
     g.note_activity(peer(1), now=10)  # the old one carried a stream since
-    newcomer, _ = g.admit("10.0.0.3", now=11)
+    newcomer, _ = g.admit("10.0.3.1", now=11)
     assert newcomer is not None
     assert g.authenticate(newcomer, peer_id=peer(3), now=11, room=1000) == [young]
     assert old.phase is Phase.ESTABLISHED
@@ -144,18 +150,18 @@ def test_pruning_keeps_room_in_libp2p_for_every_handshake_still_running():
     """py-libp2p refuses a handshake once it holds max_connections (ours and its own dials):
     below `max_pending` free places, a newcomer prunes even under max_established."""
     g = gate(max_pending=4, max_pending_per_source=4, max_established=100)
-    first = established(g, "10.0.0.1", 1, now=0)
-    second = established(g, "10.0.0.1", 2, now=1)
-    newcomer, _ = g.admit("10.0.0.2", now=2)
+    first = established(g, "10.0.1.1", 1, now=0)
+    second = established(g, "10.0.1.1", 2, now=1)
+    newcomer, _ = g.admit("10.0.2.1", now=2)
     assert newcomer is not None
     assert g.authenticate(newcomer, peer_id=peer(3), now=2, room=2) == [first, second]
 
 
 def test_a_pending_connection_evicted_meanwhile_is_not_counted_when_it_authenticates():
     g = gate(max_pending=1, max_pending_per_source=1, max_established=1)
-    evicted, _ = g.admit("10.0.0.1", now=0)
+    evicted, _ = g.admit("10.0.1.1", now=0)
     assert evicted is not None
-    g.admit("10.0.0.2", now=1)
+    g.admit("10.0.2.1", now=1)
     assert g.authenticate(evicted, peer_id=peer(1), now=2, room=1000) == []
     assert g.statistics().established == 0
 
@@ -191,22 +197,69 @@ def port_of(node) -> int:
     return int(str(node.announce[0]).split("/tcp/")[1])
 
 
-async def test_connections_past_a_sources_cap_are_closed_at_accept():
+async def until(condition) -> None:
+    while not condition():
+        await trio.sleep(0.01)
+
+
+async def test_connections_past_a_prefixs_cap_take_the_slots_of_its_oldest():
     limits = InboundLimits(max_pending=8, max_pending_per_source=2, handshake_seconds=60)
     async with gated_node(limits) as server:
-        socks = [await idle_connection(port_of(server), "127.0.0.2") for _ in range(5)]
+        stats = server.inbound.statistics
+        socks = []
         try:
             with trio.fail_after(20):
+                for n in range(1, 6):  # five addresses of one /24
+                    socks.append(await idle_connection(port_of(server), f"127.0.7.{n}"))
+                    await until(lambda n=n: stats().pending + stats().evicted == n)
+                for sock in socks[:3]:
+                    await closed_by_server(sock)
+                assert (stats().pending, stats().evicted, stats().refused) == (2, 3, 0)
+                # Another /24 gets its own slots.
+                socks.append(await idle_connection(port_of(server), "127.0.8.1"))
+                await until(lambda: stats().pending == 3)
+        finally:
+            for sock in socks:
+                sock.close()
+
+
+async def test_idle_connections_from_a_members_own_address_do_not_keep_it_out():
+    """An attacker behind the member's NAT (here: on the member's own 127.0.0.1) holds every
+    pending slot of that address with connections that never send a byte. Keyed on the exact
+    address with no eviction, the gate refused the member at accept (issue 45: 4 joins of 4
+    failed); now the member's connection takes the oldest idle one's slot and authenticates."""
+    limits = InboundLimits(max_pending_per_source=4, handshake_seconds=60)
+    async with gated_node(limits) as server, nodes(1) as (member,):
+        idle = []
+        try:
+            with trio.fail_after(30):
+                for n in range(1, 5):
+                    idle.append(await idle_connection(port_of(server), "127.0.0.1"))
+                    await until(lambda n=n: server.inbound.statistics().pending == n)
+                await member.connect(server.peer_id, server.announce, timeout=10)
+                assert member.peer_id in server.host.get_network().connections
+                await closed_by_server(idle[0])  # the slot it took
+        finally:
+            for sock in idle:
+                sock.close()
+
+
+async def test_a_prefix_over_its_accept_rate_is_closed_at_accept_and_others_are_not():
+    """Closed in the listener's accept loop: no pending slot, handshake or task is spent."""
+    limits = InboundLimits(accept_rate=0.001, accept_burst=2, handshake_seconds=60)
+    async with gated_node(limits) as server, nodes(1) as (member,):
+        stats = server.inbound.statistics
+        socks = []
+        try:
+            with trio.fail_after(30):
+                for _ in range(5):
+                    socks.append(await idle_connection(port_of(server), "127.0.5.1"))
                 for sock in socks[2:]:
                     await closed_by_server(sock)
-            stats = server.inbound.statistics()
-            assert (stats.pending, stats.refused) == (2, 3)
-            # Another source still gets its own slots.
-            other = await idle_connection(port_of(server), "127.0.0.3")
-            socks.append(other)
-            with trio.fail_after(20):
-                while server.inbound.statistics().pending < 3:
-                    await trio.sleep(0.01)
+                await until(lambda: stats().pending == 2)
+                assert (stats().over_budget, stats().evicted, stats().refused) == (3, 0, 0)
+                await member.connect(server.peer_id, server.announce, timeout=10)
+                assert stats().established == 1
         finally:
             for sock in socks:
                 sock.close()
@@ -284,3 +337,14 @@ async def test_a_peer_whose_streams_carried_work_outlasts_a_younger_idle_one():
                 await trio.sleep(0.05)
             assert worker.peer_id in network.connections
             assert newcomer.peer_id in network.connections
+
+
+def test_the_daemon_takes_the_accept_budget_from_the_config():
+    from peer.config import load_config
+    from peer.daemon import inbound_limits
+
+    loaded = load_config(
+        overrides={"net.inbound_accept_rate": 3.5, "net.inbound_accept_burst": 7}
+    ).config
+    limits = inbound_limits(loaded)
+    assert (limits.accept_rate, limits.accept_burst) == (3.5, 7)

@@ -83,8 +83,8 @@ def test_a_trainer_exposes_steps_speed_loss_allreduce_and_failures():
     assert got["peertrain_collaboration_peers", (("role", "keeper"),)] == 1
 
 
-async def http(port: int, request: bytes) -> bytes:
-    stream = await trio.open_tcp_stream("127.0.0.1", port)
+async def http(port: int, request: bytes, *, source: str | None = None) -> bytes:
+    stream = await trio.open_tcp_stream("127.0.0.1", port, local_address=source)
     async with stream:
         await stream.send_all(request)
         reply = b""
@@ -125,3 +125,41 @@ async def test_a_port_in_use_is_a_one_line_user_error():
         port = taken.getsockname()[1]
         with pytest.raises(UserError, match=rf"127.0.0.1:{port}: in use; pick another metrics"):
             await metrics.serve_metrics(metrics.registry_for(sources), "127.0.0.1", port)
+
+
+async def test_idle_connections_hold_their_prefixs_share_and_scrapes_are_still_served(
+    autojump_clock,
+):
+    """The endpoint had no limit per source: idle connections from one address each held a
+    descriptor and a task for REQUEST_TIMEOUT, as many as were opened. Now one /24 holds
+    `max_per_prefix` (its newest take its oldest's slots), all prefixes `max_total`, and a
+    scraper from a prefix holding fewer takes the busiest one's oldest slot."""
+    sources = metrics.Sources("backbone", "p", "0.1.0", fake_dht())  # type: ignore[arg-type]
+    limits = metrics.LIMITS
+    per, prefixes = limits.max_per_prefix, limits.max_total // limits.max_per_prefix
+
+    async def idle(address: str) -> trio.SocketStream:
+        return await trio.open_tcp_stream("127.0.0.1", port, local_address=address)
+
+    async def closed_at_once(stream: trio.SocketStream) -> bool:
+        """The server closes `stream` at once (well before REQUEST_TIMEOUT)."""
+        with trio.move_on_after(1) as waited:
+            assert await stream.receive_some(100) == b""
+        return not waited.cancelled_caught
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(
+                metrics.serve_metrics, metrics.registry_for(sources), "127.0.0.1", 0
+            )
+            flood = [await idle(f"127.0.0.{2 + n % 5}") for n in range(per + 2)]
+            assert await closed_at_once(flood[0]) and await closed_at_once(flood[1])
+            held = flood[2:]
+            for prefix in range(1, prefixes):
+                held += [await idle(f"127.0.{prefix}.1") for _ in range(per)]
+            reply = await http(port, b"GET /metrics HTTP/1.1\r\n\r\n", source="127.0.99.1")
+            assert reply.startswith(b"HTTP/1.0 200 OK")
+            assert await closed_at_once(held[0])
+            for stream in flood + held:
+                await stream.aclose()
+            nursery.cancel_scope.cancel()

@@ -14,7 +14,13 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from peer.errors import ProtocolError
-from peer.net.admission import Admission, AdmissionLimits, check_dial_address, prove_network_key
+from peer.net.admission import (
+    Admission,
+    AdmissionLimits,
+    check_dial_address,
+    connect,
+    prove_network_key,
+)
 from peer.net.tls import TlsStream, certificate_peer_id, pinned_client_context
 from tests.helpers import data_identity, new_identity
 
@@ -153,24 +159,97 @@ class FakeStream:
         self.socket = FakeSocket(address)
 
 
-async def test_unauthenticated_slots_are_capped_per_address_and_a_newcomer_evicts_the_busiest():
-    admission = Admission(None, AdmissionLimits(max_total=4, max_per_address=3, deadline=3.0))
+async def test_unauthenticated_slots_are_shared_per_prefix_and_a_newcomer_makes_room():
+    admission = Admission(None, AdmissionLimits(max_total=4, max_per_prefix=3, deadline=3.0))
     with (
         admission.slot(FakeStream("10.0.0.1")) as a1,
-        admission.slot(FakeStream("10.0.0.1")) as a2,
-        admission.slot(FakeStream("10.0.0.1")) as a3,
+        admission.slot(FakeStream("10.0.0.2")) as a2,
+        admission.slot(FakeStream("10.0.0.3")) as a3,
     ):
-        with admission.slot(FakeStream("10.0.0.1")) as over:
-            assert over is None  # a 4th from one address: closed at once
-        with admission.slot(FakeStream("10.0.0.2")) as b1:
-            assert b1 is not None and admission.statistics() == (4, 2)
-            with admission.slot(FakeStream("10.0.0.3")) as c1:  # full: the busiest loses one
-                assert c1 is not None
-                assert a1.cancel_called and not a2.cancel_called and not a3.cancel_called
-                assert admission.statistics() == (4, 3)
-                with admission.slot(FakeStream("10.0.0.2")) as b2:
-                    assert b2 is None  # 2 vs 2 after eviction: evicting would not be fairer
+        with admission.slot(FakeStream("10.0.0.4")) as a4:  # a 4th from one /24: its oldest goes
+            assert a4 is not None and a1.cancel_called and not a2.cancel_called
+            assert admission.statistics() == (3, 1)
+        with admission.slot(FakeStream("10.0.1.1")) as b1:
+            assert b1 is not None and admission.statistics() == (3, 2)
+            with admission.slot(FakeStream("10.0.2.1")) as c1:
+                assert c1 is not None and admission.statistics() == (4, 3)
+                with admission.slot(FakeStream("10.0.3.1")) as d1:  # full: the busiest loses one
+                    assert d1 is not None and a2.cancel_called and not a3.cancel_called
+                    with admission.slot(FakeStream("10.0.1.2")) as b2:
+                        assert b2 is None  # holds one as does everyone: refused
     assert admission.statistics() == (0, 0)
+
+
+async def serve_data_port(admission: Admission, identity, nursery: trio.Nursery) -> int:
+    """A data port on 127.0.0.1 admitting with `admission` (TLS without client certificates,
+    the first message one byte); its port. Admitted connections get b"ok" back."""
+
+    async def greet(tls: TlsStream) -> bytes | None:
+        return await tls.receive_some(1) or None
+
+    async def handle(stream: trio.SocketStream) -> None:
+        admitted = await admission.accept(stream, identity.open_server, greet)
+        if admitted is not None:
+            async with admitted[0] as tls:
+                await tls.send_all(b"ok")
+
+    listeners = await nursery.start(trio.serve_tcp, handle, 0)
+    return listeners[0].socket.getsockname()[1]
+
+
+async def test_idle_connections_from_a_members_address_do_not_keep_its_data_connection_out():
+    """An attacker on a member's public address (here its own 127.0.0.1) holds every slot of
+    that address with connections that never send a byte. Keyed on the exact address with no
+    eviction, admission closed the member's connection at once; now it takes the oldest idle
+    one's slot, and its TLS handshake and first message go through."""
+    server = data_identity(new_identity())
+    admission = Admission(None)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            port = await serve_data_port(admission, server, nursery)
+            idle = []
+            for n in range(1, admission.limits.max_per_prefix + 1):
+                idle.append(await trio.open_tcp_stream("127.0.0.1", port))
+                while admission.statistics()[0] < n:
+                    await trio.sleep(0.01)
+            tls = await connect(
+                "127.0.0.1", port, pinned_client_context([server.certificate]),
+                network_key=None, certificate=server.certificate,
+            )  # fmt: skip
+            async with tls:
+                await tls.send_all(b"x")
+                assert await tls.receive_some(2) == b"ok"
+            assert await idle[0].receive_some(1) == b""  # the slot the member took
+            for stream in idle:
+                await stream.aclose()
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_data_port_closes_a_prefix_over_its_accept_rate_at_accept():
+    admission = Admission(None, AdmissionLimits(accept_rate=0.001, accept_burst=2))
+    handled = []
+
+    async def handle(stream: trio.SocketStream) -> None:
+        handled.append(stream)
+        await trio.sleep_forever()
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(admission.serve, handle, 0)
+            port = listeners[0].socket.getsockname()[1]
+            flood = [
+                await trio.open_tcp_stream("127.0.0.1", port, local_address="127.0.5.1")
+                for _ in range(5)
+            ]
+            for stream in flood[2:]:  # closed in the accept loop: no task was started
+                assert await stream.receive_some(1) == b""
+            other = await trio.open_tcp_stream("127.0.0.1", port, local_address="127.0.6.1")
+            while len(handled) < 3:
+                await trio.sleep(0.01)
+            assert admission.budget.statistics().over_budget == 3
+            for stream in [*flood, other]:
+                await stream.aclose()
+            nursery.cancel_scope.cancel()
 
 
 async def test_without_the_network_key_a_connection_never_gets_past_its_first_bytes():

@@ -293,7 +293,7 @@ class DataServer:
         """Listen on (host, port); reports the bound port to `nursery.start`."""
         async with trio.open_nursery() as nursery:
             listeners = await nursery.start(
-                functools.partial(trio.serve_tcp, host=host), self._handle, port
+                functools.partial(self.admission.serve, host=host), self._handle, port
             )
             task_status.started(listeners[0].socket.getsockname()[1])
 

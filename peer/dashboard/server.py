@@ -3,10 +3,12 @@ assets) and its data as JSON
 (`/api/state`), over HTTP/1.1 parsed by h11 on trio. Read-only, and it serves only what the
 collaboration's public records say; it listens on 127.0.0.1 unless told otherwise.
 
-Every connection is bounded: at most `MAX_CONNECTIONS` at once and `PER_ADDRESS` from one
-address (more are closed unanswered), `REQUEST_SECONDS` to send one request of at most
-`MAX_REQUEST_BYTES`, one request each; the state is encoded once per read of the records, not
-per request."""
+Every connection is bounded (`LIMITS`, see `peer.net.slots`): a network prefix (IPv4 /24,
+IPv6 /64) over its accept rate is closed at accept; at most `max_total` at once and
+`max_per_prefix` from one prefix (a newcomer past it takes its prefix's oldest, so clients
+sharing an address with an idle flood are still answered); `REQUEST_SECONDS` to send one
+request of at most `MAX_REQUEST_BYTES`, one request each; the state is encoded once per read
+of the records, not per request."""
 
 from __future__ import annotations
 
@@ -22,12 +24,13 @@ import trio
 
 from peer.errors import UserError
 from peer.logs import finite
+from peer.net.admission import peer_address, serve_listeners
+from peer.net.slots import ListenerLimits, Slots
 
 log = logging.getLogger("peertrain.dashboard")
 
-MAX_CONNECTIONS = 32
-#: Connections at once from one address: one client cannot hold every slot.
-PER_ADDRESS = 8
+#: A browser polls /api/state every few seconds over a new connection (one request each).
+LIMITS = ListenerLimits(max_total=32, max_per_prefix=8, accept_rate=20.0, accept_burst=40)
 #: To send the request: a slow client holds its slot no longer than this.
 REQUEST_SECONDS = 3.0
 MAX_REQUEST_BYTES = 8192
@@ -50,6 +53,7 @@ async def serve_dashboard(
     port: int,
     document: Callable[[], bytes],
     *,
+    limits: ListenerLimits = LIMITS,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the page and `document()` (the JSON state, encoded once per change by its
@@ -61,53 +65,34 @@ async def serve_dashboard(
         raise UserError(
             f"dashboard {host}:{port}: {why}; pick another dashboard.port (0 turns it off)"
         ) from None
-    slots = _Slots()
+    slots: Slots[trio.CancelScope] = limits.slots()
     bound = listeners[0].socket.getsockname()[1]
     log.info("dashboard at http://%s:%d/", host if ":" not in host else f"[{host}]", bound)
     task_status.started(bound)
-    await trio.serve_listeners(partial(_connection, document=document, slots=slots), listeners)
-
-
-class _Slots:
-    """At most MAX_CONNECTIONS connections in all and PER_ADDRESS from one address."""
-
-    def __init__(self) -> None:
-        self.total = 0
-        self.by_address: dict[str, int] = {}
-
-    def take(self, address: str) -> bool:
-        if self.total >= MAX_CONNECTIONS or self.by_address.get(address, 0) >= PER_ADDRESS:
-            return False
-        self.total += 1
-        self.by_address[address] = self.by_address.get(address, 0) + 1
-        return True
-
-    def give_back(self, address: str) -> None:
-        self.total -= 1
-        self.by_address[address] -= 1
-        if not self.by_address[address]:
-            del self.by_address[address]
+    handler = partial(_connection, document=document, slots=slots)
+    await serve_listeners(handler, listeners, budget=limits.budget())
 
 
 async def _connection(
-    stream: trio.SocketStream, *, document: Callable[[], bytes], slots: _Slots
+    stream: trio.SocketStream, *, document: Callable[[], bytes], slots: Slots[trio.CancelScope]
 ) -> None:
     async with stream:
+        # The request's deadline; cancelled too when a newcomer takes this slot.
+        scope = trio.CancelScope(deadline=trio.current_time() + REQUEST_SECONDS)
+        taken, evicted = slots.take(scope, peer_address(stream))
+        for victim in evicted:
+            victim.cancel()
+        if not taken:
+            return  # every slot held, none to take: closed unanswered
         try:
-            address = str(stream.socket.getpeername()[0])
-        except OSError:
-            return
-        if not slots.take(address):
-            return  # too many at once: closed unanswered
-        try:
-            with trio.move_on_after(REQUEST_SECONDS):
+            with scope:
                 await _answer(stream, document)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, h11.ProtocolError):
             pass  # the client's fault or its departure: nothing of ours to report
         except Exception:  # ours: logged, and the daemon that serves us goes on
             log.exception("dashboard request failed")
         finally:
-            slots.give_back(address)
+            slots.release(scope)
 
 
 #: The page may run its own script file and fetch from this server, nothing else.
@@ -161,4 +146,4 @@ def encode(state: dict) -> bytes:
     return json.dumps(finite(state), allow_nan=False, separators=(",", ":")).encode()
 
 
-__all__ = ["ASSETS", "asset", "encode", "serve_dashboard"]
+__all__ = ["ASSETS", "LIMITS", "asset", "encode", "serve_dashboard"]

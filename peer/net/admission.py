@@ -1,19 +1,25 @@
-"""Admission to a data port: pay before you wait.
+"""Admission to a data port: pay before you wait; and the accept loop every listener that
+serves anyone shares.
 
 A TCP connection to a data port (all-reduce, state donor) costs us a slot until it has proved
-who it is, so unauthenticated connections are capped per source address and in total, and each
-gets `deadline` seconds to authenticate; a connection over a cap is closed at once, before we
-read a byte. In a private collaboration its first step is to prove the network key: we send a
-fresh nonce and it must answer with HMAC-SHA256(network key, domain | nonce) within the same
+who it is, so unauthenticated connections hold slots per network prefix and in total
+(`peer.net.slots.Slots`: a newcomer past its prefix's share takes that prefix's oldest), and
+each gets `deadline` seconds to authenticate. Before that, at accept, the prefix's accept-rate
+budget (`peer.net.slots.AcceptBudget`) closes a connection over it before a task is started
+(`serve_listeners`, which the dashboard, metrics and the libp2p listener use too). In a
+private collaboration a connection's first step is to prove the network key: we send a fresh
+nonce and it must answer with HMAC-SHA256(network key, domain | nonce) within the same
 deadline, so an outsider never reaches the TLS handshake (whose CPU we would pay).
 
-`Admission.accept` admits one connection end to end (slot, key, TLS, first message); the
-dialing side is `connect`. `check_dial_address` lives here too: a member never dials an
-address that a peer chose to aim it at its own machine's other services.
+`Admission.accept` admits one connection end to end (slot, key, TLS, first message) and
+`Admission.serve` listens with the budget; the dialing side is `connect`.
+`check_dial_address` lives here too: a member never dials an address that a peer chose to aim
+it at its own machine's other services.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import ipaddress
@@ -23,11 +29,12 @@ import ssl
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import trio
 
 from peer.errors import DECODE_ERRORS, ProtocolError, RemoteError
+from peer.net.slots import AcceptBudget, Slots, check_rate, check_slots
 from peer.net.tls import TlsStream
 
 log = logging.getLogger("peertrain.admission")
@@ -44,70 +51,74 @@ REFUSALS = (
 DOMAIN = b"peertrain/data-admission/1"
 NONCE_BYTES = 16
 MAC_BYTES = 32
+# accept(2) errors that mean we are out of descriptors or memory, not that the listener broke
+# (what trio.serve_listeners retries): wait a little and accept again.
+ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+ACCEPT_RETRY_SECONDS = 0.1
+NO_ADDRESS = "?"
 
 
 @dataclass(frozen=True, kw_only=True)
 class AdmissionLimits:
     max_total: int = 128
     """Unauthenticated connections held at once; an honest round needs one per member."""
-    max_per_address: int = 16
-    """Of those, from one source address: one host cannot take every slot."""
+    max_per_prefix: int = 32
+    """Of those, from one IPv4 /24 or IPv6 /64 (a site's members in one group); a newcomer
+    past it takes its prefix's oldest."""
     deadline: float = 3.0
     """Seconds to prove the network key and finish the TLS handshake (~3 ms on loopback)."""
+    accept_rate: float = 32.0
+    """Connections a second one prefix may open, sustained; more are closed at accept."""
+    accept_burst: int = 64
+    """Connections one prefix may open at once (a round's start: one per member)."""
+
+    def __post_init__(self) -> None:
+        check_slots(self.max_total, self.max_per_prefix, names=("max_total", "max_per_prefix"))
+        check_rate(self.accept_rate, self.accept_burst)
+        if not self.deadline > 0:
+            raise ValueError(f"deadline={self.deadline!r} must be positive")
 
 
 class Admission:
-    """Counts the unauthenticated connections of one listening port.
-
-    When every slot is taken, a connection from an address holding fewer slots than the
-    busiest one evicts that address's oldest: an attacker needs as many addresses as there
-    are slots to keep out a newcomer from one more address.
-    """
+    """The unauthenticated connections of one listening port: slots per prefix (see
+    `peer.net.slots`), each a cancel scope that carries the deadline and is cancelled when a
+    newcomer evicts it, and the port's accept-rate budget."""
 
     def __init__(self, network_key: bytes | None, limits: AdmissionLimits | None = None) -> None:
         self.network_key = network_key
         self.limits = limits or AdmissionLimits()
-        self._pending: dict[str, list[trio.CancelScope]] = {}  # per address, oldest first
-        self._total = 0
+        self.slots: Slots[trio.CancelScope] = Slots(
+            max_total=self.limits.max_total, max_per_prefix=self.limits.max_per_prefix
+        )
+        self.budget = AcceptBudget(rate=self.limits.accept_rate, burst=self.limits.accept_burst)
 
     @contextmanager
     def slot(self, stream: trio.SocketStream) -> Iterator[trio.CancelScope | None]:
         """A cancel scope for this connection's authentication (it carries the deadline and
         is cancelled if the slot is evicted), or None if the connection must be closed now."""
-        address = _source_address(stream)
-        limits = self.limits
-        held = self._pending.setdefault(address, [])
-        if len(held) >= limits.max_per_address or not self._make_room(len(held)):
-            if not held:
-                del self._pending[address]
+        scope = trio.CancelScope(deadline=trio.current_time() + self.limits.deadline)
+        taken, evicted = self.slots.take(scope, peer_address(stream))
+        for victim in evicted:
+            victim.cancel()
+        if not taken:
             yield None
             return
-        scope = trio.CancelScope(deadline=trio.current_time() + limits.deadline)
-        held.append(scope)
-        self._total += 1
         try:
             yield scope
         finally:
-            self._release(address, scope)
+            self.slots.release(scope)
 
-    def _make_room(self, ours: int) -> bool:
-        if self._total < self.limits.max_total:
-            return True
-        busiest = max(self._pending, key=lambda a: len(self._pending[a]))
-        if len(self._pending[busiest]) <= ours + 1:
-            return False  # evicting would not make the shares fairer
-        victim = self._pending[busiest][0]
-        victim.cancel()
-        self._release(busiest, victim)
-        return True
-
-    def _release(self, address: str, scope: trio.CancelScope) -> None:
-        held = self._pending.get(address, [])
-        if scope in held:  # not if it was evicted (and released) already
-            held.remove(scope)
-            self._total -= 1
-            if not held:
-                del self._pending[address]
+    async def serve(
+        self,
+        handler: Callable[[trio.SocketStream], Awaitable[object]],
+        port: int,
+        *,
+        host: str | None = None,
+        task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
+    ) -> NoReturn:
+        """`trio.serve_tcp` for this port, with its accept-rate budget asked at accept."""
+        listeners = await trio.open_tcp_listeners(port, host=host)
+        await serve_listeners(handler, listeners, budget=self.budget, task_status=task_status)
 
     async def check_network_key(self, stream: trio.SocketStream) -> None:
         """ProtocolError unless the other end proves the network key (no-op without one)."""
@@ -168,8 +179,9 @@ class Admission:
         return tls, greeting
 
     def statistics(self) -> tuple[int, int]:
-        """(unauthenticated connections held, source addresses they come from)."""
-        return self._total, len(self._pending)
+        """(unauthenticated connections held, prefixes they come from)."""
+        stats = self.slots.statistics()
+        return stats.held, stats.prefixes
 
 
 async def connect(
@@ -251,11 +263,70 @@ def _mac(network_key: bytes, nonce: bytes) -> bytes:
     return hmac.new(network_key, DOMAIN + nonce, hashlib.sha256).digest()
 
 
-def _source_address(stream: trio.SocketStream) -> str:
+def peer_address(stream: trio.SocketStream) -> str:
+    """The IP address `stream` comes from (NO_ADDRESS if the socket is gone already)."""
     try:
         return str(stream.socket.getpeername()[0])
     except (OSError, IndexError):
-        return "?"
+        return NO_ADDRESS
+
+
+async def serve_listeners(
+    handler: Callable[[trio.SocketStream], Awaitable[object]],
+    listeners: list[trio.SocketListener],
+    *,
+    budget: AcceptBudget,
+    handler_nursery: trio.Nursery | None = None,
+    task_status: trio.TaskStatus[list[trio.SocketListener]] = trio.TASK_STATUS_IGNORED,
+) -> NoReturn:
+    """`trio.serve_listeners` with `budget` asked at accept: a connection over its prefix's
+    rate is closed there, before a task, buffer or handshake is spent on it (what it costs:
+    one accept and one close, benchmarks/accept_flood.py). The others each get a task in
+    `handler_nursery` (default: our own), and their stream is closed when it ends."""
+    async with trio.open_nursery() as nursery:
+        for listener in listeners:
+            nursery.start_soon(accept_loop, listener, handler, budget, handler_nursery or nursery)
+        task_status.started(listeners)
+        await trio.sleep_forever()  # a listener closed under us ends its loop, not the others
+    raise AssertionError("unreachable")
+
+
+async def accept_loop(
+    listener: trio.SocketListener,
+    handler: Callable[[trio.SocketStream], Awaitable[object]],
+    budget: AcceptBudget,
+    nursery: Any,
+) -> None:
+    """Accept on `listener` until cancelled or it is closed (it is closed on the way out);
+    see `serve_listeners`. `nursery`: where each admitted connection's task starts (anything
+    with `start_soon`)."""
+    async with listener:
+        while True:
+            try:
+                stream = await listener.accept()
+            except trio.ClosedResourceError:
+                return  # closed by its owner (py-libp2p's listener closes its sockets)
+            except OSError as error:
+                if error.errno not in ACCEPT_CAPACITY_ERRNOS:
+                    raise
+                log.warning("cannot accept a connection: %s; retrying", error.strerror)
+                await trio.sleep(ACCEPT_RETRY_SECONDS)
+                continue
+            address = peer_address(stream)
+            # No address: reset before we got to it, nothing left to serve.
+            if address != NO_ADDRESS and budget.allow(address, now=trio.current_time()):
+                nursery.start_soon(_run_handler, stream, handler)
+            else:
+                stream.socket.close()
+
+
+async def _run_handler(
+    stream: trio.SocketStream, handler: Callable[[trio.SocketStream], Awaitable[object]]
+) -> None:
+    try:
+        await handler(stream)
+    finally:
+        await trio.aclose_forcefully(stream)
 
 
 async def _receive_exactly(stream: trio.SocketStream, count: int) -> bytes:

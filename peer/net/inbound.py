@@ -8,38 +8,44 @@ py-libp2p 0.8.1 (`Swarm._handle_inbound_connection`) takes one of its 250 inboun
 nonce and the Noise handshake, and holds it for up to `inbound_upgrade_timeout` (10 s) even if
 the other side never sends a byte. 250 idle TCP connections, which cost an attacker no key and
 no identity, kept every newcomer out; 250 throw-away identities that authenticate and then sit
-idle would keep them out for good. We replace that handler (`serve_inbound`); its slot limiter
-is no longer used on TCP, these limits take its place:
+idle would keep them out for good. We replace that handler (`serve_inbound`) and the TCP
+listener's accept loop (`GatedTCPListener`); its slot limiter is no longer used on TCP, these
+limits take its place, all counted per network prefix (`peer.net.prefix.prefix_of`: IPv4 /24,
+IPv6 /64; see `peer.net.slots`):
 
-    accept --admit--> PENDING --authenticate--> ESTABLISHED --release--> (gone)
-       \\--> refused     \\--> evicted: socket closed   \\--> pruned: connection closed
+    accept --budget--> PENDING --authenticate--> ESTABLISHED --release--> (gone)
+       \\--> closed        \\--> evicted: socket closed   \\--> pruned: connection closed
 
+- at accept: a prefix over its accept rate (`accept_rate`, `accept_burst`) is closed right
+  there, in the listener's accept loop, before a task is started or a byte read.
 - PENDING (TCP accepted; pnet, Noise and yamux negotiation running): at most
-  `max_pending_per_source` from one source (an IPv4 address, or an IPv6 /64: one host's share)
-  and `max_pending` in all, each for `handshake_seconds`. When all are taken, a newcomer from a
-  source with fewer pending connections than the fullest source takes that source's oldest
-  slot: to keep out a newcomer from one more address, an attacker needs as many addresses as
-  there are slots, and a refused connection costs us one accept and one close.
+  `max_pending_per_source` from one prefix and `max_pending` in all, each for
+  `handshake_seconds`. A newcomer from a prefix at its cap takes that prefix's oldest pending
+  slot: an attacker's idle connections from a member's own public address cannot keep the
+  member out (its handshake takes milliseconds; the attacker must open that many fresh
+  connections meanwhile, which the accept rate bounds). When all are taken, a newcomer from a
+  prefix with fewer pending connections than the fullest takes that prefix's oldest slot: to
+  keep out a newcomer from one more prefix, an attacker needs as many prefixes as there are
+  slots.
 - ESTABLISHED (authenticated and registered by the swarm): when one more than `max_established`
   are held, or py-libp2p's `max_connections` (inbound and outbound together; it refuses a
   handshake at the cap) has less room left than the handshakes that may still finish, the
-  newcomer's arrival prunes the least useful others: from the source holding the most
+  newcomer's arrival prunes the least useful others: from the prefix holding the most
   connections first, then one with no stream of ours open and nothing held on it (a relay
   reservation, see `InboundGate.holds`), then the one idle longest (libp2p's own identify and
   ping streams do not count). Pruning starts well below py-libp2p's caps, so a newcomer always
   finds a slot.
 
-`InboundGate` is the bookkeeping alone (synchronous, clock passed in); `serve_inbound` moves
-the bytes and owns the waits. Evicting a pending connection closes its socket rather than
-cancelling its handshake: py-libp2p's upgrade then fails like any broken connection and frees
-its resource-manager scope, which a cancellation in its cleanup would skip (after 1,000 such
-leaks its resource manager refuses every connection).
+`InboundGate` is the bookkeeping alone (synchronous, clock passed in); `serve_inbound` and
+`GatedTCPListener` move the bytes and own the waits. Evicting a pending connection closes its
+socket rather than cancelling its handshake: py-libp2p's upgrade then fails like any broken
+connection and frees its resource-manager scope, which a cancellation in its cleanup would
+skip (after 1,000 such leaks its resource manager refuses every connection).
 """
 
 from __future__ import annotations
 
 import enum
-import ipaddress
 import logging
 from collections import Counter
 from collections.abc import Callable
@@ -49,9 +55,17 @@ from typing import Any
 
 import trio
 from libp2p.abc import IMuxedConn, INotifee
+from libp2p.io.trio import TrioTCPStream
 from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.peer.id import ID
+from libp2p.transport.exceptions import OpenConnectionError
+from libp2p.transport.tcp.tcp import TCP, TCPListener, _open_reuseport_listeners
+from libp2p.utils.multiaddr_utils import extract_ip_from_multiaddr
 from multiaddr import Multiaddr
+
+from peer.net.admission import accept_loop
+from peer.net.prefix import prefix_of
+from peer.net.slots import AcceptBudget, Slots, check_rate
 
 log = logging.getLogger("peertrain.inbound")
 
@@ -70,11 +84,18 @@ class InboundLimits:
     max_pending: int = 64
     """Inbound connections still in the handshake, in all."""
     max_pending_per_source: int = 16
-    """Of those, from one IPv4 address or IPv6 /64 (room for a NAT'd site's burst of joins)."""
+    """Of those, from one IPv4 /24 or IPv6 /64 (room for a NAT'd site's burst of joins); a
+    newcomer past it takes its prefix's oldest."""
     handshake_seconds: float = 5.0
     """Seconds from TCP accept to an authenticated, multiplexed connection (our dials: 5 s)."""
     max_established: int = 160
     """Authenticated inbound connections kept; beyond it a newcomer prunes the least useful."""
+    accept_rate: float = 20.0
+    """TCP connections a second one prefix may open, sustained; more are closed at accept.
+    An attacker must open `max_pending_per_source` within a member's handshake to push it
+    out: at this rate that takes 0.8 s (a handshake takes milliseconds)."""
+    accept_burst: int = 64
+    """TCP connections one prefix may open at once (a NAT'd site's members joining)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_pending_per_source <= self.max_pending:
@@ -86,6 +107,7 @@ class InboundLimits:
             raise ValueError(f"handshake_seconds={self.handshake_seconds!r} must be positive")
         if self.max_established < 1:
             raise ValueError(f"max_established={self.max_established!r} must be at least 1")
+        check_rate(self.accept_rate, self.accept_burst)
 
 
 class Phase(enum.Enum):
@@ -115,6 +137,7 @@ class Admission:
     """One inbound connection the gate let in."""
 
     source: str
+    """The network prefix it came from (`prefix_of`)."""
     since: float
     """When it was accepted (then: when it authenticated)."""
     phase: Phase = Phase.PENDING
@@ -135,25 +158,14 @@ class InboundStatistics:
     pending: int
     established: int
     refused: int
-    """Connections closed at accept (their source's or every pending slot taken)."""
+    """Connections closed at accept, every pending slot taken by prefixes no busier."""
     evicted: int
-    """Pending connections closed to let a newcomer from a less busy source in."""
+    """Pending connections closed to let a newcomer in (of its own prefix at its cap, or of
+    the fullest prefix)."""
     pruned: int
     """Authenticated connections closed to make room."""
-
-
-def source_of(ip: str) -> str:
-    """What a per-source cap counts: the IPv4 address, or the /64 of an IPv6 one (one host
-    or site usually holds a whole /64)."""
-    try:
-        address = ipaddress.ip_address(ip)
-    except ValueError:
-        return ip
-    if isinstance(address, ipaddress.IPv6Address):
-        if address.ipv4_mapped is not None:
-            return str(address.ipv4_mapped)
-        return str(ipaddress.IPv6Network((address, 64), strict=False))
-    return str(address)
+    over_budget: int = 0
+    """TCP connections closed at accept, their prefix over its accept rate."""
 
 
 class InboundGate:
@@ -163,36 +175,28 @@ class InboundGate:
 
     def __init__(self, limits: InboundLimits) -> None:
         self.limits = limits
-        self._pending: dict[str, list[Admission]] = {}  # by source, oldest first
+        self._pending: Slots[Admission] = Slots(
+            max_total=limits.max_pending, max_per_prefix=limits.max_pending_per_source
+        )
+        self.budget = AcceptBudget(rate=limits.accept_rate, burst=limits.accept_burst)
+        """Asked at accept, by the listener (`GatedTCPListener`)."""
         self._established: set[Admission] = set()
         self._by_peer: dict[ID, set[Admission]] = {}
-        self._refused = self._evicted = self._pruned = 0
+        self._pruned = 0
         # Set by a service that keeps state bound to a connection: whether a muxed connection
         # holds some. The relay's reservations: the hop stream closes once answered, so the
         # connection looks idle, and pruning it only makes its peer reserve again (churn).
         self.holds: Callable[[object], bool] = _holds_nothing
 
     def admit(self, ip: str, *, now: float) -> tuple[Admission | None, list[Admission]]:
-        """A TCP connection from `ip` was accepted: its admission (None: close it now) and the
-        pending connections to close to make room for it."""
-        source = source_of(ip)
-        mine = self._pending.get(source, [])
-        if len(mine) >= self.limits.max_pending_per_source:
-            self._refused += 1
-            return None, []
-        evicted = []
-        if self.pending_count() >= self.limits.max_pending:
-            fullest = max(self._pending.values(), key=lambda q: (len(q), -q[0].since))
-            if len(fullest) <= len(mine):  # we are (among) the fullest ourselves
-                self._refused += 1
-                return None, []
-            victim = fullest[0]
-            self._drop(victim)
-            self._evicted += 1
-            evicted.append(victim)
-        admission = Admission(source, now)
-        self._pending.setdefault(source, []).append(admission)
-        return admission, evicted
+        """A connection from `ip` (or from a prefix: the relay passes its caller's) starts
+        its handshake: its admission (None: close it now) and the pending connections to
+        close to make room for it."""
+        admission = Admission(prefix_of(ip), now)
+        taken, evicted = self._pending.take(admission, ip)
+        for victim in evicted:
+            victim.phase = Phase.GONE
+        return (admission if taken else None), evicted
 
     def authenticate(
         self, admission: Admission, *, peer_id: ID, now: float, room: int
@@ -228,24 +232,22 @@ class InboundGate:
         self._drop(admission)
 
     def pending_count(self) -> int:
-        return sum(len(q) for q in self._pending.values())
+        return len(self._pending)
 
     def statistics(self) -> InboundStatistics:
+        pending = self._pending.statistics()
         return InboundStatistics(
-            pending=self.pending_count(),
+            pending=pending.held,
             established=len(self._established),
-            refused=self._refused,
-            evicted=self._evicted,
+            refused=pending.refused,
+            evicted=pending.evicted,
             pruned=self._pruned,
+            over_budget=self.budget.statistics().over_budget,
         )
 
     def _drop(self, admission: Admission) -> None:
         if admission.phase is Phase.PENDING:
-            queue = self._pending.get(admission.source, [])
-            with suppress(ValueError):
-                queue.remove(admission)
-            if not queue:
-                self._pending.pop(admission.source, None)
+            self._pending.release(admission)
         elif admission.phase is Phase.ESTABLISHED:
             self._established.discard(admission)
             assert admission.peer_id is not None
@@ -257,8 +259,8 @@ class InboundGate:
 
 
 def choose_prunable(candidates: set[Admission], count: int) -> list[Admission]:
-    """The `count` least useful of `candidates`: from the source holding the most of them
-    first (one host's many identities go before many hosts' one each), then those with no open
+    """The `count` least useful of `candidates`: from the prefix holding the most of them
+    first (one site's many identities go before many sites' one each), then those with no open
     stream or held state (a stream in use is work in flight), then the longest idle."""
     if count <= 0 or not candidates:
         return []
@@ -307,8 +309,10 @@ class ActivityNotifee(INotifee):
 
 
 def install(swarm: Any, gate: InboundGate) -> None:
-    """Put the gate in front of `swarm`'s inbound connections. The handshake deadline is the
-    swarm's own `inbound_upgrade_timeout`, set from the limits when the swarm is made."""
+    """Put the gate in front of `swarm`'s inbound connections: its TCP listeners accept with
+    the gate's budget (`GatedTCPListener`) and its handler is `serve_inbound`. The handshake
+    deadline is the swarm's own `inbound_upgrade_timeout`, set from the limits when the swarm
+    is made."""
 
     async def handle(read_write_closer: Any, maddr: Multiaddr) -> None:
         await serve_inbound(swarm, gate, read_write_closer, maddr)
@@ -316,6 +320,48 @@ def install(swarm: Any, gate: InboundGate) -> None:
     # Private method of the pinned py-libp2p version; see the module docstring.
     swarm._handle_inbound_connection = handle
     swarm.register_notifee(ActivityNotifee(gate))
+    for transport in swarm.transport_manager.get_transports():
+        if isinstance(transport, TCP):  # this swarm's own instance: other hosts keep theirs
+            transport.create_listener = lambda handler: GatedTCPListener(handler, gate)
+
+
+class GatedTCPListener(TCPListener):
+    """py-libp2p's TCP listener (SO_REUSEPORT sockets for hole punching, a system task that
+    outlives `listen`, `close`), with our accept loop: a connection over its prefix's accept
+    rate is closed right at accept (`InboundGate.budget`), before py-libp2p's per-connection
+    task, stream wrapper and handler; the others go on as py-libp2p's would."""
+
+    def __init__(self, handler_function: Any, gate: InboundGate) -> None:
+        super().__init__(handler_function)
+        self.gate = gate
+
+    async def listen(self, maddr: Multiaddr) -> None:
+        """Listen on `maddr` (OpenConnectionError if we cannot); returns once accepting."""
+        try:
+            port = int(maddr.value_for_protocol("tcp"))
+        except Exception:
+            raise OpenConnectionError(f"cannot listen on {maddr}: no TCP port") from None
+        # Private members of the pinned version's TCPListener (see its `listen`): its lock,
+        # system-task nursery and listeners, which its `close` and `get_addrs` use.
+        async with self._lifecycle_lock:
+            if self._closed:
+                raise OpenConnectionError(f"cannot listen on {maddr}: listener is closed")
+            if self._nursery is None:
+                await self._spawn_background_task()
+            nursery = self._nursery
+            if nursery is None:
+                raise OpenConnectionError(f"cannot listen on {maddr}: no background task")
+            listeners = await _open_reuseport_listeners(extract_ip_from_multiaddr(maddr), port)
+            for listener in listeners:
+                nursery.start_soon(accept_loop, listener, self._serve, self.gate.budget, nursery)
+            self.listeners.extend(listeners)
+
+    async def _serve(self, stream: trio.SocketStream) -> None:
+        """One admitted connection, as py-libp2p's listener hands it on."""
+        try:
+            await self.handler(TrioTCPStream(stream))
+        except Exception as error:  # a failed connection, not a bug of ours (py-libp2p's)
+            log.debug("inbound connection failed: %r", error)
 
 
 async def serve_inbound(

@@ -10,12 +10,16 @@ counts as the IPv4 address it carries (a dual-stack socket reports IPv4 callers 
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 
 IPV4_PREFIX = 24
 IPV6_PREFIX = 64
 
 
+# Asked at every accept: a flood from a few addresses costs a dictionary lookup each, not the
+# ~8 us of parsing (an attacker rotating through more addresses gets the parsing).
+@functools.lru_cache(maxsize=4096)
 def prefix_of(ip: str) -> str:
     """The prefix `ip` counts under: its IPv4 /24 or IPv6 /64 as CIDR text; an address that
     does not parse (a Unix socket's name, a test's stand-in) counts as itself."""

@@ -15,7 +15,12 @@ import time
 import pytest
 
 from tests.collab_processes import Collaboration, Proc
-from tests.hostile.common import ENV, SOURCES, FloodThread, free_port, wait_until
+from tests.hostile.common import ENV, FloodThread, free_port, wait_until
+
+# Outsiders: 8 networks (/24s) other than the collaboration's own 127.0.0.0/24, as limits
+# count per prefix. (From the members' own /24, a flood spends the accept budget they share:
+# what that costs them is in docs/SECURITY.md, "A shared public address".)
+SOURCES = [f"127.0.{i}.1" for i in range(2, 10)]
 
 PER_TARGET = 300
 REFUSED_BACKOFF = 1.0

@@ -19,7 +19,8 @@ class RelayLimits:
     """Reservations held at once. Full, a newcomer takes one from the busiest site (IPv4 /24,
     IPv6 /48) while that site holds at least two more than the newcomer's (`site_of`)."""
     max_reservations_per_source: int = 8
-    """Of those, from one IPv4 address or IPv6 /64 (peer ids are free; addresses are not)."""
+    """Of those, from one IPv4 /24 or IPv6 /64 (`prefix_of`: peer ids are free, and so are
+    addresses inside one network)."""
     reservation_seconds: int = 900
     """Lifetime of a reservation; clients renew at half of it."""
     max_circuits: int = 64
@@ -27,9 +28,9 @@ class RelayLimits:
     max_circuits_per_peer: int = 8
     """Of those, to one reserved peer."""
     max_circuits_per_source: int = 8
-    """Of those, opened from one IPv4 address or IPv6 /64."""
+    """Of those, opened from one IPv4 /24 or IPv6 /64."""
     max_circuits_per_source_to_peer: int = 2
-    """Of those, from one address to one reserved peer: else one address held every circuit
+    """Of those, from one /24 or /64 to one reserved peer: else one source held every circuit
     to a peer (`max_circuits_per_peer`) and left it unreachable for `circuit_seconds`."""
     circuit_bytes: int = 4 << 20
     """Bytes one circuit carries (both directions together) before the relay cuts it."""
@@ -57,8 +58,9 @@ class RelayLimits:
 
 
 def site_of(source: str) -> str:
-    """The site a per-source key (`peer.net.inbound.source_of`: an IPv4 address or an IPv6
-    /64) belongs to, for fair shares when the relay is full: its IPv4 /24 or IPv6 /48."""
+    """The site a per-source key (`peer.net.prefix.prefix_of`: an IPv4 /24 or an IPv6 /64;
+    an address counts as its own) belongs to, for fair shares when the relay is full: its
+    IPv4 /24 (the source itself) or IPv6 /48."""
     try:
         network = ipaddress.ip_network(source, strict=False)
     except ValueError:

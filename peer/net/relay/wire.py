@@ -13,7 +13,7 @@ from libp2p.relay.circuit_v2.protocol import STOP_PROTOCOL_ID as STOP_PROTOCOL
 from libp2p.relay.circuit_v2.protocol_buffer import StatusCode
 
 from peer.errors import Unreachable
-from peer.net.inbound import source_of
+from peer.net.prefix import prefix_of
 from peer.net.relayed import parse_relayed_addr, relayed_addr
 from peer.net.rpc import TRANSPORT_ERRORS
 
@@ -43,9 +43,9 @@ def check_status(is_status: bool, status: int, who: str) -> None:
 
 
 def stream_source(stream: INetStream) -> str:
-    """What per-source caps count for the connection a stream runs on (see `source_of`)."""
+    """What per-source caps count for the connection a stream runs on (`prefix_of`)."""
     address = stream.muxed_conn.get_remote_address()  # type: ignore[attr-defined]
-    return source_of(address[0]) if address else "?"
+    return prefix_of(address[0]) if address else "?"
 
 
 async def reset_stream(stream: INetStream) -> None:

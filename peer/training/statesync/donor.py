@@ -218,7 +218,7 @@ class StateDonor:
         try:
             async with trio.open_nursery() as nursery:
                 listeners = await nursery.start(
-                    functools.partial(trio.serve_tcp, host=host), self._handle, port
+                    functools.partial(self.admission.serve, host=host), self._handle, port
                 )
                 bound = listeners[0].socket.getsockname()[1]
                 self._data = (
