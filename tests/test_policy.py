@@ -14,10 +14,10 @@ from peer.averaging.averager import AveragingResult, longest_averaging
 from peer.averaging.reduce import ChunkResult
 from peer.config import AveragingConfig, PeerConfig, TaskConfig, TrainingConfig
 from peer.training.certificate import CARRIED_SIGNATURES, MAX_SIGNATURES, StepSignature, carried
+from peer.training.deal import MAX_RATE_CLAIM, REMEASURE_STEPS, deal, shares
 from peer.training.policy import (
     MAX_FALLBACK_TURNS,
     MAX_WAIT_FOR_OTHERS,
-    REMEASURE_STEPS,
     SLOW_CLAIM,
     TRANSITIONS,
     Call,
@@ -509,36 +509,130 @@ def test_warming_up_peers_deal_quotas_from_the_rates_they_published():
     assert quotas == [4, 4]
 
 
-def test_a_peer_dealt_no_micro_batch_computes_one_now_and_then_to_measure_its_speed_again():
-    """The quotas come from the published rates, and a peer dealt none computes nothing that
-    would measure its rate again: a restarted peer whose first (warm-up) micro-batch was slow
-    stayed idle for the rest of the churn test's run (19 of 22 steps with 0 samples). It
-    computes one micro-batch when it never has, and again after REMEASURE_STEPS without."""
+def trainers_at(step: int, rates: dict[str, float]) -> list[ProgressRecord]:
+    """Trainers at `step` with these published rates (samples/s), nobody's samples yet."""
+    return [
+        other(peer, step=step, digest=f"d{step}", samples_per_second=rate)
+        for peer, rate in rates.items()
+    ]
 
-    def at(step: int) -> list[ProgressRecord]:
-        fast = [
-            msgspec.structs.replace(
-                rec(0, cosigners=(1,), step=step, digest=f"d{step}", updated_at=T0),
-                peer_id=f"a{i}",  # below ours: one of them calls the step
-                samples_per_second=1000.0,
-            )
-            for i in range(3)
-        ]
-        return [*fast, other(ME, step=step, digest=f"d{step}", samples_per_second=1.0)]
 
+def peer_policy(me: str) -> StepPolicy:
     policy = make_policy()
-    read(policy, *at(0))
-    idle = Local(samples=0, samples_per_second=1.0)
-    assert policy.quota(policy.view, idle) == 0
-    assert isinstance(policy.next_action(idle, T0), Compute)  # a rate we never measured
-    assert not isinstance(policy.next_action(Local(samples=8), T0), Compute)
-    for step in range(1, REMEASURE_STEPS):
-        policy.hold(step, f"d{step}", own_signature(step))
-        read(policy, *at(step))
-        assert not isinstance(policy.next_action(idle, T0), Compute), step
-    policy.hold(REMEASURE_STEPS, f"d{REMEASURE_STEPS}", own_signature(REMEASURE_STEPS))
-    read(policy, *at(REMEASURE_STEPS))
-    assert isinstance(policy.next_action(idle, T0), Compute)
+    policy.me = me
+    return policy
+
+
+def dealt_micro_batches(policy: StepPolicy) -> int:
+    """The micro-batches `policy` computes toward its next step with nobody's samples in view
+    (its own record in it): its quota."""
+    count = 0
+    while not is_full(policy, count * policy.config.task.micro_batch, rate=0.0):
+        count += 1
+    return count
+
+
+def test_the_deal_rounds_each_share_down_or_up_and_averages_it_over_the_steps():
+    """Systematic rounding, by hand: shares of 8/3 end to end, [0, 2.67), [2.67, 5.33),
+    [5.33, 8), and step 0's points 0.5, 1.5, ..., 7.5: 3, 2, 3. Over the steps each quota
+    averages its share; a rate not measured yet counts as the median one, and a share below
+    1/REMEASURE_STEPS of a micro-batch is raised to it, from the others'."""
+    assert deal(8, {"a": 1.0, "b": 1.0, "c": 1.0}, 0) == {"a": 3, "b": 2, "c": 3}
+    rates = {"a": 5.0, "b": 3.0, "c": 1.0, "d": 0.0}  # d: as the median, 3
+    split = shares(8, rates)
+    assert split == pytest.approx({"a": 10 / 3, "b": 2.0, "c": 2 / 3, "d": 2.0})
+    steps = 1000
+    totals = dict.fromkeys(rates, 0)
+    for step in range(steps):
+        dealt = deal(8, rates, step)
+        assert sum(dealt.values()) == 8, step
+        for peer, quota in dealt.items():
+            assert math.floor(split[peer]) <= quota <= math.ceil(split[peer]), (step, peer)
+            totals[peer] += quota
+    assert {peer: total / steps for peer, total in totals.items()} == pytest.approx(split, abs=0.01)
+    crawl = shares(8, {"fast": 1e9, "slow": 1.0})
+    assert crawl == pytest.approx({"fast": 8 - 1 / REMEASURE_STEPS, "slow": 1 / REMEASURE_STEPS})
+    # Claims near the float's range overflow nothing; more peers than 8 x REMEASURE_STEPS
+    # share equally.
+    huge = shares(8, {"a": 1e308, "b": 1e308, "c": 1.0})
+    assert huge == pytest.approx({"a": 3.95, "b": 3.95, "c": 0.1})
+    crowd = shares(8, {f"p{i}": 1.0 + i for i in range(100)})
+    assert set(crowd.values()) == {0.08}
+
+
+def test_one_records_rate_claim_counts_for_at_most_a_few_times_the_median():
+    """A record's rate is its own word: claiming 10^9 samples/s beside three peers at 1, it
+    took 7.7 of 8 micro-batches and, computing nothing, shrank every step to a quarter of the
+    target. It counts as MAX_RATE_CLAIM times the median."""
+    split = shares(8, {"liar": 1e9, "a": 1.0, "b": 1.0, "c": 1.0})
+    total = MAX_RATE_CLAIM + 3
+    assert split == pytest.approx(
+        {"liar": 8 * MAX_RATE_CLAIM / total, "a": 8 / total, "b": 8 / total, "c": 8 / total}
+    )
+
+
+def test_peers_whose_rates_are_not_known_yet_deal_the_target_among_themselves():
+    """16 peers just started, none with a published rate (a peer's first micro-batch, torch's
+    warm-up, is none), and 8 micro-batches: half of them compute one, the other half at the
+    next step. Each computed one anyway (a rate never measured), and the benchmark's first
+    step at 16 peers applied 512 for 256."""
+    rates = dict.fromkeys((f"p{i:02d}" for i in range(16)), 0.0)
+    turns = dict.fromkeys(rates, 0)
+    for step in range(2):
+        for peer in rates:
+            policy = peer_policy(peer)
+            policy.hold(step, f"d{step}", own_signature(step))
+            read(policy, *trainers_at(step, rates))
+            turns[peer] += dealt_micro_batches(policy)
+        assert sum(turns.values()) == 8 * (step + 1), (step, turns)
+    assert set(turns.values()) == {1}
+
+
+def test_a_peer_dealt_next_to_nothing_computes_now_and_then_from_the_targets_micro_batches():
+    """12 peers for 8 micro-batches, one published at 1/s against 1000/s (a restart whose
+    warm-up micro-batch was slow, 19 of 22 steps idle in the churn test). Its share, at least
+    1/REMEASURE_STEPS of a micro-batch, has it compute one about every REMEASURE_STEPS steps
+    (its rate measured again), and the micro-batches dealt add up to the target's 8 at every
+    step: a peer dealt none computed one on top, at its start and then every REMEASURE_STEPS
+    steps, and 12 peers applied a mean of 305 for 256."""
+    peers = [f"p{i:02d}" for i in range(12)]
+    rates = dict.fromkeys(peers, 1000.0) | {"p05": 1.0}
+    policies = {peer: peer_policy(peer) for peer in peers}
+    turns = []
+    for step in range(4 * REMEASURE_STEPS):
+        dealt = {}
+        for peer, policy in policies.items():
+            policy.hold(step, f"d{step}", own_signature(step))
+            read(policy, *trainers_at(step, rates))
+            dealt[peer] = dealt_micro_batches(policy)
+        assert sum(dealt.values()) == 8, (step, dealt)
+        if dealt["p05"]:
+            turns.append(step)
+    gaps = [b - a for a, b in zip([-1, *turns[:-1]], turns, strict=True)]
+    assert len(turns) == 4 and max(gaps) <= 1.5 * REMEASURE_STEPS, turns
+
+
+def test_a_quota_is_dealt_once_a_step_and_again_only_when_the_trainers_change():
+    """The published rates move with each record (moving averages): of three peers at about
+    the same speed one was dealt 2 by a read and 3 by the next, and having held at 2 computed
+    a third (a step applied the most each peer was dealt over its reads: 288 for 256). The
+    deal stands for the step unless a trainer comes or goes."""
+    policy = make_policy()  # "m", between "a" and "z"
+    read(policy, *trainers_at(0, {"a": 9.5, ME: 9.5, "z": 10.5}))
+    assert dealt_micro_batches(policy) == 2
+    read(policy, *trainers_at(0, {"a": 9.2, ME: 9.7, "z": 10.8}))
+    assert policy.quota(policy.view, Local()) == 3  # what this read alone deals us
+    assert dealt_micro_batches(policy) == 2
+    read(policy, *trainers_at(0, {"a": 9.2, ME: 9.7}))  # z left: dealt again
+    assert dealt_micro_batches(policy) == 4
+    policy.hold(1, "d1", own_signature(1))  # the next step: dealt again
+    read(policy, *trainers_at(1, {"a": 9.2, ME: 9.7, "z": 10.8}))
+    assert dealt_micro_batches(policy) == policy.quota(policy.view, Local()) == 2
+    # While our averaging of step 2 runs in the background (delayed updates), our
+    # micro-batches are step 3's: dealt as the peers that applied step 2 deal them.
+    rates = {"a": 9.2, ME: 9.7, "z": 10.8}
+    assert deal(8, rates, 1)[ME] == 2 and deal(8, rates, 2)[ME] == 3
+    assert policy.quota(policy.view, Local(averaging=True)) == 3
 
 
 def test_a_dedloc_peer_stops_when_the_others_already_hold_the_batch():

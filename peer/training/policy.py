@@ -50,6 +50,7 @@ from peer.training.certificate import (
     carried,
     merge_signatures,
 )
+from peer.training.deal import deal
 from peer.training.progress import (
     CollaborationView,
     Moves,
@@ -72,10 +73,9 @@ MAX_WAIT_FOR_OTHERS = 600.0
 #: Turns at most a fallback caller waits for the peers below it (`_may_call`): fresh records
 #: with ground ids below ours delay our fallback call by no more than this many.
 MAX_FALLBACK_TURNS = 8
-#: Steps after which a peer dealt no micro-batch computes one anyway. Its rate is the quotas'
-#: only input, and without a micro-batch it is never measured again: a restarted peer whose
-#: first (warm-up) micro-batch was slow got no quota and stayed idle for the rest of the run.
-REMEASURE_STEPS = 10
+#: Averagings in a row that read no ticket but ours, while others train, before we join the
+#: DHT again (`out_of_touch`): our reads may have lost the replicas the others write to.
+LONE_READS = 2
 
 
 class Phase(enum.Enum):
@@ -264,8 +264,12 @@ class StepPolicy:
         # view: whether we may step alone (`_on_our_own`).
         self._moves = Moves()
         self._company_at: float | None = None
+        # When our reads last showed another participant (None: before our first read), and
+        # our averagings in a row that read no ticket but ours: `out_of_touch`.
+        self._others_at: float | None = None
+        self._lone_reads = 0
         self._ready_since: float | None = None  # when the step could first be called
-        self._computed_at: int | None = None  # the last step we computed a micro-batch for
+        self._dealt: tuple[object, int] | None = None  # (what our quota was dealt from, quota)
         self._settle_patience = math.inf
         self._settle_deadline = math.inf
 
@@ -318,9 +322,26 @@ class StepPolicy:
         elif self._uncertified_since is None:
             self._uncertified_since = now
         self.highest_seen = max(self.highest_seen, view.global_step)
+        if self._others_at is None or any(r.peer_id != self.me for r in view.records):
+            self._others_at = now
         self._moves.note(view, now)
         if self._company(now):
             self._company_at = now
+
+    def out_of_touch(self, now: float) -> bool:
+        """We may have lost the others (a partition, contacts that died under our DHT calls):
+        no other participant in our reads for `Timing.rejoin_after`, or `LONE_READS`
+        averagings in a row that read no ticket but ours while other trainers are in view.
+        The executor then joins the DHT again (`DHT.rejoin`) and calls `rejoined`."""
+        if self._others_at is not None and now - self._others_at >= self.timing.rejoin_after:
+            return True
+        others = any(r.peer_id != self.me and r.role == "trainer" for r in self.view.records)
+        return others and self._lone_reads >= LONE_READS
+
+    def rejoined(self, now: float) -> None:
+        """We joined the DHT again: the next `rejoin_after` counts from now."""
+        self._others_at = now
+        self._lone_reads = 0
 
     def take_changed(self) -> bool:
         changed, self.changed = self.changed, False
@@ -349,6 +370,7 @@ class StepPolicy:
         every peer that steps applies the same bits."""
         self._move(Event.AVERAGED)
         self.call = None
+        self._lone_reads = self._lone_reads + 1 if result.peers_seen == 1 else 0
         self.changed = True  # others wait for us to be done with this gathering
         # Alone only if nobody is left to average with: with others at our step or beyond,
         # our read of the tickets missed theirs (or we missed their gathering), and a step of
@@ -412,8 +434,6 @@ class StepPolicy:
         if self.phase not in (Phase.COMPUTING, Phase.HOLDING):
             raise PhaseError(f"no action to take in phase {self.phase.value!r}")
         view = self.view_with(local, now)
-        if local.samples > 0:
-            self._computed_at = self.held.step
         if self._done(local, now):
             self._move(Event.DONE)
             self._settle_patience = now + self.timing.settle_patience(self.store_seconds)
@@ -659,18 +679,15 @@ class StepPolicy:
 
     def _batch_is_full(self, view: CollaborationView, local: Local, now: float) -> bool:
         """Our part of the next step is done. diloco: our `inner_steps` (each peer takes
-        exactly H). dedloc: our quota of the target batch (`quota`), or the samples of the
-        collaboration as we project them (ours exactly) are within half a micro-batch of the
-        target, so one more would overshoot by more than it would fall short. The quotas bound
-        the batch whatever the records' staleness; the projection stops us early where others
-        did more than their quota."""
+        exactly H). dedloc: our quota of the target batch (`quota`, dealt once a step:
+        `_our_quota`), or the samples of the collaboration as we project them (ours exactly)
+        are within half a micro-batch of the target, so one more would overshoot by more than
+        it would fall short. The quotas bound the batch whatever the records' staleness; the
+        projection stops us early where others did more than their quota."""
         micro_batch = self.config.task.micro_batch
         if self.training.mode == "diloco":
             return local.samples >= self.training.inner_steps * micro_batch
-        quota = self.quota(view, local)
-        if quota == 0 and self._rate_is_stale():
-            quota = 1
-        if local.samples >= quota * micro_batch:
+        if local.samples >= self._our_quota(view, local) * micro_batch:
             return True
         projected = view.projected_samples(
             self.held.step, now=now, horizon=self.timing.projection_horizon
@@ -678,35 +695,46 @@ class StepPolicy:
         return projected >= self.config.task.target_batch - micro_batch / 2
 
     def quota(self, view: CollaborationView, local: Local) -> int:
-        """Our micro-batches of the next step: the target's micro-batches dealt out among the
-        trainers about to take the step in proportion to their samples/s (equally while a
-        speed is unknown: a peer just started), by largest remainder, ties by peer id. Every
-        peer with the same view deals the same way, so the quotas add up to the target (to a
-        micro-batch: peers with other micro-batch sizes count in ours); with more peers than
-        micro-batches some get none and only receive the average."""
-        micro_batch = self.config.task.micro_batch
-        units = max(1, round(self.config.task.target_batch / micro_batch))
+        """Our micro-batches of the next step: the target's micro-batches dealt out (`deal`)
+        among the trainers about to take the step in proportion to their samples/s. Every peer
+        with the same view deals the same way, so the quotas add up to the target (to a
+        micro-batch: peers with other micro-batch sizes count in ours), however many peers:
+        with more peers than micro-batches, each computes one in some of the steps."""
+        return self._quota_of(self._dealing_rates(view, local), self._dealing_step(local))
+
+    def _our_quota(self, view: CollaborationView, local: Local) -> int:
+        """`quota`, dealt once a step, and again only when the trainers about to take it (or
+        which of their rates are known) change, not on every read: the published rates move
+        with each record (moving averages), and a peer that reached its quota computed again
+        whenever a read dealt it one more, so a step applied the most each peer was dealt over
+        its reads (3 peers applied 288 for 256, two of them dealt 3 for a moment each)."""
+        rates = self._dealing_rates(view, local)
+        step = self._dealing_step(local)
+        key = (step, sorted((peer, rate > 0) for peer, rate in rates.items()))
+        if self._dealt is None or self._dealt[0] != key:
+            self._dealt = (key, self._quota_of(rates, step))
+        return self._dealt[1]
+
+    def _quota_of(self, rates: dict[str, float], step: int) -> int:
+        units = max(1, round(self.config.task.target_batch / self.config.task.micro_batch))
+        return deal(units, rates, step)[self.me]
+
+    def _dealing_step(self, local: Local) -> int:
+        """The deal our micro-batches are in (`deal` deals for the step after this one): ours,
+        or while our averaging of the next step runs in the background (delayed updates, our
+        micro-batches are the step after it) the next, as for the peers that applied it."""
+        return self.held.step + int(local.averaging)
+
+    def _dealing_rates(self, view: CollaborationView, local: Local) -> dict[str, float]:
+        """The samples/s of the trainers about to take our next step (0: not known yet), as
+        their records say. Ours as the others read it (our last stored record), not as it is
+        now: with our fresh rate against their published ones, each peer of a warming-up
+        collaboration took itself for the faster one and the quotas added up to more than the
+        target."""
         rates = {r.peer_id: r.samples_per_second for r in self._step_company(view)}
-        # Our rate as the others read it (our last stored record), not as it is now: with our
-        # fresh rate against their published ones, each peer of a warming-up collaboration
-        # took itself for the faster one and the quotas added up to more than the target.
         published = [r for r in self.view.records if r.peer_id == self.me]
         rates[self.me] = published[0].samples_per_second if published else local.samples_per_second
-        if not all(rate > 0 for rate in rates.values()):
-            rates = dict.fromkeys(rates, 1.0)
-        total = sum(rates.values())
-        exact = {peer: units * rate / total for peer, rate in rates.items()}
-        quota = {peer: int(share) for peer, share in exact.items()}
-        left = units - sum(quota.values())
-        by_remainder = sorted(exact, key=lambda peer: (quota[peer] - exact[peer], peer))
-        for peer in by_remainder[:left]:
-            quota[peer] += 1
-        return quota[self.me]
-
-    def _rate_is_stale(self) -> bool:
-        """We computed no micro-batch for REMEASURE_STEPS steps (or never, e.g. a restart
-        whose old record still shows a rate): the rate our quota comes from is old news."""
-        return self._computed_at is None or self.held.step - self._computed_at >= REMEASURE_STEPS
+        return rates
 
     def _step_company(self, view: CollaborationView) -> list[ProgressRecord]:
         """The trainers about to take our next step with us: at our step, or one behind (a
