@@ -63,6 +63,8 @@ REJOIN_INTERVAL = 2.0
 #: Attempts to join again through a dropped contact before it is given up on: its addresses
 #: are its own claim, and an isolated node must not dial them every 2 s for ever.
 REJOIN_ATTEMPTS = 3
+#: Contacts a `rejoin` dials at most (the backbones always): each costs a dial and a lookup.
+MAX_REJOIN = 32
 #: Bytes of one get reply, entries and contacts: it fits a fresh yamux stream's 256 KiB send
 #: window, so it is written whole without waiting for the caller to read, and a caller that
 #: reads none of its 32 streams (rpc.MAX_STREAMS_PER_PEER) pins at most 6 MiB. ~200 records.
@@ -211,6 +213,32 @@ class DHT:
 
     def _lost_backbones(self) -> bool:
         return bool(self.seeds) and not any(peer_id in self.table for peer_id, _ in self.seeds)
+
+    async def rejoin(self, known: Sequence[tuple[ID, Multiaddr]] = ()) -> list[ID]:
+        """Join again, whatever our table holds: through every backbone, the contacts we
+        dropped last, our table's and `known` (peers whose records we read, most useful
+        first), at most `MAX_REJOIN` of them; the hot keys' replicas are looked up afresh.
+        For a caller that sees nobody for a while (`StepPolicy.out_of_touch`): the upkeep
+        joins again only once no backbone is left in the table, or nothing at all, and a
+        table of contacts that answer us but no longer hold what the others write (they
+        died and came back, a partition healed on one side) kept a peer reading only itself.
+        Returns those that answered."""
+        candidates: dict[ID, Multiaddr] = {}
+        table = [(c.peer_id, c.addrs) for c in self.table.contacts()]
+        forgotten = [(peer_id, c.addrs) for peer_id, (c, _) in self._forgotten.items()]
+        for peer_id, texts in [*table, *forgotten]:
+            addrs = direct_addrs(texts)
+            if addrs and peer_id != self.node.peer_id:
+                candidates.setdefault(peer_id, addrs[0])
+        chosen = dict(self.seeds)
+        for peer_id, addr in [*known, *candidates.items()]:
+            if len(chosen) >= MAX_REJOIN:
+                break
+            if peer_id != self.node.peer_id:
+                chosen.setdefault(peer_id, addr)
+        self._hot.clear()
+        self._hot_read.clear()
+        return await self.bootstrap(list(chosen.items()))
 
     async def bootstrap(self, seeds: Sequence[tuple[ID, Multiaddr]]) -> list[ID]:
         """Contact seed nodes (backbones), then look ourselves up to fill the routing table.

@@ -147,6 +147,13 @@ class Timing:
         return 2 * store_seconds + self.reading
 
     @property
+    def rejoin_after(self) -> float:
+        """Seconds without another participant in our reads before we join the DHT again
+        (`StepPolicy.out_of_touch`): two gathering windows and two reads, so one slow read or
+        a peer that stops between steps is no reason."""
+        return 2 * self.gather_window + 2 * self.reading + self.progress_interval
+
+    @property
     def solo_wait(self) -> float:
         """Seconds with nobody to average with before a peer may step alone (where
         `averaging.min_group_size` = 1 lets it)."""

@@ -24,7 +24,7 @@ import contextlib
 import logging
 import math
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -35,10 +35,11 @@ import msgspec
 import numpy as np
 import torch
 import trio
+from libp2p.peer.id import ID
 
 from peer.averaging.averager import Averager, AveragingResult
 from peer.config import PeerConfig
-from peer.dht.node import DHT
+from peer.dht.node import DHT, MAX_REJOIN, direct_addrs
 from peer.errors import ConfigError, RemoteError
 from peer.files import state_folder
 from peer.heap import releaser
@@ -201,6 +202,9 @@ class Trainer:
         self._validate_due = False
         self._foreign: ProgressRecord | None = None
         self._view_changed = trio.Event()
+        # Peers whose records we read (direct addresses, the latest last): whom a `rejoin`
+        # dials besides the backbones, when we see nobody.
+        self._known: OrderedDict[str, list[str]] = OrderedDict()
         self.progress = ProgressPublisher(
             dht,
             config,
@@ -310,6 +314,12 @@ class Trainer:
 
     def _observe(self, view: CollaborationView) -> None:
         self._foreign = view.foreign_task(self.worker.fingerprint)
+        for r in view.records:
+            if r.peer_id != self.me and r.addrs:
+                self._known.pop(r.peer_id, None)
+                self._known[r.peer_id] = list(r.addrs)
+        while len(self._known) > MAX_REJOIN:
+            self._known.popitem(last=False)
         self.policy.timing = self.policy.timing.reading_every(self.progress.read_interval)
         # Peers of another task never average with us and serve states we cannot load.
         self.policy.observe(view.training(self.worker.fingerprint), self.clock())
@@ -335,6 +345,7 @@ class Trainer:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._note_stop)
                 await nursery.start(self.progress.run)
+                nursery.start_soon(self._keep_in_touch)
                 with trio.move_on_after(self.timing.first_read):
                     await self._view_changed.wait()  # the first read, to know if we are behind
                 if self._foreign is not None:
@@ -351,6 +362,40 @@ class Trainer:
         finally:
             with trio.CancelScope(shield=True):
                 await self._checkpoint(force=True)
+
+    async def _keep_in_touch(self) -> None:
+        """Join the DHT again whenever the policy finds us out of touch (`out_of_touch`: no
+        other participant in our reads for a while, or our averagings reading no ticket but
+        ours): a survivor whose contacts died under its calls read only itself for minutes
+        while the others trained on. The next read then shows where they are, and the
+        policy catches up by download. Logged once per spell out of touch (a peer alone in
+        its collaboration is out of touch for as long as it stays alone)."""
+        spell = 0
+        while True:
+            await trio.sleep(self.training.progress_interval)
+            now = self.clock()
+            if any(r.peer_id != self.me for r in self.policy.view.records):
+                spell = 0
+            if not self.policy.out_of_touch(now):
+                continue
+            known = [
+                (peer, addrs[0])
+                for text, texts in reversed(self._known.items())
+                if (addrs := direct_addrs(texts)) and (peer := _peer_id(text)) is not None
+            ]
+            reached: list[ID] = []
+            with trio.move_on_after(2 * self.config.net.rpc_timeout):
+                with contextlib.suppress(RemoteError):
+                    reached = await self.dht.rejoin(known)
+            spell += 1
+            (log.info if spell == 1 else log.debug)(
+                "no other peer in our reads: joined the DHT again through %d of the backbones "
+                "and %d peers we knew",
+                len(reached),
+                len(known),
+            )
+            self.policy.rejoined(self.clock())
+            self.progress.publish_now()
 
     async def _note_stop(self) -> None:
         """Note when we are told to stop: at once, while the training task may still wait for
@@ -406,7 +451,7 @@ class Trainer:
         self.observe_training(done.samples, done.seconds)  # time-weighted: a blip counts little
         # The first micro-batch is torch's warm-up (8.7 ms against 0.2 ms for the tiny task,
         # far longer on a GPU). Published as our speed, it dealt a restarted peer no quota,
-        # and so no micro-batch to measure again (`policy.REMEASURE_STEPS`): the rate starts
+        # and so no micro-batch to measure again (`deal.REMEASURE_STEPS`): the rate starts
         # at the second. Its time stands for a micro-batch's until the second's replaces it
         # (an overestimate only makes us declare a little early).
         if tally.micro_batches <= 2:
@@ -807,3 +852,11 @@ FINAL_SAVE_BY = 2.0
 def ema(average: float, value: float, weight: float) -> float:
     """A moving average that starts at the first value (0 or None: none yet)."""
     return value if not average else (1 - weight) * average + weight * value
+
+
+def _peer_id(text: str) -> ID | None:
+    """A record's peer id (checked when its record was decoded), or None."""
+    try:
+        return ID.from_base58(text)
+    except ValueError:
+        return None
