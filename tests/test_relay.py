@@ -477,3 +477,20 @@ def test_renewing_from_another_address_counts_against_it_and_one_address_cannot_
     opened = [book.open_circuit(p2, p1, source="C", now=1)[0] for _ in range(3)]
     assert opened == [StatusCode.OK, StatusCode.OK, StatusCode.RESOURCE_LIMIT_EXCEEDED]
     assert book.open_circuit(p2, p1, source="D", now=1)[0] is StatusCode.OK  # another address
+
+
+def test_relay_caps_count_a_streams_network_prefix_not_its_address():
+    """Reservations and circuits per source count the /24 or /64 a stream's connection comes
+    from: addresses within one network are nearly free."""
+    from types import SimpleNamespace
+
+    from peer.net.relay.wire import stream_source
+
+    def stream(address):
+        conn = SimpleNamespace(get_remote_address=lambda: address)
+        return SimpleNamespace(muxed_conn=conn)
+
+    assert stream_source(stream(("198.51.100.7", 4001))) == "198.51.100.0/24"
+    assert stream_source(stream(("198.51.100.200", 5))) == "198.51.100.0/24"
+    assert stream_source(stream(("2001:db8::1", 4001))) == "2001:db8::/64"
+    assert stream_source(stream(None)) == "?"

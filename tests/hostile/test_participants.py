@@ -22,12 +22,14 @@ import pytest
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
+from peer.averaging.probation import PROBATION_SECONDS
 from tests.collab_processes import Collaboration
 from tests.hostile.common import ENV as FAST_ENV
 from tests.hostile.common import wait_until
 
 MODES = ["forge-certificate", "bad-shares", "junk-certificate"]  # each as its group's leader
 STEPS = 3  # steps timed with and without the attackers
+PROBATION_STEPS = 10  # steps beside a silent member, once it was first dropped
 # Steps of a few seconds, gatherings of 2 s: room for 5 processes on 2 cores.
 ENV = {
     **FAST_ENV,
@@ -118,8 +120,15 @@ def test_a_malicious_leader_is_banned_and_the_collaboration_trains_on(tmp_path, 
 
 def dropped_it(proc, peer_id: str) -> bool:
     """The peer averaged a round without `peer_id` (the averager's drop line)."""
-    return any(
-        "averaged over" in r.get("msg", "") and peer_id in r.get("msg", "") for r in proc.records()
+    return drops_of(proc, peer_id) > 0
+
+
+def drops_of(proc, peer_id: str, *, after: int = 0) -> int:
+    """Rounds the peer averaged without `peer_id` after waiting for it, in its log records
+    from index `after` on."""
+    return sum(
+        "averaged over" in r.get("msg", "") and peer_id in r.get("msg", "")
+        for r in proc.records()[after:]
     )
 
 
@@ -129,8 +138,12 @@ def test_a_member_that_claims_a_crawl_and_sends_nothing_cannot_veto_a_step(tmp_p
     its contribution. Deadlines came from the slowest claim (~10^7 s for a chunk at 1 B/s): the
     first round it joined never ended. With claims floored (`averaging.min_bandwidth`) every
     averaging it joined still failed within seconds, so it vetoed every step while it stayed.
-    Now the others drop it (or retry at once without it) and complete the round: steps go on
-    beside it at least half as fast as before it came, and no honest daemon exits."""
+    Then the others dropped it (or retried at once without it) and completed the round, but
+    waited a stall timeout for it in every averaging: the step rate halved (0.44 -> 0.22/s,
+    issue 45). Now, once dropped, it is on probation (`peer.averaging.probation`): the honest
+    tickets name it and no view seats it for 60 s (doubling), so the averagings beside it do
+    not wait for it (at most once per probation period), and no honest daemon exits. The
+    rates with and without it are printed (run with -s)."""
     collab = Collaboration(tmp_path, ENV)
     for i in range(3):
         write_key(tmp_path / f"peer{i}.key")
@@ -142,7 +155,7 @@ def test_a_member_that_claims_a_crawl_and_sends_nothing_cannot_veto_a_step(tmp_p
         collab.watch_global_step()
         steps = collab.global_steps
         wait_until(lambda: bool(steps), timeout=120, what="a global step", collab=collab)
-        before = seconds_for(steps, STEPS, collab=collab, what="steps before the crawler")
+        before = seconds_for(steps, PROBATION_STEPS, collab=collab, what="steps before it")
         start_malicious(collab, "crawl", key)
         wait_until(
             lambda: all(dropped_it(p, attacker_id) for p in honest),
@@ -150,8 +163,16 @@ def test_a_member_that_claims_a_crawl_and_sends_nothing_cannot_veto_a_step(tmp_p
             what="every honest peer to average a round without the crawler",
             collab=collab,
         )
-        beside = seconds_for(steps, STEPS, collab=collab, what="steps beside the crawler")
-        assert beside <= 2 * before + 10, (before, beside)  # >= 50 % of the rate
+        marks = [len(p.records()) for p in honest]
+        beside = seconds_for(steps, PROBATION_STEPS, collab=collab, what="steps beside it")
+        waited = [drops_of(p, attacker_id, after=m) for p, m in zip(honest, marks, strict=True)]
+        print(
+            f"crawler: {PROBATION_STEPS} steps in {before:.1f} s before it, in {beside:.1f} s "
+            f"beside it (rate {before / beside:.0%} of before); averagings that waited for it, "
+            f"per honest peer: {waited}"
+        )
+        # Without probation every averaging beside it waited for it (10 of 10).
+        assert max(waited) <= 1 + beside // PROBATION_SECONDS, (waited, beside)
         assert all(p.popen.poll() is None for p in collab.procs)
     finally:
         collab.close()
