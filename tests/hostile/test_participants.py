@@ -143,8 +143,10 @@ def test_a_member_that_claims_a_crawl_and_sends_nothing_cannot_veto_a_step(tmp_p
     issue 45). Now, once dropped, it is on probation (`peer.averaging.probation`): the honest
     tickets name it and no view seats it for 60 s (doubling), so the averagings beside it do
     not wait for it (at most once per probation period), and no honest daemon exits. The
-    rates with and without it are printed (run with -s)."""
-    collab = Collaboration(tmp_path, ENV)
+    rates with and without it are printed (run with -s). Chunks of 4,096 elements, so that
+    each member reduces a part: with the tiny task's vector in one chunk, its one reducer
+    alone sees a sender send nothing, and one accuser puts nobody on probation."""
+    collab = Collaboration(tmp_path, {**ENV, "PEERTRAIN_AVERAGING_CHUNK_ELEMENTS": "4096"})
     for i in range(3):
         write_key(tmp_path / f"peer{i}.key")
     key = tmp_path / "crawl.key"
