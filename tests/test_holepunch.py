@@ -239,6 +239,8 @@ def test_attempts_are_budgeted_per_peer_and_in_total():
     assert budget.try_start("c", now=0) is False  # all spent: a fresh peer id buys nothing
     assert budget.try_start("c", now=15) is True  # 3 per 30 s: 1.5 back
     assert budget.try_start("a", now=20) is False  # 2 per 100 s: 0.4 back
+    # c's refusal at 0 (the shared bucket empty) cost c nothing: its second of two.
+    assert budget.try_start("c", now=25) is True
     assert budget.try_start("a", now=60) is True
 
 

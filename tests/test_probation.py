@@ -10,12 +10,7 @@ import trio
 
 from peer.averaging.averager import AveragingResult
 from peer.averaging.group import Ticket
-from peer.averaging.probation import (
-    MAX_NAMED,
-    Probation,
-    seated,
-    silent_members,
-)
+from peer.averaging.probation import MAX_NAMED, MEMORY_SECONDS, Probation, seated
 from peer.config import AveragingConfig
 from tests.helpers import CuttingRelay
 from tests.test_matchmaking import MODEL, SIZE, averaging_swarm
@@ -33,15 +28,16 @@ def ticket(peer_id: str, *named: str) -> Ticket:
     )
 
 
-def test_strikes_double_and_a_member_that_sends_again_is_cleared():
+def test_strikes_double_and_are_forgotten_an_hour_after_the_last_probation():
     probation = Probation(base=60.0, cap=200.0)
     assert probation.strike("x", now=0.0) == 60.0
     assert probation.named(now=59.0) == ["x"]
     assert probation.named(now=60.0) == []  # expired: seated again
     assert probation.strike("x", now=100.0) == 220.0  # second strike: twice as long
     assert probation.strike("x", now=300.0) == 500.0  # capped at 200 s
-    probation.cleared(["x"])
-    assert probation.strike("x", now=600.0) == 660.0  # it sent since: a first strike again
+    # Sending in between earns nothing; an hour after the last probation, a first strike.
+    assert probation.strike("x", now=500.0 + MEMORY_SECONDS - 1) == 500.0 + MEMORY_SECONDS + 199
+    assert probation.strike("x", now=600.0 + 3 * MEMORY_SECONDS) == 660.0 + 3 * MEMORY_SECONDS
 
 
 def test_a_ticket_names_at_most_a_few_members_latest_expiry_first():
@@ -62,10 +58,19 @@ def test_a_member_sits_out_only_when_two_other_tickets_name_it():
     assert seated([ticket("a", "z"), ticket("b", "z"), ticket("c")])[1] == set()
     # Every reader of the same tickets, in whatever order, seats the same members.
     assert seated(list(reversed(honest)))[1] == {"x"}
+    # The silent member names its accusers back: named by three, its names do not count.
+    back = [ticket("a", "x"), ticket("b", "x"), ticket("c", "x"), ticket("x", "a", "b")]
+    assert seated(back)[1] == {"x"}
 
 
-def test_silent_members_are_the_senders_dropped_and_reducers_failed_not_us():
-    assert silent_members({"s": "stalled"}, {"r": "timeout", "me": "?"}, "me") == {"s", "r"}
+def test_liars_keep_out_at_most_as_many_honest_peers_as_they_are():
+    """Review find: two tickets naming eight honest peers each kept all eight out. Each ticket
+    gives at most MAX_NAMED (2) names now, and an exclusion takes two: two liars, two out."""
+    honest = [ticket(f"h{i}") for i in range(12)]
+    names = [f"h{i}" for i in range(8)]
+    liars = [ticket("l1", *names), ticket("l2", *names)]
+    _, out = seated([*honest, *liars])
+    assert out == {"h0", "h1"}
 
 
 async def average_epoch(averagers, vectors, epoch: int) -> dict[int, AveragingResult]:
@@ -110,3 +115,30 @@ async def test_a_member_that_returns_nothing_sits_out_the_next_gathering():
         np.testing.assert_allclose(second[i].average, exact, rtol=1e-6)
     assert second[silent].average is None
     assert any("probation" in why for why in second[silent].skipped)
+
+
+async def test_a_reducer_that_returned_part_of_its_share_is_slowed_not_silent():
+    """Review find: every reducer that missed the deadline was struck, and honest members
+    slowed by one (held back in lock-step) named each other: a whole group sat out. A reducer
+    that returned some of its part is no evidence (nor is a retry's silence: members that saw
+    other failures are in another round)."""
+    config = AveragingConfig(
+        partial_from=2, group_size=4, join_timeout=2.0, timeout_floor=2.0, chunk_elements=256
+    )
+    async with averaging_swarm(4, config) as (s, averagers):
+        slowed = 3
+        relay = CuttingRelay(averagers[slowed].data_port, limit=8000)
+        averagers[slowed].data_port = await s.nursery.start(relay.serve)
+        vectors = [np.full(SIZE, float(i), np.float32) for i in range(4)]
+        results = await average_epoch(averagers, vectors, 1)
+    victim = averagers[slowed].me
+    got_some = []
+    for i in (i for i in range(4) if i != slowed):
+        first = results[i].rounds[0]
+        if victim in first.failed_reducers and any(
+            victim in chunk.included for chunk in first.chunks
+        ):
+            got_some.append(i)
+            assert victim not in first.silent, i
+        assert all(not r.silent for r in results[i].rounds[1:]), i  # retries: no evidence
+    assert got_some, "nobody got part of its share: the scenario did not happen"

@@ -177,6 +177,10 @@ class RoundReport:
     """As a sender: reducers whose part it did not fully get back, and why."""
     undelivered: dict[str, str] = field(default_factory=dict)
     """As a reducer: senders still in the round that did not confirm they got our whole part."""
+    silent: set[str] = field(default_factory=set)
+    """Members that sent us nothing at all while others did: senders dropped holding no chunk
+    of our part, reducers that returned no chunk of theirs (`peer.averaging.probation`'s
+    evidence)."""
     bytes_sent: int = 0
     """Data-plane bytes this member put on the wire (frame headers included, TLS not)."""
     bytes_received: int = 0
@@ -606,10 +610,42 @@ class _Round:
                 self.report.undelivered[sender] = "did not confirm it got our whole part"
         if self.assembler is not None:
             self.report.chunks = self.assembler.report()
+        self.report.silent = self._silent()
         self.report.bytes_sent += sum(c.bytes_sent for c in self.channels)
         self.report.bytes_received += sum(c.bytes_received for c in self.channels)
         self.report.seconds = trio.current_time() - started
         return self.report
+
+    def _silent(self) -> set[str]:
+        """Members that sent us nothing at all while others did (`RoundReport.silent`): senders
+        we dropped holding no chunk of our part while another sender delivered some, reducers
+        that returned no chunk of theirs while another returned its whole part. A member that
+        delivered part of it was slowed (perhaps by another, held back in lock-step), and
+        when nobody delivered, the fault may be ours."""
+        silent: set[str] = set()
+        me = self.me.peer_id
+        if self.part is not None:
+            reducer = self.part.reducer
+            total = len(reducer.chunks)
+            nothing = {s for s, left in reducer.pending.items() if s != me and len(left) == total}
+            delivered = set(reducer.pending) - nothing - {me}
+            if total and delivered:
+                silent |= nothing & set(self.report.dropped_senders)
+        if self.assembler is not None:
+            assembler = self.assembler
+            mine = [j for j, (lo, hi) in enumerate(self.parts) if j != self.index and hi > lo]
+
+            def returned_any(j: int) -> bool:
+                return any((j, i) in assembler.received for i in range(len(assembler.chunks[j])))
+
+            if any(assembler.part_complete(j) for j in mine):
+                silent |= {
+                    self.spec.members[j].peer_id
+                    for j in mine
+                    if self.spec.members[j].peer_id in self.report.failed_reducers
+                    and not returned_any(j)
+                }
+        return silent
 
     def _owes_me(self, j: int) -> bool:
         """Reducer j has not (yet) returned all of its part to us."""
@@ -1165,6 +1201,10 @@ def _average_chunk(
     if average is None:
         return None
     if assembler is None:
+        # Finite by construction (`weighted_mean`); checked all the same before it leaves an
+        # aggregator-only member, whose every member would otherwise fail it.
+        if not np.isfinite(average).all():
+            return None
         return count, codec.encode(average)  # fp16, int8: a new buffer, until sent
     if codec.transforms:
         payload = codec.encode(average)

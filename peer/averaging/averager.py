@@ -59,7 +59,7 @@ from peer.averaging.group import (
 )
 from peer.averaging.matchmaking import GroupPlan, Matchmaker, RoundShape, TooFewPeers
 from peer.averaging.moshpit import Plan, Seat, basis_mask, basis_of, plan, rounds_for
-from peer.averaging.probation import Probation, seated, silent_members
+from peer.averaging.probation import Probation, seated
 from peer.config import AveragingConfig, PeerConfig
 from peer.dht.node import DHT
 from peer.errors import ProtocolError, peer_fault
@@ -214,6 +214,9 @@ async def reduce_in_group(
     assert original is not None
     await trio.to_thread.run_sync(np.copyto, values, original)
     retried = await _run_round(derived, values, server, timeouts, norm_factor, single=True)
+    # Each member's retry leaves out the failures it saw: one that saw others is in another
+    # round id and never comes, through no fault of its own. Its silence is no evidence.
+    retried.silent = set()
     outcome.reports.append(retried)
     if retried.exact_over != frozenset(left):
         outcome.problem = (
@@ -600,13 +603,9 @@ class Averager:
             self._judge(result)
 
     def _judge(self, result: AveragingResult) -> None:
-        """Strike the members that sent us nothing in this averaging's rounds; clear those
-        whose contributions our values came to hold (they send)."""
-        silent: set[str] = set()
-        sent: set[str] = set()
-        for report in result.rounds:
-            silent |= silent_members(report.dropped_senders, report.failed_reducers, self.me)
-            sent |= report.agreed or frozenset()
+        """Strike the members that sent us nothing at all in this averaging's rounds while
+        others did (`RoundReport.silent`): our tickets name them (probation)."""
+        silent = {p for report in result.rounds for p in report.silent} - {self.me}
         now = self.dht.clock()
         for peer_id in sorted(silent):
             until = self.probation.strike(peer_id, now=now)
@@ -615,7 +614,6 @@ class Averager:
                 peer_id,
                 until - now,
             )
-        self.probation.cleared(sent - silent)
 
     async def _follow_plan(
         self,

@@ -5,21 +5,28 @@ part it reduces) costs each round a stall timeout before the others drop it and 
 it: the step rate of a collaboration halved beside one. Dropping it is each member's own
 finding; who sits out must be one decision, or the peers would plan from different views.
 
-- Each peer remembers the members it dropped (`Probation.strike`: as a reducer, senders it
-  stopped waiting for; as a sender, reducers that did not return its part), each for
-  `PROBATION_SECONDS`, doubling with every strike up to `MAX_PROBATION_SECONDS`. A member that
-  completes a round with us again has proved it sends: its strikes are forgotten (`cleared`).
+- Each peer strikes the members that sent it nothing at all in a round while others did
+  (`RoundReport.silent`: a sender dropped holding no chunk of our part, a reducer that
+  returned no chunk of its own; one that delivered part of it was slowed, perhaps by another)
+  and names each for `PROBATION_SECONDS`, doubling with every strike up to
+  `MAX_PROBATION_SECONDS` (`Probation.strike`). Strikes are forgotten `MEMORY_SECONDS` after
+  the last probation ended: sending once in between earns nothing, so alternating costs as
+  much as staying silent.
 - Its tickets name them (`Ticket.probation`, at most `MAX_NAMED`).
 - Every reader leaves out of the view a ticket that at least `ACCUSERS` *other* tickets of the
-  same view name (`seated`). A view is a set of tickets, so peers that read the same tickets
-  seat the same members: the plan, its digest and the single group's leader agree. Only while
-  accusers keep naming it: when their strikes expire it is seated again, and if it still sends
-  nothing it is struck again, for twice as long.
+  same view name, not counting the names given by tickets that are themselves named that often
+  (`seated`). A view is a set of tickets, so peers that read the same tickets seat the same
+  members: the plan, its digest and the single group's leader agree. Only while accusers keep
+  naming it: when their strikes expire it is seated again, and if it still sends nothing it is
+  struck again, for twice as long.
 
-Why two accusers: one peer's claim decides nothing (one hostile member could otherwise keep
-any honest peer out of every averaging); a silent member of a group of three or more is named
-by every other member of it. Two hostile members can keep one honest peer out while they stay:
-it then takes the state by download, losing its contributions, not the model (SECURITY.md).
+Why two accusers and two names: one peer's claim decides nothing (one hostile member could
+otherwise keep any honest peer out of every averaging); a silent member of a group of three
+or more is named by every other member of it that holds a part. c colluding tickets keep at
+most c honest peers out while they stay (each gives two names, each exclusion takes two):
+those peers then take the state by download, losing their contributions, not the model
+(SECURITY.md). Fresh identities are free: a silent member that comes back under a new peer id
+costs a stall and a retry again, as before probation.
 """
 
 from __future__ import annotations
@@ -36,8 +43,11 @@ MAX_PROBATION_SECONDS = 3600.0
 """The longest a repeated strike keeps it out."""
 ACCUSERS = 2
 """Distinct other tickets of a view that must name a member before it sits out."""
-MAX_NAMED = 8
-"""Members one ticket may name (`Ticket.probation`'s bound)."""
+MAX_NAMED = 2
+"""Members one ticket names at most (`Ticket.probation` takes up to 8): a group's failures
+rarely come two at a time, and each name is a vote a liar could give."""
+MEMORY_SECONDS = 3600.0
+"""How long after its last probation ended a member's strikes are remembered."""
 MAX_REMEMBERED = 256
 """Members a peer keeps strikes for (the oldest expiry goes first)."""
 
@@ -58,20 +68,16 @@ class Probation:
 
     def strike(self, peer_id: str, *, now: float) -> float:
         """`peer_id` sent us nothing in a round: name it until `now` + its probation, which
-        doubles with each strike; returns that time."""
+        doubles with each strike (strikes are forgotten MEMORY_SECONDS after the last
+        probation ended); returns that time."""
         known = self._strikes.get(peer_id)
-        count = 1 if known is None else known.count + 1
-        until = now + min(self.cap, self.base * 2 ** (count - 1))
+        count = 1 if known is None or now - known.until >= MEMORY_SECONDS else known.count + 1
+        until = max(now + min(self.cap, self.base * 2 ** (count - 1)), known.until if known else 0)
         self._strikes[peer_id] = _Strikes(count, until)
         if len(self._strikes) > MAX_REMEMBERED:
             oldest = min(self._strikes, key=lambda p: self._strikes[p].until)
             del self._strikes[oldest]
         return until
-
-    def cleared(self, peer_ids: Iterable[str]) -> None:
-        """These members completed a round with us: they send, strikes forgotten."""
-        for peer_id in peer_ids:
-            self._strikes.pop(peer_id, None)
 
     def named(self, *, now: float) -> list[str]:
         """The members our ticket names now: on probation at `now`, latest expiry first."""
@@ -81,22 +87,20 @@ class Probation:
 
 def seated(view: Sequence[Ticket], *, accusers: int = ACCUSERS) -> tuple[list[Ticket], set[str]]:
     """(The tickets of `view` that take part, the peer ids left out): a ticket is left out when
-    at least `accusers` other tickets of the view name it (a ticket naming itself, or a peer
-    twice, counts once). The same tickets give the same answer to every reader."""
+    at least `accusers` other tickets of the view name it (its first `MAX_NAMED` names; a
+    ticket naming itself, or a peer twice, counts once), not counting the names of tickets
+    that are themselves named that often. The same tickets give the same answer to every
+    reader, in whatever order."""
     present = {t.peer_id for t in view}
-    named = Counter(
-        peer_id
+    names = {
+        t.peer_id: {p for p in t.probation[:MAX_NAMED] if p != t.peer_id and p in present}
         for t in view
-        for peer_id in set(t.probation[:MAX_NAMED])
-        if peer_id != t.peer_id and peer_id in present
-    )
-    out = {peer_id for peer_id, n in named.items() if n >= accusers}
+    }
+
+    def named_by(counted: Iterable[str]) -> Counter[str]:
+        return Counter(p for accuser in counted for p in names[accuser])
+
+    suspects = {p for p, n in named_by(names).items() if n >= accusers}
+    votes = named_by(a for a in names if a not in suspects)
+    out = {p for p, n in votes.items() if n >= accusers}
     return [t for t in view if t.peer_id not in out], out
-
-
-def silent_members(
-    dropped_senders: Iterable[str], failed_reducers: Iterable[str], me: str
-) -> set[str]:
-    """Whom a round's report says sent us nothing: senders we stopped waiting for, reducers
-    that did not return our part (not ourselves)."""
-    return {p for p in (*dropped_senders, *failed_reducers) if p != me}

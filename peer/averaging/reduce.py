@@ -333,11 +333,13 @@ def weighted_mean(
         for k, (values, weight) in enumerate(zip(contributions, weights, strict=True)):
             piece = values[start:end]
             if k == 0:
-                np.multiply(piece, np.float64(weight), out=into)  # the sum starts at it, not 0
+                # The sum starts at it, not 0. dtype: numpy 1.x picks the float32 loop for a
+                # float32 array times a float64 scalar whatever `out` is (review find).
+                np.multiply(piece, np.float64(weight), out=into, dtype=np.float64)
             elif weight == 1.0:
                 np.add(into, piece, out=into)
             else:  # a float64 weight (np.float64: a Python float would make it a float32 product)
-                np.multiply(piece, np.float64(weight), out=term)
+                np.multiply(piece, np.float64(weight), out=term, dtype=np.float64)
                 np.add(into, term, out=into)
         np.divide(into, total, out=out[start:end], casting="same_kind")
 

@@ -215,9 +215,10 @@ class DHT:
         return bool(self.seeds) and not any(peer_id in self.table for peer_id, _ in self.seeds)
 
     async def rejoin(self, known: Sequence[tuple[ID, Multiaddr]] = ()) -> list[ID]:
-        """Join again, whatever our table holds: through every backbone, the contacts we
-        dropped last, our table's and `known` (peers whose records we read, most useful
-        first), at most `MAX_REJOIN` of them; the hot keys' replicas are looked up afresh.
+        """Join again, whatever our table holds: through every backbone, our table's
+        contacts, those we dropped last and `known` (peers whose records we read, most useful
+        first; their own word, so last: records cannot push our contacts out), at most
+        `MAX_REJOIN` of them; the hot keys' replicas are looked up afresh.
         For a caller that sees nobody for a while (`StepPolicy.out_of_touch`): the upkeep
         joins again only once no backbone is left in the table, or nothing at all, and a
         table of contacts that answer us but no longer hold what the others write (they
@@ -231,7 +232,7 @@ class DHT:
             if addrs and peer_id != self.node.peer_id:
                 candidates.setdefault(peer_id, addrs[0])
         chosen = dict(self.seeds)
-        for peer_id, addr in [*known, *candidates.items()]:
+        for peer_id, addr in [*candidates.items(), *known]:
             if len(chosen) >= MAX_REJOIN:
                 break
             if peer_id != self.node.peer_id:

@@ -142,10 +142,14 @@ class PunchBudget:
         )
 
     def try_start(self, peer_id: object, *, now: float) -> bool:
-        """Take a token for an attempt with `peer_id` at `now`; False: none left, refuse it."""
-        if self._per_peer.try_spend(peer_id, 1, now=now):
+        """Take a token for an attempt with `peer_id` at `now` from both buckets; False: one
+        of them has none left, refuse it and take none (a refusal for the shared bucket,
+        which free identities can drain, costs the peer nothing: review find)."""
+        if self._per_peer.available(peer_id, now=now) < 1:
             return False
-        return not self._total.try_spend(None, 1, now=now)
+        if self._total.try_spend(None, 1, now=now):
+            return False
+        return not self._per_peer.try_spend(peer_id, 1, now=now)
 
 
 def punch_addrs(node: Node) -> list[str]:

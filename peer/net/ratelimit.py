@@ -16,6 +16,11 @@ class ByteBudgets:
         self.max_callers = max_callers
         self._buckets: dict[object, tuple[float, float]] = {}  # caller -> (tokens, at)
 
+    def available(self, caller: object, *, now: float) -> float:
+        """The tokens `caller` could spend at `now` (nothing is spent)."""
+        tokens, at = self._buckets.get(caller, (float(self.capacity), now))
+        return min(float(self.capacity), tokens + (now - at) * self.rate)
+
     def try_spend(self, caller: object, amount: int, *, now: float) -> float:
         """Spend `amount` and return 0, or return the seconds until it could be spent."""
         tokens, at = self._buckets.get(caller, (float(self.capacity), now))
