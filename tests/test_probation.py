@@ -4,6 +4,7 @@ gatherings, by one rule every view applies to the same tickets."""
 from __future__ import annotations
 
 import time
+from contextlib import asynccontextmanager
 
 import numpy as np
 import trio
@@ -89,20 +90,27 @@ async def average_epoch(averagers, vectors, epoch: int) -> dict[int, AveragingRe
     return results
 
 
+@asynccontextmanager
+async def four_with_a_cut_reducer(cut: int, *, limit: int, floor: float):
+    """Four averagers in one group; every connection to member `cut`'s data port is cut once
+    `limit` bytes came back from it (0: before any). Yields (averagers, vectors)."""
+    config = AveragingConfig(
+        partial_from=2, group_size=4, join_timeout=2.0, timeout_floor=floor, chunk_elements=256
+    )
+    async with averaging_swarm(4, config) as (s, averagers):
+        relay = CuttingRelay(averagers[cut].data_port, limit=limit)
+        averagers[cut].data_port = await s.nursery.start(relay.serve)
+        yield averagers, [np.full(SIZE, float(i), np.float32) for i in range(4)]
+
+
 async def test_a_member_that_returns_nothing_sits_out_the_next_gathering():
     """One member of four never returns the part it reduces (every connection to its data
     port is cut before a byte comes back): the first averaging waits for it and retries
     without it; in the next, the three others' tickets name it, every view leaves it out, and
     the three average at once, without a retry (before: the same wait and retry every time,
     which halved the step rate)."""
-    config = AveragingConfig(
-        partial_from=2, group_size=4, join_timeout=2.0, timeout_floor=1.0, chunk_elements=256
-    )
-    async with averaging_swarm(4, config) as (s, averagers):
-        silent = 3
-        relay = CuttingRelay(averagers[silent].data_port, limit=0)
-        averagers[silent].data_port = await s.nursery.start(relay.serve)
-        vectors = [np.full(SIZE, float(i), np.float32) for i in range(4)]
+    silent = 3
+    async with four_with_a_cut_reducer(silent, limit=0, floor=1.0) as (averagers, vectors):
         others = [i for i in range(4) if i != silent]
         first = await average_epoch(averagers, vectors, 1)
         assert all(averagers[silent].me in first[i].dropped for i in others)
@@ -122,14 +130,8 @@ async def test_a_reducer_that_returned_part_of_its_share_is_slowed_not_silent():
     slowed by one (held back in lock-step) named each other: a whole group sat out. A reducer
     that returned some of its part is no evidence (nor is a retry's silence: members that saw
     other failures are in another round)."""
-    config = AveragingConfig(
-        partial_from=2, group_size=4, join_timeout=2.0, timeout_floor=2.0, chunk_elements=256
-    )
-    async with averaging_swarm(4, config) as (s, averagers):
-        slowed = 3
-        relay = CuttingRelay(averagers[slowed].data_port, limit=8000)
-        averagers[slowed].data_port = await s.nursery.start(relay.serve)
-        vectors = [np.full(SIZE, float(i), np.float32) for i in range(4)]
+    slowed = 3
+    async with four_with_a_cut_reducer(slowed, limit=8000, floor=2.0) as (averagers, vectors):
         results = await average_epoch(averagers, vectors, 1)
     victim = averagers[slowed].me
     got_some = []
