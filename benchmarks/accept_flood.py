@@ -164,10 +164,14 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime (fields 14, 15)
 
 
-def flood(port: int, *, seconds: float, rate: float) -> int:
-    """Open and close connections to 127.0.0.1:`port` for `seconds`; how many were tried.
+def flood(
+    port: int, *, seconds: float, rate: float, sources: list[str] | None = None
+) -> int:
+    """Open and close connections to 127.0.0.1:`port` for `seconds` from `sources` (default
+    127.0.0.2-9); how many were tried.
     Non-blocking: a connection the listener's full accept queue drops costs no wait (a
     blocking connect waited out the 1 s SYN retransmission and flooded at a trickle)."""
+    sources = sources or SOURCES
     tried = 0
     start = time.monotonic()
     end = start + seconds
@@ -178,7 +182,7 @@ def flood(port: int, *, seconds: float, rate: float) -> int:
         sock = socket.socket()
         sock.setblocking(False)
         try:
-            sock.bind((SOURCES[tried % len(SOURCES)], 0))
+            sock.bind((sources[tried % len(sources)], 0))
             sock.connect_ex(("127.0.0.1", port))  # on loopback done within the call
         except OSError:
             pass
