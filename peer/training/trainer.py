@@ -389,8 +389,8 @@ class Trainer:
                     reached = await self.dht.rejoin(known)
             spell += 1
             (log.info if spell == 1 else log.debug)(
-                "no other peer in our reads: joined the DHT again through %d of the backbones "
-                "and %d peers we knew",
+                "no other peer in our reads: joined the DHT again (%d of the backbones, our "
+                "contacts and %d peers whose records we read answered)",
                 len(reached),
                 len(known),
             )
