@@ -327,6 +327,37 @@ async def test_with_no_retry_possible_without_us_a_missing_receipt_does_not_spli
     np.testing.assert_allclose(players[0].vector, expected, rtol=0, atol=1e-5)
 
 
+async def test_a_member_killed_after_sending_does_not_split_its_reducer_from_the_others():
+    """One reducer (a vector of one part), two other members; one of them sends its
+    contribution, reads the average and never confirms it (killed there: issue 45's survivor).
+    The other member holds the average over all three; before, the reducer retried without the
+    quiet one (a retry the member never joins: it was done), waited it out and fell behind.
+    Only the quiet one lacks our receipt, and a retry needs 2: the round counts for us too."""
+    players, originals, outcomes = await run_group(
+        ["normal", "client", "client"], behaviours={0: retrying, 2: no_receipts}
+    )
+    first = outcomes[0].reports[0]
+    assert set(first.undelivered) == {players[2].peer_id} and first.exact_over is None
+    everyone = tuple(p.peer_id for p in players)
+    assert outcomes[0].included == everyone and len(outcomes[0].reports) == 1
+    assert outcomes[1].exact_over == frozenset(everyone)  # the other member: done, exact
+    expected = weighted_average(players, originals, lambda p: True)
+    for i in (0, 1):
+        np.testing.assert_allclose(players[i].vector, expected, rtol=0, atol=1e-5)
+
+
+async def test_a_missing_receipt_still_counts_where_the_others_reduce_too():
+    """Three members, each reducing a part; one withholds its receipts. The two others could
+    miss each other's receipts as well and retry together without us, so the receipt still
+    counts: each retries without the quiet one (no change for groups where all reduce)."""
+    players, originals, outcomes = await run_group(
+        ["normal", "normal", "client"], behaviours={0: retrying, 1: retrying, 2: no_receipts}
+    )
+    for i in (0, 1):
+        assert len(outcomes[i].reports) == 2, outcomes[i]
+    assert_exact_over(players, originals, outcomes, [0, 1], reports=2)
+
+
 # ---------------------------------------------------------------------------- the averager
 
 

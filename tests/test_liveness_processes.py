@@ -1,14 +1,18 @@
 """Liveness with real processes (issue 45): five `peer join` processes beside a backbone, the
 four later ones bootstrapped through the first (`--backbone` its address); one of them, of each
-kind (the bootstrap contact, the leader, a reducer), SIGKILLs itself in the middle of an
-all-reduce (after its first chunk of a round went out). Every survivor must step again (apply
-a step it averaged) within the two gatherings after the one the kill broke, and all of them
-must reach `max_steps` and exit 0.
+kind (the bootstrap contact, the leader, a reducer, a sender), SIGKILLs itself in the middle
+of an all-reduce (after its first chunk to another member's part went out). Every survivor
+must step again (apply a step it averaged, or catch up to one by download) within the two
+gatherings after the one the kill broke, and all of them must reach `max_steps` and exit 0.
 
 Issue 45 reported the bootstrap contact of such runs reading no other ticket for the rest of
 them (110-300 s, 24-193 averagings in a row), never downloading, while the other three
-finished. This test did not reproduce that: it passes on the code before the change too. It
-holds the property the fix (`StepPolicy.out_of_touch`, `DHT.rejoin`) is for.
+finished. The default task's kinds did not reproduce that: they pass on the code before the
+change too, and hold the property the fix (`StepPolicy.out_of_touch`, `DHT.rejoin`) is for.
+The tiny task's sender did: its vector is one part, which one member reduces; killed after
+sending, the victim never confirmed that part, so its reducer retried without it (a retry
+the others, done, never join), waited it out and averaged again only 4 gatherings later
+(`averager._could_leave_us_out`).
 
 The kill is the victim's own (`sitecustomize` on its PYTHONPATH, test only): a SIGKILL of
 itself at a known point of the protocol, not at a time the test guesses (an all-reduce of the
@@ -34,10 +38,11 @@ MAX_STEPS = 12
 KILL_IN_ROUND = 4
 """The victim kills itself in the all-reduce of its 4th round (step 2 or 3 with 5 peers)."""
 GATHERINGS = 2
-"""Gatherings after the broken one within which every survivor averages a step again."""
+"""Gatherings after the broken one within which every survivor steps again."""
 
 HOOK = """# Test only (tests/test_liveness_processes.py): SIGKILL this process in the middle of an
-# all-reduce, after the first chunk of its KILL_IN_ROUND-th round went out.
+# all-reduce, after the first chunk of its KILL_IN_ROUND-th round (or a later one) went out to
+# another member's part.
 import importlib.abc, importlib.machinery, os, signal, sys
 
 def _install(allreduce):
@@ -46,7 +51,8 @@ def _install(allreduce):
 
     async def _send_chunks(self, channel, j):
         rounds.add(self.spec.round_id)
-        if len(rounds) >= int(os.environ["KILL_IN_ROUND"]):
+        # To another member's part (ours would be a local send): we die a sender to it.
+        if len(rounds) >= int(os.environ["KILL_IN_ROUND"]) and j != self.index:
             lo, hi = allreduce.chunk_ranges(*self.parts[j], self.spec.chunk_elements)[0]
             await channel.send(0, 0, self.codec.encode(self.vector[lo:hi]))
             sys.stderr.write('{"msg": "killing myself mid-all-reduce"}\\n')
@@ -90,12 +96,34 @@ def averaged_steps(proc: Proc) -> list[int]:
     return [r["applied"]["step"] for r in proc.records() if "applied" in r]
 
 
-@pytest.mark.parametrize("kind", ["bootstrap contact", "leader", "reducer"])
-def test_every_survivor_steps_again_after_a_peer_is_killed_mid_all_reduce(tmp_path, kind):
-    env = {**GPT_ENV, "PEERTRAIN_TRAINING_MAX_STEPS": str(MAX_STEPS)}
+def resumed_steps(proc: Proc) -> list[int]:
+    """The steps a peer took: averaged, or caught up to by download."""
+    steps = [r["catch_up"]["step"] for r in proc.records() if "step" in r.get("catch_up", {})]
+    return sorted([*averaged_steps(proc), *steps])
+
+
+#: The tiny task in one group of all five: the victim always sends to the one reducer.
+ONE_GROUP = {"PEERTRAIN_TASK_NAME": "tiny", "PEERTRAIN_AVERAGING_GROUP_SIZE": "8"}
+
+
+@pytest.mark.parametrize(
+    ("kind", "settings", "kill_in_round"),
+    [
+        ("bootstrap contact", {}, KILL_IN_ROUND),
+        ("leader", {}, KILL_IN_ROUND),
+        ("reducer", {}, KILL_IN_ROUND),
+        ("sender", ONE_GROUP, 5),  # of the tiny task's one part (another member reduces it)
+    ],
+)
+def test_every_survivor_steps_again_after_a_peer_is_killed_mid_all_reduce(
+    tmp_path, kind, settings, kill_in_round
+):
+    env = {**GPT_ENV, **settings, "PEERTRAIN_TRAINING_MAX_STEPS": str(MAX_STEPS)}
     collab = Collaboration(tmp_path, env)
     ids = keys(tmp_path, 5)
-    victim = {"bootstrap contact": 0, "leader": ids.index(min(ids)), "reducer": 4}[kind]
+    victim = {"bootstrap contact": 0, "leader": ids.index(min(ids)), "reducer": 4, "sender": 4}[
+        kind
+    ]
     hook = tmp_path / "hook"
     hook.mkdir()
     (hook / "sitecustomize.py").write_text(HOOK)
@@ -105,7 +133,7 @@ def test_every_survivor_steps_again_after_a_peer_is_killed_mid_all_reduce(tmp_pa
         procs: list[Proc] = []
         for i in range(5):
             through = collab.backbone_addr if i == 0 else f"/ip4/127.0.0.1/tcp/{port}/p2p/{ids[0]}"
-            extra = {"PYTHONPATH": str(hook), "KILL_IN_ROUND": str(KILL_IN_ROUND)}
+            extra = {"PYTHONPATH": str(hook), "KILL_IN_ROUND": str(kill_in_round)}
             procs.append(
                 collab.start(
                     f"peer{i}",
@@ -132,7 +160,7 @@ def test_every_survivor_steps_again_after_a_peer_is_killed_mid_all_reduce(tmp_pa
         assert all(code == 0 for code in codes.values()), codes
         broken = killed_at + 1  # the gathering the kill broke
         for proc in survivors:
-            again = [s for s in averaged_steps(proc) if s >= broken]
+            again = [s for s in resumed_steps(proc) if s >= broken]
             assert again and again[0] <= broken + GATHERINGS, (proc.name, killed_at, again)
     finally:
         collab.close()

@@ -178,10 +178,12 @@ async def reduce_in_group(
         return outcome
     floor = max(2, min_members)
     # Receipts matter only where the members that may lack our part could retry without us:
-    # with fewer than `floor` left, no second average can come of it, and refusing ours
-    # only split the group (2 peers under load: one stepped, the other could not follow).
+    # with fewer than `floor` of them, no second average can come of it, and refusing ours
+    # only split the group (2 peers under load: one stepped, the other could not follow; a
+    # member killed after sending, its receipt never coming: we retried alone, 5 s, while
+    # the others stepped on, and fell 4 steps behind).
     agreed = report.agreed
-    if agreed is not None and len(agreed) - 1 < floor:
+    if agreed is not None and len(_could_leave_us_out(spec, report, agreed, me)) < floor:
         included = agreed
     if included is not None and me in included and len(included) >= floor:
         outcome.included = tuple(p for p in computing if p in included)
@@ -227,6 +229,19 @@ async def reduce_in_group(
     outcome.included = left
     outcome.dropped = _why_left_out(set(computing) - set(left), report)
     return outcome
+
+
+def _could_leave_us_out(
+    spec: RoundSpec, report: RoundReport, agreed: frozenset[str], me: str
+) -> set[str]:
+    """The members of `agreed` that may retry without us: those that did not confirm our part,
+    and the other reducers (our receipt of theirs may not have reached them). The rest got our
+    whole part and gave us theirs: they never leave us out, and a retry counts only if every
+    member it keeps comes, so only a retry among these few could make a second average."""
+    reducing = {
+        m.peer_id for m, (lo, hi) in zip(spec.members, spec.parts(), strict=True) if hi > lo
+    }
+    return (set(report.undelivered) | reducing) & (agreed - {me})
 
 
 async def _run_round(

@@ -648,7 +648,9 @@ class Trainer:
                 "downloaded the state of step %d from %d donors",
                 self.step,
                 len(donors),
-                extra={"catch_up": {k: round(v, 3) for k, v in phases.items()}},
+                extra={
+                    "catch_up": {"step": self.step} | {k: round(v, 3) for k, v in phases.items()}
+                },
             )
             return
         self.tally.failures["state_download"] += 1
