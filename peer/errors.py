@@ -64,6 +64,11 @@ class ConfigError(UserError):
     """A configuration value is unknown, of the wrong type or out of range."""
 
 
+class NoBackbone(UserError):
+    """Every backbone a peer was given or found is a peer: nobody can check its reachability
+    or serve the DHT, so it cannot train with anyone."""
+
+
 class IdentityError(UserError):
     """The identity key file cannot be used (in use, unreadable, malformed)."""
 
@@ -87,6 +92,11 @@ class MessageTooLarge(ProtocolError):
 
 class Unreachable(RemoteError):
     """No connection could be made to a peer or to any backbone."""
+
+
+class NotABackbone(Unreachable):
+    """A peer we were told is a backbone answers, but serves no backbone's protocols: it is a
+    peer (an address copied from `peer join`'s output, not `backbone start`'s)."""
 
 
 class DeadlineExceeded(RemoteError):

@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from tests.helpers import load_factor, needs_ipv6
+from tests.hostile.test_participants import write_key
 
 ROOT = Path(__file__).resolve().parent.parent
 LOOPBACK = "/ip4/127.0.0.1/tcp/0"
@@ -296,6 +297,46 @@ def test_unreachable_backbone_is_a_one_line_error_with_exit_2(procs, tmp_path):
     result = status([nobody])
     assert result.returncode == 2
     assert "no backbone answered" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_peer_given_its_own_address_as_backbone_is_a_one_line_error(procs, tmp_path):
+    """It would join a DHT of its own and average alone for ever."""
+    me = write_key(tmp_path / "p.key")
+    own = f"/ip4/127.0.0.1/tcp/{free_port()}/p2p/{me}"
+    joiner = procs("cli.peer_cli", "join", "--identity", str(tmp_path / "p.key"), "--backbone", own)
+    assert joiner.popen.wait(timeout=60) == 2
+    err = joiner.popen.stderr.read().strip().splitlines()
+    assert len(err) == 1 and "is this peer's own address" in err[0] and own in err[0], err
+
+
+@pytest.mark.slow  # two measurements 30 s apart: ~1 min
+def test_peers_with_no_backbone_among_them_stop_with_a_one_line_error(procs, tmp_path):
+    """Two peers, each given the other's address as --backbone, no backbone anywhere (issue
+    45's stall: nobody is dialed back, so nobody becomes a DHT server or leads a group, and
+    every peer averaged alone for ever). The first to measure twice stops with one line that
+    says what to do (the other then finds its "backbone" gone, as after a backbone's crash,
+    and waits for it)."""
+    ids = [write_key(tmp_path / f"p{i}.key") for i in range(2)]
+    ports = [free_port(), free_port()]
+    joiners = []
+    for i in range(2):
+        other = f"/ip4/127.0.0.1/tcp/{ports[1 - i]}/p2p/{ids[1 - i]}"
+        listen = f"/ip4/127.0.0.1/tcp/{ports[i]}"
+        key = str(tmp_path / f"p{i}.key")
+        joiners.append(
+            procs(
+                "cli.peer_cli", "join", "--identity", key, "--listen", listen, "--backbone", other
+            )
+        )
+    deadline = time.monotonic() + 180
+    while all(j.popen.poll() is None for j in joiners):
+        assert time.monotonic() < deadline, "neither peer stopped"
+        time.sleep(0.5)
+    i = next(i for i, j in enumerate(joiners) if j.popen.poll() is not None)
+    assert joiners[i].popen.returncode == 2
+    last = joiners[i].popen.stderr.read().strip().splitlines()[-1]  # after its log
+    assert last.startswith("error: no backbone in this collaboration"), last
+    assert ids[1 - i] in last and "backbone start" in last, last
 
 
 def test_second_daemon_with_the_same_key_is_refused(procs, tmp_path):

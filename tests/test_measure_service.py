@@ -11,11 +11,13 @@ import pytest
 import trio
 
 from peer.config import PeerConfig
+from peer.errors import NoBackbone, NotABackbone, Unreachable
 from peer.measure.compute import ComputeMeasurement
 from peer.measure.ema import RateEMA
 from peer.measure.probe import LinkMeasurement
 from peer.measure.reachability import BUSY, DialBackResult
 from peer.measure.service import (
+    NO_BACKBONE_MEASUREMENTS,
     TRAINED_MICRO_BATCHES,
     TRAINING_WAIT,
     Measurements,
@@ -149,6 +151,56 @@ async def test_behind_a_nat_that_keeps_its_address_a_peer_is_punchable(monkeypat
     caps = m.capabilities()
     assert caps is not None and caps.reachable and not caps.punchable
     assert mapping_checks == []  # reachable: nothing to punch
+
+
+async def test_a_peer_whose_every_backbone_is_a_peer_stops_with_one_line(monkeypatch):
+    """Every backbone we know answering as a peer (`NotABackbone`) for
+    NO_BACKBONE_MEASUREMENTS measurements in a row stops a peer with a `NoBackbone` that says
+    what to do. One real backbone among them, a backbone we merely cannot reach, or a node
+    that is itself a backbone never does."""
+    import peer.measure.service as service
+
+    answers: dict[str, type[Exception] | None] = {"p1": NotABackbone, "p2": NotABackbone}
+
+    async def measure_link(node, backbone, *, target_seconds):
+        if (error := answers[backbone]) is not None:
+            raise error(f"{backbone} answered")
+        return LinkMeasurement(1e6, 1e6, 0.02)
+
+    async def check_reachable(node, backbone):
+        return DialBackResult(["/ip4/198.51.100.7/tcp/4001"], {})
+
+    async def backbones() -> list:
+        return list(answers)
+
+    monkeypatch.setattr(service, "measure_link", measure_link)
+    monkeypatch.setattr(service, "check_reachable", check_reachable)
+    node = SimpleNamespace(peer_id="me", announce=[], punch_observed=[])
+
+    def measurements(probe_server=None) -> Measurements:
+        return Measurements(node, PeerConfig(), find_backbones=backbones, probe_server=probe_server)  # type: ignore[arg-type]
+
+    m = measurements()
+    for _ in range(NO_BACKBONE_MEASUREMENTS - 1):
+        assert not await m._measure_links()
+    with pytest.raises(
+        NoBackbone, match=r"no backbone in this collaboration \(p1, p2: a peer.*backbone start"
+    ):
+        await m._measure_links()
+
+    m = measurements()
+    answers["p2"] = None  # a real backbone found in presence beside the peer we were given
+    for _ in range(2 * NO_BACKBONE_MEASUREMENTS):
+        assert await m._measure_links()
+
+    answers["p2"] = Unreachable  # gone for now: no definite answer, so no verdict either
+    for _ in range(2 * NO_BACKBONE_MEASUREMENTS):
+        assert not await m._measure_links()
+
+    answers["p2"] = NotABackbone
+    m = measurements(probe_server=object())  # a backbone: it needs no other to train
+    for _ in range(2 * NO_BACKBONE_MEASUREMENTS):
+        assert not await m._measure_links()
 
 
 def test_capabilities_carry_the_newest_attestation_of_each_backbone():

@@ -10,7 +10,7 @@ import pytest
 import trio
 
 from peer.config import ProbeConfig
-from peer.errors import ProtocolError, RemoteError
+from peer.errors import NotABackbone, ProtocolError, RemoteError, Unreachable
 from peer.measure import probe as probe_module
 from peer.measure.attestation import Evidence, attest, attested_link, signed
 from peer.measure.probe import (
@@ -97,6 +97,20 @@ async def test_measure_link_reports_both_directions_and_rtt():
         # The backbone learned its own capacity from serving the probes.
         up, down = server.capacity(now=server.clock())
         assert up > 1e6 and down > 1e6
+
+
+async def test_a_peer_given_as_a_backbone_is_told_apart_from_one_we_cannot_reach():
+    """A node that answers but serves no probe (a peer's address passed as --backbone) is
+    `NotABackbone`; one that cannot be reached is only `Unreachable`: only the first is a
+    definite answer (`Measurements` stops a peer that has no backbone at all)."""
+    async with nodes(2) as (plain, peer):
+        await peer.connect(plain.peer_id, plain.announce, timeout=5)
+        with trio.fail_after(20), pytest.raises(NotABackbone, match="is a peer, not a backbone"):
+            await measure_link(peer, plain.peer_id, target_seconds=0.1)
+        gone = new_identity().peer_id  # nobody has its key: no address, no connection
+        with trio.fail_after(20), pytest.raises(Unreachable) as caught:
+            await measure_link(peer, gone, target_seconds=0.1)
+        assert not isinstance(caught.value, NotABackbone)
 
 
 async def test_the_backbone_signs_what_it_measured_of_the_caller():

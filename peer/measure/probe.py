@@ -41,9 +41,17 @@ import trio
 from libp2p.abc import IHost, INetStream
 from libp2p.crypto.keys import PrivateKey
 from libp2p.peer.id import ID
+from libp2p.protocol_muxer.exceptions import MultiselectClientError
 
 from peer.config import ProbeConfig
-from peer.errors import DECODE_ERRORS, DeadlineExceeded, ProtocolError, RemoteError, Unreachable
+from peer.errors import (
+    DECODE_ERRORS,
+    DeadlineExceeded,
+    NotABackbone,
+    ProtocolError,
+    RemoteError,
+    Unreachable,
+)
 from peer.measure.attestation import Attestation, attest, signed
 from peer.net.host import Node
 from peer.net.ratelimit import ByteBudgets
@@ -364,10 +372,29 @@ async def _open(node: Node, backbone: ID) -> FramedStream:
     try:
         stream = await node.host.new_stream(backbone, [PROTOCOL])
     except TRANSPORT_ERRORS as error:
+        if refused_protocol(error):
+            raise NotABackbone(
+                f"{backbone} is a peer, not a backbone: it does not serve {PROTOCOL}"
+            ) from error
         raise Unreachable(
             f"{backbone} does not serve {PROTOCOL} ({error}); is it a backbone (`backbone start`)?"
         ) from error
     return FramedStream(stream, MAX_CONTROL_BYTES)
+
+
+def refused_protocol(error: BaseException | None) -> bool:
+    """Whether opening a stream failed because the other side answered that it does not
+    serve the protocol (multistream-select's "na" to every one we offered), not because it
+    could not be reached: py-libp2p raises both as a `StreamFailure`, the cause tells."""
+    for _ in range(8):  # a chain is short; a cycle must not hang us
+        if error is None:
+            return False
+        if isinstance(error, MultiselectClientError) and str(error).startswith(
+            "protocols not supported"
+        ):
+            return True
+        error = error.__cause__ or error.__context__
+    return False
 
 
 async def _reply(framed: FramedStream, backbone: ID) -> Pong | Accepted | Refused | Measured:

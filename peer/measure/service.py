@@ -31,7 +31,7 @@ import trio
 from libp2p.peer.id import ID
 
 from peer.config import PeerConfig
-from peer.errors import RemoteError
+from peer.errors import NoBackbone, NotABackbone, RemoteError
 from peer.heap import return_free_memory
 from peer.measure.attestation import MAX_ATTESTATIONS, Attestation, attest
 from peer.measure.capabilities import Capabilities
@@ -68,6 +68,11 @@ TRAINING_WAIT = 120.0
 #: Real micro-batches (after the first: torch's warm-up) that measure a trainer's compute.
 TRAINED_MICRO_BATCHES = 3
 LINK_HALF_LIFE = 300.0
+#: Measurements in a row in which every backbone we know answered as a peer does (it serves
+#: no probe) after which a peer stops with a one-line error: with no backbone anywhere, no
+#: peer is ever dialed back, so none becomes a DHT server or leads a group, and every one
+#: averages alone for ever. Two: a backbone's presence record may be unread at the first.
+NO_BACKBONE_MEASUREMENTS = 2
 
 
 def best_link(links: Sequence[LinkMeasurement]) -> LinkMeasurement | None:
@@ -123,6 +128,7 @@ class Measurements:
         self._gradient_bytes: int | None = None  # the trainer's model (`observe_model`)
         self._trained = (0, 0, 0.0)  # micro-batches, samples and seconds after the first
         self._trained_enough = trio.Event()
+        self._peers_as_backbones = 0  # measurements in a row: `_check_some_backbone`
 
     async def wait_changed(self) -> None:
         await self._changed.wait()
@@ -290,6 +296,7 @@ class Measurements:
             log.warning("could not look up the backbones: %s", error)
             return False
         links, verdict, observed = [], None, []
+        peers: list[ID] = []  # told they were backbones; they answered as peers
         for backbone in backbones[: self.config.measure.max_backbones]:
             try:
                 links.append(
@@ -303,8 +310,11 @@ class Measurements:
                         seen = await observed_from_listen_port(self.node, backbone)
                         if seen is not None:
                             observed.append(seen)
+            except NotABackbone:
+                peers.append(backbone)
             except RemoteError as error:
                 log.warning("could not measure the link to backbone %s: %s", backbone, error)
+        self._check_some_backbone(backbones, peers)
         if verdict is not None:
             self.reachable = self.verdict = verdict
             announced = [str(a) for a in self.node.announce]
@@ -327,6 +337,22 @@ class Measurements:
             )
             self._announce_change()
         return bool(links) or not backbones
+
+    def _check_some_backbone(self, backbones: Sequence[ID], peers: Sequence[ID]) -> None:
+        """Raise `NoBackbone` once every backbone we know has answered as a peer
+        `NO_BACKBONE_MEASUREMENTS` measurements in a row."""
+        if self.probe_server is not None or not peers or len(peers) < len(backbones):
+            self._peers_as_backbones = 0
+            return
+        self._peers_as_backbones += 1
+        names = ", ".join(str(p) for p in peers[:3])
+        if self._peers_as_backbones < NO_BACKBONE_MEASUREMENTS:
+            log.warning("%s answered as a peer, not a backbone (it serves no probe)", names)
+            return
+        raise NoBackbone(
+            f"no backbone in this collaboration ({names}: a peer, not a backbone); start one "
+            "with `backbone start` and pass the address it prints to --backbone"
+        )
 
     def _attest_self(self, upload_bps: float, download_bps: float) -> None:
         """A backbone signs what the probes it served showed of its own link, as it signs what
