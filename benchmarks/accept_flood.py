@@ -164,9 +164,7 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / TICKS  # utime, stime (fields 14, 15)
 
 
-def flood(
-    port: int, *, seconds: float, rate: float, sources: list[str] | None = None
-) -> int:
+def flood(port: int, *, seconds: float, rate: float, sources: list[str] | None = None) -> int:
     """Open and close connections to 127.0.0.1:`port` for `seconds` from `sources` (default
     127.0.0.2-9); how many were tried.
     Non-blocking: a connection the listener's full accept queue drops costs no wait (a
