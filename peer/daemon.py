@@ -114,17 +114,17 @@ async def run_daemon(
 
         check_tracking(config.log.tensorboard_dir)
     identity = load_or_create_identity(Path(config.identity.path).expanduser())
-    if role == "peer" and all(peer_id == identity.peer_id for peer_id, _ in seeds):
-        # It would join a DHT of its own and average alone for ever.
-        raise ConfigError(
-            f"--backbone {config.collaboration.backbones[0]} is this peer's own address; pass "
-            "a backbone's (printed by `backbone start`)"
-        )
     network_key = load_network_key(config.collaboration.network_key)
     inbound = inbound_limits(config)
     limits = relay_limits(config)
     raise_descriptor_limit()
-    with hold_identity(identity):
+    with hold_identity(identity):  # first: a key a running backbone holds says so
+        if role == "peer" and all(peer_id == identity.peer_id for peer_id, _ in seeds):
+            # It would join a DHT of its own and average alone for ever.
+            raise ConfigError(
+                f"--backbone {config.collaboration.backbones[0]} is this peer's own address; "
+                "pass a backbone's (printed by `backbone start`)"
+            )
         async with open_node(
             identity,
             listen=config.net.listen,

@@ -512,7 +512,8 @@ async def test_a_restore_runs_at_the_loop_s_priority_with_the_torch_thread_held(
 
 
 async def test_a_catch_up_logs_the_seconds_of_its_phases(tmp_path, caplog):
-    """Where a late joiner's wait goes: the download and its check, the load, the whole."""
+    """Where a late joiner's wait goes: the download and its check, the load, the whole (and
+    the step it caught up to)."""
     trainer = await make_trainer(tmp_path / "me")
     donor = await two_ahead(tmp_path, trainer)
     serving(trainer, await donor.snapshot())
@@ -521,7 +522,8 @@ async def test_a_catch_up_logs_the_seconds_of_its_phases(tmp_path, caplog):
     assert trainer.step == 2
     done = [r for r in caplog.records if r.getMessage().startswith("downloaded the state")]
     phases = done[0].catch_up  # type: ignore[attr-defined]
-    assert set(phases) == {"fetch_and_check_s", "load_s", "total_s"}
+    assert set(phases) == {"step", "fetch_and_check_s", "load_s", "total_s"}
+    assert phases["step"] == 2
     assert 0 <= phases["fetch_and_check_s"] + phases["load_s"] <= phases["total_s"]
 
 

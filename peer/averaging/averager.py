@@ -236,8 +236,10 @@ def _could_leave_us_out(
 ) -> set[str]:
     """The members of `agreed` that may retry without us: those that did not confirm our part,
     and the other reducers (our receipt of theirs may not have reached them). The rest got our
-    whole part and gave us theirs: they never leave us out, and a retry counts only if every
-    member it keeps comes, so only a retry among these few could make a second average."""
+    whole part and gave us theirs: honest, they never leave us out, and a retry counts only if
+    every member it keeps comes, so only a retry among these few could make a second average.
+    (A lying member can join a retry without us whatever it confirmed: it could before too,
+    joining both retries. Every member must use the same `min_group_size`, as before.)"""
     reducing = {
         m.peer_id for m, (lo, hi) in zip(spec.members, spec.parts(), strict=True) if hi > lo
     }

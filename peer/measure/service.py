@@ -294,6 +294,7 @@ class Measurements:
             backbones = [b for b in await self.find_backbones() if b != self.node.peer_id]
         except RemoteError as error:
             log.warning("could not look up the backbones: %s", error)
+            self._peers_as_backbones = 0  # no evidence either way: the count is of a row
             return False
         links, verdict, observed = [], None, []
         peers: list[ID] = []  # told they were backbones; they answered as peers
@@ -340,7 +341,11 @@ class Measurements:
 
     def _check_some_backbone(self, backbones: Sequence[ID], peers: Sequence[ID]) -> None:
         """Raise `NoBackbone` once every backbone we know has answered as a peer
-        `NO_BACKBONE_MEASUREMENTS` measurements in a row."""
+        `NO_BACKBONE_MEASUREMENTS` measurements in a row, where none ever answered as a
+        backbone: a peer that joined through another and measured the backbone it found in
+        presence keeps waiting while that backbone restarts (its record withdrawn)."""
+        if self.link is not None:  # a backbone measured us once: it is only away
+            return
         if self.probe_server is not None or not peers or len(peers) < len(backbones):
             self._peers_as_backbones = 0
             return
