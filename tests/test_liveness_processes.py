@@ -41,26 +41,31 @@ GATHERINGS = 2
 """Gatherings after the broken one within which every survivor steps again."""
 
 HOOK = """# Test only (tests/test_liveness_processes.py): SIGKILL this process in the middle of an
-# all-reduce, after the first chunk of its KILL_IN_ROUND-th round (or a later one) went out to
-# another member's part.
+# all-reduce, right after the first contribution frame of its KILL_IN_ROUND-th round (or a
+# later one) went out to another member's part. Through public names only: the module's
+# `allreduce` (counted) and the data plane's `Channel.send` (the transport).
 import importlib.abc, importlib.machinery, os, signal, sys
 
 def _install(allreduce):
-    original = allreduce._Round._send_chunks
-    rounds = set()
+    wire = sys.modules["peer.averaging.wire"]
+    rounds = [0]
+    run, send = allreduce.allreduce, wire.Channel.send
 
-    async def _send_chunks(self, channel, j):
-        rounds.add(self.spec.round_id)
-        # To another member's part (ours would be a local send): we die a sender to it.
-        if len(rounds) >= int(os.environ["KILL_IN_ROUND"]) and j != self.index:
-            lo, hi = allreduce.chunk_ranges(*self.parts[j], self.spec.chunk_elements)[0]
-            await channel.send(0, 0, self.codec.encode(self.vector[lo:hi]))
+    async def counted(*args, **kwargs):
+        rounds[0] += 1
+        return await run(*args, **kwargs)
+
+    async def send_then_die(self, index, senders, payload, *, prefix=b""):
+        await send(self, index, senders, payload, prefix=prefix)
+        # A contribution (an average carries its include mask as `prefix`; DONE and RECEIVED
+        # are no data), to another member's part (ours never goes through a channel).
+        if rounds[0] >= int(os.environ["KILL_IN_ROUND"]) and index < wire.RECEIVED and not prefix:
             sys.stderr.write('{"msg": "killing myself mid-all-reduce"}\\n')
             sys.stderr.flush()
             os.kill(os.getpid(), signal.SIGKILL)
-        return await original(self, channel, j)
 
-    allreduce._Round._send_chunks = _send_chunks
+    allreduce.allreduce = counted
+    wire.Channel.send = send_then_die
 
 class _Hook(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
