@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import sys
 
 from simulation.collaboration import Scenario, run_collaboration
 from simulation.report import rows, summarize
@@ -28,7 +30,16 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-level", default="error")
     args = parser.parse_args()
+    if os.environ.get("PYTHONHASHSEED") != "0":
+        # Sets of peer ids iterate in hash order: the same order in every run of a seed
+        # (simulation.determinism).
+        os.execve(
+            sys.executable,
+            [sys.executable, "-m", "simulation", *sys.argv[1:]],
+            {**os.environ, "PYTHONHASHSEED": "0"},
+        )
     logging.basicConfig(level=args.log_level.upper(), format="%(name)s: %(message)s")
+    violated = False
     for peers in args.peers:
         scenario = Scenario(
             peers=peers,
@@ -39,11 +50,17 @@ def main() -> None:
             target_batch=args.target_batch,
             seed=args.seed,
         )
-        summary = summarize(run_collaboration(scenario))
+        report = run_collaboration(scenario)
+        summary = summarize(report)
+        violated = violated or bool(report.violations)
         width = max(len(name) for name, _ in rows(summary))
         print(f"\n{peers} peers")
         for name, value in rows(summary):
             print(f"  {name:<{width}}  {value}")
+        for violation in report.violations[:10]:
+            print(f"  SAFETY VIOLATION: {violation}")
+    if violated:
+        sys.exit("the simulation broke safety: two peers took one step as different states")
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ from peer.training.progress import CollaborationView, ProgressRecord
 from peer.training.statesync import Snapshot
 from peer.training.trainer import Trainer
 from simulation.dataplane import SimDataPlane, SimDataServer, SimIdentity, simulated
+from simulation.determinism import deterministic_trio
 from simulation.network import (
     MBIT,
     Link,
@@ -57,6 +58,7 @@ from simulation.network import (
     Traffic,
     log_uniform,
 )
+from simulation.safety import SafetyCheck, Violation
 from simulation.worker import SimWorker
 
 log = logging.getLogger(__name__)
@@ -152,6 +154,8 @@ class Report:
     arrivals: int
     downloads: int
     ideal_step_seconds: float
+    violations: list[Violation]
+    """States taken as a step other than the first taken as that step (`simulation.safety`)."""
 
 
 def _config(scenario: Scenario, factor: float) -> PeerConfig:
@@ -183,6 +187,7 @@ class Collaboration:
         self.cut: frozenset[int] = frozenset()
         self.dht_seconds: dict[str, list[float]] = {"store": [], "get": []}
         self.views: list[tuple[int, int]] = []
+        self.safety = SafetyCheck()
         self.departures = self.arrivals = 0
         self.volunteers: list[Volunteer] = []
         self.ended = False
@@ -202,6 +207,7 @@ class Collaboration:
             rpc_timeout=self.config.net.rpc_timeout,
             clock=self.clock,
         )
+        dht.rng = random.Random(self.rng.getrandbits(64))  # its hot reads' replicas: seeded
         for name in ("store", "get"):
             setattr(dht, name, self._timed(name, getattr(dht, name)))
         return dht
@@ -266,7 +272,9 @@ class Collaboration:
         self.plane.register(node.peer_id)
         speed = log_uniform(self.rng, *scenario.samples_per_second)
         dht = self._dht(node)
-        certificate, _ = tls._build_certificate(node.identity.key_pair.private_key)
+        certificate, _ = tls._build_certificate(
+            node.identity.key_pair.private_key, seed=self.rng.getrandbits(256)
+        )
         averager = Averager(
             dht,
             self.config.averaging,
@@ -282,6 +290,7 @@ class Collaboration:
             samples_per_second=speed,
             micro_batch=scenario.micro_batch,
             seed=self.rng.getrandbits(32),
+            on_hold=lambda step, digest: self.safety.held(step, me, digest, trio.current_time()),
         )
         trainer = Trainer(
             dht=dht,
@@ -470,13 +479,12 @@ def ideal_step_seconds(scenario: Scenario, collaboration: Collaboration) -> floa
 
 
 def run_collaboration(scenario: Scenario) -> Report:
-    # The DHT draws its refresh targets from `random`: seeded too. Runs of one seed still
-    # differ in detail: trio runs the tasks ready at once in a random order, and wakes those
-    # with equal deadlines in the order of their scopes' addresses.
+    # The DHT draws its refresh targets from `random`: seeded too; trio's scheduling is made
+    # deterministic (`simulation.determinism`).
     random.seed(scenario.seed)
     collaboration = Collaboration(scenario)
     started = time.perf_counter()
-    with simulated(collaboration.plane):
+    with simulated(collaboration.plane), deterministic_trio(scenario.seed):
         trio.run(collaboration.run, clock=trio.testing.MockClock(autojump_threshold=0))
     agree, newest = collaboration.final
     everyone = [v.trainer for v in collaboration.volunteers]
@@ -497,4 +505,5 @@ def run_collaboration(scenario: Scenario) -> Report:
         arrivals=collaboration.arrivals,
         downloads=sum(t.tally.downloads for t in everyone) - collaboration.downloads_at_start,
         ideal_step_seconds=collaboration.ideal,
+        violations=collaboration.safety.violations,
     )

@@ -55,6 +55,8 @@ class Summary:
     arrivals: int
     downloads: int
     digests_agree: bool
+    safety_violations: int
+    """Peers that took a step as another state than the first peer that took it."""
     failure_reasons: list[tuple[str, int]]
 
 
@@ -100,6 +102,7 @@ def summarize(report: Report) -> Summary:
         arrivals=report.arrivals,
         downloads=report.downloads,
         digests_agree=report.digests_agree,
+        safety_violations=len(report.violations),
         failure_reasons=sorted(reasons.items(), key=lambda kv: -kv[1])[:5],
     )
 
@@ -206,5 +209,6 @@ def rows(summary: Summary) -> list[tuple[str, str]]:
             f"{s.view_coverage:.1%} / {s.min_view_coverage:.1%}",
         ),
         ("digests of the newest step agree", "yes" if s.digests_agree else "NO"),
+        ("safety violations (a step taken as two states)", str(s.safety_violations)),
         *((f"  failed: {why}", str(n)) for why, n in s.failure_reasons),
     ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,8 +50,17 @@ class Taken:
 
 class SimWorker:
     def __init__(
-        self, *, vector_size: int, samples_per_second: float, micro_batch: int, seed: int
+        self,
+        *,
+        vector_size: int,
+        samples_per_second: float,
+        micro_batch: int,
+        seed: int,
+        on_hold: Callable[[int, str], None] = lambda step, digest: None,
     ) -> None:
+        """`on_hold(step, digest)`: told of every state this peer takes as a step (applied or
+        downloaded), before it signs it (the simulation's safety check)."""
+        self.on_hold = on_hold
         self.vector_size = vector_size
         self.samples_per_second = samples_per_second
         self.micro_batch = micro_batch
@@ -98,7 +108,9 @@ class SimWorker:
 
     async def hold(self, step: int, *, digest: str | None = None) -> str | None:
         self.held_step = step
-        return self.digest_of(step, self.parameters)
+        digest = self.digest_of(step, self.parameters)
+        self.on_hold(step, digest)
+        return digest
 
     async def serialize(self) -> Snapshot | None:
         return Snapshot(self.held_step, self.parameters.tobytes())

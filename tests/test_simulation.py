@@ -18,6 +18,7 @@ from simulation.collaboration import EPOCH, Attempt, Scenario, run_collaboration
 from simulation.dataplane import SimDataPlane, SimDataServer, SimIdentity
 from simulation.network import MBIT, Link, SimNetwork, Traffic
 from simulation.report import rounds_of, summarize
+from simulation.safety import SafetyCheck
 
 SLOW_LINK = Link(upload=10 * MBIT, download=10 * MBIT, rtt=0.2)
 FAST_LINK = Link(upload=100 * MBIT, download=100 * MBIT, rtt=0.02)
@@ -201,7 +202,7 @@ def test_rounds_cut_by_the_end_count_neither_way():
             scenario=small(peers=3, minutes=1), attempts=[*agreed, *split], cut=cut,
             dht_seconds={"store": [], "get": []}, views=[], traffic=Traffic(), wall_seconds=1.0,
             steps=1, ideal_step_seconds=1.0, departures=0, arrivals=0, downloads=0,
-            digests_agree=True,
+            digests_agree=True, violations=[],
         )  # fmt: skip
 
     summary = summarize(report(frozenset()))  # type: ignore[arg-type]
@@ -220,8 +221,39 @@ def test_a_small_collaboration_trains_with_every_average_exact():
     summary = summarize(report)
     assert summary.steps >= 4
     assert summary.complete_share == 1.0 and summary.complete_rounds == 1.0
-    assert report.digests_agree
+    assert report.digests_agree and not report.violations
     assert summary.view_coverage > 0.95
+
+
+def fingerprint(report) -> tuple:
+    """What two runs of one seed must share: every averaging call (who, when to the
+    nanosecond, over whom, which bits) and every byte on the network, per peer."""
+    calls = tuple((a.peer, round(a.started, 9), a.members, a.average) for a in report.attempts)
+    traffic = report.traffic
+    return calls, sorted(traffic.bytes.items()), sorted(traffic.served.values()), report.downloads
+
+
+def test_the_same_seed_gives_the_same_run_to_the_byte_and_another_seed_another():
+    # With churn: departures, joins and downloads are the most order-sensitive part.
+    runs = [
+        run_collaboration(small(peers=5, minutes=1.5, churn_per_hour=12.0, seed=seed))
+        for seed in (7, 7, 8)
+    ]
+    assert runs[0].departures >= 1 and runs[0].attempts
+    first, again, other = (fingerprint(r) for r in runs)
+    assert first == again
+    assert first != other
+
+
+def test_a_step_taken_as_another_state_by_anyone_at_any_time_is_a_violation():
+    check = SafetyCheck()
+    check.held(1, "a", "d1", at=1.0)
+    check.held(1, "b", "d1", at=2.0)
+    check.held(2, "a", "d2", at=3.0)
+    assert not check.violations
+    check.held(1, "c", "other", at=4.0)  # later, long after step 1
+    check.held(2, "b", "d2", at=5.0)
+    assert [(v.step, v.peer, v.first_peer) for v in check.violations] == [(1, "c", "a")]
 
 
 def test_volunteers_that_join_late_download_the_state_and_train():
@@ -237,7 +269,7 @@ def test_volunteers_that_join_late_download_the_state_and_train():
     for volunteer in settled:
         assert volunteer.trainer.tally.downloads >= 1
         assert volunteer.step_at_end >= report.newest_step - 1
-    assert report.digests_agree
+    assert report.digests_agree and not report.violations
 
 
 @pytest.mark.slow
@@ -248,7 +280,7 @@ def test_thirty_simulated_volunteers_with_churn_stay_exact():
     scenario = small(peers=30, minutes=6, churn_per_hour=0.6, seed=5)
     report = run_collaboration(scenario)
     summary = summarize(report)
-    assert report.departures >= 1 and report.digests_agree
+    assert report.departures >= 1 and report.digests_agree and not report.violations
     assert summary.steps >= 2
     assert summary.view_coverage > 0.95
 
@@ -269,4 +301,4 @@ def test_three_hundred_simulated_volunteers_with_churn_take_their_steps():
     assert summary.steps >= 3
     assert summary.agreed_rounds >= 0.9, summary.agreed_rounds
     assert summary.view_coverage > 0.95
-    assert report.digests_agree
+    assert report.digests_agree and not report.violations

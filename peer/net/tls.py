@@ -53,9 +53,17 @@ WRITE_BYTES = 1 << 18  # per TLS write: many 16 KiB records per Python call
 RETRY_SECONDS = 0.01
 
 
-def _build_certificate(identity_key: PrivateKey) -> tuple[bytes, bytes]:
-    """(certificate DER, private key PEM) for a fresh P-256 key bound to `identity_key`."""
-    tls_key = ec.generate_private_key(ec.SECP256R1())
+def _build_certificate(identity_key: PrivateKey, *, seed: int | None = None) -> tuple[bytes, bytes]:
+    """(certificate DER, private key PEM) for a fresh P-256 key bound to `identity_key`.
+    `seed`: the same certificate for the same seed (the simulation's reproducible runs; a
+    peer never passes one)."""
+    if seed is None:
+        tls_key = ec.generate_private_key(ec.SECP256R1())
+        serial = x509.random_serial_number()
+    else:
+        order = 0xFFFFFFFF00000000FFFFFFFFFFFFFFFFBCE6FAADA7179E84F3B9CAC2FC632551  # P-256's n
+        tls_key = ec.derive_private_key(1 + seed % (order - 1), ec.SECP256R1())
+        serial = 1 + seed % (2**159 - 1)
     spki = tls_key.public_key().public_bytes(
         serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
     )
@@ -69,14 +77,14 @@ def _build_certificate(identity_key: PrivateKey) -> tuple[bytes, bytes]:
         .subject_name(name)
         .issuer_name(name)
         .public_key(tls_key.public_key())
-        .serial_number(x509.random_serial_number())
+        .serial_number(serial)
         .not_valid_before(datetime.datetime(2000, 1, 1, tzinfo=datetime.UTC))
         .not_valid_after(datetime.datetime(9999, 12, 31, tzinfo=datetime.UTC))
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
     )
     signature = identity_key.sign(LIBP2P_CERT_PREFIX + spki)
     builder = add_libp2p_extension(builder, identity_key.get_public_key(), signature)
-    certificate = builder.sign(tls_key, hashes.SHA256())
+    certificate = builder.sign(tls_key, hashes.SHA256(), ecdsa_deterministic=seed is not None)
     key_pem = tls_key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
