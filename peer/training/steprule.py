@@ -1,0 +1,125 @@
+"""The step rule (pure): which state is the collaboration's step, decided from votes.
+
+An averaging for a step can end on several candidates: a member that leaves mid-averaging
+narrows the bases of the groups it reaches (`peer.averaging.moshpit`), so the peers end on
+different exact averages (at 100 simulated peers, one departure split 79 calls 32 / 24 / 18 / 4 /
+1). The old rule let a candidate be a step only with a majority of the trainers in each peer's
+own view: split like that, nobody stepped; and with views that differed, two candidates could
+each be applied by their holders (the simulation's safety check caught it at step 1). This
+rule certifies one candidate per step, however the votes are split, and never two.
+
+Terms:
+- the *electorate* of a step is the set of peers entitled to vote on it, named by a digest and
+  its size. It is the plan of the gathering that produced the previous step's certified
+  candidate (`Candidate.plan`: the Moshpit view every member of that plan shares), so every
+  peer that holds the certified previous step agrees on it; the first step's electorate is its
+  own plan (`genesis`);
+- a *candidate* is one exact average of a step: the digest of its bits and the plan it came
+  from;
+- a *vote* is one member's choice of a candidate for the step, cast among the electorate it
+  names. A member votes at most once per step (for the largest candidate it has seen: its own
+  basis, or a larger one another member published).
+
+**Certified** (`tally`): a candidate is certified by a set of votes when it wins the final count
+whatever the missing votes turn out to be: it has at least `min_votes`, and for every other
+candidate, seen or not, its votes rank above that candidate's votes plus every vote not yet
+seen (n - votes seen), ranking by count and then by the smaller digest. With every vote in
+(nobody left), the candidate with the most votes is certified; with k votes missing (members
+that left mid-averaging), the leader is certified once it leads by more than k.
+
+**Safety** (property-tested with hypothesis in `tests/test_steprule.py`): for one step and
+electorate, no two different candidates are ever certified, by any two readers, each from any
+subset of the votes cast (partial reads, late votes, votes that never come), provided each
+member votes at most once and readers agree on the electorate. Proof: if a reader certifies A
+from seen votes V, then for any B, B's final count <= its seen count + the unseen votes < A's
+seen count <= A's final count (ties going to the smaller digest all along), so A outranks B in
+the final count; two certified candidates would each outrank the other. By induction on the
+step the electorates agree (each is named by the unique certified candidate before it), so
+every peer that applies a step applies the one certified candidate. A reader that sees more
+distinct voters than the electorate has (members who voted twice, or strangers) certifies
+nothing for that step: the count is not the one the rule reasons about.
+
+What it assumes, and what happens otherwise (docs/SECURITY.md): the first step's electorate is
+its own plan, so two plans of the first step with disjoint views could each certify one (the
+gathering's read grace makes views agree; the simulation counts any violation); identities are
+not scarce, so `min_votes` identities that agree are an electorate of their own (Sybil).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, order=True)
+class Electorate:
+    """Who may vote on a step: a plan's members, by the plan's digest and their number."""
+
+    digest: str
+    size: int
+
+
+@dataclass(frozen=True, order=True)
+class Candidate:
+    """One exact average of `step`: its bits' digest, and the plan it came from (the next
+    step's electorate, if it is certified)."""
+
+    step: int
+    average: str
+    plan: Electorate
+
+
+@dataclass(frozen=True)
+class Vote:
+    voter: str
+    candidate: Candidate
+    electorate: Electorate
+    """The electorate the vote is cast in: the step's, as the voter holds it."""
+
+
+@dataclass(frozen=True)
+class StepRule:
+    """The collaboration's step rule, from its published parameters."""
+
+    min_votes: int = 1
+    """Votes a candidate needs at least, whatever the electorate's size
+    (`averaging.min_group_size`: a step of one peer certifies nothing unless it says 1)."""
+
+    def tally(self, step: int, electorate: Electorate, votes: Iterable[Vote]) -> Candidate | None:
+        """The candidate the votes seen certify for `step` in `electorate` (module doc), or
+        None. Votes for other steps or cast in another electorate do not count; a voter's
+        second vote makes the count void (None)."""
+        counted: dict[str, Candidate] = {}
+        for vote in votes:
+            if vote.electorate != electorate or vote.candidate.step != step:
+                continue
+            if counted.setdefault(vote.voter, vote.candidate) != vote.candidate:
+                return None  # two votes of one member: not an honest count
+        if len(counted) > electorate.size:
+            return None  # more voters than members: strangers voted
+        counts = Counter(counted.values())
+        if not counts:
+            return None
+        unseen = electorate.size - len(counted)
+        leader, votes_for = min(counts.items(), key=lambda item: (-item[1], item[0].average))
+        if votes_for < self.min_votes:
+            return None
+        if unseen > 0 and votes_for <= unseen:
+            return None  # a candidate nobody has voted for yet could still tie or pass it
+        for other, count in counts.items():
+            if other != leader and not _outranks(
+                (votes_for, leader.average), (count + unseen, other.average)
+            ):
+                return None
+        return leader
+
+    def genesis(self, step: int, plan: Electorate, votes: Iterable[Vote]) -> Candidate | None:
+        """A first step's certified candidate: its electorate is its own plan."""
+        found = self.tally(step, plan, votes)
+        return found if found is not None and found.plan == plan else None
+
+
+def _outranks(a: tuple[int, str], b: tuple[int, str]) -> bool:
+    """More votes first; between equal counts, the smaller digest."""
+    return a[0] > b[0] or (a[0] == b[0] and a[1] < b[1])

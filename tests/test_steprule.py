@@ -1,0 +1,159 @@
+"""The step rule (`peer.training.steprule`): one certified candidate per step, whatever
+each reader sees of the votes, and a step certified on the largest basis when a member left
+mid-averaging."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from peer.training.steprule import Candidate, Electorate, StepRule, Vote
+
+PLAN = Electorate("plan-1", 8)
+
+
+def candidates(step: int, electorate: Electorate, count: int) -> list[Candidate]:
+    return [
+        Candidate(step, f"avg-{step}-{i}", Electorate(f"plan-{step}-{i}", 8)) for i in range(count)
+    ]
+
+
+@st.composite
+def elections(draw: st.DrawFn) -> tuple[StepRule, Electorate, list[Vote], list[list[int]]]:
+    """An electorate of n members, a few candidates, each member voting once for any of them
+    or never (it left), and readers that each see any subset of the votes cast, in any
+    order: partial reads, late votes, votes that never arrive."""
+    n = draw(st.integers(1, 12))
+    electorate = Electorate("e", n)
+    options = candidates(1, electorate, draw(st.integers(1, 4)))
+    choices = draw(st.lists(st.one_of(st.none(), st.sampled_from(options)), min_size=n, max_size=n))
+    votes = [Vote(f"m{i}", c, electorate) for i, c in enumerate(choices) if c is not None]
+    readers = draw(
+        st.lists(st.lists(st.integers(0, max(0, len(votes) - 1)), unique=True), max_size=8)
+    )
+    rule = StepRule(min_votes=draw(st.integers(1, 3)))
+    return rule, electorate, votes, readers
+
+
+@settings(max_examples=2000, deadline=None)
+@given(elections())
+def test_no_two_readers_ever_certify_two_candidates_and_each_certifies_the_final_winner(
+    election,
+):
+    rule, electorate, votes, readers = election
+    final = rule.tally(1, electorate, votes)
+    seen = set()
+    for picks in [*readers, list(range(len(votes)))]:
+        certified = rule.tally(1, electorate, [votes[i] for i in picks if i < len(votes)])
+        if certified is not None:
+            seen.add(certified)
+            # What a reader applies is what everyone's complete count certifies.
+            assert certified == final
+    assert len(seen) <= 1
+
+
+@st.composite
+def chains(draw: st.DrawFn):
+    """Three steps: each step's electorate is the plan of the candidate certified before it,
+    the first step's its own plan (`plans[0]`: the first gathering's, which every member's view
+    agrees on: the rule's stated assumption). Candidates come from any plan; members of every
+    plan vote, so most votes are cast in an electorate that is not the step's."""
+    plans = [Electorate(f"plan-{i}", draw(st.integers(1, 6))) for i in range(3)]
+    votes = []
+    for step in (1, 2, 3):
+        options = [
+            Candidate(step, f"avg-{step}-{i}", draw(st.sampled_from(plans))) for i in range(3)
+        ]
+        for electorate in plans:
+            for member in range(electorate.size):
+                choice = draw(st.one_of(st.none(), st.sampled_from(options)))
+                if choice is not None:
+                    votes.append(Vote(f"{electorate.digest}/m{member}", choice, electorate))
+    masks = st.lists(st.booleans(), min_size=len(votes), max_size=len(votes))
+    return plans, votes, draw(st.lists(masks, max_size=6))
+
+
+def certified_chain(rule: StepRule, genesis: Electorate, votes: list[Vote]) -> list[Candidate]:
+    """What a reader certifies step by step: the first step in its own plan, then each step in
+    the electorate the step before names."""
+    chain: list[Candidate] = []
+    for step in (1, 2, 3):
+        if step == 1:
+            found = rule.genesis(1, genesis, votes)
+        else:
+            found = rule.tally(step, chain[-1].plan, votes)
+        if found is None:
+            break
+        chain.append(found)
+    return chain
+
+
+@settings(max_examples=1000, deadline=None)
+@given(chains())
+def test_along_a_chain_every_reader_certifies_a_prefix_of_one_history(chain):
+    plans, votes, readers = chain
+    rule = StepRule()
+    histories = [
+        certified_chain(rule, plans[0], [v for v, keep in zip(votes, mask, strict=True) if keep])
+        for mask in [*readers, [True] * len(votes)]
+    ]
+    longest = max(histories, key=len)
+    for history in histories:
+        assert history == longest[: len(history)]
+
+
+def test_the_first_step_is_safe_only_where_its_gathering_s_views_agree():
+    """The stated assumption, shown: two plans of a first step with disjoint views each
+    certify their own candidate (the simulation's safety check counts it if it happens)."""
+    rule = StepRule()
+    one, other = Electorate("view-a", 2), Electorate("view-b", 2)
+    a, b = Candidate(1, "avg-a", one), Candidate(1, "avg-b", other)
+    votes = [Vote("m0", a, one), Vote("m1", a, one), Vote("m2", b, other), Vote("m3", b, other)]
+    assert (rule.genesis(1, one, votes), rule.genesis(1, other, votes)) == (a, b)
+
+
+def test_a_member_that_left_mid_averaging_costs_the_groups_it_reached_not_the_step():
+    # 80 members; one left; the rest ended on five exact averages of 32, 24, 18, 4 and 1.
+    electorate = Electorate("e", 80)
+    split = candidates(1, electorate, 5)
+    sizes = (32, 24, 18, 4, 1)
+    basis = [c for c, n in zip(split, sizes, strict=True) for _ in range(n)]
+    votes = [Vote(f"m{i}", c, electorate) for i, c in enumerate(basis)]
+    assert len(votes) == 79
+    rule = StepRule(min_votes=2)
+    # Members vote for their own basis: 32 leads 24 by 8, more than the 1 vote missing.
+    assert rule.tally(1, electorate, votes) == split[0]
+    # Half the votes in: 32 of 40 seen lead by less than the 40 unseen: nothing yet.
+    assert rule.tally(1, electorate, votes[::2]) is None
+
+
+def test_with_every_vote_in_the_most_voted_is_the_step_and_a_tie_goes_to_the_smaller_digest():
+    electorate = Electorate("e", 4)
+    a, b = candidates(1, electorate, 2)
+    rule = StepRule()
+    votes = [Vote("m0", a, electorate), Vote("m1", b, electorate), Vote("m2", b, electorate)]
+    assert rule.tally(1, electorate, votes) is None  # m3 could tie it for a
+    votes.append(Vote("m3", a, electorate))
+    assert rule.tally(1, electorate, votes) == min(a, b, key=lambda c: c.average)
+
+
+def test_votes_of_another_step_or_electorate_count_for_nothing_and_a_double_vote_voids_the_count():
+    electorate = Electorate("e", 3)
+    a, b = candidates(2, electorate, 2)
+    rule = StepRule()
+    stale = Electorate("old", 3)
+    assert rule.tally(2, electorate, [Vote(f"m{i}", a, stale) for i in range(3)]) is None
+    assert rule.tally(3, electorate, [Vote(f"m{i}", a, electorate) for i in range(3)]) is None
+    votes = [Vote(f"m{i}", a, electorate) for i in range(3)]
+    assert rule.tally(2, electorate, votes) == a
+    assert rule.tally(2, electorate, [*votes, Vote("m0", b, electorate)]) is None
+    strangers = [*votes, Vote("x", a, electorate)]
+    assert rule.tally(2, electorate, strangers) is None
+
+
+def test_a_candidate_needs_the_published_minimum_of_votes():
+    electorate = Electorate("e", 1)
+    (a,) = candidates(1, electorate, 1)
+    alone = [Vote("m0", a, electorate)]
+    assert StepRule(min_votes=1).tally(1, electorate, alone) == a
+    assert StepRule(min_votes=2).tally(1, electorate, alone) is None
