@@ -59,7 +59,7 @@ from simulation.network import (
     log_uniform,
 )
 from simulation.safety import SafetyCheck, Violation
-from simulation.worker import SimWorker
+from simulation.worker import ComputeNoise, SimWorker
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +89,8 @@ class Scenario:
     group_size: int = 4
     seed: int = 0
     links: LinkDistribution = field(default_factory=LinkDistribution)
+    noise: ComputeNoise = field(default_factory=ComputeNoise)
+    """How each volunteer's speed varies over time: jitter, slow spells, pauses."""
 
 
 @dataclass
@@ -291,6 +293,7 @@ class Collaboration:
             micro_batch=scenario.micro_batch,
             seed=self.rng.getrandbits(32),
             on_hold=lambda step, digest: self.safety.held(step, me, digest, trio.current_time()),
+            noise=scenario.noise,
         )
         trainer = Trainer(
             dht=dht,
@@ -454,8 +457,9 @@ class Collaboration:
 def ideal_step_seconds(scenario: Scenario, collaboration: Collaboration) -> float:
     """DeDLOC's ideal step for the trainers alive at the end: the role solver's optimum
     (`peer.roles.assign_roles`: who computes, one all-reduce with bandwidth-optimal shares,
-    no gathering, no groups, nobody leaving)."""
+    no gathering, no groups, nobody leaving), each at its mean speed over spells and pauses."""
     peers = []
+    slowdown = scenario.noise.mean_slowdown()  # the speeds as a measurement over time sees them
     for me, trainer in collaboration.trainers.items():
         link = collaboration.network.links[trainer.dht.node.peer_id]
         worker = trainer.worker
@@ -463,7 +467,7 @@ def ideal_step_seconds(scenario: Scenario, collaboration: Collaboration) -> floa
         peers.append(
             PeerCapacity(
                 peer_id=me,
-                samples_per_s=worker.samples_per_second,
+                samples_per_s=worker.samples_per_second / slowdown,
                 upload_bps=link.upload,
                 download_bps=link.download,
                 reachable=True,

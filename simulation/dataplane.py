@@ -4,8 +4,8 @@
 swaps it in for the averager): the members of a round meet by its round id; once all have
 arrived the round lasts as long as the butterfly all-reduce of the *simulated* model's bytes
 takes over the members' links (each member sends and receives its share of the traffic,
-`bytes_per_round`, at its own upload and download; the slowest member sets the length), plus
-a round trip. Every member then holds the same bits: the weighted mean of the computing
+`bytes_per_round`, on its own uplink and downlink, shared with whatever else they carry then:
+`links`; the last member to finish sets the length), plus a round trip. Every member then holds the same bits: the weighted mean of the computing
 members' values, added in the order the real reducers add them ((block, peer id)). A member
 that never arrives, or that leaves before the round ends, fails the round for everyone in
 it, as a dead reducer does (reported as a dropped sender and a failed reducer), which is what
@@ -28,6 +28,7 @@ from peer.averaging.allreduce import RoundReport, RoundSpec
 from peer.averaging.reduce import ChunkResult
 from peer.errors import RemoteError
 from peer.roles.model import bytes_per_round
+from simulation.links import carry, carry_parts
 from simulation.network import SimNetwork
 
 T = TypeVar("T")
@@ -37,8 +38,11 @@ T = TypeVar("T")
 class _Meeting:
     arrived: dict[str, np.ndarray] = field(default_factory=dict)
     everyone: trio.Event = field(default_factory=trio.Event)
-    ends_at: float | None = None
     average: np.ndarray | None = None
+    carried: set[str] = field(default_factory=set)
+    """Members whose bytes their links carried."""
+    settled: trio.Event = field(default_factory=trio.Event)
+    """Every member's bytes carried, or one stopped half-way (it left, or its deadline)."""
     returned: int = 0
 
 
@@ -69,18 +73,25 @@ class SimDataPlane:
     def gone(self, peer_id: str) -> bool:
         return self.ids[peer_id] in self.network.gone
 
-    def round_seconds(self, spec: RoundSpec) -> float:
-        """The butterfly all-reduce of `model_bytes` among `spec`'s members, on their links."""
-        parts = spec.parts()
+    def moved(self, spec: RoundSpec, peer_id: str) -> float:
+        """The bytes `peer_id` sends (and as many it receives) in `spec`'s butterfly of
+        `model_bytes`: its share of the reducing, and its own parts if it computes."""
         computing = sum(m.computes for m in spec.members)
+        for member, (start, end) in zip(spec.members, spec.parts(), strict=True):
+            if member.peer_id == peer_id:
+                share = (end - start) / spec.size if spec.size else 0.0
+                return self.model_bytes * bytes_per_round(
+                    computes=member.computes, share=share, computing=computing
+                )
+        raise KeyError(peer_id)
+
+    def round_seconds(self, spec: RoundSpec) -> float:
+        """The butterfly all-reduce among `spec`'s members on links that carry nothing else:
+        the slowest member's bytes, up and down at once, and the longest round trip."""
         longest = 0.0
-        for member, (start, end) in zip(spec.members, parts, strict=True):
-            share = (end - start) / spec.size if spec.size else 0.0
-            moved = self.model_bytes * bytes_per_round(
-                computes=member.computes, share=share, computing=computing
-            )
+        for member in spec.members:
+            moved = self.moved(spec, member.peer_id)
             link = self.network.links[self.ids[member.peer_id]]
-            # As many bytes go up as come down, each at its own rate, at once.
             longest = max(longest, moved / link.upload, moved / link.download)
         rtt = max(self.network.links[self.ids[m.peer_id]].rtt for m in spec.members)
         return longest + rtt
@@ -100,23 +111,35 @@ class SimDataPlane:
         meeting.arrived[me] = vector.copy()
         members = [m.peer_id for m in spec.members]
         computing = tuple(m.peer_id for m in spec.members if m.computes)
-        if all(m in meeting.arrived for m in members) and meeting.ends_at is None:
-            meeting.ends_at = trio.current_time() + self.round_seconds(spec)
+        if all(m in meeting.arrived for m in members) and meeting.average is None:
             meeting.average = _weighted_mean(spec, meeting.arrived)
             meeting.everyone.set()
         started = trio.current_time()
+        finished = False
+        network, ours = self.network, self.ids[me]
         try:
             with trio.move_on_after(max(0.0, deadline - trio.current_time())):
                 await meeting.everyone.wait()
-                assert meeting.ends_at is not None
-                await trio.sleep_until(meeting.ends_at)
+                try:  # our parts up and the reduced parts down, sharing our links
+                    await carry(
+                        self.moved(spec, me), network.uplinks[ours], network.downlinks[ours]
+                    )
+                except BaseException:  # we left, or our deadline came: the round fails
+                    meeting.settled.set()
+                    raise
+                meeting.carried.add(me)
+                if meeting.carried.issuperset(members):
+                    meeting.settled.set()
+                await meeting.settled.wait()
+                await trio.sleep(max(network.links[self.ids[m]].rtt for m in members))
+                finished = True
         finally:
             # Forgotten once everyone who came is done: one who comes later meets nobody.
             meeting.returned += 1
             if meeting.returned == len(meeting.arrived):
                 self._meetings.pop(spec.round_id, None)
-        left = [m for m in members if m != me and (m not in meeting.arrived or self.gone(m))]
-        late = meeting.ends_at is None or meeting.ends_at > deadline
+        left = [m for m in members if m != me and (m not in meeting.carried or self.gone(m))]
+        late = not finished
         if left or late:
             others = [m for m in members if m != me] or [me]
             failed = dict.fromkeys(left, "did not take part") or dict.fromkeys(
@@ -146,9 +169,11 @@ class SimDataPlane:
         alive = [d for d in donors if d not in self.network.gone]
         if not alive:
             raise RemoteError("every donor has left")
-        links = self.network.links
-        rate = min(links[joiner].download, sum(links[d].upload for d in alive))
-        await trio.sleep(size / rate + max(links[d].rtt for d in alive) * 2)
+        network = self.network
+        await trio.sleep(max(network.links[d].rtt for d in alive) * 2)  # asking, first bytes
+        # The joiner's downlink carries it all, each donor's uplink its part, all shared.
+        parts = [(network.uplinks[d], size / len(alive)) for d in alive]
+        await carry_parts([(network.downlinks[joiner], size), *parts])
         if all(d in self.network.gone for d in alive):
             raise RemoteError("the donors left during the download")
 

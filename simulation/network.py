@@ -10,9 +10,9 @@ object is ever shared between two peers); a handler's `RpcError`, `RemoteError` 
 becomes the caller's `RpcError` as the real client sees it.
 
 Time: a message from peer a to peer b takes the one-way latency (half of the mean of the two
-peers' round-trip times) plus its bytes at the slower of a's upload and b's download. Small
-messages do not contend for a link (DHT and matchmaking traffic is a few KB); the bulk
-transfers are timed by `dataplane`, which does account for them.
+peers' round-trip times) plus its bytes carried on a's uplink and b's downlink at once, each
+shared equally with everything else on it at that moment (`links`: DHT requests and replies,
+tickets, progress records, and the bulk transfers `dataplane` times on the same links).
 
 A peer that left (`leave`) answers nothing: a call to it fails after the latency if it left
 gracefully (its connections closed, as a stopped daemon's do) or at the caller's deadline if it
@@ -37,6 +37,7 @@ from multiaddr import Multiaddr
 from peer.errors import DeadlineExceeded, RemoteError, RpcError, Unreachable, UserError
 from peer.net.identity import Identity
 from peer.net.rpc import RpcServer, protocol_id
+from simulation.links import SharedLink, carry
 
 T = TypeVar("T")
 
@@ -96,6 +97,8 @@ class SimNetwork:
         self.rng = rng
         self.silent_departures = silent_departures
         self.links: dict[ID, Link] = {}
+        self.uplinks: dict[ID, SharedLink] = {}
+        self.downlinks: dict[ID, SharedLink] = {}
         self.servers: dict[tuple[ID, str], RpcServer] = {}
         self.gone: dict[ID, bool] = {}  # peer -> left silently
         self.traffic = Traffic()
@@ -108,6 +111,8 @@ class SimNetwork:
                 key_pair=key_pair, peer_id=ID.from_pubkey(key_pair.public_key), path=None
             )
         self.links[identity.peer_id] = link
+        self.uplinks[identity.peer_id] = SharedLink(link.upload)
+        self.downlinks[identity.peer_id] = SharedLink(link.download)
         number = next(self._addresses)
         host = f"10.{number >> 16 & 255}.{number >> 8 & 255}.{number & 255}"
         return SimNode(self, identity, host)
@@ -117,10 +122,15 @@ class SimNetwork:
         for key in [k for k in self.servers if k[0] == peer_id]:
             del self.servers[key]
 
-    def one_way(self, a: ID, b: ID, size: int) -> float:
-        """Seconds a message of `size` bytes takes from `a` to `b`."""
-        sender, receiver = self.links[a], self.links[b]
-        return (sender.rtt + receiver.rtt) / 4 + size / min(sender.upload, receiver.download)
+    def latency(self, a: ID, b: ID) -> float:
+        """Seconds a message takes from `a` to `b` before its bytes: the one-way delay."""
+        return (self.links[a].rtt + self.links[b].rtt) / 4
+
+    async def send(self, a: ID, b: ID, size: int) -> None:
+        """A message of `size` bytes from `a` to `b`: the delay, then its bytes on `a`'s
+        uplink and `b`'s downlink, shared with whatever else they carry."""
+        await trio.sleep(self.latency(a, b))
+        await carry(size, self.uplinks[a], self.downlinks[b])
 
 
 class SimHost:
@@ -176,7 +186,7 @@ class SimRpc:
         network.traffic.bytes[key] += len(body)
         if callee not in network.links:
             raise Unreachable(f"{service}.{method} to {callee}: no such peer")
-        await trio.sleep(network.one_way(caller, callee, len(body)))
+        await network.send(caller, callee, len(body))
         server = network.servers.get((callee, protocol_id(service)))
         if server is None:
             if network.gone.get(callee):
@@ -200,7 +210,7 @@ class SimRpc:
         reply = msgspec.msgpack.encode(result)
         network.traffic.bytes[key] += len(reply)
         network.traffic.served[callee] += len(reply)
-        await trio.sleep(network.one_way(callee, caller, len(reply)))
+        await network.send(callee, caller, len(reply))
         if callee in network.gone:
             raise Unreachable(f"{service}.{method} to {callee}: connection closed")
         return msgspec.msgpack.decode(reply, type=reply_type)
@@ -232,7 +242,7 @@ class SimNode:
         if peer_id not in self.network.links:
             raise Unreachable(f"no peer {peer_id}")
         with trio.move_on_after(timeout):
-            await trio.sleep(self.network.one_way(self.peer_id, peer_id, 0) * 2)
+            await trio.sleep(self.network.latency(self.peer_id, peer_id) * 2)
             if peer_id in self.network.gone:
                 raise Unreachable(f"{peer_id} left")
             return

@@ -1,7 +1,7 @@
 """A stand-in for `peer.training.worker.TorchWorker`: the trainer's executor without torch.
 
-Its "model" is a short float32 vector; a micro-batch takes the time the peer's speed says and
-adds a pseudo-gradient drawn from the peer's own seed; a step moves the parameters by the
+Its "model" is a short float32 vector; a micro-batch takes the time the peer's speed says,
+varied as the scenario's `ComputeNoise` says (jitter, slow spells, pauses), and adds a pseudo-gradient drawn from the peer's own seed; a step moves the parameters by the
 average it is given, so peers that applied the same averages hold the same bits and the same
 digest (the simulation checks exactness at every size, as the real digests do). The sizes that
 set times and deadlines are the simulated model's, not the vector's (`Collaboration.factor`).
@@ -10,6 +10,7 @@ set times and deadlines are the simulated model's, not the vector's (`Collaborat
 from __future__ import annotations
 
 import hashlib
+import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +39,64 @@ class SimFingerprint:
     description: str
 
 
+@dataclass(frozen=True)
+class ComputeNoise:
+    """How a volunteer's speed varies (the scenario's, the same for every peer): each
+    micro-batch's time drawn around its mean (`jitter`, the sigma of a log-normal factor of mean
+    1); slow spells (another job on the machine: `spells_per_hour`, each 30-300 s long, speed
+    divided by `spell_slowdown`); and pauses (the machine busy or asleep: `pauses_per_hour`,
+    10-120 s without a micro-batch; the peer still answers the network)."""
+
+    jitter: float = 0.2
+    spells_per_hour: float = 2.0
+    spell_slowdown: float = 4.0
+    pauses_per_hour: float = 1.0
+
+    def mean_slowdown(self) -> float:
+        """A micro-batch's mean time over its nominal one, over a long run: the share of time
+        paused, and of the rest in slow spells (each spell or pause followed by an exponential
+        wait for the next)."""
+
+        def share(per_hour: float, low: float, high: float) -> float:
+            length = (high - low) / math.log(high / low)  # a log-uniform draw's mean
+            return length / (length + 3600 / per_hour) if per_hour > 0 else 0.0
+
+        paused, slow = share(self.pauses_per_hour, 10, 120), share(self.spells_per_hour, 30, 300)
+        return 1 / ((1 - paused) * (1 - slow + slow / self.spell_slowdown))
+
+
+class _Variation:
+    """One peer's draws of `ComputeNoise`, from its own seed."""
+
+    def __init__(self, noise: ComputeNoise, rng: np.random.Generator) -> None:
+        self.noise = noise
+        self.rng = rng
+        self.slow_until = -math.inf
+        self.next_spell = self._after(noise.spells_per_hour)
+        self.next_pause = self._after(noise.pauses_per_hour)
+
+    def _after(self, per_hour: float) -> float:
+        return self.rng.exponential(3600 / per_hour) if per_hour > 0 else math.inf
+
+    def _length(self, low: float, high: float) -> float:
+        return float(low * (high / low) ** self.rng.random())
+
+    def seconds(self, mean: float, now: float) -> float:
+        """How long a micro-batch of `mean` seconds starting at `now` takes, pauses included."""
+        noise, extra = self.noise, 0.0
+        if now >= self.next_pause:
+            extra = self._length(10, 120)
+            self.next_pause = now + extra + self._after(noise.pauses_per_hour)
+        if now >= self.next_spell:
+            self.slow_until = now + self._length(30, 300)
+            self.next_spell = self.slow_until + self._after(noise.spells_per_hour)
+        factor = noise.spell_slowdown if now < self.slow_until else 1.0
+        if noise.jitter > 0:
+            sigma = noise.jitter
+            factor *= float(self.rng.lognormal(-sigma * sigma / 2, sigma))
+        return extra + mean * factor
+
+
 class Taken:
     """`TorchWorker.take_soon`'s pending result, already there."""
 
@@ -57,6 +116,7 @@ class SimWorker:
         micro_batch: int,
         seed: int,
         on_hold: Callable[[int, str], None] = lambda step, digest: None,
+        noise: ComputeNoise | None = None,
     ) -> None:
         """`on_hold(step, digest)`: told of every state this peer takes as a step (applied or
         downloaded), before it signs it (the simulation's safety check)."""
@@ -65,6 +125,9 @@ class SimWorker:
         self.samples_per_second = samples_per_second
         self.micro_batch = micro_batch
         self.rng = np.random.default_rng(seed)
+        self.variation = _Variation(
+            noise or ComputeNoise(0, 0, 1, 0), np.random.default_rng(seed + 1)
+        )
         self.parameters = np.zeros(vector_size, dtype=np.float32)
         self.gradient = np.zeros(vector_size, dtype=np.float64)
         self._samples = 0
@@ -79,7 +142,8 @@ class SimWorker:
         return self._samples
 
     async def compute(self) -> Computed:
-        seconds = self.micro_batch / self.samples_per_second
+        mean = self.micro_batch / self.samples_per_second
+        seconds = self.variation.seconds(mean, trio.current_time())
         await trio.sleep(seconds)
         self.gradient += self.rng.standard_normal(self.vector_size) * self.micro_batch
         self._samples += self.micro_batch

@@ -16,9 +16,11 @@ from peer.errors import DeadlineExceeded, RpcError, Unreachable
 from peer.net.rpc import RpcServer
 from simulation.collaboration import EPOCH, Attempt, Scenario, run_collaboration
 from simulation.dataplane import SimDataPlane, SimDataServer, SimIdentity
+from simulation.links import SharedLink, carry
 from simulation.network import MBIT, Link, SimNetwork, Traffic
 from simulation.report import rounds_of, summarize
 from simulation.safety import SafetyCheck
+from simulation.worker import ComputeNoise, _Variation
 
 SLOW_LINK = Link(upload=10 * MBIT, download=10 * MBIT, rtt=0.2)
 FAST_LINK = Link(upload=100 * MBIT, download=100 * MBIT, rtt=0.02)
@@ -52,6 +54,51 @@ async def test_a_call_takes_the_latency_and_the_bytes_both_ways(autojump_clock):
     expected = 2 * one_way + (125_000 + 250_000) / (10 * MBIT)
     assert elapsed == pytest.approx(expected, rel=0.01)
     assert network.traffic.calls[("echo", "echo")] == 1
+
+
+async def test_a_link_is_shared_equally_by_what_it_carries_at_once(autojump_clock):
+    up, down = SharedLink(100.0), SharedLink(1000.0)
+    ends: dict[str, float] = {}
+
+    async def transfer(name: str, size: float, start: float, *links: SharedLink) -> None:
+        await trio.sleep(start)
+        await carry(size, *links)
+        ends[name] = trio.current_time()
+
+    async def stopped_after_one_second() -> None:  # its caller's deadline
+        with trio.move_on_after(1.0):
+            await carry(1e9, up)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(transfer, "a", 100, 0, up)
+        nursery.start_soon(transfer, "b", 100, 0, up, down)  # the faster link waits for up
+        nursery.start_soon(transfer, "c", 10, 0.5, up)
+        nursery.start_soon(stopped_after_one_second)
+    # Three share 100 B/s (16.7 B each by 0.5 s); c makes four at 25 B/s and its 10 B take
+    # 0.4 s; a and b have 30 B by 1 s, when the third stops; their last 70 B at 50 B/s.
+    assert ends["c"] == pytest.approx(0.9)
+    assert ends["a"] == ends["b"] == pytest.approx(1.0 + 70 / 50)
+    assert up.carried == pytest.approx(210 + 1e9)
+
+
+async def test_a_reply_waits_its_share_behind_a_bulk_transfer_on_the_same_uplink(autojump_clock):
+    network = SimNetwork(random.Random(0))
+    caller = network.node(FAST_LINK)
+    callee = serve_echo(network, SLOW_LINK)
+    text = "x" * 62_500  # 125 KB back: 0.1 s alone at 10 Mbit/s, 0.2 s beside one transfer
+    alone = await timed_call(caller, callee, text)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(carry, 100 * MBIT, network.uplinks[callee.peer_id])  # 80 s alone
+        await trio.sleep(1)
+        shared = await timed_call(caller, callee, text)
+        nursery.cancel_scope.cancel()
+    assert shared - alone == pytest.approx(125_000 / (10 * MBIT), rel=0.01)
+
+
+async def timed_call(caller, callee, text: str) -> float:
+    started = trio.current_time()
+    await caller.rpc.call(callee.peer_id, "echo", "echo", Echo(text), Echo, timeout=100)
+    return trio.current_time() - started
 
 
 async def test_a_request_is_decoded_as_its_type_and_a_handler_error_reaches_the_caller(
@@ -302,3 +349,48 @@ def test_three_hundred_simulated_volunteers_with_churn_take_their_steps():
     assert summary.agreed_rounds >= 0.9, summary.agreed_rounds
     assert summary.view_coverage > 0.95
     assert report.digests_agree and not report.violations
+
+
+def test_a_volunteer_s_speed_jitters_slows_in_spells_and_pauses_as_the_scenario_says():
+    def micro_batches(noise: ComputeNoise, hours: float) -> list[float]:
+        variation, now, times = _Variation(noise, np.random.default_rng(3)), 0.0, []
+        while now < hours * 3600:
+            times.append(variation.seconds(1.0, now))
+            now += times[-1]
+        return times
+
+    assert set(micro_batches(ComputeNoise(0, 0, 1, 0), 0.1)) == {1.0}  # no noise: the mean
+    noise = ComputeNoise()
+    times = micro_batches(noise, 50)
+    assert sum(times) / len(times) == pytest.approx(noise.mean_slowdown(), rel=0.02)
+    assert max(times) > 10  # paused
+    assert sum(3 < t < 10 for t in times) > 0.01 * len(times)  # slow spells (4x)
+    assert times == micro_batches(noise, 50)  # the peer's seed decides
+
+
+async def test_transfers_end_however_the_clock_rounds_late_in_a_run(autojump_clock):
+    """Late in a run (a large virtual time) a sliver of bytes can need fewer seconds than the
+    clock can add: the transfer must end when its timer fires, not be woken again and again
+    (a 30-peer simulation froze at 142 s: 1e-7 of 80 bytes left on a 56 MB/s link)."""
+
+    class Counted(SharedLink):
+        wakeups = 0
+
+        def _woken(self, transfer) -> None:
+            Counted.wakeups += 1
+            assert Counted.wakeups < 10_000, "woken for ever"
+            super()._woken(transfer)
+
+    rng = random.Random(5)
+    links = [Counted(rng.uniform(1e7, 1e8)) for _ in range(4)]
+    await trio.sleep(142.26124398886725)
+
+    async def transfers(index: int) -> None:
+        for _ in range(50):
+            await trio.sleep(rng.random() * 1e-3)
+            await carry(rng.uniform(10, 200), links[index % 4], links[(index + 1) % 4])
+
+    async with trio.open_nursery() as nursery:
+        for index in range(8):
+            nursery.start_soon(transfers, index)
+    assert Counted.wakeups < 2 * 8 * 50 * 2
