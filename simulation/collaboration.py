@@ -47,6 +47,7 @@ from peer.roles import PeerCapacity, assign_roles
 from peer.training.progress import CollaborationView, ProgressRecord
 from peer.training.statesync import Snapshot
 from peer.training.trainer import Trainer
+from simulation import cpu
 from simulation.dataplane import SimDataPlane, SimDataServer, SimIdentity, simulated
 from simulation.determinism import deterministic_trio
 from simulation.network import (
@@ -231,10 +232,14 @@ class Collaboration:
                 Link(upload=fast, download=fast, rtt=self.scenario.links.min_rtt)
             )
             dht = self._dht(node)
-            if self.backbones:
-                first = self.backbones[0]
-                await dht.bootstrap([(first.peer_id, first.announce[0])])
-            await nursery.start(dht.run)
+            running = cpu.CURRENT.set(self.network.cpus[node.peer_id])  # its tasks' checks
+            try:
+                if self.backbones:
+                    first = self.backbones[0]
+                    await dht.bootstrap([(first.peer_id, first.announce[0])])
+                await nursery.start(dht.run)
+            finally:
+                cpu.CURRENT.reset(running)
             self.backbones.append(node)
 
     def _capabilities(self, node: SimNode, speed: float) -> Capabilities:
@@ -271,6 +276,7 @@ class Collaboration:
         scenario = self.scenario
         node = self.network.node(scenario.links.draw(self.rng))
         me = node.peer_id.to_base58()
+        cpu.CURRENT.set(self.network.cpus[node.peer_id])  # this task's and its children's checks
         self.plane.register(node.peer_id)
         speed = log_uniform(self.rng, *scenario.samples_per_second)
         dht = self._dht(node)
@@ -292,6 +298,8 @@ class Collaboration:
             samples_per_second=speed,
             micro_batch=scenario.micro_batch,
             seed=self.rng.getrandbits(32),
+            model_bytes=scenario.model_bytes,
+            state_bytes=scenario.model_bytes * scenario.state_factor,
             on_hold=lambda step, digest: self.safety.held(step, me, digest, trio.current_time()),
             noise=scenario.noise,
         )
@@ -488,7 +496,7 @@ def run_collaboration(scenario: Scenario) -> Report:
     random.seed(scenario.seed)
     collaboration = Collaboration(scenario)
     started = time.perf_counter()
-    with simulated(collaboration.plane), deterministic_trio(scenario.seed):
+    with simulated(collaboration.plane), deterministic_trio(scenario.seed), cpu.charged():
         trio.run(collaboration.run, clock=trio.testing.MockClock(autojump_threshold=0))
     agree, newest = collaboration.final
     everyone = [v.trainer for v in collaboration.volunteers]

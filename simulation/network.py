@@ -37,6 +37,8 @@ from multiaddr import Multiaddr
 from peer.errors import DeadlineExceeded, RemoteError, RpcError, Unreachable, UserError
 from peer.net.identity import Identity
 from peer.net.rpc import RpcServer, protocol_id
+from simulation import cpu as cpu_module
+from simulation.cpu import SimCpu
 from simulation.links import SharedLink, carry
 
 T = TypeVar("T")
@@ -99,6 +101,7 @@ class SimNetwork:
         self.links: dict[ID, Link] = {}
         self.uplinks: dict[ID, SharedLink] = {}
         self.downlinks: dict[ID, SharedLink] = {}
+        self.cpus: dict[ID, SimCpu] = {}
         self.servers: dict[tuple[ID, str], RpcServer] = {}
         self.gone: dict[ID, bool] = {}  # peer -> left silently
         self.traffic = Traffic()
@@ -113,6 +116,7 @@ class SimNetwork:
         self.links[identity.peer_id] = link
         self.uplinks[identity.peer_id] = SharedLink(link.upload)
         self.downlinks[identity.peer_id] = SharedLink(link.download)
+        self.cpus[identity.peer_id] = SimCpu()
         number = next(self._addresses)
         host = f"10.{number >> 16 & 255}.{number >> 8 & 255}.{number & 255}"
         return SimNode(self, identity, host)
@@ -186,6 +190,7 @@ class SimRpc:
         network.traffic.bytes[key] += len(body)
         if callee not in network.links:
             raise Unreachable(f"{service}.{method} to {callee}: no such peer")
+        await network.cpus[caller].pay()  # what our checks cost goes before what we send
         await network.send(caller, callee, len(body))
         server = network.servers.get((callee, protocol_id(service)))
         if server is None:
@@ -199,6 +204,8 @@ class SimRpc:
             decoded = msgspec.msgpack.decode(body, type=handler.request_type)
         except (msgspec.DecodeError, msgspec.ValidationError) as error:
             raise RpcError("bad_request", f"{method}: {error}") from None
+        cpu = network.cpus[callee]
+        running = cpu_module.CURRENT.set(cpu)  # the handler's checks are the callee's
         try:
             result = await handler.handler(caller, decoded)  # type: ignore[misc]
         except RpcError:
@@ -207,6 +214,9 @@ class SimRpc:
             raise RpcError("bad_request", str(error)) from None
         except Exception as error:  # the real server logs it and answers "internal"
             raise RpcError("internal", f"the handler failed: {error!r}") from None
+        finally:
+            cpu_module.CURRENT.reset(running)
+        await cpu.pay()
         reply = msgspec.msgpack.encode(result)
         network.traffic.bytes[key] += len(reply)
         network.traffic.served[callee] += len(reply)

@@ -23,6 +23,7 @@ import trio
 from peer.errors import RemoteError
 from peer.training.statesync import Snapshot
 from peer.training.worker import Computed
+from simulation import cpu
 
 LEARNING_RATE = 0.01
 
@@ -117,10 +118,16 @@ class SimWorker:
         seed: int,
         on_hold: Callable[[int, str], None] = lambda step, digest: None,
         noise: ComputeNoise | None = None,
+        model_bytes: float = 0.0,
+        state_bytes: float = 0.0,
     ) -> None:
         """`on_hold(step, digest)`: told of every state this peer takes as a step (applied or
         downloaded), before it signs it (the simulation's safety check)."""
         self.on_hold = on_hold
+        # What hashing the simulated model takes (`simulation.cpu`): a step's digest, and a
+        # downloaded state's check.
+        self.digest_seconds = model_bytes / cpu.HASH_BYTES_PER_SECOND
+        self.check_seconds = cpu.download_check_seconds(state_bytes)
         self.vector_size = vector_size
         self.samples_per_second = samples_per_second
         self.micro_batch = micro_batch
@@ -172,6 +179,7 @@ class SimWorker:
 
     async def hold(self, step: int, *, digest: str | None = None) -> str | None:
         self.held_step = step
+        await trio.sleep(self.digest_seconds)
         digest = self.digest_of(step, self.parameters)
         self.on_hold(step, digest)
         return digest
@@ -183,6 +191,7 @@ class SimWorker:
         pass
 
     async def parse(self, snapshot: Snapshot) -> tuple[SimState, str]:
+        await trio.sleep(self.check_seconds)
         blob = snapshot.blob
         assert isinstance(blob, bytes)
         parameters = np.frombuffer(blob, dtype=np.float32)

@@ -10,11 +10,16 @@ import msgspec
 import numpy as np
 import pytest
 import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.id import ID
 
 from peer.averaging.allreduce import Member, RoundSpec
+from peer.dht import records
+from peer.dht.records import Limits, make_entry
 from peer.errors import DeadlineExceeded, RpcError, Unreachable
 from peer.net.rpc import RpcServer
 from simulation.collaboration import EPOCH, Attempt, Scenario, run_collaboration
+from simulation.cpu import VERIFY_SECONDS, charged
 from simulation.dataplane import SimDataPlane, SimDataServer, SimIdentity
 from simulation.links import SharedLink, carry
 from simulation.network import MBIT, Link, SimNetwork, Traffic
@@ -394,3 +399,32 @@ async def test_transfers_end_however_the_clock_rounds_late_in_a_run(autojump_clo
         for index in range(8):
             nursery.start_soon(transfers, index)
     assert Counted.wakeups < 2 * 8 * 50 * 2
+
+
+async def test_a_node_pays_for_the_signatures_it_checks_first_before_its_reply_leaves(
+    autojump_clock,
+):
+    network = SimNetwork(random.Random(0))
+    caller = network.node(FAST_LINK)
+    writers = [create_new_key_pair(bytes([i]) * 32) for i in range(1, 101)]
+    entries = {
+        ID.from_pubkey(k.public_key).to_base58(): make_entry(
+            "k", ID.from_pubkey(k.public_key).to_base58(), b"v", 1e9, signer=k.private_key
+        )
+        for k in writers
+    }
+    limits = Limits(max_value_bytes=1024, max_subkeys=1000, max_keys=10, max_ttl=1e9,
+                    max_clock_skew=1)  # fmt: skip
+
+    async def check_all(caller_id, request: Echo) -> Echo:  # a replica validating a store
+        for subkey, entry in entries.items():
+            records.validate_entry("k", subkey, entry, now=0.0, limits=limits)
+        return request
+
+    callee = serve_echo(network, FAST_LINK, check_all)
+    with charged():
+        first = await timed_call(caller, callee, "x")
+        again = await timed_call(caller, callee, "x")  # remembered: checked once
+    assert first - again == pytest.approx(100 * VERIFY_SECONDS)
+    assert network.cpus[callee.peer_id].spent == pytest.approx(100 * VERIFY_SECONDS)
+    assert network.cpus[caller.peer_id].spent == 0
