@@ -89,6 +89,10 @@ class Scenario:
     target_batch: int = 4096
     group_size: int = 4
     seed: int = 0
+    backbone_failures_per_hour: float = 1.0
+    """How often one of the backbones fails (while measured); it restarts after a downtime
+    drawn log-uniformly from `backbone_downtime` seconds, its DHT records lost."""
+    backbone_downtime: tuple[float, float] = (30.0, 300.0)
     links: LinkDistribution = field(default_factory=LinkDistribution)
     noise: ComputeNoise = field(default_factory=ComputeNoise)
     """How each volunteer's speed varies over time: jitter, slow spells, pauses."""
@@ -154,6 +158,9 @@ class Report:
     each read saw."""
     traffic: Traffic
     departures: int
+    backbone_failures: int
+    backbone_restarts: int
+    """Restarts that joined the DHT again (a backbone may still be down at the end)."""
     arrivals: int
     downloads: int
     ideal_step_seconds: float
@@ -184,6 +191,8 @@ class Collaboration:
         self.factor = scenario.model_bytes / (VECTOR * 4)
         self.config = _config(scenario, self.factor)
         self.backbones: list[SimNode] = []
+        self.backbone_scopes: dict[ID, trio.CancelScope] = {}
+        self.backbone_failures = self.backbone_restarts = 0
         self.trainers: dict[str, Trainer] = {}
         self.attempts: list[Attempt] = []
         self.in_flight: Counter[int] = Counter()  # epoch -> averaging calls in progress
@@ -231,16 +240,60 @@ class Collaboration:
             node = self.network.node(
                 Link(upload=fast, download=fast, rtt=self.scenario.links.min_rtt)
             )
-            dht = self._dht(node)
-            running = cpu.CURRENT.set(self.network.cpus[node.peer_id])  # its tasks' checks
-            try:
-                if self.backbones:
-                    first = self.backbones[0]
-                    await dht.bootstrap([(first.peer_id, first.announce[0])])
-                await nursery.start(dht.run)
-            finally:
-                cpu.CURRENT.reset(running)
+            await nursery.start(self._run_backbone, node)
             self.backbones.append(node)
+
+    async def _run_backbone(
+        self, node: SimNode, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+    ) -> None:
+        """A backbone's DHT node, from its (re)start until its failure (`_fail_backbones`:
+        its scope cancelled). A restart keeps its identity and loses what it held."""
+        cpu.CURRENT.set(self.network.cpus[node.peer_id])  # its tasks' checks
+        with trio.CancelScope() as self.backbone_scopes[node.peer_id]:
+            dht = self._dht(node)
+            others = [b for b in self.backbones if b is not node and not self._down(b)]
+            seeds = [(b.peer_id, b.announce[0]) for b in others]
+            if not seeds and self.trainers:  # the other backbone is down too: any trainer
+                trainer = self.trainers[min(self.trainers)]
+                seeds = [(trainer.dht.node.peer_id, trainer.dht.node.announce[0])]
+            if seeds:
+                await dht.bootstrap(seeds)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(dht.run)
+                task_status.started()
+
+    def _down(self, node: SimNode) -> bool:
+        return node.peer_id in self.network.gone
+
+    async def _fail_backbones(self, nursery: trio.Nursery, until: float) -> None:
+        """Backbones fail at `Scenario.backbone_failures_per_hour` (one that is up, at random)
+        and restart after a downtime drawn from `Scenario.backbone_downtime`."""
+        rate = self.scenario.backbone_failures_per_hour / 3600
+        rng = random.Random(self.scenario.seed + 1)  # churn's draws stay as they were
+        while rate > 0:
+            wait = rng.expovariate(rate)
+            if trio.current_time() + wait >= until:
+                return
+            await trio.sleep(wait)
+            up = [b for b in self.backbones if not self._down(b)]
+            if not up:
+                continue
+            node = rng.choice(up)
+            self.backbone_scopes[node.peer_id].cancel()
+            self.network.leave(node.peer_id)
+            self.backbone_failures += 1
+            downtime = log_uniform(rng, *self.scenario.backbone_downtime)
+            log.info(
+                "backbone %s down at %.1fs for %.0fs", node.peer_id, trio.current_time(), downtime
+            )
+            nursery.start_soon(self._restart_backbone, node, downtime)
+
+    async def _restart_backbone(self, node: SimNode, downtime: float) -> None:
+        await trio.sleep(downtime)
+        self.network.rejoin(node.peer_id)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self._run_backbone, node)
+            self.backbone_restarts += 1
 
     def _capabilities(self, node: SimNode, speed: float) -> Capabilities:
         link = self.network.links[node.peer_id]
@@ -417,6 +470,7 @@ class Collaboration:
                 await trio.sleep(scenario.warmup_minutes * 60)
                 self._start_measuring()
                 end = trio.current_time() + scenario.minutes * 60
+                nursery.start_soon(self._fail_backbones, nursery, end)
                 rate = scenario.peers * scenario.churn_per_hour / 3600  # departures per second
                 next_index = scenario.peers
                 while trio.current_time() < end:
@@ -514,6 +568,8 @@ def run_collaboration(scenario: Scenario) -> Report:
         views=collaboration.views,
         traffic=collaboration.network.traffic,
         departures=collaboration.departures,
+        backbone_failures=collaboration.backbone_failures,
+        backbone_restarts=collaboration.backbone_restarts,
         arrivals=collaboration.arrivals,
         downloads=sum(t.tally.downloads for t in everyone) - collaboration.downloads_at_start,
         ideal_step_seconds=collaboration.ideal,

@@ -126,6 +126,11 @@ class SimNetwork:
         for key in [k for k in self.servers if k[0] == peer_id]:
             del self.servers[key]
 
+    def rejoin(self, peer_id: ID) -> None:
+        """A peer that left comes back with the same identity and link (a restart): its
+        services register again as it starts them."""
+        self.gone.pop(peer_id, None)
+
     def latency(self, a: ID, b: ID) -> float:
         """Seconds a message takes from `a` to `b` before its bytes: the one-way delay."""
         return (self.links[a].rtt + self.links[b].rtt) / 4

@@ -53,6 +53,7 @@ class Summary:
     min_view_coverage: float
     departures: int
     arrivals: int
+    backbone_failures: int
     downloads: int
     digests_agree: bool
     safety_violations: int
@@ -99,6 +100,7 @@ def summarize(report: Report) -> Summary:
         view_coverage=statistics.fmean(coverage) if coverage else 0.0,
         min_view_coverage=min(coverage, default=0.0),
         departures=report.departures,
+        backbone_failures=report.backbone_failures,
         arrivals=report.arrivals,
         downloads=report.downloads,
         digests_agree=report.digests_agree,
@@ -184,6 +186,7 @@ def rows(summary: Summary) -> list[tuple[str, str]]:
     return [
         ("peers, minutes simulated", f"{s.peers}, {s.minutes:g} (wall {s.wall_seconds:.0f} s)"),
         ("churn: left / joined / downloads", f"{s.departures} / {s.arrivals} / {s.downloads}"),
+        ("backbone failures (each restarted)", str(s.backbone_failures)),
         (
             "steps (per hour / ideal)",
             f"{s.steps} ({s.steps_per_hour:.0f} / {s.ideal_steps_per_hour:.0f} = {s.steps_per_hour / s.ideal_steps_per_hour:.2f}x)",

@@ -254,7 +254,7 @@ def test_rounds_cut_by_the_end_count_neither_way():
             scenario=small(peers=3, minutes=1), attempts=[*agreed, *split], cut=cut,
             dht_seconds={"store": [], "get": []}, views=[], traffic=Traffic(), wall_seconds=1.0,
             steps=1, ideal_step_seconds=1.0, departures=0, arrivals=0, downloads=0,
-            digests_agree=True, violations=[],
+            digests_agree=True, violations=[], backbone_failures=0,
         )  # fmt: skip
 
     summary = summarize(report(frozenset()))  # type: ignore[arg-type]
@@ -428,3 +428,14 @@ async def test_a_node_pays_for_the_signatures_it_checks_first_before_its_reply_l
     assert first - again == pytest.approx(100 * VERIFY_SECONDS)
     assert network.cpus[callee.peer_id].spent == pytest.approx(100 * VERIFY_SECONDS)
     assert network.cpus[caller.peer_id].spent == 0
+
+
+def test_backbones_that_fail_and_restart_leave_the_collaboration_training():
+    scenario = small(
+        peers=6, minutes=4, churn_per_hour=0, seed=2,
+        backbone_failures_per_hour=40, backbone_downtime=(20, 40),
+    )  # fmt: skip
+    report = run_collaboration(scenario)
+    assert report.backbone_failures >= 2 and report.backbone_restarts >= 2
+    assert summarize(report).steps >= 3
+    assert report.digests_agree and not report.violations
