@@ -18,6 +18,7 @@ from peer.dht import records
 from peer.dht.records import Limits, make_entry
 from peer.errors import DeadlineExceeded, RpcError, Unreachable
 from peer.net.rpc import RpcServer
+from peer.training.publisher import ProgressPublisher
 from simulation.collaboration import EPOCH, Attempt, Scenario, run_collaboration
 from simulation.cpu import VERIFY_SECONDS, charged
 from simulation.dataplane import SimDataPlane, SimDataServer, SimIdentity
@@ -439,3 +440,22 @@ def test_backbones_that_fail_and_restart_leave_the_collaboration_training():
     assert report.backbone_failures >= 2 and report.backbone_restarts >= 2
     assert summarize(report).steps >= 3
     assert report.digests_agree and not report.violations
+
+
+def test_progress_reads_go_on_after_a_replica_of_the_progress_key_leaves_silently(monkeypatch):
+    """Seed 5's departure at 77.8 s takes a replica of the progress key with it, silently.
+    With the exchange's deadline at the RPC timeout, the store's call to it and the exchange
+    ran out at the same instant: the replica was never dropped, and no peer read the records
+    again (every exchange cut at 5 s; calls made on records 5 s stale split every step)."""
+    reads: list[float] = []
+    read = ProgressPublisher.read
+
+    async def counted(self) -> None:
+        await read(self)
+        reads.append(trio.current_time())
+
+    monkeypatch.setattr(ProgressPublisher, "read", counted)
+    report = run_collaboration(small(peers=8, minutes=2, churn_per_hour=3.0, seed=5))
+    assert report.departures >= 1
+    after = [t for t in reads if 80 <= t < 100]  # the first silent departure was at 77.8 s
+    assert len(after) >= 8 * 5, len(after)  # each of the 7-8 peers reads several times

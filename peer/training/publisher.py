@@ -3,7 +3,11 @@
 certified catch-up (`fetch_certified`, `check_certified`).
 
 Each exchange stores our record (if we have one) and, when a read is due, reads every record,
-under one deadline (`max(interval, net.rpc_timeout)`); how long the store took is reported
+under one deadline (`max(interval, 2 net.rpc_timeout)`: a replica that went silent fails the
+store's call to it at `rpc_timeout` and is dropped, and the read still has its time; with the
+deadline at `rpc_timeout` the exchange was cut at the very instant the call failed, the
+replica was never dropped, and every exchange after a silent departure ran out: a simulated
+collaboration of 8 stopped stepping); how long the store took is reported
 (`on_store_time`, also when it was cut short: over high-latency links a store slower than the
 deadline must still widen the windows; a hot store that skipped its lookup counts one, since
 the windows are for tickets, which are stored with one). Reads are decoded here, at the boundary
@@ -96,7 +100,7 @@ class ProgressPublisher:
         self.ttl = ttl
         self.collaboration = config.collaboration.name
         self.quorum = config.averaging.min_group_size
-        self.deadline = max(interval, config.net.rpc_timeout)
+        self.deadline = max(interval, 2 * config.net.rpc_timeout)
         self.key = progress_key(self.collaboration)
         self.me = dht.node.peer_id.to_base58()
         self.longest_read_interval = longest_read_interval
