@@ -18,8 +18,8 @@ simulated model's bytes when it digests a step or checks a download (`SimWorker`
 
 The figures were measured on this machine class (2 cores, 2026-12): libp2p's Ed25519 (nacl)
 verify 46 us and sign 19 us; BLAKE2b (the parameters' digest) 0.87 GB/s, BLAKE3 (the chunks of
-a state download) 4.9 GB/s. Only a first check costs: each node keeps its own memory of them here, since the process's caches are shared by
-every node of the simulation.
+a state download) 4.9 GB/s. Only a first check costs: each node keeps its own memory of them
+here, since the process's caches are shared by every node of the simulation.
 """
 
 from __future__ import annotations

@@ -1,15 +1,15 @@
 """The bulk transfers of a simulated collaboration: all-reduce rounds and state downloads.
 
-`SimDataPlane.allreduce` stands in for `peer.averaging.allreduce.allreduce` (`simulated`
-swaps it in for the averager): the members of a round meet by its round id; once all have
-arrived the round lasts as long as the butterfly all-reduce of the *simulated* model's bytes
-takes over the members' links (each member sends and receives its share of the traffic,
-`bytes_per_round`, on its own uplink and downlink, shared with whatever else they carry then:
-`links`; the last member to finish sets the length), plus a round trip. Every member then holds the same bits: the weighted mean of the computing
-members' values, added in the order the real reducers add them ((block, peer id)). A member
-that never arrives, or that leaves before the round ends, fails the round for everyone in
-it, as a dead reducer does (reported as a dropped sender and a failed reducer), which is what
-the averager's retry and refusal logic reads.
+`SimDataPlane.allreduce` stands in for `peer.averaging.allreduce.allreduce` (`simulated` swaps
+it in for the averager): the members of a round meet by its round id; once all have arrived the
+round lasts as long as the butterfly all-reduce of the *simulated* model's bytes takes over the
+members' links (each member sends and receives its share of the traffic, `bytes_per_round`, on
+its own uplink and downlink, shared with whatever else they carry then: `links`; the last
+member to finish sets the length), plus a round trip. Every member then holds the same bits:
+the weighted mean of the computing members' values, added in the order the real reducers add
+them ((block, peer id)). A member that never arrives, or that leaves before the round ends,
+fails the round for everyone in it, as a dead reducer does (reported as a dropped sender and a
+failed reducer), which is what the averager's retry and refusal logic reads.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """A stand-in for `peer.training.worker.TorchWorker`: the trainer's executor without torch.
 
 Its "model" is a short float32 vector; a micro-batch takes the time the peer's speed says,
-varied as the scenario's `ComputeNoise` says (jitter, slow spells, pauses), and adds a pseudo-gradient drawn from the peer's own seed; a step moves the parameters by the
-average it is given, so peers that applied the same averages hold the same bits and the same
-digest (the simulation checks exactness at every size, as the real digests do). The sizes that
-set times and deadlines are the simulated model's, not the vector's (`Collaboration.factor`).
+varied as the scenario's `ComputeNoise` says (jitter, slow spells, pauses), and adds a
+pseudo-gradient drawn from the peer's own seed; a step moves the parameters by the average it is
+given, so peers that applied the same averages hold the same bits and the same digest (the
+simulation checks exactness at every size, as the real digests do). The sizes that set times
+and deadlines are the simulated model's, not the vector's (`Collaboration.factor`).
 """
 
 from __future__ import annotations
