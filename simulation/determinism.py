@@ -32,7 +32,7 @@ from trio._core import _run
 @contextlib.contextmanager
 def deterministic_trio(seed: int) -> Iterator[None]:
     """While this lasts, `trio.run` schedules the same way for the same `seed` (module doc).
-    Trio internals (0.35): checked at import by the test that runs a scenario twice."""
+    Trio internals (0.35): the test that runs a scenario twice fails if they change."""
     order = itertools.count()
     real_add = _run.Deadlines.add
 

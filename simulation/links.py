@@ -24,13 +24,19 @@ import trio
 _order = itertools.count()
 
 
+MAX_WAKEUPS = 1000
+"""Timer wakeups of one transfer that does not end: more is a livelock of the simulator's
+own (a clock that cannot resolve what is left), raised instead of spinning for ever."""
+
+
 class _Transfer:
-    __slots__ = ("done", "ends_at", "tag", "waiter")
+    __slots__ = ("done", "ends_at", "tag", "waiter", "wakeups")
 
     def __init__(self, tag: float, waiter: _Waiter) -> None:
         self.tag = tag
         self.waiter = waiter
         self.done = False
+        self.wakeups = 0
         self.ends_at = math.inf  # armed only while it is its link's next to end
 
 
@@ -123,6 +129,9 @@ class SharedLink:
         the sliver's seconds to move the clock would wake it for ever (a simulation froze at
         142 virtual seconds that way)."""
         transfer.ends_at = math.inf
+        transfer.wakeups += 1
+        if transfer.wakeups > MAX_WAKEUPS:
+            raise RuntimeError(f"a transfer on a link was woken {MAX_WAKEUPS} times: livelock")
         self._advance(trio.current_time())
         self._arm()  # drops cancelled ones off the top
         if self._heap and self._heap[0][2] is transfer:

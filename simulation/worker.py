@@ -67,7 +67,11 @@ class ComputeNoise:
         return 1 / ((1 - paused) * (1 - slow + slow / self.spell_slowdown))
 
 
-class _Variation:
+QUIET = ComputeNoise(jitter=0, spells_per_hour=0, pauses_per_hour=0)
+"""Every micro-batch takes exactly its mean (a worker built without a scenario's noise)."""
+
+
+class Variation:
     """One peer's draws of `ComputeNoise`, from its own seed."""
 
     def __init__(self, noise: ComputeNoise, rng: np.random.Generator) -> None:
@@ -133,9 +137,7 @@ class SimWorker:
         self.samples_per_second = samples_per_second
         self.micro_batch = micro_batch
         self.rng = np.random.default_rng(seed)
-        self.variation = _Variation(
-            noise or ComputeNoise(0, 0, 1, 0), np.random.default_rng(seed + 1)
-        )
+        self.variation = Variation(noise or QUIET, np.random.default_rng(seed + 1))
         self.parameters = np.zeros(vector_size, dtype=np.float32)
         self.gradient = np.zeros(vector_size, dtype=np.float64)
         self._samples = 0

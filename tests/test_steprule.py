@@ -9,10 +9,8 @@ from hypothesis import strategies as st
 
 from peer.training.steprule import Candidate, Electorate, StepRule, Vote
 
-PLAN = Electorate("plan-1", 8)
 
-
-def candidates(step: int, electorate: Electorate, count: int) -> list[Candidate]:
+def candidates(step: int, count: int) -> list[Candidate]:
     return [
         Candidate(step, f"avg-{step}-{i}", Electorate(f"plan-{step}-{i}", 8)) for i in range(count)
     ]
@@ -25,7 +23,7 @@ def elections(draw: st.DrawFn) -> tuple[StepRule, Electorate, list[Vote], list[l
     order: partial reads, late votes, votes that never arrive."""
     n = draw(st.integers(1, 12))
     electorate = Electorate("e", n)
-    options = candidates(1, electorate, draw(st.integers(1, 4)))
+    options = candidates(1, draw(st.integers(1, 4)))
     choices = draw(st.lists(st.one_of(st.none(), st.sampled_from(options)), min_size=n, max_size=n))
     votes = [Vote(f"m{i}", c, electorate) for i, c in enumerate(choices) if c is not None]
     readers = draw(
@@ -115,7 +113,7 @@ def test_the_first_step_is_safe_only_where_its_gathering_s_views_agree():
 def test_a_member_that_left_mid_averaging_costs_the_groups_it_reached_not_the_step():
     # 80 members; one left; the rest ended on five exact averages of 32, 24, 18, 4 and 1.
     electorate = Electorate("e", 80)
-    split = candidates(1, electorate, 5)
+    split = candidates(1, 5)
     sizes = (32, 24, 18, 4, 1)
     basis = [c for c, n in zip(split, sizes, strict=True) for _ in range(n)]
     votes = [Vote(f"m{i}", c, electorate) for i, c in enumerate(basis)]
@@ -129,7 +127,7 @@ def test_a_member_that_left_mid_averaging_costs_the_groups_it_reached_not_the_st
 
 def test_with_every_vote_in_the_most_voted_is_the_step_and_a_tie_goes_to_the_smaller_digest():
     electorate = Electorate("e", 4)
-    a, b = candidates(1, electorate, 2)
+    a, b = candidates(1, 2)
     rule = StepRule()
     votes = [Vote("m0", a, electorate), Vote("m1", b, electorate), Vote("m2", b, electorate)]
     assert rule.tally(1, electorate, votes) is None  # m3 could tie it for a
@@ -139,7 +137,7 @@ def test_with_every_vote_in_the_most_voted_is_the_step_and_a_tie_goes_to_the_sma
 
 def test_votes_of_another_step_or_electorate_count_for_nothing_and_a_double_vote_voids_the_count():
     electorate = Electorate("e", 3)
-    a, b = candidates(2, electorate, 2)
+    a, b = candidates(2, 2)
     rule = StepRule()
     stale = Electorate("old", 3)
     assert rule.tally(2, electorate, [Vote(f"m{i}", a, stale) for i in range(3)]) is None
@@ -153,7 +151,7 @@ def test_votes_of_another_step_or_electorate_count_for_nothing_and_a_double_vote
 
 def test_a_candidate_needs_the_published_minimum_of_votes():
     electorate = Electorate("e", 1)
-    (a,) = candidates(1, electorate, 1)
+    (a,) = candidates(1, 1)
     alone = [Vote("m0", a, electorate)]
     assert StepRule(min_votes=1).tally(1, electorate, alone) == a
     assert StepRule(min_votes=2).tally(1, electorate, alone) is None
