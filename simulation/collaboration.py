@@ -166,6 +166,10 @@ class Report:
     ideal_step_seconds: float
     violations: list[Violation]
     """States taken as a step other than the first taken as that step (`simulation.safety`)."""
+    elections: Counter[str]
+    """How the trainers' candidates fared (`Trainer._elect`: won, lost, stalled)."""
+    election_seconds: float
+    """Mean seconds a trainer waited for its candidate's election."""
 
 
 def _config(scenario: Scenario, factor: float) -> PeerConfig:
@@ -574,4 +578,7 @@ def run_collaboration(scenario: Scenario) -> Report:
         downloads=sum(t.tally.downloads for t in everyone) - collaboration.downloads_at_start,
         ideal_step_seconds=collaboration.ideal,
         violations=collaboration.safety.violations,
+        elections=sum((t.tally.elections for t in everyone), Counter()),
+        election_seconds=sum(t.tally.election_seconds for t in everyone)
+        / max(1, sum(sum(t.tally.elections.values()) for t in everyone)),
     )

@@ -59,6 +59,8 @@ class Summary:
     safety_violations: int
     """Peers that took a step as another state than the first peer that took it."""
     failure_reasons: list[tuple[str, int]]
+    elections: dict[str, int]
+    election_seconds: float
 
 
 def summarize(report: Report) -> Summary:
@@ -106,6 +108,8 @@ def summarize(report: Report) -> Summary:
         digests_agree=report.digests_agree,
         safety_violations=len(report.violations),
         failure_reasons=sorted(reasons.items(), key=lambda kv: -kv[1])[:5],
+        elections=dict(report.elections),
+        election_seconds=report.election_seconds,
     )
 
 
@@ -210,6 +214,11 @@ def rows(summary: Summary) -> list[tuple[str, str]]:
         (
             "progress read coverage (mean / min)",
             f"{s.view_coverage:.1%} / {s.min_view_coverage:.1%}",
+        ),
+        (
+            "candidates won / lost / stalled (mean wait)",
+            " / ".join(str(s.elections.get(k, 0)) for k in ("won", "lost", "stalled"))
+            + f" ({s.election_seconds:.1f} s)",
         ),
         ("digests of the newest step agree", "yes" if s.digests_agree else "NO"),
         ("safety violations (a step taken as two states)", str(s.safety_violations)),

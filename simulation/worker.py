@@ -23,6 +23,7 @@ import trio
 
 from peer.errors import RemoteError
 from peer.training.statesync import Snapshot
+from peer.training.steprule import average_digest
 from peer.training.worker import Computed
 from simulation import cpu
 
@@ -133,6 +134,7 @@ class SimWorker:
         # downloaded state's check.
         self.digest_seconds = model_bytes / cpu.HASH_BYTES_PER_SECOND
         self.check_seconds = cpu.download_check_seconds(state_bytes)
+        self.candidate_seconds = model_bytes / cpu.CHUNK_HASH_BYTES_PER_SECOND  # BLAKE3
         self.vector_size = vector_size
         self.samples_per_second = samples_per_second
         self.micro_batch = micro_batch
@@ -173,6 +175,10 @@ class SimWorker:
     async def give_back(self, vector: np.ndarray, samples: int) -> None:
         self.gradient += vector.astype(np.float64) * samples
         self._samples += samples
+
+    async def average_digest(self, average: np.ndarray, weight: float) -> str:
+        await trio.sleep(self.candidate_seconds)
+        return average_digest(average, weight)
 
     async def apply(self, average: np.ndarray) -> None:
         self.parameters = (self.parameters - np.float32(LEARNING_RATE) * average).astype(np.float32)

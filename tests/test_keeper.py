@@ -134,8 +134,10 @@ async def wait_until(condition: Callable[[], bool]) -> None:
 
 
 async def progress(dht: DHT, config: PeerConfig) -> list[ProgressRecord]:
+    """The records of the peers still here (a peer that left leaves a `leaving` one)."""
     name = config.collaboration.name
-    return decode_progress(await dht.get(progress_key(name)), collaboration=name)
+    records = decode_progress(await dht.get(progress_key(name)), collaboration=name)
+    return [r for r in records if not r.leaving]
 
 
 async def start_stoppable(nursery: trio.Nursery, fn, *args) -> tuple[Any, trio.CancelScope]:

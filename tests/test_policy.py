@@ -424,20 +424,6 @@ def test_a_group_result_is_a_step_only_if_exact_and_someone_contributed(
     assert bool(verdict.reason) == (not complete)  # no sample at all is routine
 
 
-def test_a_group_of_a_minority_of_the_trainers_does_not_step():
-    """Two groups that averaged one step apart cannot both step: before, both did, and the
-    smaller one downloaded the other's state and lost its samples."""
-    policy = make_policy()
-    read(policy, *(other(f"z{i}") for i in range(4)))  # 5 trainers
-    assert policy.declare(1.0, T0, in_background=False)
-    minority = group_result(16, members=2)
-    assert not policy.averaged(minority, 8, 1.0, T0).step
-    assert "not a majority" in " ".join(minority.skipped)
-    assert policy.declare(2.0, T0, in_background=False)
-    verdict = policy.averaged(group_result(24, members=3), 8, 2.0, T0)
-    assert verdict.step and verdict.global_batch == 24
-
-
 @pytest.mark.parametrize(("weighting", "batch"), [("samples", 3.0), ("uniform", None)])
 def test_a_uniformly_weighted_step_has_no_global_batch(weighting, batch):
     """With peers weighted equally the average's weight counts peers: it was logged and kept as

@@ -4,6 +4,7 @@ rules, and small collaborations on it train as real ones do. The 300-peer runs a
 from __future__ import annotations
 
 import random
+from collections import Counter
 from types import SimpleNamespace
 
 import msgspec
@@ -255,7 +256,8 @@ def test_rounds_cut_by_the_end_count_neither_way():
             scenario=small(peers=3, minutes=1), attempts=[*agreed, *split], cut=cut,
             dht_seconds={"store": [], "get": []}, views=[], traffic=Traffic(), wall_seconds=1.0,
             steps=1, ideal_step_seconds=1.0, departures=0, arrivals=0, downloads=0,
-            digests_agree=True, violations=[], backbone_failures=0,
+            digests_agree=True, violations=[], backbone_failures=0, elections=Counter(),
+            election_seconds=0.0,
         )  # fmt: skip
 
     summary = summarize(report(frozenset()))  # type: ignore[arg-type]

@@ -36,9 +36,10 @@ from peer.training import state as states
 from peer.training import trainer as trainer_module
 from peer.training import worker as worker_module
 from peer.training.policy import CatchUp, Compute
-from peer.training.progress import CollaborationView, ProgressRecord
+from peer.training.progress import CollaborationView, ProgressRecord, VoteRecord
 from peer.training.state import StateMismatch
 from peer.training.statesync import Snapshot
+from peer.training.steprule import Candidate, Vote, average_digest, plan_of
 from peer.training.task import TinyTask
 from peer.training.timing import STORES_PER_WINDOW
 from peer.training.trainer import Trainer
@@ -107,19 +108,53 @@ def size_of(trainer: Trainer) -> int:
     return trainer.worker.vector_size
 
 
+OTHERS = ("a-member", "b-member")  # the other members of a `group_result`'s group
+
+
 def group_result(size: int, weight: float, *, complete: bool = True) -> AveragingResult:
-    """What the averager returns: the exact average of `weight` samples, or nothing."""
+    """What the averager returns: the exact average of `weight` samples over our group of
+    three (us and OTHERS), or nothing."""
     report = RoundReport(chunks=[ChunkResult(0, size, 3)], seconds=1.25, bytes_sent=10)
     if not complete:
         report.dropped_senders["someone"] = "timed out"
         return AveragingResult(peers_seen=3, rounds=[report], skipped=["round 0: incomplete"])
     average = np.full(size, 0.25, dtype=np.float32)
-    return AveragingResult(peers_seen=3, rounds=[report], average=average, weight=weight, members=3)
+    result = AveragingResult(peers_seen=3, rounds=[report], average=average, weight=weight)
+    result.members, result.plan = 3, ("", *OTHERS)  # "": ours, set by `finish`
+    return result
+
+
+def others_vote_for(trainer: Trainer, result: AveragingResult) -> None:
+    """The other members of the group hold our step and vote for the average we all got (the
+    step rule certifies it: `Trainer._elect`)."""
+    plan = plan_of(result.plan)
+    assert result.average is not None
+    choice = Candidate(trainer.step + 1, average_digest(result.average, result.weight), plan)
+    electorate, _ = trainer.policy._electorate_for(choice)
+    records = [
+        ProgressRecord(
+            peer_id=peer,
+            role="trainer",
+            addrs=[],
+            step=trainer.step,
+            digest=trainer.digest,
+            samples=0,
+            samples_per_second=0.0,
+            updated_at=trainer.clock(),
+            vote=VoteRecord.of(Vote(peer, choice, electorate)),
+        )
+        for peer in OTHERS
+    ]
+    trainer.policy.observe(CollaborationView(records, trainer.policy.quorum), trainer.clock())
 
 
 async def finish(trainer: Trainer, vector: np.ndarray, samples: int, result) -> None:
-    """The end of an averaging we declared in (`policy.declare` leaves it AVERAGING)."""
+    """The end of an averaging we declared in (`policy.declare` leaves it AVERAGING); the
+    others vote for its average."""
     assert trainer.policy.declare(1.0, trainer.clock(), in_background=False)
+    if result.plan:
+        result.plan = (trainer.me, *result.plan[1:])
+        others_vote_for(trainer, result)
     await trainer._finish(vector, samples, result, 1.0)
 
 

@@ -109,6 +109,10 @@ class AveragingResult:
     members: int = 0
     """How many peers' contributions `average` holds (the view's, or those of the members of a
     single group it is exact over)."""
+    plan: tuple[str, ...] = ()
+    """Who the average came from, the same for every peer that holds these bits: the view of a
+    plan of several rounds, or the members a single group's average is exact over. It names
+    who votes on the next step if this average is certified (`peer.training.steprule`)."""
 
 
 @dataclass
@@ -722,9 +726,11 @@ class Averager:
                     original = before
             else:  # a single group: whoever took part
                 members = len(included)
+                result.plan = tuple(sorted(included))
             if len(result.rounds) > reports:  # an all-reduce ran
                 on_round(index, result.rounds[-1], values)
         if several:
+            result.plan = tuple(ids)
             result.setbacks, result.skipped = result.skipped, []
             missing = [ids[j] for j in range(len(view)) if j not in basis]
             result.dropped.update(dict.fromkeys(missing, "not in the average our last group made"))

@@ -55,9 +55,11 @@ from peer.training.progress import (
     CollaborationView,
     Moves,
     ProgressRecord,
+    VoteRecord,
     company,
     should_call,
 )
+from peer.training.steprule import Candidate, Electorate, StepRule, Vote
 from peer.training.timing import SLOW_BATCH, Timing
 
 log = logging.getLogger("peertrain.trainer")
@@ -230,6 +232,34 @@ class Held:
     step: int = 0
     digest: str = ""
     signatures: list[StepSignature] = field(default_factory=list)
+    electorate: Electorate | None = None
+    """Who votes on the next step (`steprule`): the plan of the candidate this state is. None:
+    not known (step 0, a checkpoint's state)."""
+
+
+class Outcome(enum.Enum):
+    """Where the election of a candidate of ours stands (`StepPolicy.election`)."""
+
+    WON = "won"
+    """Our candidate is certified: apply it."""
+    LOST = "lost"
+    """Another candidate is certified: download it once its holders have it."""
+    WAITING = "waiting"
+    STALLED = "stalled"
+    """Nothing certified for `Timing.settle_patience`: no step of ours; the next try of the
+    step starts a new election (`_genesis_at`)."""
+
+
+@dataclass
+class Ballot:
+    """The election of our candidate: the electorate we count it in, our vote (None: we are no
+    member, or voted on the step already) and when it began."""
+
+    candidate: Candidate
+    electorate: Electorate
+    genesis: bool
+    vote: Vote | None
+    since: float
 
 
 # ------------------------------------------------------------------------------ the policy
@@ -244,6 +274,15 @@ class StepPolicy:
         self.vector_size = vector_size
         self.quorum = config.averaging.min_group_size
         """Distinct signers a (step, digest) needs before we download it or count it."""
+        self.rule = StepRule(min_votes=self.quorum)
+        self.ballot: Ballot | None = None
+        """The election of our candidate, while it runs (`elect` .. `elected`)."""
+        self.last_vote: Vote | None = None
+        """The last vote we cast: our record carries it until the next (slower readers count
+        it after we moved on)."""
+        self._voted: set[tuple[int, Electorate]] = set()  # a member votes once per step
+        self._plans: list[Electorate] = []  # the recent plans we were in (membership)
+        self._genesis_at = 0  # a step whose election stalled for us: its next try is a genesis
         self.phase = Phase.STARTING
         self.held = Held()
         self.view = CollaborationView([], self.quorum)
@@ -285,9 +324,18 @@ class StepPolicy:
         """The first read is in (or took too long): training begins."""
         self._move(Event.READ)
 
-    def hold(self, step: int, digest: str, signature: StepSignature) -> None:
-        """We hold a new state (an applied step, a download, a checkpoint) and signed it."""
-        self.held = Held(step, digest, [signature])
+    def hold(
+        self,
+        step: int,
+        digest: str,
+        signature: StepSignature,
+        *,
+        electorate: Electorate | None = None,
+    ) -> None:
+        """We hold a new state (an applied step, a download, a checkpoint) and signed it.
+        `electorate`: who votes on the next step, where known (an applied candidate's plan;
+        a download's, as its holders name it)."""
+        self.held = Held(step, digest, [signature], electorate)
         self._uncertified_since = None  # a new state: the next read starts its clock
         self.changed = True
 
@@ -383,7 +431,7 @@ class StepPolicy:
             and not result.rounds
             and self._on_our_own(now)
         )
-        complete = alone or (result.average is not None and self._majority(result))
+        complete = alone or result.average is not None
         # Peers that all had 0 samples average nothing: an optimizer step on that would still
         # move the weights (momentum, weight decay), so it is no step.
         contributed = samples > 0 if alone else result.weight > 0
@@ -392,6 +440,8 @@ class StepPolicy:
             # The average's total weight is the global batch, unless the peers were weighted
             # equally (diloco, outer_weighting = "uniform"): then it counts peers.
             batch = float(samples) if alone else None if self.uniform else result.weight
+            # Not a step yet unless alone: a candidate, which the step rule elects or not
+            # (`elect`, `election`).
             return Verdict(True, alone=alone, global_batch=batch, members=result.members or 1)
         self._failed_before = gather_until
         if complete:  # routine: e.g. peers that had just started or downloaded
@@ -405,6 +455,65 @@ class StepPolicy:
             "we read no other ticket" if result.peers_seen == 1 else "a member failed"
         )
         return Verdict(False, reason=reason, failed_in_a_row=in_a_row, warn=warn)
+
+    # -------------------------------------------------------------- the election
+
+    def elect(self, candidate: Candidate, now: float) -> None:
+        """Our averaging ended on `candidate` (the next step's, if certified): vote for it if
+        we are a member of the step's electorate and have not voted on the step yet, and
+        count the votes from now on (`election`)."""
+        electorate, genesis = self._electorate_for(candidate)
+        self._plans = [*self._plans[-7:], candidate.plan]
+        vote = None
+        key = (candidate.step, electorate)
+        if key not in self._voted and (genesis or electorate in self._plans):
+            vote = Vote(self.me, candidate, electorate)
+            self._voted.add(key)
+            self.last_vote = vote
+        self.ballot = Ballot(candidate, electorate, genesis, vote, now)
+        self.changed = True
+
+    def _electorate_for(self, candidate: Candidate) -> tuple[Electorate, bool]:
+        """The electorate of `candidate`'s step and whether it is a genesis (the candidate's
+        own plan: the first step, a step whose election stalled for us, or one after a state
+        of unknown plan that no holder names)."""
+        held = self.held
+        known = held.electorate or self.view.electorate(held.step, held.digest)
+        if held.step == 0 or candidate.step <= self._genesis_at or known is None:
+            return candidate.plan, True
+        return known, False
+
+    def election(self, now: float) -> tuple[Outcome, Candidate | None]:
+        """The election of our candidate as our last read shows it: the certified candidate
+        (ours: WON; another: LOST), or WAITING, or STALLED after `settle_patience`."""
+        ballot = self.ballot
+        assert ballot is not None, "no election runs"
+        step = ballot.candidate.step
+        votes = [v for v in self.view.votes(step) if v.voter != self.me]
+        if ballot.vote is not None:
+            votes.append(ballot.vote)
+        if ballot.genesis:
+            certified = self.rule.genesis(step, ballot.electorate, votes)
+        else:
+            certified = self.rule.tally(step, ballot.electorate, votes)
+        if certified == ballot.candidate:
+            return Outcome.WON, certified
+        if certified is not None:
+            return Outcome.LOST, certified
+        if now - ballot.since >= self.timing.settle_patience(self.store_seconds):
+            return Outcome.STALLED, None
+        return Outcome.WAITING, None
+
+    def elected(self, outcome: Outcome) -> None:
+        """The election ended (`election`'s outcome). STALLED: our vote on the step is spent,
+        and maybe others' too, so its next try is a genesis election among that try's
+        plan, unless someone has moved past the step meanwhile (we download it then)."""
+        ballot = self.ballot
+        assert ballot is not None and outcome is not Outcome.WAITING
+        self.ballot = None
+        self.changed = True
+        if outcome is Outcome.STALLED:
+            self._genesis_at = max(self._genesis_at, ballot.candidate.step)
 
     def fetched(self, *, ok: bool, now: float) -> float:
         """A download ended (the new state came through `hold`); returns how long to wait
@@ -613,6 +722,9 @@ class StepPolicy:
             downloading=self.downloading,
             holding=self.holding,
             signatures=list(self.held.signatures),
+            vote=None if self.last_vote is None else VoteRecord.of(self.last_vote),
+            electorate=self.held.electorate.digest if self.held.electorate else "",
+            electorate_size=self.held.electorate.size if self.held.electorate else 0,
         )
 
     def view_with(self, local: Local, now: float) -> CollaborationView:
@@ -834,29 +946,6 @@ class StepPolicy:
     def _fresh(self, record: ProgressRecord, now: float) -> bool:
         """`record` was published recently enough that its peer looks alive (`stale_record`)."""
         return now - record.updated_at <= self.timing.stale_record
-
-    def _majority(self, result: AveragingResult) -> bool:
-        """Whether the peers behind `result` are more than half of the trainers at this step
-        (or one step around it: a record lags its peer's step). Two groups that averaged the
-        same step apart (a call seen too late by some) cannot both hold a majority, so at most
-        one of them steps; without this both did, and the smaller downloaded the other's state
-        and lost its samples. (A peer killed without withdrawing its record counts until the
-        record expires.)"""
-        around = [
-            r
-            for r in self.view.records
-            if r.role == "trainer"
-            and abs(r.step - self.held.step) <= 1
-            and not r.downloading
-            and r.peer_id != self.me
-        ]
-        if 2 * result.members > len(around) + 1:
-            return True
-        result.skipped.append(
-            f"it holds {result.members} of the {len(around) + 1} trainers at this step, not a "
-            "majority: another group may step without us"
-        )
-        return False
 
     def _others_still_averaging(self, view: CollaborationView, local: Local, now: float) -> bool:
         """After an averaging that failed (or that we missed), others at our step may still be

@@ -38,13 +38,45 @@ import msgspec
 from peer.dht.records import owner_key
 from peer.errors import DECODE_ERRORS
 from peer.training.certificate import MAX_SIGNATURES, StepSignature, valid_signatures
+from peer.training.steprule import Candidate, Electorate, Vote
 
 ProgressRole = Literal["trainer", "keeper"]
 _Step = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
 _Count = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
 _History = Annotated[list[float], msgspec.Meta(max_length=16)]
+_Digest = Annotated[str, msgspec.Meta(max_length=64)]
 HISTORY = 8
 """How many past losses a record carries (the dashboard's trend)."""
+
+
+class VoteRecord(msgspec.Struct, frozen=True, array_like=True):
+    """A member's vote on a step (`peer.training.steprule`), as its record carries it: the
+    record is its owner's signed DHT entry, so the vote is the owner's."""
+
+    step: _Step
+    average: _Digest
+    """The candidate's digest (`Candidate.average`: its average's bits and weight)."""
+    plan: _Digest
+    plan_size: _Count
+    electorate: _Digest
+    """The electorate the vote is cast in (the step's, as the voter holds it)."""
+    electorate_size: _Count
+
+    def vote(self, voter: str) -> Vote:
+        candidate = Candidate(self.step, self.average, Electorate(self.plan, self.plan_size))
+        return Vote(voter, candidate, Electorate(self.electorate, self.electorate_size))
+
+    @classmethod
+    def of(cls, vote: Vote) -> VoteRecord:
+        candidate = vote.candidate
+        return cls(
+            candidate.step,
+            candidate.average,
+            candidate.plan.digest,
+            candidate.plan.size,
+            vote.electorate.digest,
+            vote.electorate.size,
+        )
 
 
 class ProgressRecord(msgspec.Struct, frozen=True):
@@ -95,6 +127,16 @@ class ProgressRecord(msgspec.Struct, frozen=True):
     reduced: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0
     """The fraction of the vector it reduced in its last averaging (its share as played, which
     `peer status` shows)."""
+    vote: VoteRecord | None = None
+    """Its vote on the step after `step` (`peer.training.steprule`), once it cast one."""
+    electorate: _Digest = ""
+    """Who votes on the step after `step`: the plan of the candidate it holds as `step` (""
+    where it does not know: step 0, or a state restored from a checkpoint)."""
+    electorate_size: _Count = 0
+    leaving: bool = False
+    """Its peer has left (its last record, in place of a withdrawal): counted for its vote and
+    signatures only (`CollaborationView.farewells`), never as a trainer. Withdrawn, a vote
+    cast just before leaving was lost, and a count it decided stalled."""
 
     def problem(self) -> str | None:
         """Why the record is unusable (non-finite numbers), or None."""
@@ -138,14 +180,26 @@ class CollaborationView:
     """The collaboration as one read of the progress records shows it."""
 
     records: list[ProgressRecord]
+    """The records of the peers still here (`leaving` records move to `farewells`)."""
     quorum: int = 1
     """Distinct signers a (step, digest) needs to count (`averaging.min_group_size`)."""
+    farewells: list[ProgressRecord] = field(default_factory=list)
+    """The last records of peers that left: their votes and signatures still count."""
+
+    def __post_init__(self) -> None:
+        if any(r.leaving for r in self.records):
+            object.__setattr__(
+                self, "farewells", [*self.farewells, *(r for r in self.records if r.leaving)]
+            )
+            object.__setattr__(self, "records", [r for r in self.records if not r.leaving])
 
     def training(self, fingerprint: str) -> CollaborationView:
         """The records of the peers that train the task of `fingerprint`: the others never
         average with its peers, and their states do not fit its model."""
         return CollaborationView(
-            [r for r in self.records if r.fingerprint == fingerprint], self.quorum
+            [r for r in self.records if r.fingerprint == fingerprint],
+            self.quorum,
+            [r for r in self.farewells if r.fingerprint == fingerprint],
         )
 
     def foreign_task(self, fingerprint: str) -> ProgressRecord | None:
@@ -169,7 +223,7 @@ class CollaborationView:
     def _signers(self) -> dict[tuple[int, str], set[str]]:
         # Once per view: the trainer asks for the global step and consensus every iteration.
         signers: dict[tuple[int, str], set[str]] = defaultdict(set)
-        for r in self.records:
+        for r in [*self.records, *self.farewells]:
             signers[(r.step, r.digest)].update(s.signer for s in r.signatures)
         return signers
 
@@ -265,10 +319,33 @@ class CollaborationView:
         holders = [r for r in self.records if r.step == step and r.digest == digest]
         return sorted(holders, key=lambda r: (r.role == "keeper", r.peer_id))
 
+    def votes(self, step: int) -> list[Vote]:
+        """The votes on `step` the records carry (one per record: its owner's)."""
+        return [
+            r.vote.vote(r.peer_id)
+            for r in [*self.records, *self.farewells]
+            if r.vote is not None and r.vote.step == step
+        ]
+
+    def electorate(self, step: int, digest: str) -> Electorate | None:
+        """Who votes on the step after `step`, as the holders of (`step`, `digest`) say: the
+        plan most of them name (ties: the smaller digest). Every honest holder of a certified
+        state names the same plan, the certified candidate's; None if none names one."""
+        named = Counter(
+            Electorate(r.electorate, r.electorate_size)
+            for r in [*self.records, *self.farewells]
+            if r.step == step and r.digest == digest and r.electorate
+        )
+        if not named:
+            return None
+        return min(named, key=lambda e: (-named[e], e.digest))
+
     def with_record(self, record: ProgressRecord) -> CollaborationView:
         """This view with `record` replacing its owner's (our own newest figures)."""
         others = [r for r in self.records if r.peer_id != record.peer_id]
-        return CollaborationView(sorted([*others, record], key=lambda r: r.peer_id), self.quorum)
+        records = sorted([*others, record], key=lambda r: r.peer_id)
+        farewells = [r for r in self.farewells if r.peer_id != record.peer_id]
+        return CollaborationView(records, self.quorum, farewells)
 
     def target_reached(self, target: float) -> bool:
         """At least `quorum` distinct trainers report a validation loss at or below `target`

@@ -12,7 +12,8 @@ collaboration of 8 stopped stepping); how long the store took is reported
 deadline must still widen the windows; a hot store that skipped its lookup counts one, since
 the windows are for tickets, which are stored with one). Reads are decoded here, at the boundary
 (`decode_progress`: owner-signed entries, valid step signatures only). On the way out our
-record is withdrawn, so others stop counting us at once instead of when it expires.
+record is left `leaving` (its vote and signatures count on, the peer no more), so others stop
+counting us at once instead of when it expires.
 
 The progress key is a hot DHT key (`DHT.get(hot=True)`: two of its replicas, no lookup), and a
 read is due every `read_interval`: the configured interval while the records are small, longer
@@ -30,6 +31,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, TypeVar
 
+import msgspec
 import trio
 from libp2p.peer.id import ID
 
@@ -141,8 +143,22 @@ class ProgressPublisher:
                     trio.move_on_after(1.0),
                     contextlib.suppress(RemoteError),
                 ):
-                    expiration = self.clock() + self.ttl + 1
-                    await self.dht.withdraw(self.key, self.me, expiration=expiration, hot=True)
+                    await self._farewell()
+
+    async def _farewell(self) -> None:
+        """Our last record, `leaving`: others stop counting us as a trainer at once, and still
+        count the vote and signatures it carries until it expires (`ProgressRecord.leaving`);
+        withdrawn where we have no record to leave."""
+        record = self.record()
+        now = self.clock()
+        if record is None:
+            expiration = now + self.ttl + 1
+            await self.dht.withdraw(self.key, self.me, expiration=expiration, hot=True)
+            return
+        last = msgspec.structs.replace(record, leaving=True, updated_at=now)
+        await self.dht.store(
+            self.key, self.me, encode_progress(last), expiration=now + self.ttl, hot=True
+        )
 
     async def _exchange(self) -> None:
         record = self.record()

@@ -47,9 +47,14 @@ not scarce, so `min_votes` identities that agree are an electorate of their own 
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+import numpy as np
+from blake3 import blake3
 
 
 @dataclass(frozen=True, order=True)
@@ -118,6 +123,22 @@ class StepRule:
         """A first step's certified candidate: its electorate is its own plan."""
         found = self.tally(step, plan, votes)
         return found if found is not None and found.plan == plan else None
+
+
+def plan_of(members: Iterable[str]) -> Electorate:
+    """The electorate a plan's members make: a digest of their sorted peer ids, and their
+    number. Every member of one Moshpit plan (or of one group) names the same."""
+    ids = sorted(set(members))
+    digest = hashlib.blake2b("\n".join(ids).encode(), digest_size=16).hexdigest()
+    return Electorate(digest, len(ids))
+
+
+def average_digest(values: np.ndarray, weight: float) -> str:
+    """A candidate's digest: its average's bits and the weight behind it (BLAKE3, 4.9 GB/s
+    on this machine class: 0.08 s for 100 M parameters; off the event loop all the same)."""
+    hasher = blake3(struct.pack("<d", weight))
+    hasher.update(np.ascontiguousarray(values).view(np.uint8).data)
+    return hasher.hexdigest(length=16)
 
 
 def _outranks(a: tuple[int, str], b: tuple[int, str]) -> bool:

@@ -53,6 +53,7 @@ from peer.training.policy import (
     Compute,
     Declare,
     Local,
+    Outcome,
     Phase,
     StepPolicy,
     Stop,
@@ -70,6 +71,7 @@ from peer.training.publisher import (
     fetch_certified,
     remember_donors,
 )
+from peer.training.steprule import Candidate, Electorate, plan_of
 from peer.training.task import Task
 from peer.training.tracking import Tracker
 from peer.training.worker import BatchSource, TorchWorker
@@ -129,6 +131,8 @@ class Tally:
     averaging_seconds: float = 0.0
     averagings: int = 0
     failures: Counter[str] = field(default_factory=Counter)
+    elections: Counter[str] = field(default_factory=Counter)  # outcomes of our candidates'
+    election_seconds: float = 0.0  # spent waiting for them
     steps_applied: int = 0
     downloads: int = 0
     compute_seconds: float = 0.0
@@ -296,10 +300,13 @@ class Trainer:
                     self._snapshot = snapshot
             return self._snapshot
 
-    async def _hold(self, step: int, *, digest: str | None = None) -> None:
+    async def _hold(
+        self, step: int, *, digest: str | None = None, electorate: Electorate | None = None
+    ) -> None:
         """Capture the state as of now as `step` (what donors serve and checkpoints hold) and
         sign it: we sign only what we hold (`peer.training.certificate`). `digest`: that of
-        a state just restored, as checked when it was parsed."""
+        a state just restored, as checked when it was parsed. `electorate`: who votes on the
+        next step (`StepPolicy.hold`)."""
         self._snapshot = None  # the state it reads goes now (a copy: before the next is made)
         digest = await self.worker.hold(step, digest=digest)
         self._snapshot = None  # one made meanwhile, of no state
@@ -307,7 +314,8 @@ class Trainer:
             return  # we are stopping: the final checkpoint writes it, nobody signs it
         key = self.dht.node.identity.key_pair.private_key
         name = self.config.collaboration.name
-        self.policy.hold(step, digest, sign_step(key, self.me, name, step, digest))
+        signature = sign_step(key, self.me, name, step, digest)
+        self.policy.hold(step, digest, signature, electorate=electorate)
         self.progress.publish_now()
 
     # ------------------------------------------------------------------ progress
@@ -568,11 +576,58 @@ class Trainer:
                 verdict.failed_in_a_row,
             )
             return
-        average = vector if verdict.alone else result.average
-        assert average is not None  # a step
-        await self.worker.apply(average)
-        await self._hold(self.step + 1)
-        self._note_step(verdict, samples, result)
+        if verdict.alone:
+            await self.worker.apply(vector)
+            await self._hold(self.step + 1, electorate=plan_of([self.me]))
+            self._note_step(verdict, samples, result)
+            return
+        assert result.average is not None  # a candidate
+        candidate = Candidate(
+            self.step + 1,
+            await self.worker.average_digest(result.average, result.weight),
+            plan_of(result.plan),
+        )
+        outcome, certified = await self._elect(candidate)
+        if outcome is Outcome.WON:
+            await self.worker.apply(result.average)
+            await self._hold(self.step + 1, electorate=candidate.plan)
+            self._note_step(verdict, samples, result)
+            return
+        if outcome is Outcome.LOST:
+            # Its basis holds our samples if ours had them (a larger average than ours, made
+            # from the same rounds): given back, they would count twice. We download it.
+            log.info(
+                "step %d went to another average than ours (%s, from %d peers): downloading it",
+                candidate.step,
+                certified.average[:12] if certified else "?",
+                certified.plan.size if certified else 0,
+            )
+            return
+        await self.worker.give_back(vector, samples)
+        log.info(
+            "no average of step %d was certified within %.0fs; keeping our %d samples for the "
+            "next try",
+            candidate.step,
+            self.policy.timing.settle_patience(self.policy.store_seconds),
+            samples,
+        )
+
+    async def _elect(self, candidate: Candidate) -> tuple[Outcome, Candidate | None]:
+        """Vote for `candidate` where we may and wait for the step rule to certify one (our
+        reads of the votes in the others' records), at most `settle_patience`."""
+        self.policy.elect(candidate, self.clock())
+        self.progress.publish_now()
+        started = self.monotonic()
+        while True:
+            outcome, certified = self.policy.election(self.clock())
+            if outcome is not Outcome.WAITING:
+                break
+            with trio.move_on_after(self.training.progress_interval):
+                await self._view_changed.wait()
+        self.policy.elected(outcome)
+        self.tally.elections[outcome.value] += 1
+        self.tally.election_seconds += self.monotonic() - started
+        return outcome, certified
 
     def _note_step(self, verdict: Verdict, samples: int, result: AveragingResult) -> None:
         tally = self.tally
@@ -689,7 +744,9 @@ class Trainer:
         except RemoteError as error:
             return str(error)
         phases["load_s"] = self.monotonic() - started - phases["fetch_and_check_s"]
-        await self._hold(state.step, digest=digest)
+        # Who votes on the next step: the plan the state's holders name (`steprule`).
+        electorate = self.policy.view.electorate(state.step, digest)
+        await self._hold(state.step, digest=digest, electorate=electorate)
         phases["total_s"] = self.monotonic() - started
         return ""
 
@@ -714,7 +771,8 @@ class Trainer:
         except RemoteError as error:
             return f"{error}; {await self._mend()}" if self.worker.torn else str(error)
         phases["load_s"] = self.monotonic() - started - phases["fetch_and_check_s"]
-        await self._hold(step, digest=digest)
+        electorate = self.policy.view.electorate(step, digest)
+        await self._hold(step, digest=digest, electorate=electorate)
         phases["total_s"] = self.monotonic() - started
         return ""
 

@@ -43,6 +43,7 @@ from peer.training import state as states
 from peer.training.layout import averaged_buffers, layout, task_fingerprint
 from peer.training.precision import Precision
 from peer.training.statesync.wire import Snapshot
+from peer.training.steprule import average_digest
 from peer.training.strategies import LargeBatch, LocalSGD, Strategy
 from peer.training.task import Task
 
@@ -296,6 +297,10 @@ class TorchWorker:
 
     async def give_back(self, vector: np.ndarray, samples: int) -> None:
         await self._run(self.strategy.give_back, vector, samples)
+
+    async def average_digest(self, average: np.ndarray, weight: float) -> str:
+        """A candidate's digest (`steprule.average_digest`), in our thread: 0.08 s at 100 M."""
+        return await self._run(average_digest, average, weight)
 
     def _apply(self, average: np.ndarray) -> None:
         with self._changing():

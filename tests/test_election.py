@@ -1,0 +1,156 @@
+"""The step rule as the policy plays it (`StepPolicy.elect`, `election`, `elected`): votes in
+the records, the electorate a held state names, genesis, once per step. Pure, on an explicit
+clock; the rule's own safety property is in `tests/test_steprule.py`."""
+
+from __future__ import annotations
+
+import msgspec
+
+from peer.training.policy import Local, Outcome, StepPolicy
+from peer.training.progress import ProgressRecord, VoteRecord
+from peer.training.steprule import Candidate, Electorate, Vote, plan_of
+from tests.test_policy import ME, T0, make_policy, other, own_signature, read
+
+MEMBERS = [ME, "z0", "z1", "z2", "z3"]
+PLAN = plan_of(MEMBERS)  # the plan of step 3's candidate: who votes on step 4
+
+
+def at_step_3(*, member: bool = True) -> StepPolicy:
+    """A policy holding step 3, a candidate of PLAN's (we were in that plan if `member`)."""
+    policy = make_policy()
+    if member:
+        policy._plans.append(PLAN)  # as `elect` remembers a plan we averaged in
+    policy.hold(3, "d3", own_signature(3), electorate=PLAN)
+    return policy
+
+
+def candidate(name: str, members: list[str], step: int = 4) -> Candidate:
+    return Candidate(step, name, plan_of(members))
+
+
+def voting(peer_id: str, choice: Candidate, electorate: Electorate = PLAN) -> ProgressRecord:
+    vote = VoteRecord.of(Vote(peer_id, choice, electorate))
+    return other(peer_id, step=3, digest="d3", vote=vote)
+
+
+BIG = candidate("big", MEMBERS)
+SMALL = candidate("small", [ME, "z0"])
+
+
+def test_of_two_groups_that_averaged_a_step_apart_only_one_is_certified():
+    """Before the rule, a group of a minority did not step (a majority of the trainers in
+    view) and views differ, so both groups of a split could step (the simulation's safety
+    check caught two states of one step). Now both elections see the same votes: the
+    larger wins, the smaller loses and downloads it."""
+    small, big = at_step_3(), at_step_3()
+    small.elect(SMALL, T0)
+    big.me = "z1"
+    big.elect(BIG, T0)
+    records = [voting("z0", SMALL), voting("z2", BIG), voting("z3", BIG)]
+    read(small, *records, voting("z1", BIG))
+    read(big, *records, voting(ME, SMALL))
+    assert small.election(T0) == (Outcome.LOST, BIG)
+    assert big.election(T0) == (Outcome.WON, BIG)
+
+
+def test_a_candidate_waits_while_unseen_votes_could_still_beat_it():
+    """2 votes for ours, 1 against, 2 unseen: the unseen could go to the other (3 > 2)."""
+    policy = at_step_3()
+    policy.elect(BIG, T0)
+    read(policy, voting("z0", BIG), voting("z1", SMALL))
+    assert policy.election(T0 + 1) == (Outcome.WAITING, None)
+    read(policy, voting("z0", BIG), voting("z1", SMALL), voting("z2", BIG))
+    assert policy.election(T0 + 2) == (Outcome.WON, BIG)  # 3 > 1 + 1 unseen
+
+
+def test_a_departed_members_missing_vote_stalls_only_a_close_count():
+    """z3 left without voting: 3 against 1 is certified (3 > 1 + 1); 2 against 2 never is,
+    and after `settle_patience` the election is stalled: the step's next try is a genesis."""
+    won = at_step_3()
+    won.elect(BIG, T0)
+    read(won, voting("z0", BIG), voting("z1", BIG), voting("z2", SMALL))
+    assert won.election(T0)[0] is Outcome.WON
+    stalled = at_step_3()
+    stalled.elect(BIG, T0)
+    read(stalled, voting("z0", BIG), voting("z1", SMALL), voting("z2", SMALL))
+    patience = stalled.timing.settle_patience(stalled.store_seconds)
+    assert stalled.election(T0 + patience - 0.1)[0] is Outcome.WAITING
+    assert stalled.election(T0 + patience)[0] is Outcome.STALLED
+    stalled.elected(Outcome.STALLED)
+    retry = candidate("retry", MEMBERS[:4])
+    stalled.elect(retry, T0 + patience)
+    ballot = stalled.ballot
+    assert ballot is not None and ballot.genesis and ballot.electorate == retry.plan
+    assert ballot.vote is not None  # a new electorate: we vote in it
+
+
+def test_a_member_votes_once_per_step_and_a_stranger_not_at_all():
+    policy = at_step_3()
+    policy.elect(BIG, T0)
+    assert policy.ballot is not None and policy.ballot.vote == Vote(ME, BIG, PLAN)
+    policy.elected(Outcome.LOST)
+    policy.elect(candidate("again", MEMBERS), T0 + 1)  # a second gathering of step 4
+    assert policy.ballot is not None and policy.ballot.vote is None
+    assert policy.last_vote == Vote(ME, BIG, PLAN)  # our record still carries the first
+    assert policy.own_record(Local(), T0).vote == VoteRecord.of(Vote(ME, BIG, PLAN))
+    # "s" joined after step 3's gathering (it downloaded step 3): in step 4's plan, not in
+    # step 3's, so it votes on step 5, not on step 4.
+    stranger = at_step_3(member=False)
+    stranger.me = "s"
+    joined = candidate("big", [*MEMBERS, "s"])
+    stranger.elect(joined, T0)
+    assert stranger.ballot is not None and stranger.ballot.vote is None
+    read(stranger, *(voting(p, joined) for p in MEMBERS[1:]))
+    assert stranger.election(T0) == (Outcome.WON, joined)  # it counts the members' votes
+
+
+def test_votes_cast_in_another_electorate_or_for_another_step_do_not_count():
+    policy = at_step_3()
+    policy.elect(BIG, T0)
+    elsewhere = plan_of(["a", "b", "c", "d", "e"])
+    read(
+        policy,
+        *(voting(p, SMALL, electorate=elsewhere) for p in MEMBERS[1:]),
+        voting("z9", candidate("later", MEMBERS, step=5)),
+    )
+    assert policy.election(T0)[0] is Outcome.WAITING  # only our own vote counts
+
+
+def test_the_first_step_is_a_genesis_and_a_download_takes_the_electorate_its_holders_name():
+    policy = make_policy()
+    first = candidate("first", [ME, "z0", "z1"], step=1)
+    policy.elect(first, T0)
+    assert policy.ballot is not None and policy.ballot.genesis
+    read(policy, *(voting(p, first, electorate=first.plan) for p in ("z0", "z1")))
+    assert policy.election(T0) == (Outcome.WON, first)
+    # Holders of step 3 name its plan; one record naming another is outvoted.
+    holders = [
+        other(p, step=3, digest="d3", electorate=PLAN.digest, electorate_size=PLAN.size)
+        for p in ("z0", "z1")
+    ]
+    liar = other("z2", step=3, digest="d3", electorate="f" * 32, electorate_size=1)
+    read(policy, *holders, liar)
+    assert policy.view.electorate(3, "d3") == PLAN
+
+
+def test_our_record_names_the_electorate_of_the_state_we_hold():
+    policy = at_step_3()
+    record = policy.own_record(Local(), T0)
+    assert (record.electorate, record.electorate_size) == (PLAN.digest, PLAN.size)
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(record), type=ProgressRecord)
+    assert decoded == record
+
+
+def test_a_member_that_left_after_voting_still_counts_through_its_farewell_record():
+    """Two peers take step 1; the other wins, reaches max_steps and leaves. Withdrawn, its
+    record took its vote along, and our count (1 of 2, one unseen) stalled for ever; its
+    `leaving` record keeps the vote (and signatures) while it counts as a trainer no more."""
+    policy = make_policy()
+    pair = candidate("pair", [ME, "z0"], step=1)
+    policy.elect(pair, T0)
+    read(policy)  # withdrawn
+    assert policy.election(T0)[0] is Outcome.WAITING
+    farewell = msgspec.structs.replace(voting("z0", pair, electorate=pair.plan), leaving=True)
+    read(policy, farewell)
+    assert policy.election(T0) == (Outcome.WON, pair)
+    assert policy.view.records == [] and policy.view.farewells == [farewell]
