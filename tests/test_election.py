@@ -154,3 +154,23 @@ def test_a_member_that_left_after_voting_still_counts_through_its_farewell_recor
     read(policy, farewell)
     assert policy.election(T0) == (Outcome.WON, pair)
     assert policy.view.records == [] and policy.view.farewells == [farewell]
+
+
+def test_a_genesis_needs_most_of_the_trainers_in_view():
+    """100 simulated peers: a stray gathering of 2 certified step 1 in its own plan while 98
+    certified another in theirs, and a peer took step 1 as a second state. A genesis now
+    needs the votes of more than half of the trainers in view."""
+    policy = make_policy()
+    stray = candidate("stray", [ME, "z0"], step=1)
+    policy.elect(stray, T0)
+    others = [other(f"z{i}") for i in range(1, 5)]
+    read(policy, voting("z0", stray, electorate=stray.plan), *others)
+    assert policy.election(T0)[0] is Outcome.WAITING  # 2 of 6
+    patience = policy.timing.settle_patience(policy.store_seconds)
+    assert policy.election(T0 + patience)[0] is Outcome.STALLED
+    policy.elected(Outcome.STALLED)
+    every = candidate("every", [ME, *(f"z{i}" for i in range(5))], step=1)
+    policy.elect(every, T0 + patience)
+    votes = [voting(f"z{i}", every, electorate=every.plan) for i in range(3)]
+    read(policy, *votes, *others[2:])
+    assert policy.election(T0 + patience) == (Outcome.WON, every)  # 4 of 6

@@ -494,6 +494,8 @@ class StepPolicy:
             votes.append(ballot.vote)
         if ballot.genesis:
             certified = self.rule.genesis(step, ballot.electorate, votes)
+            if certified is not None and not self._most_trainers_voted(certified, votes):
+                certified = None
         else:
             certified = self.rule.tally(step, ballot.electorate, votes)
         if certified == ballot.candidate:
@@ -503,6 +505,22 @@ class StepPolicy:
         if now - ballot.since >= self.timing.settle_patience(self.store_seconds):
             return Outcome.STALLED, None
         return Outcome.WAITING, None
+
+    def _most_trainers_voted(self, certified: Candidate, votes: list[Vote]) -> bool:
+        """A genesis candidate's voters are more than half of the trainers in view at the step
+        (or one around it). A genesis has no electorate before it that its rivals share: two
+        gatherings of the first step each certified their own at 100 simulated peers (a
+        stray group of 2 beside one of 98), and a peer took the step as a second state. Two
+        halves of one view never both win; views that differ still could (docs/SECURITY.md)."""
+        voters = {
+            v.voter for v in votes if v.candidate == certified and v.electorate == certified.plan
+        }
+        trainers = {
+            r.peer_id
+            for r in self.view.records
+            if r.role == "trainer" and abs(r.step - self.held.step) <= 1 and not r.downloading
+        }
+        return 2 * len(voters) > len(trainers | voters | {self.me})
 
     def elected(self, outcome: Outcome) -> None:
         """The election ended (`election`'s outcome). STALLED: our vote on the step is spent,
