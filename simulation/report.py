@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from simulation.collaboration import EPOCH, Attempt, Report
+from simulation.nat import Nat, Path
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,16 @@ class Summary:
     safety_violations: int
     """Peers that took a step as another state than the first peer that took it."""
     failure_reasons: list[tuple[str, int]]
+    volunteers: int
+    """Volunteers that took part (the first ones and those that joined later)."""
+    behind_nat: int
+    symmetric: int
+    connections: dict[Path, int]
+    """libp2p connections made in the whole run, by path (`simulation.nat`)."""
+    relayed_bytes: float
+    """Bytes the backbones relayed in the whole run (control traffic: relays carry no tensors)."""
+    tensor_paths: dict[Path, int]
+    """Data-plane pairs with a NATed receiving end: direct, punched, or none (relayed, failed)."""
 
 
 def summarize(report: Report) -> Summary:
@@ -106,6 +117,12 @@ def summarize(report: Report) -> Summary:
         digests_agree=report.digests_agree,
         safety_violations=len(report.violations),
         failure_reasons=sorted(reasons.items(), key=lambda kv: -kv[1])[:5],
+        volunteers=len(report.volunteers),
+        behind_nat=sum(v.nat is not Nat.PUBLIC for v in report.volunteers),
+        symmetric=sum(v.nat is Nat.SYMMETRIC for v in report.volunteers),
+        connections={path: report.nat.connections[path] for path in Path},
+        relayed_bytes=report.nat.relayed_bytes,
+        tensor_paths={path: report.nat.tensor_paths[path] for path in Path},
     )
 
 
@@ -213,5 +230,16 @@ def rows(summary: Summary) -> list[tuple[str, str]]:
         ),
         ("digests of the newest step agree", "yes" if s.digests_agree else "NO"),
         ("safety violations (a step taken as two states)", str(s.safety_violations)),
+        ("volunteers behind NAT / symmetric", f"{s.behind_nat} / {s.symmetric} of {s.volunteers}"),
+        (
+            "connections direct / hole-punched / relayed / failed (run)",
+            " / ".join(str(s.connections[path]) for path in Path),
+        ),
+        ("bytes relayed by the backbones (run)", f"{s.relayed_bytes / 1e6:.1f} MB"),
+        (
+            "data-plane pairs to NATed peers direct / punched / none (run)",
+            f"{s.tensor_paths[Path.DIRECT]} / {s.tensor_paths[Path.PUNCHED]} / "
+            f"{s.tensor_paths[Path.RELAYED] + s.tensor_paths[Path.FAILED]}",
+        ),
         *((f"  failed: {why}", str(n)) for why, n in s.failure_reasons),
     ]

@@ -1,6 +1,7 @@
 """Peers behind NAT in the simulator (`simulation.nat`): the paths the real code's connections
-take (direct, hole-punched, relayed, none), what relays carry and what they cost, and the data
-planes' rule that relays carry no tensors."""
+take (direct, hole-punched, relayed, none), what relays carry and what they cost, the data
+planes' rule that relays carry no tensors, and a collaboration whose NATed peers advertise
+what the real daemon would."""
 
 from __future__ import annotations
 
@@ -16,9 +17,11 @@ from peer.errors import DeadlineExceeded, RemoteError
 from peer.net.relay import RelayLimits
 from peer.net.rpc import RpcServer
 from peer.net.streamio import DIRECT_TIMEOUT, PUNCH_SECONDS
+from simulation.collaboration import Scenario, run_collaboration
 from simulation.dataplane import SimDataPlane, SimDataServer, SimIdentity
 from simulation.nat import CIRCUIT_ROUND_TRIPS, Nat, NatDraw, Path, path_between
 from simulation.network import MBIT, Link, SimNetwork, SimNode
+from simulation.report import summarize
 
 PEER_LINK = Link(upload=100 * MBIT, download=100 * MBIT, rtt=0.04)
 BACKBONE_LINK = Link(upload=1000 * MBIT, download=1000 * MBIT, rtt=0.02)
@@ -243,3 +246,30 @@ async def test_a_joiner_downloads_only_from_donors_it_gets_a_direct_connection_t
     # A reachable joiner gets the symmetric donor's own dial (a reversal): it downloads.
     public, symmetric = network.node(PEER_LINK), network.node(PEER_LINK, nat=SYMMETRIC)
     await plane.download(public.peer_id, [symmetric.peer_id], 1e6)
+
+
+def may_reduce(group: tuple[tuple[Nat, bool], ...]) -> list[bool]:
+    """The real planner's rule, spelled out (`peer.roles.aggregators`, `reducers`): a reachable
+    peer; a punchable one when nobody in the group is behind a symmetric NAT; everyone when
+    nobody may."""
+    symmetric = any(nat is SYMMETRIC for nat, _ in group)
+    able = [nat is PUBLIC or (nat is CONE and not symmetric) for nat, _ in group]
+    return able if any(able) else [True] * len(group)
+
+
+def test_a_collaboration_with_peers_behind_nat_trains_and_plans_only_reachable_reducers():
+    scenario = Scenario(
+        peers=6, minutes=1, warmup_minutes=1, model_bytes=4e6, target_batch=512,
+        churn_per_hour=0, seed=1, nat_share=0.5, symmetric_share=1 / 3,
+    )  # fmt: skip
+    report = run_collaboration(scenario)
+    summary = summarize(report)
+    assert (summary.behind_nat, summary.symmetric) == (3, 1)
+    assert summary.steps >= 2 and report.digests_agree and not report.violations
+    # A symmetric peer joined a punchable leader through a relay.
+    assert report.nat.connections[Path.RELAYED] >= 1 and report.nat.relayed_bytes > 0
+    assert report.nat.planned
+    for group in report.nat.planned:
+        reduces = [r for _, r in group]
+        assert all(a or not r for a, r in zip(may_reduce(group), reduces, strict=True)), group
+    assert any(nat is SYMMETRIC for group in report.nat.planned for nat, _ in group)
