@@ -218,13 +218,14 @@ class SimDataPlane:
                 wait = max(connection.direct_at, at) - now
                 if not connection.carries_tensors or wait > stall_timeout:
                     path = connection.path if not connection.carries_tensors else Path.FAILED
-                    nat.tally.tensor_paths[path] += 1
+                    nat.tally.reducer_paths[path] += 1
                     meeting.cut.setdefault(sender.peer_id, set()).add(reducer.peer_id)
                     continue
-                nat.tally.tensor_paths[
+                nat.tally.reducer_paths[
                     Path.PUNCHED if connection.direct_at > at else Path.DIRECT
                 ] += 1
                 meeting.setup[sender.peer_id] = max(meeting.setup.get(sender.peer_id, 0.0), wait)
+        nat.tally.rounds_cut += bool(meeting.cut)
         nat.tally.planned.append(
             tuple((nat.kind(self.ids[m.peer_id]), m.share > 0) for m in spec.members)
         )
@@ -264,11 +265,11 @@ class SimDataPlane:
             if connection.carries_tensors:
                 usable.append(donor)
                 waits.append(max(connection.direct_at, at) - now)
-                nat.tally.tensor_paths[
+                nat.tally.donor_paths[
                     Path.PUNCHED if connection.direct_at > at else Path.DIRECT
                 ] += 1
             else:
-                nat.tally.tensor_paths[connection.path] += 1
+                nat.tally.donor_paths[connection.path] += 1
                 settled = min(connection.settled_at, connection.ready_at + PUNCH_SECONDS)
                 failing.append(max(settled, at) - now)
         return usable, max(waits) if usable else max(failing)

@@ -68,8 +68,12 @@ class Summary:
     """libp2p connections made in the whole run, by path (`simulation.nat`)."""
     relayed_bytes: float
     """Bytes the backbones relayed in the whole run (control traffic: relays carry no tensors)."""
-    tensor_paths: dict[Path, int]
-    """Data-plane pairs with a NATed receiving end: direct, punched, or none (relayed, failed)."""
+    reducer_paths: dict[Path, int]
+    """All-reduce pairs of a sender and a NATed reducer, by path (none: relayed or failed)."""
+    rounds_cut: int
+    """All-reduce rounds that failed for a pair with no direct connection (the whole run)."""
+    donor_paths: dict[Path, int]
+    """State downloads' pairs of a joiner and a NATed donor, by path."""
 
 
 def summarize(report: Report) -> Summary:
@@ -122,7 +126,9 @@ def summarize(report: Report) -> Summary:
         symmetric=sum(v.nat is Nat.SYMMETRIC for v in report.volunteers),
         connections={path: report.nat.connections[path] for path in Path},
         relayed_bytes=report.nat.relayed_bytes,
-        tensor_paths={path: report.nat.tensor_paths[path] for path in Path},
+        reducer_paths={path: report.nat.reducer_paths[path] for path in Path},
+        rounds_cut=report.nat.rounds_cut,
+        donor_paths={path: report.nat.donor_paths[path] for path in Path},
     )
 
 
@@ -186,6 +192,12 @@ def _reason(why: str) -> str:
     return " ".join(words)[:70]
 
 
+def _by_path(paths: dict[Path, int]) -> str:
+    """Direct / punched / none (relayed or failed): data-plane pairs, by what carried them."""
+    none = paths[Path.RELAYED] + paths[Path.FAILED]
+    return f"{paths[Path.DIRECT]} / {paths[Path.PUNCHED]} / {none}"
+
+
 def _share(flags: Iterable[bool]) -> float:
     values = list(flags)
     return sum(values) / len(values) if values else 0.0
@@ -232,14 +244,14 @@ def rows(summary: Summary) -> list[tuple[str, str]]:
         ("safety violations (a step taken as two states)", str(s.safety_violations)),
         ("volunteers behind NAT / symmetric", f"{s.behind_nat} / {s.symmetric} of {s.volunteers}"),
         (
-            "connections direct / hole-punched / relayed / failed (run)",
+            "NAT, whole run: connections direct / punched / relayed / failed",
             " / ".join(str(s.connections[path]) for path in Path),
         ),
-        ("bytes relayed by the backbones (run)", f"{s.relayed_bytes / 1e6:.1f} MB"),
+        ("  bytes the backbones relayed", f"{s.relayed_bytes / 1e6:.2f} MB"),
         (
-            "data-plane pairs to NATed peers direct / punched / none (run)",
-            f"{s.tensor_paths[Path.DIRECT]} / {s.tensor_paths[Path.PUNCHED]} / "
-            f"{s.tensor_paths[Path.RELAYED] + s.tensor_paths[Path.FAILED]}",
+            "  to NATed reducers: direct / punched / none (rounds cut)",
+            f"{_by_path(s.reducer_paths)} ({s.rounds_cut})",
         ),
+        ("  to NATed state donors: direct / punched / none", _by_path(s.donor_paths)),
         *((f"  failed: {why}", str(n)) for why, n in s.failure_reasons),
     ]

@@ -206,7 +206,7 @@ async def test_senders_reach_a_punchable_reducer_after_the_punch(autojump_clock)
     reports = await run_round(plane, spec, stall_timeout=30)
     assert all(report.complete for report in reports.values())
     # Both reachable senders punched through to the NATed reducer before their bytes went.
-    assert network.nat.tally.tensor_paths == {Path.PUNCHED: 2}
+    assert network.nat.tally.reducer_paths == {Path.PUNCHED: 2}
     transfer = plane.moved(spec, spec.members[0].peer_id) / (100 * MBIT)
     assert trio.current_time() > transfer + PEER_LINK.rtt + 3 * PEER_LINK.rtt
     assert network.uplinks[network.nat.relays[0]].carried == 0  # no tensor through the relay
@@ -228,7 +228,8 @@ async def test_a_round_whose_reducers_only_a_relay_reaches_fails_at_the_stall_ti
     assert set(reports[symmetric].failed_reducers) == cones
     for cone in cones:
         assert set(reports[cone].failed_reducers) == {symmetric}
-    assert network.nat.tally.tensor_paths[Path.RELAYED] == 4
+    assert network.nat.tally.reducer_paths[Path.RELAYED] == 4
+    assert network.nat.tally.rounds_cut == 1
 
 
 async def test_a_joiner_downloads_only_from_donors_it_gets_a_direct_connection_to(
@@ -246,6 +247,7 @@ async def test_a_joiner_downloads_only_from_donors_it_gets_a_direct_connection_t
     # A reachable joiner gets the symmetric donor's own dial (a reversal): it downloads.
     public, symmetric = network.node(PEER_LINK), network.node(PEER_LINK, nat=SYMMETRIC)
     await plane.download(public.peer_id, [symmetric.peer_id], 1e6)
+    assert network.nat.tally.donor_paths == {Path.RELAYED: 1, Path.PUNCHED: 1}
 
 
 def may_reduce(group: tuple[tuple[Nat, bool], ...]) -> list[bool]:
