@@ -263,7 +263,13 @@ class NatBook:
 
     def connection(self, dialer: ID, listener: ID, now: float) -> Connection:
         """The live connection between the two, or a new one from `dialer` (counted). A
-        relayed one whose circuit is spent (its bytes or its time) is replaced."""
+        relayed one whose circuit is spent (its bytes or its time) is replaced. To a peer that
+        left: neither counted nor kept (the caller meets its departure; behind NAT, its slots
+        ended with it: no way in)."""
+        if self.gone(listener):
+            if self.kind(listener) is Nat.PUBLIC:
+                return Connection(Path.DIRECT, ready_at=now, direct_at=now)
+            return Connection(Path.FAILED)
         pair = frozenset((dialer, listener))
         connection = self._connections.get(pair)
         if connection is not None and connection.alive(now):

@@ -143,6 +143,11 @@ async def test_a_dial_to_a_nated_peer_no_relay_holds_a_slot_for_fails_at_the_dea
     assert network.nat.tally.connections == {Path.FAILED: 1}
     network.rejoin(relay.peer_id)  # back: the NATed peers reserve again
     await call(caller, callee, "hello")
+    assert network.nat.tally.connections == {Path.FAILED: 1, Path.PUNCHED: 1}
+    network.leave(callee.peer_id)  # its slot ends with it: a departure, not a NAT's doing
+    with pytest.raises(DeadlineExceeded):
+        await call(caller, callee, "hello", timeout=5)
+    assert network.nat.tally.connections == {Path.FAILED: 1, Path.PUNCHED: 1}
 
 
 async def test_a_circuit_that_spent_its_bytes_is_replaced_by_a_new_one(autojump_clock):
