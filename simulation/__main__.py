@@ -1,6 +1,7 @@
 """Simulate collaborations of N volunteers on trio's virtual clock and print their figures.
 
     .venv/bin/python -m simulation --peers 100 300 [--minutes 30] [--warmup 3] [--churn 0.1]
+        [--nat 0.5 --symmetric 0.33]
 
 Every peer runs the real DHT, matchmaking, Moshpit plan and step policy over a simulated
 network (`simulation.network`); see `simulation/collaboration.py` for what is simulated.
@@ -28,6 +29,10 @@ def main() -> None:
     parser.add_argument("--model-mb", type=float, default=4 * 17.7, help="gradient MB on the wire")
     parser.add_argument("--target-batch", type=int, default=4096)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--nat", type=float, default=0.0, help="share of volunteers behind NAT")
+    parser.add_argument(
+        "--symmetric", type=float, default=0.0, help="share of those behind a symmetric NAT"
+    )
     parser.add_argument("--log-level", default="error")
     args = parser.parse_args()
     if os.environ.get("PYTHONHASHSEED") != "0":
@@ -49,6 +54,8 @@ def main() -> None:
             model_bytes=args.model_mb * 1e6,
             target_batch=args.target_batch,
             seed=args.seed,
+            nat_share=args.nat,
+            symmetric_share=args.symmetric,
         )
         report = run_collaboration(scenario)
         summary = summarize(report)

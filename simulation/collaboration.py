@@ -8,6 +8,11 @@ bytes. Deadlines that the code derives from a vector's size and a link's bandwid
 bandwidths divided by `Collaboration.factor` (model bytes / vector bytes): every such deadline
 comes out as it would for the real model on the real link.
 
+A share of the volunteers can be behind NAT (`Scenario.nat_share`, `symmetric_share`;
+`simulation.nat`): each advertises what the real daemon would once a backbone's dial-back
+judged it (`Capabilities.reachable`, `punchable`), stays a DHT client, and is reached through
+the backbones' relays and hole punches.
+
 Run it with `python -m simulation` (`simulation/__main__.py`); `run_collaboration` is the API
 the tests use.
 """
@@ -50,6 +55,7 @@ from peer.training.trainer import Trainer
 from simulation import cpu
 from simulation.dataplane import SimDataPlane, SimDataServer, SimIdentity, simulated
 from simulation.determinism import deterministic_trio
+from simulation.nat import Nat, NatDraw, NatTally
 from simulation.network import (
     MBIT,
     Link,
@@ -96,6 +102,10 @@ class Scenario:
     links: LinkDistribution = field(default_factory=LinkDistribution)
     noise: ComputeNoise = field(default_factory=ComputeNoise)
     """How each volunteer's speed varies over time: jitter, slow spells, pauses."""
+    nat_share: float = 0.0
+    """The share of the volunteers behind NAT (the backbones never are)."""
+    symmetric_share: float = 0.0
+    """Of those, the share behind a symmetric NAT (client-only); the rest can be punched."""
 
 
 @dataclass
@@ -131,6 +141,7 @@ class Volunteer:
     late: bool
     """It joined after the start (a replacement for one that left)."""
     trainer: Trainer
+    nat: Nat = Nat.PUBLIC
     left_at: float | None = None
     step_at_end: int = 0
 
@@ -170,6 +181,9 @@ class Report:
     """How the trainers' candidates fared (`Trainer._elect`: won, lost, stalled)."""
     election_seconds: float
     """Mean seconds a trainer waited for its candidate's election."""
+    nat: NatTally
+    """Connections by path, relayed bytes, data-plane pairs and planned reducers behind NAT
+    (the whole run)."""
 
 
 def _config(scenario: Scenario, factor: float) -> PeerConfig:
@@ -191,6 +205,8 @@ class Collaboration:
         self.scenario = scenario
         self.rng = random.Random(scenario.seed)
         self.network = SimNetwork(self.rng)
+        # Its own draws: a run without NAT draws the same links and keys as before.
+        self.nats = NatDraw(scenario.nat_share, scenario.symmetric_share, seed=scenario.seed)
         self.plane = SimDataPlane(self.network, model_bytes=scenario.model_bytes)
         self.factor = scenario.model_bytes / (VECTOR * 4)
         self.config = _config(scenario, self.factor)
@@ -246,6 +262,7 @@ class Collaboration:
             )
             await nursery.start(self._run_backbone, node)
             self.backbones.append(node)
+        self.network.nat.set_relays([b.peer_id for b in self.backbones])
 
     async def _run_backbone(
         self, node: SimNode, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
@@ -311,12 +328,14 @@ class Collaboration:
             download_bps=down,
             issued_at=self.clock(),
         )
+        nat = self.network.nat.kind(node.peer_id)
         return Capabilities(
             samples_per_s=speed,
             upload_bps=up,
             download_bps=down,
             rtt_s=link.rtt,
-            reachable=True,
+            reachable=nat is Nat.PUBLIC,  # the dial-back's verdict
+            punchable=nat is Nat.CONE,
             device="sim",
             free_memory_bytes=0,
             measured_at=self.clock(),
@@ -331,12 +350,15 @@ class Collaboration:
     ) -> None:
         """One volunteer, from its join until it leaves (`_leave`: its scope cancelled)."""
         scenario = self.scenario
-        node = self.network.node(scenario.links.draw(self.rng))
+        nat = self.nats.next()
+        node = self.network.node(scenario.links.draw(self.rng), nat=nat)
         me = node.peer_id.to_base58()
         cpu.CURRENT.set(self.network.cpus[node.peer_id])  # this task's and its children's checks
         self.plane.register(node.peer_id)
         speed = log_uniform(self.rng, *scenario.samples_per_second)
         dht = self._dht(node)
+        if nat is not Nat.PUBLIC:  # a DHT client, as `peer.daemon` keeps one no backbone reached
+            dht.announcing = lambda: False
         certificate, _ = tls._build_certificate(
             node.identity.key_pair.private_key, seed=self.rng.getrandbits(256)
         )
@@ -383,7 +405,7 @@ class Collaboration:
         dht.seeds = [(b.peer_id, b.announce[0]) for b in self.backbones]
         await dht.bootstrap(dht.seeds)
         self.trainers[me] = trainer
-        volunteer = Volunteer(joined_at=trio.current_time(), late=late, trainer=trainer)
+        volunteer = Volunteer(joined_at=trio.current_time(), late=late, trainer=trainer, nat=nat)
         self.volunteers.append(volunteer)
         task_status.started()
         try:
@@ -523,11 +545,15 @@ class Collaboration:
 def ideal_step_seconds(scenario: Scenario, collaboration: Collaboration) -> float:
     """DeDLOC's ideal step for the trainers alive at the end: the role solver's optimum
     (`peer.roles.assign_roles`: who computes, one all-reduce with bandwidth-optimal shares,
-    no gathering, no groups, nobody leaving), each at its mean speed over spells and pauses."""
+    no gathering, no groups, nobody leaving), each at its mean speed over spells and pauses.
+    Only reachable peers aggregate, unless none is (then all: `reducers`' fallback)."""
     peers = []
     slowdown = scenario.noise.mean_slowdown()  # the speeds as a measurement over time sees them
-    for me, trainer in collaboration.trainers.items():
-        link = collaboration.network.links[trainer.dht.node.peer_id]
+    nat = collaboration.network.nat
+    alive = [(me, t, t.dht.node.peer_id) for me, t in collaboration.trainers.items()]
+    anyone = any(nat.kind(peer_id) is Nat.PUBLIC for _, _, peer_id in alive)
+    for me, trainer, peer_id in alive:
+        link = collaboration.network.links[peer_id]
         worker = trainer.worker
         assert isinstance(worker, SimWorker)
         peers.append(
@@ -536,7 +562,7 @@ def ideal_step_seconds(scenario: Scenario, collaboration: Collaboration) -> floa
                 samples_per_s=worker.samples_per_second / slowdown,
                 upload_bps=link.upload,
                 download_bps=link.download,
-                reachable=True,
+                reachable=nat.kind(peer_id) is Nat.PUBLIC or not anyone,
             )
         )
     best = assign_roles(
@@ -581,4 +607,5 @@ def run_collaboration(scenario: Scenario) -> Report:
         elections=sum((t.tally.elections for t in everyone), Counter()),
         election_seconds=sum(t.tally.election_seconds for t in everyone)
         / max(1, sum(sum(t.tally.elections.values()) for t in everyone)),
+        nat=collaboration.network.nat.tally,
     )

@@ -10,6 +10,16 @@ the weighted mean of the computing members' values, added in the order the real 
 them ((block, peer id)). A member that never arrives, or that leaves before the round ends,
 fails the round for everyone in it, as a dead reducer does (reported as a dropped sender and a
 failed reducer), which is what the averager's retry and refusal logic reads.
+
+Behind NAT (`simulation.nat`): relays carry no tensors. A sender reaches a reducer behind NAT
+over their libp2p connection once it is direct: at once on a live direct one, after the hole
+punch on a new one (and, first, the direct dial's `DIRECT_TIMEOUT` where the reducer gave a
+data address nothing answers at: a symmetric NAT); a pair with no direct connection, or one
+not made within the stall timeout, is cut. A round with a cut pair fails after the stall
+timeout as the real one does: the sender names the reducer it could not reach, everyone else
+the sender whose contribution that reducer's part lacks (the rest of the bytes are carried as
+if it had not failed). A joiner reaches donors behind NAT the same way; those with no direct
+connection serve none of the download.
 """
 
 from __future__ import annotations
@@ -27,9 +37,13 @@ from peer.averaging import averager as averager_module
 from peer.averaging.allreduce import RoundReport, RoundSpec
 from peer.averaging.reduce import ChunkResult
 from peer.errors import RemoteError
+from peer.net.streamio import DIRECT_TIMEOUT, PUNCH_SECONDS
 from peer.roles.model import bytes_per_round
 from simulation.links import carry, carry_parts
+from simulation.nat import Nat, Path
 from simulation.network import SimNetwork
+
+NO_PATH = "no direct connection, only relayed: relays carry no tensors"
 
 T = TypeVar("T")
 
@@ -44,6 +58,11 @@ class _Meeting:
     settled: trio.Event = field(default_factory=trio.Event)
     """Every member's bytes carried, or one stopped half-way (it left, or its deadline)."""
     returned: int = 0
+    met_at: float = 0.0
+    setup: dict[str, float] = field(default_factory=dict)
+    """Seconds each member waits for its connections to reducers behind NAT."""
+    cut: dict[str, set[str]] = field(default_factory=dict)
+    """Sender -> the reducers it has no direct connection to."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +132,8 @@ class SimDataPlane:
         computing = tuple(m.peer_id for m in spec.members if m.computes)
         if all(m in meeting.arrived for m in members) and meeting.average is None:
             meeting.average = _weighted_mean(spec, meeting.arrived)
+            meeting.met_at = trio.current_time()
+            self._connect(spec, meeting, stall_timeout)
             meeting.everyone.set()
         started = trio.current_time()
         finished = False
@@ -120,6 +141,8 @@ class SimDataPlane:
         try:
             with trio.move_on_after(max(0.0, deadline - trio.current_time())):
                 await meeting.everyone.wait()
+                if meeting.setup.get(me, 0.0) > 0:  # no checkpoint without NAT: as before
+                    await trio.sleep(meeting.setup[me])
                 try:  # our parts up and the reduced parts down, sharing our links
                     await carry(
                         self.moved(spec, me), network.uplinks[ours], network.downlinks[ours]
@@ -132,6 +155,8 @@ class SimDataPlane:
                     meeting.settled.set()
                 await meeting.settled.wait()
                 await trio.sleep(max(network.links[self.ids[m]].rtt for m in members))
+                if meeting.cut:  # the reducers wait out the senders that never came
+                    await trio.sleep_until(max(trio.current_time(), meeting.met_at + stall_timeout))
                 finished = True
         finally:
             # Forgotten once everyone who came is done: one who comes later meets nobody.
@@ -152,6 +177,16 @@ class SimDataPlane:
                 failed_reducers=dict(failed),
                 seconds=trio.current_time() - started,
             )
+        if meeting.cut:
+            unreached = meeting.cut.get(me, set())
+            lacking = set() if unreached else set(meeting.cut)  # senders missing from a part
+            return RoundReport(
+                chunks=[ChunkResult(0, spec.size, 0)],
+                computing=computing,
+                dropped_senders=dict.fromkeys(sorted(lacking), NO_PATH),
+                failed_reducers=dict.fromkeys(sorted(unreached), NO_PATH),
+                seconds=trio.current_time() - started,
+            )
         assert meeting.average is not None
         vector[:] = meeting.average
         index = members.index(me)
@@ -163,19 +198,81 @@ class SimDataPlane:
             seconds=trio.current_time() - started,
         )
 
+    def _connect(self, spec: RoundSpec, meeting: _Meeting, stall_timeout: float) -> None:
+        """Each sender's connections to the reducers behind NAT (module doc): how long it
+        waits for them (`meeting.setup`), and the pairs cut (`meeting.cut`)."""
+        nat, now = self.network.nat, trio.current_time()
+        reducers = [m for m in spec.members if m.share > 0]
+        meeting.setup, meeting.cut = {}, {}
+        for sender in spec.members:
+            if not sender.computes:
+                continue
+            for reducer in reducers:
+                if reducer.peer_id == sender.peer_id:
+                    continue
+                ours, theirs = self.ids[sender.peer_id], self.ids[reducer.peer_id]
+                if nat.kind(theirs) is Nat.PUBLIC:
+                    continue  # TLS to its data address
+                at = now + (DIRECT_TIMEOUT if reducer.has_data_address else 0.0)
+                connection = nat.connection(ours, theirs, at)
+                wait = max(connection.direct_at, at) - now
+                if not connection.carries_tensors or wait > stall_timeout:
+                    path = connection.path if not connection.carries_tensors else Path.FAILED
+                    nat.tally.reducer_paths[path] += 1
+                    meeting.cut.setdefault(sender.peer_id, set()).add(reducer.peer_id)
+                    continue
+                nat.tally.reducer_paths[
+                    Path.PUNCHED if connection.direct_at > at else Path.DIRECT
+                ] += 1
+                meeting.setup[sender.peer_id] = max(meeting.setup.get(sender.peer_id, 0.0), wait)
+        nat.tally.rounds_cut += bool(meeting.cut)
+        nat.tally.planned.append(
+            tuple((nat.kind(self.ids[m.peer_id]), m.share > 0) for m in spec.members)
+        )
+
     async def download(self, joiner: ID, donors: list[ID], size: float) -> None:
         """Wait while `size` bytes come from `donors` (in parallel) to `joiner`; RemoteError
-        if every donor has left by then."""
+        if every donor has left by then, or none has a direct connection to it (NAT)."""
         alive = [d for d in donors if d not in self.network.gone]
         if not alive:
             raise RemoteError("every donor has left")
         network = self.network
+        alive, setup = self._reach_donors(joiner, alive)
+        if not alive:
+            await trio.sleep(setup)
+            raise RemoteError(f"no state donor reachable: {NO_PATH}")
+        if setup > 0:
+            await trio.sleep(setup)
         await trio.sleep(max(network.links[d].rtt for d in alive) * 2)  # asking, first bytes
         # The joiner's downlink carries it all, each donor's uplink its part, all shared.
         parts = [(network.uplinks[d], size / len(alive)) for d in alive]
         await carry_parts([(network.downlinks[joiner], size), *parts])
         if all(d in self.network.gone for d in alive):
             raise RemoteError("the donors left during the download")
+
+    def _reach_donors(self, joiner: ID, donors: list[ID]) -> tuple[list[ID], float]:
+        """The donors `joiner` gets a direct connection to, and the seconds until the last
+        of them is up; with none, the seconds until it knows (its data address first, then
+        the punch, at most `PUNCH_SECONDS`)."""
+        nat, now = self.network.nat, trio.current_time()
+        usable, waits, failing = [], [0.0], [0.0]
+        for donor in donors:
+            if nat.kind(donor) is Nat.PUBLIC:
+                usable.append(donor)
+                continue
+            at = now + DIRECT_TIMEOUT  # its data address answers nothing
+            connection = nat.connection(joiner, donor, at)
+            if connection.carries_tensors:
+                usable.append(donor)
+                waits.append(max(connection.direct_at, at) - now)
+                nat.tally.donor_paths[
+                    Path.PUNCHED if connection.direct_at > at else Path.DIRECT
+                ] += 1
+            else:
+                nat.tally.donor_paths[connection.path] += 1
+                settled = min(connection.settled_at, connection.ready_at + PUNCH_SECONDS)
+                failing.append(max(settled, at) - now)
+        return usable, max(waits) if usable else max(failing)
 
 
 def _weighted_mean(spec: RoundSpec, values: dict[str, np.ndarray]) -> np.ndarray:

@@ -17,6 +17,12 @@ tickets, progress records, and the bulk transfers `dataplane` times on the same 
 A peer that left (`leave`) answers nothing: a call to it fails after the latency if it left
 gracefully (its connections closed, as a stopped daemon's do) or at the caller's deadline if it
 vanished (a laptop closed, a network gone).
+
+Peers behind NAT (`nat`): a call first gets a connection (`reach`): a live one at once, a new
+one through a relay after the circuit's setup, none (no relay holds a slot for the callee)
+until the caller's deadline; while a connection runs through a relay, its messages take the
+latency to the relay and on, and their bytes are carried on the relay's downlink and uplink
+too (`send`). A direct connection costs nothing to open, as always here.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from peer.net.rpc import RpcServer, protocol_id
 from simulation import cpu as cpu_module
 from simulation.cpu import SimCpu
 from simulation.links import SharedLink, carry
+from simulation.nat import Nat, NatBook, Path
 
 T = TypeVar("T")
 
@@ -105,9 +112,12 @@ class SimNetwork:
         self.servers: dict[tuple[ID, str], RpcServer] = {}
         self.gone: dict[ID, bool] = {}  # peer -> left silently
         self.traffic = Traffic()
+        self.nat = NatBook(round_trip=self.round_trip, gone=self.gone.__contains__)
         self._addresses = itertools.count(1)
 
-    def node(self, link: Link, identity: Identity | None = None) -> SimNode:
+    def node(
+        self, link: Link, identity: Identity | None = None, *, nat: Nat = Nat.PUBLIC
+    ) -> SimNode:
         if identity is None:  # drawn from the run's seed: the same peer ids every run
             key_pair = create_new_key_pair(self.rng.randbytes(32))
             identity = Identity(
@@ -117,29 +127,58 @@ class SimNetwork:
         self.uplinks[identity.peer_id] = SharedLink(link.upload)
         self.downlinks[identity.peer_id] = SharedLink(link.download)
         self.cpus[identity.peer_id] = SimCpu()
+        self.nat.add(identity.peer_id, nat)
         number = next(self._addresses)
         host = f"10.{number >> 16 & 255}.{number >> 8 & 255}.{number & 255}"
         return SimNode(self, identity, host)
 
     def leave(self, peer_id: ID) -> None:
         self.gone[peer_id] = self.rng.random() < self.silent_departures
+        self.nat.forget(peer_id, trio.current_time())
         for key in [k for k in self.servers if k[0] == peer_id]:
             del self.servers[key]
 
     def rejoin(self, peer_id: ID) -> None:
         """A peer that left comes back with the same identity and link (a restart): its
-        services register again as it starts them."""
+        services register again as it starts them (a relay: its reservations too)."""
         self.gone.pop(peer_id, None)
+        self.nat.rejoin(peer_id)
 
     def latency(self, a: ID, b: ID) -> float:
         """Seconds a message takes from `a` to `b` before its bytes: the one-way delay."""
         return (self.links[a].rtt + self.links[b].rtt) / 4
 
+    def round_trip(self, a: ID, b: ID) -> float:
+        return 2 * self.latency(a, b)
+
+    async def reach(self, a: ID, b: ID) -> None:
+        """Until `a` holds a connection to `b` that carries bytes: at once on a live or direct
+        one (no checkpoint: runs without NAT schedule as before), after a new circuit's setup,
+        never where no relay holds a slot for `b` (its router drops the direct SYN: the
+        caller's deadline ends the wait)."""
+        connection = self.nat.connection(a, b, trio.current_time())
+        if connection.path is Path.FAILED:
+            await trio.sleep_forever()
+        if connection.ready_at > trio.current_time():
+            await trio.sleep_until(connection.ready_at)
+
     async def send(self, a: ID, b: ID, size: int) -> None:
         """A message of `size` bytes from `a` to `b`: the delay, then its bytes on `a`'s
-        uplink and `b`'s downlink, shared with whatever else they carry."""
-        await trio.sleep(self.latency(a, b))
-        await carry(size, self.uplinks[a], self.downlinks[b])
+        uplink and `b`'s downlink, shared with whatever else they carry; through a relay
+        while their connection runs through one (`nat`), on the relay's links too."""
+        connection = self.nat.live(a, b, trio.current_time())
+        relay = connection.relay_at(trio.current_time()) if connection is not None else None
+        if relay is None:
+            await trio.sleep(self.latency(a, b))
+            await carry(size, self.uplinks[a], self.downlinks[b])
+            return
+        assert connection is not None
+        connection.relayed_bytes += size
+        self.nat.tally.relayed_bytes += size
+        await trio.sleep(self.latency(a, relay) + self.latency(relay, b))
+        await carry(
+            size, self.uplinks[a], self.downlinks[relay], self.uplinks[relay], self.downlinks[b]
+        )
 
 
 class SimHost:
@@ -196,6 +235,7 @@ class SimRpc:
         if callee not in network.links:
             raise Unreachable(f"{service}.{method} to {callee}: no such peer")
         await network.cpus[caller].pay()  # what our checks cost goes before what we send
+        await network.reach(caller, callee)
         await network.send(caller, callee, len(body))
         server = network.servers.get((callee, protocol_id(service)))
         if server is None:
@@ -257,6 +297,7 @@ class SimNode:
         if peer_id not in self.network.links:
             raise Unreachable(f"no peer {peer_id}")
         with trio.move_on_after(timeout):
+            await self.network.reach(self.peer_id, peer_id)
             await trio.sleep(self.network.latency(self.peer_id, peer_id) * 2)
             if peer_id in self.network.gone:
                 raise Unreachable(f"{peer_id} left")
@@ -264,4 +305,5 @@ class SimNode:
         raise DeadlineExceeded(f"connecting to {peer_id} took over {timeout:.3g}s")
 
     async def disconnect(self, peer_id: ID) -> None:
-        pass
+        """The connection closes (behind NAT, the next call may need a relay again)."""
+        self.network.nat.drop(self.peer_id, peer_id)

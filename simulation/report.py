@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from simulation.collaboration import EPOCH, Attempt, Report
+from simulation.nat import Nat, Path
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,20 @@ class Summary:
     failure_reasons: list[tuple[str, int]]
     elections: dict[str, int]
     election_seconds: float
+    volunteers: int
+    """Volunteers that took part (the first ones and those that joined later)."""
+    behind_nat: int
+    symmetric: int
+    connections: dict[Path, int]
+    """libp2p connections made in the whole run, by path (`simulation.nat`)."""
+    relayed_bytes: float
+    """Bytes the backbones relayed in the whole run (control traffic: relays carry no tensors)."""
+    reducer_paths: dict[Path, int]
+    """All-reduce pairs of a sender and a NATed reducer, by path (none: relayed or failed)."""
+    rounds_cut: int
+    """All-reduce rounds that failed for a pair with no direct connection (the whole run)."""
+    donor_paths: dict[Path, int]
+    """State downloads' pairs of a joiner and a NATed donor, by path."""
 
 
 def summarize(report: Report) -> Summary:
@@ -110,6 +125,14 @@ def summarize(report: Report) -> Summary:
         failure_reasons=sorted(reasons.items(), key=lambda kv: -kv[1])[:5],
         elections=dict(report.elections),
         election_seconds=report.election_seconds,
+        volunteers=len(report.volunteers),
+        behind_nat=sum(v.nat is not Nat.PUBLIC for v in report.volunteers),
+        symmetric=sum(v.nat is Nat.SYMMETRIC for v in report.volunteers),
+        connections={path: report.nat.connections[path] for path in Path},
+        relayed_bytes=report.nat.relayed_bytes,
+        reducer_paths={path: report.nat.reducer_paths[path] for path in Path},
+        rounds_cut=report.nat.rounds_cut,
+        donor_paths={path: report.nat.donor_paths[path] for path in Path},
     )
 
 
@@ -173,6 +196,12 @@ def _reason(why: str) -> str:
     return " ".join(words)[:70]
 
 
+def _by_path(paths: dict[Path, int]) -> str:
+    """Direct / punched / none (relayed or failed): data-plane pairs, by what carried them."""
+    none = paths[Path.RELAYED] + paths[Path.FAILED]
+    return f"{paths[Path.DIRECT]} / {paths[Path.PUNCHED]} / {none}"
+
+
 def _share(flags: Iterable[bool]) -> float:
     values = list(flags)
     return sum(values) / len(values) if values else 0.0
@@ -222,5 +251,16 @@ def rows(summary: Summary) -> list[tuple[str, str]]:
         ),
         ("digests of the newest step agree", "yes" if s.digests_agree else "NO"),
         ("safety violations (a step taken as two states)", str(s.safety_violations)),
+        ("volunteers behind NAT / symmetric", f"{s.behind_nat} / {s.symmetric} of {s.volunteers}"),
+        (
+            "NAT, whole run: connections direct / punched / relayed / failed",
+            " / ".join(str(s.connections[path]) for path in Path),
+        ),
+        ("  bytes the backbones relayed", f"{s.relayed_bytes / 1e6:.2f} MB"),
+        (
+            "  to NATed reducers: direct / punched / none (rounds cut)",
+            f"{_by_path(s.reducer_paths)} ({s.rounds_cut})",
+        ),
+        ("  to NATed state donors: direct / punched / none", _by_path(s.donor_paths)),
         *((f"  failed: {why}", str(n)) for why, n in s.failure_reasons),
     ]

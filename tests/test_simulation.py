@@ -24,6 +24,7 @@ from simulation.collaboration import EPOCH, Attempt, Scenario, run_collaboration
 from simulation.cpu import VERIFY_SECONDS, charged
 from simulation.dataplane import SimDataPlane, SimDataServer, SimIdentity
 from simulation.links import SharedLink, carry
+from simulation.nat import NatTally
 from simulation.network import MBIT, Link, SimNetwork, Traffic
 from simulation.report import rounds_of, summarize
 from simulation.safety import SafetyCheck
@@ -257,7 +258,7 @@ def test_rounds_cut_by_the_end_count_neither_way():
             dht_seconds={"store": [], "get": []}, views=[], traffic=Traffic(), wall_seconds=1.0,
             steps=1, ideal_step_seconds=1.0, departures=0, arrivals=0, downloads=0,
             digests_agree=True, violations=[], backbone_failures=0, elections=Counter(),
-            election_seconds=0.0,
+            election_seconds=0.0, volunteers=[], nat=NatTally(),
         )  # fmt: skip
 
     summary = summarize(report(frozenset()))  # type: ignore[arg-type]

@@ -1,0 +1,160 @@
+"""Regenerate docs/scale.md's figures from the code as it is, with one command:
+
+    .venv/bin/python -m simulation.scale [--peers 100 300 1000] [--minutes 10] [--jobs 2]
+
+It runs the scale matrix of issue 46 (`MATRIX`: 100 and 300 peers at 50 %/hour churn, 1,000
+at 10 %/hour; a 4 MB and DeDLOC's 70.8 MB gradient; half the peers behind NAT, a third of
+those symmetric; DeDLOC's volunteer links, the simulator's defaults), each run in a process of
+its own, and writes the table between the markers of docs/scale.md (`BEGIN`, `END`), headed
+by the commit it ran at (with "+changes" where the simulated code differs from it), the date,
+the command and each run's wall time. A run that breaks safety (two states of one step) is
+printed and makes the command exit non-zero; the table is written all the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime
+import multiprocessing
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from simulation.collaboration import Scenario, run_collaboration
+from simulation.report import Summary, rows, summarize
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "scale.md"
+BEGIN = "<!-- simulation.scale: begin (generated, do not edit) -->"
+END = "<!-- simulation.scale: end -->"
+ALBERT_MB = 4 * 17.7
+"""ALBERT-large's gradient in float32, what DeDLOC's volunteers averaged."""
+
+
+@dataclass(frozen=True)
+class Column:
+    peers: int
+    churn_per_hour: float
+    model_mb: float
+
+    @property
+    def title(self) -> str:
+        return f"{self.peers:,} peers, {self.churn_per_hour:.0%}/h, {self.model_mb:g} MB"
+
+
+MATRIX = [
+    Column(peers, churn, mb)
+    for mb in (4.0, ALBERT_MB)
+    for peers, churn in ((100, 0.5), (300, 0.5), (1000, 0.1))
+]
+NAT_SHARE = 0.5
+SYMMETRIC_SHARE = 1 / 3
+
+
+def scenario(column: Column, *, minutes: float, warmup: float, seed: int) -> Scenario:
+    return Scenario(
+        peers=column.peers,
+        minutes=minutes,
+        warmup_minutes=warmup,
+        churn_per_hour=column.churn_per_hour,
+        model_bytes=column.model_mb * 1e6,
+        seed=seed,
+        nat_share=NAT_SHARE,
+        symmetric_share=SYMMETRIC_SHARE,
+    )
+
+
+def _run(job: Scenario) -> tuple[Summary, list[str]]:
+    report = run_collaboration(job)
+    return summarize(report), [str(v) for v in report.violations[:5]]
+
+
+def commit() -> str:
+    """The commit the run is at; "+changes" where the code it simulates is not committed."""
+    root = DOC.parent.parent
+    head = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--", "peer", "simulation"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    return f"{head or 'unknown'}{'+changes' if dirty else ''}"
+
+
+def table(columns: list[Column], summaries: list[Summary]) -> list[str]:
+    names = [name for name, _ in rows(summaries[0])]
+    lines = [
+        "| | " + " | ".join(c.title for c in columns) + " |",
+        "| --- |" + " --- |" * len(columns),
+    ]
+    by_column = [dict(rows(s)) for s in summaries]
+    for name in names:
+        lines.append(f"| {name} | " + " | ".join(v.get(name, "") for v in by_column) + " |")
+    return lines
+
+
+def write(doc: Path, section: list[str]) -> None:
+    """`section` between the markers of `doc` (appended, with the markers, if it has none)."""
+    text = doc.read_text() if doc.exists() else ""
+    block = "\n".join([BEGIN, *section, END])
+    if BEGIN in text and END in text:
+        before, rest = text.split(BEGIN, 1)
+        _, after = rest.split(END, 1)
+        text = before + block + after
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    doc.write_text(text)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m simulation.scale", description=__doc__)
+    parser.add_argument("--peers", type=int, nargs="+", default=[100, 300, 1000])
+    parser.add_argument("--models", type=float, nargs="+", default=[4.0, ALBERT_MB])
+    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--warmup", type=float, default=3.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 1)))
+    parser.add_argument("--doc", type=Path, default=DOC)
+    args = parser.parse_args()
+    if os.environ.get("PYTHONHASHSEED") != "0":  # the same seed, the same run (determinism)
+        os.execve(
+            sys.executable,
+            [sys.executable, "-m", "simulation.scale", *sys.argv[1:]],
+            {**os.environ, "PYTHONHASHSEED": "0"},
+        )
+    columns = [c for c in MATRIX if c.peers in args.peers and c.model_mb in args.models]
+    if not columns:
+        sys.exit(f"no column of the matrix has --peers {args.peers} and --models {args.models}")
+    at, started = commit(), datetime.datetime.now(datetime.UTC)
+    jobs = [scenario(c, minutes=args.minutes, warmup=args.warmup, seed=args.seed) for c in columns]
+    context = multiprocessing.get_context("fork")
+    with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=context) as pool:
+        results = list(pool.map(_run, jobs))
+    summaries = [s for s, _ in results]
+    command = "python -m simulation.scale " + " ".join(sys.argv[1:])
+    section = [
+        f"{started:%Y-%m-%d}, at {at}: `{command.strip()}` (seed {args.seed}; "
+        f"{args.minutes:g} virtual minutes measured after {args.warmup:g} of warm-up; "
+        f"{NAT_SHARE:.0%} of the peers behind NAT, {SYMMETRIC_SHARE:.0%} of those symmetric; "
+        f"{args.jobs} runs at a time on {os.cpu_count()} cores).",
+        "",
+        *table(columns, summaries),
+    ]
+    write(args.doc, section)
+    print("\n".join(section))
+    broken = [
+        (c, v) for c, (_, violations) in zip(columns, results, strict=True) for v in violations
+    ]
+    for column, violation in broken:
+        print(f"SAFETY VIOLATION ({column.title}): {violation}")
+    if broken:
+        sys.exit("the simulation broke safety: two peers took one step as different states")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""`python -m simulation.scale`: the figures of docs/scale.md written from runs of the code as
+it is, between their markers, under the commit they ran at."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from simulation import scale
+from simulation.scale import BEGIN, END, MATRIX, Column, table, write
+from tests.test_simulation import small
+
+
+def test_the_matrix_is_the_issues_100_300_and_1000_peers_at_their_churn_for_both_models():
+    assert {(c.peers, c.churn_per_hour) for c in MATRIX} == {(100, 0.5), (300, 0.5), (1000, 0.1)}
+    assert {c.model_mb for c in MATRIX} == {4.0, scale.ALBERT_MB}
+    job = scale.scenario(MATRIX[0], minutes=10, warmup=3, seed=0)
+    assert (job.nat_share, job.symmetric_share) == (0.5, 1 / 3)
+
+
+def test_the_table_replaces_only_what_is_between_its_markers(tmp_path: Path):
+    doc = tmp_path / "scale.md"
+    doc.write_text("# Scale\n\nprose before\n")
+    write(doc, ["first"])
+    assert doc.read_text() == f"# Scale\n\nprose before\n\n{BEGIN}\nfirst\n{END}\n"
+    doc.write_text(doc.read_text() + "\nprose after\n")
+    write(doc, ["second", "| a |"])
+    assert doc.read_text() == (
+        f"# Scale\n\nprose before\n\n{BEGIN}\nsecond\n| a |\n{END}\n\nprose after\n"
+    )
+
+
+def test_a_runs_figures_become_a_column_of_the_table():
+    summary, violations = scale._run(small(peers=3, minutes=0.5, churn_per_hour=0, seed=2))
+    assert violations == []
+    column = Column(3, 0.0, 4.0)
+    lines = table([column, column], [summary, summary])
+    assert lines[0] == f"| | {column.title} | {column.title} |"
+    steps = next(line for line in lines if line.startswith("| steps (per hour / ideal)"))
+    assert steps.count(f"{summary.steps} (") == 2
+    assert any(line.startswith("| safety violations") and "| 0 | 0 |" in line for line in lines)
+
+
+def test_the_commit_names_uncommitted_changes_to_the_simulated_code(monkeypatch, tmp_path):
+    calls: list[list[str]] = []
+
+    def run(args, **kwargs):
+        calls.append(args)
+        out = "abc1234\n" if "rev-parse" in args else " M peer/training/policy.py\n"
+        return type("Done", (), {"stdout": out})()
+
+    monkeypatch.setattr(scale.subprocess, "run", run)
+    assert scale.commit() == "abc1234+changes"
+    assert calls[1][-2:] == ["peer", "simulation"]
