@@ -1,11 +1,12 @@
 """The DHT over real libp2p on loopback: 16 server nodes in one process, a hand-moved clock;
-and the attacks of issue 16 on it (flooding a key, pinning reply memory, filling a node,
-replies full of bad signatures)."""
+the attacks of issue 16 on it (flooding a key, pinning reply memory, filling a node, replies
+full of bad signatures); and, on the simulated network, nodes that leave."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -22,9 +23,11 @@ from peer.dht import protocol as dht
 from peer.dht import records
 from peer.dht.node import DHT, REJOIN_ATTEMPTS
 from peer.dht.records import Entry, make_entry
+from peer.dht.routing import node_id
 from peer.errors import RpcError, Unreachable
 from peer.net.framing import encode_frame
 from peer.net.rpc import Request, RpcServer, protocol_id
+from simulation.network import MBIT, Link, SimNetwork
 from tests.helpers import FakeClock, nodes, swarm
 
 CONFIG = dataclasses.replace(
@@ -626,3 +629,70 @@ async def test_a_node_that_does_not_announce_itself_stores_on_every_replica():
             await hidden.store(key, "x", b"v", expiration=clock.now + 60)
             held = sum(bool(d.records.get(key, now=clock.now)) for d in s.dhts[1:])
             assert held == CONFIG.replicas, key
+
+
+# ---------------------------------------------------------------------------- departed nodes
+# On the simulated network (`simulation.network`) and trio's virtual clock: a node that left
+# silently answers nothing until the caller's deadline, and the test waits no real time.
+
+SIM_LINK = Link(upload=100 * MBIT, download=100 * MBIT, rtt=0.05)
+
+
+async def simulated_swarm(count: int) -> tuple[SimNetwork, list[DHT]]:
+    """`count` DHT server nodes on a simulated network whose departures are all silent, joined
+    through the first and each looked itself up once."""
+    network = SimNetwork(random.Random(0), silent_departures=1.0)
+    dhts = [
+        DHT(network.node(SIM_LINK), CONFIG, server=True, rpc_timeout=5.0)  # type: ignore[arg-type]
+        for _ in range(count)
+    ]
+    first = dhts[0].node
+    for d in dhts[1:]:
+        assert await d.bootstrap([(first.peer_id, first.announce[0])])
+    for d in dhts:
+        await d.find_nodes(node_id(d.node.peer_id))
+    return network, dhts
+
+
+def timeouts(reader: DHT) -> int:
+    return reader.statistics().calls.get(("find_node", "timeout"), 0)
+
+
+async def test_a_lookup_does_not_call_a_departed_node_again_that_others_still_name(
+    autojump_clock,
+):
+    """A node hears of a departure only through a call of its own that fails, and names the
+    departed node in its replies until then: every lookup toward a key near it learned it again
+    from them and called it again, each call a whole RPC timeout (in a seeded 100-peer
+    simulation, ~1 call per peer every 10 s to a departed node near the progress key). A
+    contact whose call failed us stays out of our lookups for a while."""
+    network, dhts = await simulated_swarm(N)
+    reader, gone = dhts[0], dhts[1]
+    target = node_id(gone.node.peer_id)  # every node that holds it names it first
+    network.leave(gone.node.peer_id)
+    await reader.find_nodes(target)
+    assert timeouts(reader) == 1
+    for _ in range(3):
+        lookup = await reader.find_nodes(target)
+        assert gone.node.peer_id not in {c.peer_id for c in lookup.closest_answered()}
+    assert timeouts(reader) == 1
+    # Those that never called it still hold it: each of the reader's lookups heard of it again.
+    assert sum(gone.node.peer_id in d.table for d in dhts[2:]) >= CONFIG.replicas
+
+
+async def test_a_node_whose_call_failed_is_asked_again_once_it_calls_us(autojump_clock):
+    """Evidence of a departure is our own failed call, and it lasts only until the node shows
+    it is alive: a call from it (an authenticated connection) brings it back at once."""
+    network, dhts = await simulated_swarm(N)
+    reader, back = dhts[0], dhts[1]
+    target = node_id(back.node.peer_id)
+    network.leave(back.node.peer_id)
+    await reader.find_nodes(target)
+    assert len(reader.unresponsive) == 1
+    network.rejoin(back.node.peer_id)  # a restart with the same identity and address
+    restarted = DHT(back.node, CONFIG, server=True, rpc_timeout=5.0)
+    await restarted.bootstrap([(reader.node.peer_id, reader.node.announce[0])])
+    assert len(reader.unresponsive) == 0
+    lookup = await reader.find_nodes(target)
+    assert back.node.peer_id in {c.peer_id for c in lookup.closest_answered()}
+    assert timeouts(reader) == 1

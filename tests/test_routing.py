@@ -5,7 +5,7 @@ import random
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
-from peer.dht.routing import Contact, Lookup, RoutingTable
+from peer.dht.routing import Contact, Lookup, RoutingTable, Unresponsive
 
 
 def new_id(rng: random.Random | None = None) -> ID:
@@ -95,3 +95,45 @@ def test_lookup_respects_alpha():
 
 def test_lookup_with_no_seeds_is_done():
     assert Lookup(0, [], k=5, alpha=3).done
+
+
+def test_a_contact_whose_call_failed_is_skipped_until_its_backoff_ends_then_twice_as_long():
+    gone = contact()
+    unresponsive = Unresponsive(backoff=60, max_backoff=200, size=8)
+    unresponsive.failed(gone, now=0)
+    assert unresponsive.skips(gone, now=59.9)
+    unresponsive.failed(gone, now=1)  # a call made before the first failure came back
+    assert not unresponsive.skips(gone, now=60)
+    unresponsive.failed(gone, now=60)  # asked again, failed again: still gone
+    assert unresponsive.skips(gone, now=179.9) and not unresponsive.skips(gone, now=180)
+    unresponsive.failed(gone, now=180)
+    assert unresponsive.skips(gone, now=379.9) and not unresponsive.skips(gone, now=380)  # capped
+
+
+def test_a_contact_that_answers_or_calls_us_is_back_at_once():
+    back = contact()
+    unresponsive = Unresponsive(backoff=60, max_backoff=900, size=8)
+    unresponsive.failed(back, now=0)
+    unresponsive.answered(back.peer_id)
+    assert not unresponsive.skips(back, now=1) and len(unresponsive) == 0
+
+
+def test_a_failure_at_addresses_a_replier_named_does_not_skip_the_node_as_others_name_it():
+    """A replier may name an honest node at addresses of its own choosing, so that our call
+    fails: that claim must not keep the node out of our lookups."""
+    honest = contact()
+    lied = Contact(honest.peer_id, ("/ip4/203.0.113.9/tcp/4001",))
+    unresponsive = Unresponsive(backoff=60, max_backoff=900, size=8)
+    unresponsive.failed(lied, now=0)
+    assert unresponsive.skips(lied, now=1)
+    assert not unresponsive.skips(honest, now=1)
+
+
+def test_the_oldest_unresponsive_contacts_are_forgotten_beyond_the_size():
+    first, *others = [contact() for _ in range(3)]
+    unresponsive = Unresponsive(backoff=60, max_backoff=900, size=2)
+    for index, c in enumerate([first, *others]):
+        unresponsive.failed(c, now=index)
+    assert len(unresponsive) == 2
+    assert not unresponsive.skips(first, now=3)
+    assert all(unresponsive.skips(c, now=3) for c in others)

@@ -49,7 +49,7 @@ from peer.dht.records import (
     select,
     validate_entry,
 )
-from peer.dht.routing import Contact, Lookup, RoutingTable, key_id, node_id
+from peer.dht.routing import Contact, Lookup, RoutingTable, Unresponsive, key_id, node_id
 from peer.errors import DeadlineExceeded, ProtocolError, RemoteError, RpcError, Unreachable
 from peer.net.host import Node, parse_addrs
 from peer.net.ratelimit import ByteBudgets
@@ -85,6 +85,13 @@ HOT_READ_REPLICAS = 2
 HOT_REPLICAS_SECONDS = 10.0
 #: Hot keys whose replicas are remembered (the oldest go).
 HOT_KEYS = 64
+#: Seconds a contact whose call timed out or found no connection is left out of our lookups,
+#: however many others still name it (`routing.Unresponsive`); doubled at each failure after
+#: that, up to `UNRESPONSIVE_MAX_SECONDS`. A node that answers us or calls us is back at once.
+UNRESPONSIVE_SECONDS = 60.0
+UNRESPONSIVE_MAX_SECONDS = 900.0
+#: Unresponsive contacts remembered (the oldest go): departures of a few hours at 200 %/hour.
+UNRESPONSIVE_CONTACTS = 256
 
 Clock = Callable[[], float]
 
@@ -115,6 +122,11 @@ class DHT:
         self.rpc_timeout = rpc_timeout
         self.clock = clock
         self.table = RoutingTable(node.peer_id, bucket_size=config.bucket_size)
+        self.unresponsive = Unresponsive(
+            backoff=UNRESPONSIVE_SECONDS,
+            max_backoff=UNRESPONSIVE_MAX_SECONDS,
+            size=UNRESPONSIVE_CONTACTS,
+        )
         self.records = RecordStore(
             Limits(
                 max_value_bytes=config.max_value_bytes,
@@ -178,6 +190,8 @@ class DHT:
                 if purged:
                     log.debug("purged %d expired entries", purged)
             if rejoin := self._rejoin_candidates():
+                if len(self.table) == 0:  # every call failed: our own network, likely
+                    self.unresponsive.clear()
                 reached = await self.bootstrap(rejoin)
                 self._count_rejoin_attempts(rejoin, reached)
             elif trio.current_time() >= next_refresh:
@@ -239,6 +253,8 @@ class DHT:
                 chosen.setdefault(peer_id, addr)
         self._hot.clear()
         self._hot_read.clear()
+        # We see nobody: the failed calls may have been our own network's fault.
+        self.unresponsive.clear()
         return await self.bootstrap(list(chosen.items()))
 
     async def bootstrap(self, seeds: Sequence[tuple[ID, Multiaddr]]) -> list[ID]:
@@ -261,8 +277,12 @@ class DHT:
                 log.debug("seed %s did not answer: %s", peer_id, error)
                 return
             self._learn(Contact(peer_id, (str(addr),)))
+            now = trio.current_time()
             for other in p.to_contacts(nodes.nodes, exclude=self.node.peer_id):
-                self._learn(other)
+                # The seed's word: into the table, but neither proof that it is alive nor
+                # enough to bring back a contact that failed our own calls.
+                if not self.unresponsive.skips(other, now=now):
+                    self._learn(other, answered=False)
             reached.append(peer_id)
 
         async with trio.open_nursery() as nursery:
@@ -536,11 +556,18 @@ class DHT:
 
         async def ask(contact: Contact) -> None:
             try:
+                if self.unresponsive.skips(contact, now=trio.current_time()):
+                    lookup.on_failure(contact)  # another lookup's call to it failed meanwhile
+                    return
                 closer = await query(contact)
             except RemoteError as error:
                 lookup.on_failure(contact)
                 self._forget(contact, error)
             else:
+                # Those whose calls failed us stay out, however many replies name them: the
+                # repliers have not called them since they left (`routing.Unresponsive`).
+                now = trio.current_time()
+                closer = [c for c in closer if not self.unresponsive.skips(c, now=now)]
                 lookup.on_answer(contact, closer)
                 self._learn(contact)
                 for other in closer:
@@ -638,8 +665,11 @@ class DHT:
         if addrs:
             self._learn(Contact(caller, tuple(addrs)))
 
-    def _learn(self, contact: Contact) -> None:
-        """Add a contact that answered us or called us, and let the host dial it."""
+    def _learn(self, contact: Contact, *, answered: bool = True) -> None:
+        """Add a contact that answered us or called us (or, not `answered`, one a seed named
+        while we bootstrap), and let the host dial it."""
+        if answered:
+            self.unresponsive.answered(contact.peer_id)
         known = self.table.get(contact.peer_id)
         if known is None or known.addrs != contact.addrs:
             addrs = direct_addrs(contact.addrs)
@@ -657,6 +687,8 @@ class DHT:
 
     def _forget(self, contact: Contact, error: Exception) -> None:
         log.debug("dropping contact %s: %s", contact.peer_id, error)
+        if isinstance(error, DeadlineExceeded | Unreachable):  # it did not answer: gone?
+            self.unresponsive.failed(contact, now=trio.current_time())
         # Only table contacts (they answered us, or called us giving these addresses), not
         # addresses others told us about; the newest drop replaces an older one.
         known = self.table.get(contact.peer_id)

@@ -5,6 +5,8 @@ ids is their XOR (Maymounkov & Mazieres, "Kademlia", 2002). `RoutingTable` keeps
 contacts per bucket, least recently seen first, plus a small replacement cache that refills a
 bucket when a contact fails. `Lookup` is the iterative search as a state machine: the caller
 asks which nodes to query next, reports each answer or failure, and stops when `done`.
+`Unresponsive` remembers the contacts whose calls failed us, so that lookups do not ask them
+again while other nodes still name them.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from libp2p.peer.id import ID
 
@@ -158,3 +161,64 @@ class Lookup:
     def closest_answered(self) -> list[Contact]:
         """The k closest contacts that answered: where a record lives."""
         return [c for c in self._closest_live() if c.peer_id in self._answered]
+
+
+class _Failure(NamedTuple):
+    addrs: tuple[str, ...]
+    until: float
+    backoff: float
+
+
+class Unresponsive:
+    """Contacts whose calls failed us lately; a lookup does not ask them again, however many
+    other nodes still name them, until their backoff ends.
+
+    A node hears of a departure only through a failed call of its own, and names the departed
+    contact in its replies until then. Every lookup toward a key near a departed node learned it
+    again from such replies and called it again: in a seeded simulation (100 peers, 200 %/hour
+    churn, 5 minutes, seed 0) a node near the progress key that left at 9 s drew 2,808 calls
+    from 125 callers, up to 31 from one caller (one per hot store's lookup, every 10 s), each
+    after that caller's first call to it had failed; with this memory 365, at most 6 from one.
+    A node that left silently costs every such call the whole RPC timeout.
+
+    Evidence is our own failed calls, never a peer's word, and it names a (peer id, addresses)
+    pair: a replier that names an honest node at addresses of its own choosing makes our call
+    fail, and then that pair is skipped, not the node as others name it. A contact that answers
+    us or calls us (an authenticated connection) is alive and leaves at once (`answered`). The
+    backoff doubles at each failure after one ends (a node that is still gone), up to
+    `max_backoff`; the oldest of more than `size` contacts are forgotten.
+    """
+
+    def __init__(self, *, backoff: float, max_backoff: float, size: int) -> None:
+        self.backoff = backoff
+        self.max_backoff = max_backoff
+        self.size = size
+        self._failures: OrderedDict[ID, _Failure] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._failures)
+
+    def failed(self, contact: Contact, *, now: float) -> None:
+        """Our call to `contact` failed (it timed out, or no connection could be made)."""
+        backoff = self.backoff
+        previous = self._failures.pop(contact.peer_id, None)
+        if previous is not None and previous.addrs == contact.addrs:
+            if now < previous.until:  # calls made before the first failure came back
+                self._failures[contact.peer_id] = previous
+                return
+            backoff = min(self.max_backoff, 2 * previous.backoff)
+        self._failures[contact.peer_id] = _Failure(contact.addrs, now + backoff, backoff)
+        while len(self._failures) > self.size:
+            self._failures.popitem(last=False)
+
+    def answered(self, peer_id: ID) -> None:
+        """`peer_id` answered a call of ours, or called us: it is alive."""
+        self._failures.pop(peer_id, None)
+
+    def skips(self, contact: Contact, *, now: float) -> bool:
+        """Whether a lookup leaves `contact` out now."""
+        failure = self._failures.get(contact.peer_id)
+        return failure is not None and failure.addrs == contact.addrs and now < failure.until
+
+    def clear(self) -> None:
+        self._failures.clear()
