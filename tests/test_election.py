@@ -19,13 +19,22 @@ def at_step_3(*, member: bool = True) -> StepPolicy:
     """A policy holding step 3, a candidate of PLAN's (we were in that plan if `member`)."""
     policy = make_policy()
     if member:
-        policy._plans.append(PLAN)  # as `elect` remembers a plan we averaged in
+        policy._plans[PLAN] = frozenset(MEMBERS)  # as `elect` remembers a plan we averaged in
     policy.hold(3, "d3", own_signature(3), electorate=PLAN)
     return policy
 
 
+MEMBERS_OF: dict[Candidate, frozenset[str]] = {}  # each test candidate's plan's members
+
+
 def candidate(name: str, members: list[str], step: int = 4) -> Candidate:
-    return Candidate(step, name, plan_of(members))
+    made = Candidate(step, name, plan_of(members))
+    MEMBERS_OF[made] = frozenset(members)
+    return made
+
+
+def elect(policy: StepPolicy, choice: Candidate, now: float = T0) -> None:
+    policy.elect(choice, MEMBERS_OF[choice], now)
 
 
 def voting(peer_id: str, choice: Candidate, electorate: Electorate = PLAN) -> ProgressRecord:
@@ -43,9 +52,9 @@ def test_of_two_groups_that_averaged_a_step_apart_only_one_is_certified():
     check caught two states of one step). Now both elections see the same votes: the
     larger wins, the smaller loses and downloads it."""
     small, big = at_step_3(), at_step_3()
-    small.elect(SMALL, T0)
+    elect(small, SMALL, T0)
     big.me = "z1"
-    big.elect(BIG, T0)
+    elect(big, BIG, T0)
     records = [voting("z0", SMALL), voting("z2", BIG), voting("z3", BIG)]
     read(small, *records, voting("z1", BIG))
     read(big, *records, voting(ME, SMALL))
@@ -56,7 +65,7 @@ def test_of_two_groups_that_averaged_a_step_apart_only_one_is_certified():
 def test_a_candidate_waits_while_unseen_votes_could_still_beat_it():
     """2 votes for ours, 1 against, 2 unseen: the unseen could go to the other (3 > 2)."""
     policy = at_step_3()
-    policy.elect(BIG, T0)
+    elect(policy, BIG, T0)
     read(policy, voting("z0", BIG), voting("z1", SMALL))
     assert policy.election(T0 + 1) == (Outcome.WAITING, None)
     read(policy, voting("z0", BIG), voting("z1", SMALL), voting("z2", BIG))
@@ -67,18 +76,18 @@ def test_a_departed_members_missing_vote_stalls_only_a_close_count():
     """z3 left without voting: 3 against 1 is certified (3 > 1 + 1); 2 against 2 never is,
     and after `settle_patience` the election is stalled: the step's next try is a genesis."""
     won = at_step_3()
-    won.elect(BIG, T0)
+    elect(won, BIG, T0)
     read(won, voting("z0", BIG), voting("z1", BIG), voting("z2", SMALL))
     assert won.election(T0)[0] is Outcome.WON
     stalled = at_step_3()
-    stalled.elect(BIG, T0)
+    elect(stalled, BIG, T0)
     read(stalled, voting("z0", BIG), voting("z1", SMALL), voting("z2", SMALL))
     patience = stalled.timing.settle_patience(stalled.store_seconds)
     assert stalled.election(T0 + patience - 0.1)[0] is Outcome.WAITING
     assert stalled.election(T0 + patience)[0] is Outcome.STALLED
     stalled.elected(Outcome.STALLED)
     retry = candidate("retry", MEMBERS[:4])
-    stalled.elect(retry, T0 + patience)
+    elect(stalled, retry, T0 + patience)
     ballot = stalled.ballot
     assert ballot is not None and ballot.genesis and ballot.electorate == retry.plan
     assert ballot.vote is not None  # a new electorate: we vote in it
@@ -86,10 +95,10 @@ def test_a_departed_members_missing_vote_stalls_only_a_close_count():
 
 def test_a_member_votes_once_per_step_and_a_stranger_not_at_all():
     policy = at_step_3()
-    policy.elect(BIG, T0)
+    elect(policy, BIG, T0)
     assert policy.ballot is not None and policy.ballot.vote == Vote(ME, BIG, PLAN)
     policy.elected(Outcome.LOST)
-    policy.elect(candidate("again", MEMBERS), T0 + 1)  # a second gathering of step 4
+    elect(policy, candidate("again", MEMBERS), T0 + 1)  # a second gathering of step 4
     assert policy.ballot is not None and policy.ballot.vote is None
     assert policy.last_vote == Vote(ME, BIG, PLAN)  # our record still carries the first
     assert policy.own_record(Local(), T0).vote == VoteRecord.of(Vote(ME, BIG, PLAN))
@@ -98,15 +107,33 @@ def test_a_member_votes_once_per_step_and_a_stranger_not_at_all():
     stranger = at_step_3(member=False)
     stranger.me = "s"
     joined = candidate("big", [*MEMBERS, "s"])
-    stranger.elect(joined, T0)
+    elect(stranger, joined, T0)
     assert stranger.ballot is not None and stranger.ballot.vote is None
+    # It does not know who step 3's plan's members are: it cannot tell their votes from a
+    # stranger's, so it counts nothing, and a stalled count starts no genesis of its own: it
+    # downloads the step once the members certified it.
     read(stranger, *(voting(p, joined) for p in MEMBERS[1:]))
-    assert stranger.election(T0) == (Outcome.WON, joined)  # it counts the members' votes
+    assert stranger.election(T0)[0] is Outcome.WAITING
+    patience = stranger.timing.settle_patience(stranger.store_seconds)
+    assert stranger.election(T0 + patience)[0] is Outcome.STALLED
+    stranger.elected(Outcome.STALLED)
+    assert stranger._genesis_at == 0
+
+
+def test_a_strangers_vote_does_not_fill_a_missing_members_place():
+    """Review: anyone can name an electorate (its digest and size are in every holder's
+    record). z3 left without voting, A and B have 2 votes each; a stranger's vote for A made
+    it 3 to 2 with nobody unseen, and it could switch to B for another reader: a fork."""
+    policy = at_step_3()
+    elect(policy, BIG)
+    members = [voting("z0", BIG), voting("z1", SMALL), voting("z2", SMALL)]
+    read(policy, *members, voting("zz-stranger", BIG))
+    assert policy.election(T0)[0] is Outcome.WAITING  # 2 : 2 with z3 unseen
 
 
 def test_votes_cast_in_another_electorate_or_for_another_step_do_not_count():
     policy = at_step_3()
-    policy.elect(BIG, T0)
+    elect(policy, BIG, T0)
     elsewhere = plan_of(["a", "b", "c", "d", "e"])
     read(
         policy,
@@ -119,7 +146,7 @@ def test_votes_cast_in_another_electorate_or_for_another_step_do_not_count():
 def test_the_first_step_is_a_genesis_and_a_download_takes_the_electorate_its_holders_name():
     policy = make_policy()
     first = candidate("first", [ME, "z0", "z1"], step=1)
-    policy.elect(first, T0)
+    elect(policy, first, T0)
     assert policy.ballot is not None and policy.ballot.genesis
     read(policy, *(voting(p, first, electorate=first.plan) for p in ("z0", "z1")))
     assert policy.election(T0) == (Outcome.WON, first)
@@ -147,7 +174,7 @@ def test_a_member_that_left_after_voting_still_counts_through_its_farewell_recor
     `leaving` record keeps the vote (and signatures) while it counts as a trainer no more."""
     policy = make_policy()
     pair = candidate("pair", [ME, "z0"], step=1)
-    policy.elect(pair, T0)
+    elect(policy, pair, T0)
     read(policy)  # withdrawn
     assert policy.election(T0)[0] is Outcome.WAITING
     farewell = msgspec.structs.replace(voting("z0", pair, electorate=pair.plan), leaving=True)
@@ -162,7 +189,7 @@ def test_a_genesis_needs_most_of_the_trainers_in_view():
     needs the votes of more than half of the trainers in view."""
     policy = make_policy()
     stray = candidate("stray", [ME, "z0"], step=1)
-    policy.elect(stray, T0)
+    elect(policy, stray, T0)
     others = [other(f"z{i}") for i in range(1, 5)]
     read(policy, voting("z0", stray, electorate=stray.plan), *others)
     assert policy.election(T0)[0] is Outcome.WAITING  # 2 of 6
@@ -170,7 +197,7 @@ def test_a_genesis_needs_most_of_the_trainers_in_view():
     assert policy.election(T0 + patience)[0] is Outcome.STALLED
     policy.elected(Outcome.STALLED)
     every = candidate("every", [ME, *(f"z{i}" for i in range(5))], step=1)
-    policy.elect(every, T0 + patience)
+    elect(policy, every, T0 + patience)
     votes = [voting(f"z{i}", every, electorate=every.plan) for i in range(3)]
     read(policy, *votes, *others[2:])
     assert policy.election(T0 + patience) == (Outcome.WON, every)  # 4 of 6

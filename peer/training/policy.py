@@ -59,7 +59,7 @@ from peer.training.progress import (
     company,
     should_call,
 )
-from peer.training.steprule import Candidate, Electorate, StepRule, Vote
+from peer.training.steprule import Candidate, Electorate, StepRule, Vote, plan_of
 from peer.training.timing import SLOW_BATCH, Timing
 
 log = logging.getLogger("peertrain.trainer")
@@ -281,7 +281,8 @@ class StepPolicy:
         """The last vote we cast: our record carries it until the next (slower readers count
         it after we moved on)."""
         self._voted: set[tuple[int, Electorate]] = set()  # a member votes once per step
-        self._plans: list[Electorate] = []  # the recent plans we were in (membership)
+        # The recent plans we were in, with their members: whose votes count in them.
+        self._plans: dict[Electorate, frozenset[str]] = {}
         self._genesis_at = 0  # a step whose election stalled for us: its next try is a genesis
         self.phase = Phase.STARTING
         self.held = Held()
@@ -458,12 +459,16 @@ class StepPolicy:
 
     # -------------------------------------------------------------- the election
 
-    def elect(self, candidate: Candidate, now: float) -> None:
-        """Our averaging ended on `candidate` (the next step's, if certified): vote for it if
-        we are a member of the step's electorate and have not voted on the step yet, and
-        count the votes from now on (`election`)."""
+    def elect(self, candidate: Candidate, members: frozenset[str], now: float) -> None:
+        """Our averaging ended on `candidate` (the next step's, if certified), whose plan
+        `members` make: vote for it if we are a member of the step's electorate and have not
+        voted on the step yet, and count the votes from now on (`election`)."""
+        if plan_of(members) != candidate.plan:
+            raise ValueError("the candidate's plan is not its members'")
         electorate, genesis = self._electorate_for(candidate)
-        self._plans = [*self._plans[-7:], candidate.plan]
+        self._plans[candidate.plan] = members
+        while len(self._plans) > 8:
+            del self._plans[next(iter(self._plans))]
         vote = None
         key = (candidate.step, electorate)
         if key not in self._voted and (genesis or electorate in self._plans):
@@ -489,10 +494,17 @@ class StepPolicy:
         ballot = self.ballot
         assert ballot is not None, "no election runs"
         step = ballot.candidate.step
-        votes = [v for v in self.view.votes(step) if v.voter != self.me]
+        # Only members' votes: anyone can name an electorate (its digest and size are in every
+        # holder's record), and a stranger's vote filled a missing member's place in the
+        # count. An electorate whose members we do not know (a state we downloaded, not one
+        # of our plans) we cannot count: we wait for the step's certificate and download it.
+        members = self._plans.get(ballot.electorate, frozenset())
+        votes = [v for v in self.view.votes(step) if v.voter != self.me and v.voter in members]
         if ballot.vote is not None:
             votes.append(ballot.vote)
-        if ballot.genesis:
+        if not members:
+            certified = None
+        elif ballot.genesis:
             certified = self.rule.genesis(step, ballot.electorate, votes)
             if certified is not None and not self._most_trainers_voted(certified, votes):
                 certified = None
@@ -510,8 +522,10 @@ class StepPolicy:
         """A genesis candidate's voters are more than half of the trainers in view at the step
         (or one around it). A genesis has no electorate before it that its rivals share: two
         gatherings of the first step each certified their own at 100 simulated peers (a
-        stray group of 2 beside one of 98), and a peer took the step as a second state. Two
-        halves of one view never both win; views that differ still could (docs/SECURITY.md)."""
+        stray group beside the large one), and 112 peers then took the step as a second state.
+        Within one read two genesis candidates never both win; reads that differ, or a peer
+        counted in two genesis plans (it votes again after a stall), still could
+        (docs/SECURITY.md)."""
         voters = {
             v.voter for v in votes if v.candidate == certified and v.electorate == certified.plan
         }
@@ -530,7 +544,9 @@ class StepPolicy:
         assert ballot is not None and outcome is not Outcome.WAITING
         self.ballot = None
         self.changed = True
-        if outcome is Outcome.STALLED:
+        # A stranger to the electorate (it cannot count) starts no genesis: members may still
+        # certify the step, and it downloads the step then.
+        if outcome is Outcome.STALLED and ballot.electorate in self._plans:
             self._genesis_at = max(self._genesis_at, ballot.candidate.step)
 
     def fetched(self, *, ok: bool, now: float) -> float:

@@ -587,7 +587,7 @@ class Trainer:
             await self.worker.average_digest(result.average, result.weight),
             plan_of(result.plan),
         )
-        outcome, certified = await self._elect(candidate)
+        outcome, certified = await self._elect(candidate, frozenset(result.plan))
         if outcome is Outcome.WON:
             await self.worker.apply(result.average)
             await self._hold(self.step + 1, electorate=candidate.plan)
@@ -612,10 +612,12 @@ class Trainer:
             samples,
         )
 
-    async def _elect(self, candidate: Candidate) -> tuple[Outcome, Candidate | None]:
+    async def _elect(
+        self, candidate: Candidate, members: frozenset[str]
+    ) -> tuple[Outcome, Candidate | None]:
         """Vote for `candidate` where we may and wait for the step rule to certify one (our
         reads of the votes in the others' records), at most `settle_patience`."""
-        self.policy.elect(candidate, self.clock())
+        self.policy.elect(candidate, members, self.clock())
         self.progress.publish_now()
         started = self.monotonic()
         while True:
