@@ -110,14 +110,12 @@ def test_a_member_votes_once_per_step_and_a_stranger_not_at_all():
     elect(stranger, joined, T0)
     assert stranger.ballot is not None and stranger.ballot.vote is None
     # It does not know who step 3's plan's members are: it cannot tell their votes from a
-    # stranger's, so it counts nothing, and a stalled count starts no genesis of its own: it
-    # downloads the step once the members certified it.
+    # stranger's, so it counts nothing and starts no genesis: at once no step of its own (it
+    # downloads the step once the members certified it, and is a member of the next count).
     read(stranger, *(voting(p, joined) for p in MEMBERS[1:]))
-    assert stranger.election(T0)[0] is Outcome.WAITING
-    patience = stranger.timing.settle_patience(stranger.store_seconds)
-    assert stranger.election(T0 + patience)[0] is Outcome.STALLED
-    stranger.elected(Outcome.STALLED)
-    assert stranger._genesis_at == 0
+    assert stranger.election(T0) == (Outcome.LOST, None)
+    stranger.elected(Outcome.LOST)
+    assert stranger._genesis_at == 0 and joined.plan in stranger._plans
 
 
 def test_a_strangers_vote_does_not_fill_a_missing_members_place():

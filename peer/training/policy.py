@@ -497,14 +497,16 @@ class StepPolicy:
         # Only members' votes: anyone can name an electorate (its digest and size are in every
         # holder's record), and a stranger's vote filled a missing member's place in the
         # count. An electorate whose members we do not know (a state we downloaded, not one
-        # of our plans) we cannot count: we wait for the step's certificate and download it.
+        # of our plans) we cannot count: no step of ours; we download the certified one at
+        # once. Waiting out the count made a joiner miss the next gathering too, so it never
+        # was in a plan that became an electorate, and never stepped (a real-process test).
         members = self._plans.get(ballot.electorate, frozenset())
+        if not members:
+            return Outcome.LOST, None
         votes = [v for v in self.view.votes(step) if v.voter != self.me and v.voter in members]
         if ballot.vote is not None:
             votes.append(ballot.vote)
-        if not members:
-            certified = None
-        elif ballot.genesis:
+        if ballot.genesis:
             certified = self.rule.genesis(step, ballot.electorate, votes)
             if certified is not None and not self._most_trainers_voted(certified, votes):
                 certified = None

@@ -596,12 +596,15 @@ class Trainer:
         if outcome is Outcome.LOST:
             # Its basis holds our samples if ours had them (a larger average than ours, made
             # from the same rounds): given back, they would count twice. We download it.
-            log.info(
-                "step %d went to another average than ours (%s, from %d peers): downloading it",
-                candidate.step,
-                certified.average[:12] if certified else "?",
-                certified.plan.size if certified else 0,
-            )
+            if certified is None:  # we cannot count this step's votes (`election`)
+                log.info("step %d is counted by the peers we downloaded from", candidate.step)
+            else:
+                log.info(
+                    "step %d went to another average than ours (%s, from %d peers): downloading it",
+                    candidate.step,
+                    certified.average[:12],
+                    certified.plan.size,
+                )
             return
         await self.worker.give_back(vector, samples)
         log.info(
