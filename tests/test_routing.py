@@ -97,6 +97,28 @@ def test_lookup_with_no_seeds_is_done():
     assert Lookup(0, [], k=5, alpha=3).done
 
 
+def test_a_stalled_query_no_longer_holds_the_lookup_and_a_late_answer_still_counts():
+    rng = random.Random(3)
+    nodes = sorted((contact(rng) for _ in range(6)), key=lambda c: c.id)  # target 0: nearest first
+    lookup = Lookup(0, nodes, k=3, alpha=3)
+    assert lookup.next_queries() == nodes[:3]
+    lookup.on_stall(nodes[0])
+    assert lookup.next_queries() == [nodes[3]]  # its slot goes to the next closest
+    for c in nodes[1:4]:
+        lookup.on_answer(c, [])
+    assert lookup.done and lookup.closest_answered() == nodes[1:4]
+    assert lookup.stalled() == [nodes[0]] and lookup.pending() == []
+
+    late = Lookup(0, nodes, k=3, alpha=3)
+    late.next_queries()
+    late.on_stall(nodes[0])
+    late.next_queries()
+    late.on_answer(nodes[0], [])  # it answered while the lookup ran: back among the closest
+    for c in nodes[1:4]:
+        late.on_answer(c, [])
+    assert late.done and late.closest_answered() == nodes[:3] and late.stalled() == []
+
+
 def test_a_contact_whose_call_failed_is_skipped_until_its_backoff_ends_then_twice_as_long():
     gone = contact()
     unresponsive = Unresponsive(backoff=60, max_backoff=200, size=8)

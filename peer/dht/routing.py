@@ -110,6 +110,7 @@ class Lookup:
 
     Keeps the `k` closest contacts seen so far. Up to `alpha` queries are in flight; the lookup
     is done when every one of the k closest live contacts has answered and nothing is pending.
+    A query the caller reports as stalled (`on_stall`) is no longer waited for.
     """
 
     def __init__(self, target: int, seeds: Iterable[Contact], *, k: int, alpha: int) -> None:
@@ -120,11 +121,16 @@ class Lookup:
         self._answered: set[ID] = set()
         self._failed: set[ID] = set()
         self._pending: set[ID] = set()
+        self._stalled: set[ID] = set()
         for contact in seeds:
             self._known.setdefault(contact.peer_id, contact)
 
     def _closest_live(self) -> list[Contact]:
-        live = [c for c in self._known.values() if c.peer_id not in self._failed]
+        live = [
+            c
+            for c in self._known.values()
+            if c.peer_id not in self._failed and c.peer_id not in self._stalled
+        ]
         live.sort(key=lambda c: c.id ^ self.target)
         return live[: self.k]
 
@@ -143,6 +149,7 @@ class Lookup:
 
     def on_answer(self, contact: Contact, closer: Iterable[Contact]) -> None:
         self._pending.discard(contact.peer_id)
+        self._stalled.discard(contact.peer_id)
         self._answered.add(contact.peer_id)
         for other in closer:
             if other.peer_id not in self._failed:
@@ -150,7 +157,25 @@ class Lookup:
 
     def on_failure(self, contact: Contact) -> None:
         self._pending.discard(contact.peer_id)
+        self._stalled.discard(contact.peer_id)
         self._failed.add(contact.peer_id)
+
+    def on_stall(self, contact: Contact) -> None:
+        """`contact` has not answered for longer than answers take: its slot goes to the next
+        contact, and the lookup no longer waits for it. "Nodes that fail to respond quickly are
+        removed from consideration until and unless they do respond" (Kademlia, sec. 2.3): its
+        answer still counts if it comes while the lookup runs."""
+        if contact.peer_id in self._pending:
+            self._pending.discard(contact.peer_id)
+            self._stalled.add(contact.peer_id)
+
+    def pending(self) -> list[Contact]:
+        """Contacts asked that have not answered, failed or stalled."""
+        return [self._known[peer_id] for peer_id in self._pending]
+
+    def stalled(self) -> list[Contact]:
+        """Contacts whose queries stalled and have not answered or failed since."""
+        return [self._known[peer_id] for peer_id in self._stalled]
 
     @property
     def done(self) -> bool:
