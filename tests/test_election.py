@@ -18,8 +18,9 @@ PLAN = plan_of(MEMBERS)  # the plan of step 3's candidate: who votes on step 4
 def at_step_3(*, member: bool = True) -> StepPolicy:
     """A policy holding step 3, a candidate of PLAN's (we were in that plan if `member`)."""
     policy = make_policy()
-    if member:
-        policy._plans[PLAN] = frozenset(MEMBERS)  # as `elect` remembers a plan we averaged in
+    if member:  # we averaged in step 3's plan (`elect` remembers its members)
+        policy.elect(Candidate(3, "d3-average", PLAN), frozenset(MEMBERS), T0)
+        policy.elected(Outcome.WON)
     policy.hold(3, "d3", own_signature(3), electorate=PLAN)
     return policy
 

@@ -524,7 +524,7 @@ class StepPolicy:
         """A genesis candidate's voters are more than half of the trainers in view at the step
         (or one around it). A genesis has no electorate before it that its rivals share: two
         gatherings of the first step each certified their own at 100 simulated peers (a
-        stray group beside the large one), and 112 peers then took the step as a second state.
+        stray group beside the large one), and 131 peers then took the step as a second state.
         Within one read two genesis candidates never both win; reads that differ, or a peer
         counted in two genesis plans (it votes again after a stall), still could
         (docs/SECURITY.md)."""
