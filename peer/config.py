@@ -21,7 +21,12 @@ from typing import Any, ClassVar
 
 from peer.errors import ConfigError
 
+MAX_STEP_SIGNERS = 16
+"""The most step signatures a progress record carries (`peer.training.certificate`): no
+`averaging.min_group_size` above it could ever be met."""
+
 __all__ = [
+    "MAX_STEP_SIGNERS",
     "AveragingConfig",
     "CollaborationConfig",
     "DashboardConfig",
@@ -506,8 +511,9 @@ _CROSS_RULES: list[tuple[str, str, Callable[[Any, Any], bool], str]] = [
     (
         "averaging.min_group_size",
         "averaging.group_size",
-        lambda a, b: 1 <= a <= b,
-        "expected at least 1 and at most averaging.group_size",
+        lambda a, b: 1 <= a <= min(b, MAX_STEP_SIGNERS),
+        f"expected at least 1, at most averaging.group_size and at most {MAX_STEP_SIGNERS} (the "
+        "step signatures a progress record carries)",
     ),
 ]
 

@@ -27,7 +27,13 @@ from peer.net.identity import ephemeral_identity
 from peer.net.network_key import load_network_key
 from peer.presence import PresenceRecord, decode_presence, presence_key
 from peer.roles import aggregators, assign_roles
-from peer.training.progress import CollaborationView, ProgressRecord, decode_progress, progress_key
+from peer.training.progress import (
+    CollaborationView,
+    ProgressRecord,
+    decode_progress,
+    progress_key,
+    published_quorum,
+)
 
 STATUS_JOIN_BACKOFF = (0.5, 1.0)
 
@@ -134,7 +140,7 @@ class StatusReport:
     progress: list[ProgressRecord] = field(default_factory=list)
     """Every trainer's (and state keeper's) signed progress record."""
     quorum: int = 1
-    """Signers a step needs to count (`averaging.min_group_size`)."""
+    """Signers a step needs to count: the collaboration's (`published_quorum`)."""
 
     @property
     def training(self) -> CollaborationView:
@@ -335,6 +341,8 @@ def _report(
         for r in records
     ]
     main_task = _main_task(records)
+    # Steps count by the collaboration's rule, as its trainers state it, not by our config.
+    quorum = published_quorum(progress, config.averaging.min_group_size)
     summary = CollaborationSummary(
         name=config.collaboration.name,
         peers_online=sum(row.role == "peer" for row in rows),
@@ -343,13 +351,9 @@ def _report(
         queried_at=now,
         assignment=assignment,
         assignment_note=note,
-        training=summarise_training(
-            progress,
-            main_task[2] if main_task else None,
-            quorum=config.averaging.min_group_size,
-        ),
+        training=summarise_training(progress, main_task[2] if main_task else None, quorum=quorum),
     )
-    return StatusReport(summary, rows, progress, config.averaging.min_group_size)
+    return StatusReport(summary, rows, progress, quorum)
 
 
 def _row(

@@ -466,9 +466,10 @@ class Collaboration:
             )
             for donor in holding:
                 if donor.step == target and donor.dht.node.peer_id not in self.network.gone:
-                    snapshot = await donor.worker.serialize()
+                    snapshot = await donor.worker.serialize()  # its own: a download frees it
                     assert snapshot is not None and isinstance(snapshot.blob, bytes)
-                    return Snapshot(snapshot.step, snapshot.blob, disposable=True)
+                    members = donor.policy.members_of_held()
+                    return Snapshot(snapshot.step, snapshot.blob, disposable=True, members=members)
             raise RemoteError(f"the donors moved past step {target} during the download")
 
         return download

@@ -31,6 +31,7 @@ from tests.test_allreduce import (
     STALL,
     Behaviour,
     Player,
+    faulty,
     faulty_reducer,
     faulty_sender,
     run_group,
@@ -107,6 +108,7 @@ def sends_to_first_reducer_only() -> Behaviour:
     """A client-only member that delivers its whole contribution to reducer 0 and nothing to
     the others: reducer 0's chunks include it, the others' do not."""
 
+    @faulty
     async def behave(player: Player, spec: RoundSpec) -> None:
         codec = CODECS[spec.codec]
         reducer = spec.members[0]
@@ -191,6 +193,7 @@ def lying_reducer(mode: str) -> Behaviour:
     """An aggregator-only member that takes every contribution and answers each chunk with
     its own values under a malformed include mask."""
 
+    @faulty
     async def behave(player: Player, spec: RoundSpec) -> None:
         senders = [m for m in spec.members if m.computes]
         computing = [m.peer_id for m in senders]
@@ -265,6 +268,7 @@ async def test_after_a_lying_reducer_the_others_retry_without_it():
 # ---------------------------------------------------------------------------- receipts
 
 
+@faulty
 async def no_receipts(player: Player, spec: RoundSpec) -> None:
     """A client-only member that sends its contributions and reads every average, but never
     the receipt that it holds a reducer's part."""

@@ -49,9 +49,11 @@ class WideTask(TinyTask):
     inputs, hidden = 1024, 1300
 
 
-def manifest_of(blob: bytes | memoryview, step: int, ends: list[int]) -> Manifest:
+def manifest_of(
+    blob: bytes | memoryview, step: int, ends: list[int], members: tuple[str, ...] = ()
+) -> Manifest:
     hashes = [chunk_hash(blob[slice(*chunk_span(ends, i))]) for i in range(len(ends))]
-    return Manifest(step, len(blob), ends, hashes, "127.0.0.1", 1, bytes(32), b"")
+    return Manifest(step, len(blob), ends, hashes, "127.0.0.1", 1, bytes(32), b"", list(members))
 
 
 class Feed:
@@ -71,7 +73,7 @@ class Feed:
         snapshot = self.snapshots.pop(0)
         blob = sliceable(snapshot.blob)
         ends = chunk_ends(len(blob), snapshot.parts, self.cut)
-        manifest = manifest_of(bytes(blob[0 : len(blob)]), snapshot.step, ends)
+        manifest = manifest_of(bytes(blob[0 : len(blob)]), snapshot.step, ends, snapshot.members)
         early = EarlyChunks(manifest)
         self.fetched = []
         while wanted := [i for i in await sink.first(manifest, early) if i not in early]:

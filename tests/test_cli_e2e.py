@@ -260,6 +260,7 @@ def test_collaboration_lifecycle(procs, tmp_path, dead_backbone):
         assert peer_id not in listed_peers([survivor])
 
 
+@pytest.mark.slow  # 31 s on CI's 2 cores: a whole collaboration again, over ::1
 @needs_ipv6
 def test_a_collaboration_on_ipv6_alone_measures_reachability_and_trains(procs, tmp_path):
     """Backbone and peers listen on ::1 only: the peers join over IPv6, the backbone's
@@ -395,7 +396,12 @@ def test_status_watch_refreshes_until_sigint(procs, tmp_path):
     assert watcher.popen.wait(timeout=3) == 0
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+# SIGTERM takes the same path as SIGINT: with -m slow, like the training peer's.
+@pytest.mark.parametrize(
+    "sig",
+    [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.slow)],
+    ids=["SIGINT", "SIGTERM"],
+)
 def test_a_backbone_stops_cleanly_within_3_s(procs, tmp_path, sig):
     backbone, addr = start_backbone(procs, tmp_path, "bb")
     start_peer(procs, tmp_path, "p", [addr])  # so it has connections to close

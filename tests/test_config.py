@@ -229,6 +229,16 @@ def test_replicas_at_most_bucket_size() -> None:
     assert load_config(overrides={"dht.replicas": 20}).config.dht.replicas == 20
 
 
+def test_min_group_size_at_most_the_signatures_a_record_carries() -> None:
+    """A step is certified by min_group_size signatures in one record, which carries at most
+    16: a quorum of 20 could never be met, and no step would count."""
+    big = {"averaging.group_size": 32}
+    message = config_error(overrides={**big, "averaging.min_group_size": 17})
+    assert "averaging.min_group_size = 17 (from flag)" in message and "at most 16" in message
+    ok = load_config(overrides={**big, "averaging.min_group_size": 16}).config
+    assert ok.averaging.min_group_size == 16
+
+
 def test_toml_syntax_error_names_file(tmp_path: Path) -> None:
     path = write(tmp_path, "[dht\nalpha = 3\n")
     message = config_error(file=path)

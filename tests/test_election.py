@@ -119,6 +119,34 @@ def test_a_member_votes_once_per_step_and_a_stranger_not_at_all():
     assert stranger._genesis_at == 0 and joined.plan in stranger._plans
 
 
+def test_a_downloader_counts_the_next_step_among_the_members_its_donor_names():
+    """ "s" downloaded step 3 and averaged in step 4's plan. It learns who votes on step 4
+    from its donor's manifest, checked against the plan step 3's holders name: it counts
+    step 4 as the members do, rather than losing its first step and downloading again. A
+    donor's wrong list (a member left out, one added, another plan, none) is refused."""
+    joined = candidate("joined", [*MEMBERS, "s"])
+
+    def downloader() -> StepPolicy:
+        policy = at_step_3(member=False)
+        policy.me = "s"
+        return policy
+
+    for claimed in (MEMBERS[:-1], [*MEMBERS, "s"], ["a", "b", "c", "d", "e"], []):
+        refused = downloader()
+        assert not refused.learn_members(claimed)
+        elect(refused, joined)
+        read(refused, *(voting(p, joined) for p in MEMBERS[1:]))
+        assert refused.election(T0) == (Outcome.LOST, None)
+    policy = downloader()
+    assert policy.members_of_held() == ()
+    assert policy.learn_members(reversed(MEMBERS))  # order does not matter
+    assert policy.members_of_held() == tuple(sorted(MEMBERS))  # what it serves in turn
+    elect(policy, joined)
+    assert policy.ballot is not None and policy.ballot.vote is None  # no member of step 3's
+    read(policy, *(voting(p, joined) for p in MEMBERS[1:]))
+    assert policy.election(T0) == (Outcome.WON, joined)
+
+
 def test_a_strangers_vote_does_not_fill_a_missing_members_place():
     """Review: anyone can name an electorate (its digest and size are in every holder's
     record). z3 left without voting, A and B have 2 votes each; a stranger's vote for A made

@@ -273,7 +273,11 @@ async def test_any_number_of_peers_reaches_the_exact_weighted_mean_everywhere(gr
     assert max(len(g) for r in results for g in r.groups) <= group_size + 1
 
 
-@pytest.mark.parametrize("partial_from", [2, 64], ids=["partial", "all-or-nothing"])
+@pytest.mark.parametrize(
+    "partial_from",
+    [2, pytest.param(64, marks=pytest.mark.slow)],  # 13 s each on CI's 2 cores
+    ids=["partial", "all-or-nothing"],
+)
 async def test_a_member_that_declared_and_died_is_left_out_and_the_rest_agree(partial_from):
     """5 peers in groups of 4: the lowest one declares, then dies. Its round-0 group goes on
     without it (its leader is passed over), and round 1 seats whoever holds each block: every

@@ -322,7 +322,9 @@ async def check_poisoning(attack: str, *, network: bool) -> None:
     assert undefended > 2 * honest  # the damage the option prevents
 
 
-@pytest.mark.parametrize("attack", ["scaled", "random"])
+@pytest.mark.parametrize(
+    "attack", [pytest.param("scaled", marks=pytest.mark.slow), "random"]
+)  # 9 s each on CI's 2 cores
 async def test_one_poisoner_of_five_is_harmless_with_centered_clip_and_not_without(
     attack, one_torch_thread
 ):

@@ -312,6 +312,7 @@ def test_a_step_taken_as_another_state_by_anyone_at_any_time_is_a_violation():
     assert [(v.step, v.peer, v.first_peer) for v in check.violations] == [(1, "c", "a")]
 
 
+@pytest.mark.slow  # 60 s on CI's 2 cores; joiners: tests/test_training_collab.py
 def test_volunteers_that_join_late_download_the_state_and_train():
     # Churn of 2 per peer-hour over 5 minutes: a few leave and as many join and catch up.
     scenario = small(peers=6, minutes=5, churn_per_hour=2.0, seed=4)
@@ -429,6 +430,7 @@ async def test_a_node_pays_for_the_signatures_it_checks_first_before_its_reply_l
     assert network.cpus[caller.peer_id].spent == 0
 
 
+@pytest.mark.slow  # 47 s on CI's 2 cores
 def test_backbones_that_fail_and_restart_leave_the_collaboration_training():
     scenario = small(
         peers=6, minutes=4, churn_per_hour=0, seed=2,
@@ -440,6 +442,7 @@ def test_backbones_that_fail_and_restart_leave_the_collaboration_training():
     assert report.digests_agree and not report.violations
 
 
+@pytest.mark.slow  # 26 s on CI's 2 cores
 def test_progress_reads_go_on_after_a_replica_of_the_progress_key_leaves_silently(monkeypatch):
     """Seed 5's departure at 77.8 s takes a replica of the progress key with it, silently.
     With the exchange's deadline at the RPC timeout, the store's call to it and the exchange

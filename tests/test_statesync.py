@@ -22,6 +22,8 @@ from peer.net.host import Node, open_node
 from peer.net.tls import TlsStream, certificate_peer_id, pinned_client_context
 from peer.training.chunks import (
     MAX_CHUNK_BYTES,
+    MAX_MEMBERS,
+    MAX_PEER_ID_CHARS,
     MIN_CHUNK_BYTES,
     SERVICE,
     BadManifest,
@@ -170,6 +172,8 @@ def test_the_schema_rejects_wrong_hash_and_ticket_lengths_and_ports():
         ("data_port", 0),
         ("step", -1),
         ("data_host", ""),
+        ("members", ["x" * (MAX_PEER_ID_CHARS + 1)]),
+        ("members", ["p"] * (MAX_MEMBERS + 1)),
     ]:
         raw = msgspec.structs.asdict(manifest(digests(2)))
         raw[field] = value
@@ -501,7 +505,7 @@ async def test_a_donor_still_connecting_when_a_round_ends_serves_the_next(monkey
 
 
 async def test_three_donors_give_the_exact_bytes_and_step_in_parallel():
-    state = Snapshot(7, blob())
+    state = Snapshot(7, blob(), members=("a", "b"))
     with trio.fail_after(TIMEOUT):
         async with nodes(1) as (downloader,), donors([state] * 3) as running:
             peers = await connect(downloader, running)
@@ -509,6 +513,7 @@ async def test_three_donors_give_the_exact_bytes_and_step_in_parallel():
             assert snapshot.step == 7
             assert snapshot.blob == state.blob
             assert isinstance(snapshot.blob, bytes)
+            assert snapshot.members == ("a", "b")  # the electorate's, as the donor claims
             served = [r.donor.statistics().chunks_served for r in running]
             assert sum(served) == len(fixed_ends(BLOB_BYTES, CHUNK))
             assert sum(1 for n in served if n) >= 2, served

@@ -5,9 +5,10 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from peer.config import load_config
 from peer.measure.capabilities import Capabilities
 from peer.presence import PresenceRecord
-from peer.status import assign_group, mean_tail, summarise_training
+from peer.status import _report, assign_group, mean_tail, summarise_training
 from tests.test_progress import rec
 
 
@@ -111,6 +112,25 @@ def test_training_summary_reads_the_global_step_batch_loss_trend_and_bytes():
     assert t.loss == 2.5 and t.loss_trend == [3.0, 3.0, 2.5]
     assert t.validation == (4, 2.8) and t.validation_trend == [3.1, 2.8]
     assert t.bytes_per_step == 4000
+
+
+def test_status_counts_steps_by_the_rule_the_trainers_state_not_by_its_own_config():
+    """A viewer whose config says min_group_size 1 called step 6, which only one peer signed,
+    the global step; the trainers play with 2 (`ProgressRecord.min_votes`): step 5 is. One
+    trainer stating another rule does not change it."""
+    records = [
+        rec(0, step=5, cosigners=(1,), min_votes=2),
+        rec(1, step=5, cosigners=(0,), min_votes=2),
+        rec(2, step=6, min_votes=1),  # signed by itself alone
+    ]
+    config = load_config(overrides={"averaging.min_group_size": 1}).config
+    report = _report(config, {}, records, [], assign=False)
+    assert report.quorum == 2 and report.training.global_step == 5
+    training = report.collaboration.training
+    assert training is not None and training.global_step == 5
+    # Records that state nothing (older peers): the viewer's own config.
+    silent = [msgspec.structs.replace(r, min_votes=0) for r in records]
+    assert _report(config, {}, silent, [], assign=False).training.global_step == 6
 
 
 def test_training_summary_without_records_or_speed():

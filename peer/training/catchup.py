@@ -35,6 +35,8 @@ class InPlaceCatchUp:
         self.placement: Placement | None = None
         self.digest: str | None = None
         self.receivers: dict[str, torch.Tensor] | None = None
+        self.members: tuple[str, ...] = ()
+        """The electorate's members the followed manifest claims (`Manifest.members`)."""
 
     async def first(self, manifest: Manifest, early: EarlyChunks) -> Collection[int]:
         header = 8  # the header's length, then the header
@@ -75,6 +77,7 @@ class InPlaceCatchUp:
         )
         self.certify(manifest.step, certified.digest)
         self.digest = certified.digest
+        self.members = tuple(manifest.members)
         # From here on the state we held is given up.
         self.receivers = receivers = await self.worker.take_in_place(
             state, early.pieces(), layout.spans

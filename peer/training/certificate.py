@@ -26,12 +26,13 @@ from typing import Annotated
 import msgspec
 from libp2p.crypto.keys import PrivateKey
 
+from peer.config import MAX_STEP_SIGNERS
 from peer.dht.records import owner_key, signed_by
 
 #: Version 2: the digest signed hashes its pieces with BLAKE3 (SHA-256 in version 1), so a
 #: version 1 signature never certifies a version 2 digest of other bytes, nor the reverse.
 DOMAIN = b"peertrain/step/2"
-MAX_SIGNATURES = 16
+MAX_SIGNATURES = MAX_STEP_SIGNERS
 """Signatures a record may carry (what a reader accepts; a certificate needs `min_group_size`)."""
 CARRIED_SIGNATURES = 4
 """Signatures a record carries unless the quorum needs more (`carried`): enough for it to

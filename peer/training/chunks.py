@@ -64,6 +64,10 @@ MAX_CHUNKS = 16384  # ~700 KB of hashes and ends in a manifest
 #: (`peer.training.state.state_digest`): a donor's chunks of them are the digest's pieces.
 PIECE_BYTES = 4 << 20
 MAX_HOST_CHARS = 255
+#: A manifest names the members of the state's electorate (`steprule`): a Moshpit plan of
+#: up to this many peers, each by its peer id's text (~52 characters for Ed25519).
+MAX_MEMBERS = 4096
+MAX_PEER_ID_CHARS = 128
 
 
 def chunk_hash(data: memoryview | bytes) -> bytes:
@@ -100,6 +104,13 @@ class Manifest(msgspec.Struct, frozen=True):
     ticket: Annotated[bytes, msgspec.Meta(min_length=TICKET_BYTES, max_length=TICKET_BYTES)]
     data_cert: Annotated[bytes, msgspec.Meta(max_length=MAX_CERT_BYTES)]
     """The donor's data-plane TLS certificate (`peer.net.tls`); it must name the donor."""
+    members: Annotated[
+        list[Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_PEER_ID_CHARS)]],
+        msgspec.Meta(max_length=MAX_MEMBERS),
+    ] = []
+    """Who votes on the step after this state (`peer.training.steprule`), where the donor
+    knows: a claim, which the downloader takes only if its digest is the electorate the
+    state's holders name (`StepPolicy.learn_members`). Empty: not known."""
 
     def chunk(self, index: int) -> tuple[int, int]:
         """[start, end) of chunk `index` (of a checked manifest)."""

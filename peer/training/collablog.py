@@ -18,7 +18,7 @@ from peer.config import PeerConfig
 from peer.dht.node import DHT
 from peer.errors import RemoteError
 from peer.status import TrainingSummary, summarise_training
-from peer.training.progress import decode_progress, progress_key
+from peer.training.progress import decode_progress, progress_key, published_quorum
 
 log = logging.getLogger("peertrain.collaboration")
 
@@ -95,7 +95,8 @@ async def log_collaboration(
     while True:
         with contextlib.suppress(RemoteError):  # no answer this time: the next read
             progress = decode_progress(await dht.get(progress_key(name)), collaboration=name)
-            summary = summarise_training(progress, None, quorum=config.averaging.min_group_size)
+            quorum = published_quorum(progress, config.averaging.min_group_size)
+            summary = summarise_training(progress, None, quorum=quorum)
             if summary is not None and summary.global_step > 0:
                 new, per_step = seen.observe(summary.global_step, clock())
                 if new:

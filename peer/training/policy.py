@@ -40,6 +40,7 @@ import enum
 import logging
 import math
 import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from peer.averaging.averager import AveragingResult, longest_averaging
@@ -466,17 +467,38 @@ class StepPolicy:
         if plan_of(members) != candidate.plan:
             raise ValueError("the candidate's plan is not its members'")
         electorate, genesis = self._electorate_for(candidate)
-        self._plans[candidate.plan] = members
-        while len(self._plans) > 8:
-            del self._plans[next(iter(self._plans))]
+        self._remember_plan(candidate.plan, members)
         vote = None
         key = (candidate.step, electorate)
-        if key not in self._voted and (genesis or electorate in self._plans):
+        member = genesis or self.me in self._plans.get(electorate, ())
+        if key not in self._voted and member:
             vote = Vote(self.me, candidate, electorate)
             self._voted.add(key)
             self.last_vote = vote
         self.ballot = Ballot(candidate, electorate, genesis, vote, now)
         self.changed = True
+
+    def members_of_held(self) -> tuple[str, ...]:
+        """The members of our state's electorate, where we know them (sorted; empty if not)."""
+        electorate = self.held.electorate
+        return tuple(sorted(self._plans.get(electorate, ()))) if electorate else ()
+
+    def learn_members(self, members: Iterable[str]) -> bool:
+        """A donor's claim of who votes on the step after the state we downloaded: taken if
+        they make the electorate our state's holders name (the plan's digest is of its
+        members), so we count the next step's votes as its members do. Whether taken."""
+        electorate = self.held.electorate
+        ids = frozenset(members)
+        if electorate is None or not ids or plan_of(ids) != electorate:
+            return False
+        self._remember_plan(electorate, ids)
+        return True
+
+    def _remember_plan(self, plan: Electorate, members: frozenset[str]) -> None:
+        self._plans.pop(plan, None)  # the most recent last: the oldest go first
+        self._plans[plan] = members
+        while len(self._plans) > 8:
+            del self._plans[next(iter(self._plans))]
 
     def _electorate_for(self, candidate: Candidate) -> tuple[Electorate, bool]:
         """The electorate of `candidate`'s step and whether it is a genesis (the candidate's
@@ -761,6 +783,7 @@ class StepPolicy:
             vote=None if self.last_vote is None else VoteRecord.of(self.last_vote),
             electorate=self.held.electorate.digest if self.held.electorate else "",
             electorate_size=self.held.electorate.size if self.held.electorate else 0,
+            min_votes=self.rule.min_votes,
         )
 
     def view_with(self, local: Local, now: float) -> CollaborationView:

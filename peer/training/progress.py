@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Annotated, Literal
@@ -133,6 +134,10 @@ class ProgressRecord(msgspec.Struct, frozen=True):
     """Who votes on the step after `step`: the plan of the candidate it holds as `step` (""
     where it does not know: step 0, or a state restored from a checkpoint)."""
     electorate_size: _Count = 0
+    min_votes: Annotated[int, msgspec.Meta(ge=0, le=MAX_SIGNATURES)] = 0
+    """The step rule it plays by (`StepRule.min_votes`: its `averaging.min_group_size`), so a
+    viewer (`peer status`, the dashboard) counts steps by the collaboration's rule rather than
+    its own config (`published_quorum`); 0: not stated."""
     leaving: bool = False
     """Its peer has left (its last record, in place of a withdrawal): counted for its vote and
     signatures only (`CollaborationView.farewells`), never as a trainer. Withdrawn, a vote
@@ -146,6 +151,16 @@ class ProgressRecord(msgspec.Struct, frozen=True):
         if not all(math.isfinite(x) for x in numbers) or self.samples_per_second < 0:
             return "non-finite or negative figures"
         return None
+
+
+def published_quorum(records: Iterable[ProgressRecord], fallback: int) -> int:
+    """The signers a step needs as the collaboration's trainers state it (`min_votes`): the
+    value most of them state, the larger on a tie (never one trainer's claim against the
+    rest); `fallback` (the viewer's own config) where none states one."""
+    stated = Counter(r.min_votes for r in records if r.role == "trainer" and r.min_votes > 0)
+    if not stated:
+        return fallback
+    return max(stated.items(), key=lambda item: (item[1], item[0]))[0]
 
 
 def progress_key(collaboration: str) -> str:

@@ -21,6 +21,7 @@ others download their state (only a certified one: `peer.training.certificate`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import time
@@ -297,7 +298,9 @@ class Trainer:
             if self._snapshot is None:
                 snapshot = await self.worker.serialize()
                 if snapshot is not None and snapshot.step == self.step:  # not replaced meanwhile
-                    self._snapshot = snapshot
+                    # A downloader counts the next step's votes among these (`steprule`).
+                    members = self.policy.members_of_held()
+                    self._snapshot = dataclasses.replace(snapshot, members=members)
             return self._snapshot
 
     async def _hold(
@@ -742,16 +745,14 @@ class Trainer:
             self._snapshot = None
             # A download's buffer is read no more once loaded: given back as it is (a fresh
             # 100 M joiner peaked with the optimizer state cloned beside the whole download).
-            blob = snapshot.blob
+            blob, snapshot_members = snapshot.blob, snapshot.members
             release = releaser(blob) if snapshot.disposable and isinstance(blob, bytes) else None
             del snapshot, blob
             await self.worker.restore(state, from_donor=True, release=release)
         except RemoteError as error:
             return str(error)
         phases["load_s"] = self.monotonic() - started - phases["fetch_and_check_s"]
-        # Who votes on the next step: the plan the state's holders name (`steprule`).
-        electorate = self.policy.view.electorate(state.step, digest)
-        await self._hold(state.step, digest=digest, electorate=electorate)
+        await self._hold_download(state.step, digest, snapshot_members)
         phases["total_s"] = self.monotonic() - started
         return ""
 
@@ -776,10 +777,17 @@ class Trainer:
         except RemoteError as error:
             return f"{error}; {await self._mend()}" if self.worker.torn else str(error)
         phases["load_s"] = self.monotonic() - started - phases["fetch_and_check_s"]
-        electorate = self.policy.view.electorate(step, digest)
-        await self._hold(step, digest=digest, electorate=electorate)
+        await self._hold_download(step, digest, sink.members)
         phases["total_s"] = self.monotonic() - started
         return ""
+
+    async def _hold_download(self, step: int, digest: str, members: tuple[str, ...]) -> None:
+        """Hold a downloaded state. Who votes on the next step is the plan its holders name
+        (`steprule`); its members come from the donor, taken only if they make that plan: a
+        peer that cannot count the votes loses its first step and downloads again."""
+        electorate = self.policy.view.electorate(step, digest)
+        await self._hold(step, digest=digest, electorate=electorate)
+        self.policy.learn_members(members)
 
     async def _mend(self) -> str:
         """After a download into our tensors failed part-way (`TorchWorker.torn`): our latest

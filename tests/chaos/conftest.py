@@ -1,4 +1,4 @@
-"""The chaos suite is invoked on its own: `.venv/bin/python -m pytest -m chaos tests/chaos`.
+"""The chaos suite is invoked on its own: `.venv/bin/python -m pytest -n 0 -m chaos tests/chaos`.
 
 Every test here is marked `chaos`. Unless the run's mark expression selects `chaos`, this folder's
 test files are not collected at all, so `pytest` and `pytest -m slow` collect exactly what they

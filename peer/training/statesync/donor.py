@@ -290,6 +290,7 @@ class StateDonor:
             data_port=port,
             data_cert=self.identity.certificate,
             ticket=token,
+            members=list(snapshot.members),
         )
 
     def _check_capacity(self, caller: ID) -> None:

@@ -260,7 +260,13 @@ class StateDownload:
         manifest = plan.manifest
         # Every chunk has passed its check: these are the hashes of the bytes we hold.
         checked = {manifest.chunk(i): digest for i, digest in enumerate(manifest.hashes)}
-        return Snapshot(manifest.step, result.take(), hashes=checked, disposable=True)
+        return Snapshot(
+            manifest.step,
+            result.take(),
+            hashes=checked,
+            disposable=True,
+            members=tuple(manifest.members),
+        )
 
     async def _run_into(self, sink: Sink) -> int:
         plan = await self._choose(held_back=True)

@@ -54,6 +54,10 @@ class Snapshot:
     disposable: bool = field(default=False, compare=False)
     """The blob is this snapshot's alone (a download's result): whoever loads it may give its
     pages back as it goes (`state.restore`'s `release`)."""
+    members: tuple[str, ...] = field(default=(), compare=False)
+    """The members of the state's electorate (who votes on the next step), where known: a
+    donor's from its plans, a download's as its manifest claimed them (checked by whoever
+    uses them)."""
 
 
 def sliceable(blob: bytes | Sliced) -> memoryview | Sliced:
