@@ -33,6 +33,12 @@ def main() -> None:
     parser.add_argument(
         "--symmetric", type=float, default=0.0, help="share of those behind a symmetric NAT"
     )
+    parser.add_argument(
+        "--partial-from",
+        type=int,
+        default=Scenario(peers=1).partial_from,
+        help="averaging.partial_from: plans of this many peers take partial averages",
+    )
     parser.add_argument("--log-level", default="error")
     args = parser.parse_args()
     if os.environ.get("PYTHONHASHSEED") != "0":
@@ -56,6 +62,7 @@ def main() -> None:
             seed=args.seed,
             nat_share=args.nat,
             symmetric_share=args.symmetric,
+            partial_from=args.partial_from,
         )
         report = run_collaboration(scenario)
         summary = summarize(report)

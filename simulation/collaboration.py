@@ -106,6 +106,10 @@ class Scenario:
     """The share of the volunteers behind NAT (the backbones never are)."""
     symmetric_share: float = 0.0
     """Of those, the share behind a symmetric NAT (client-only); the rest can be punched."""
+    partial_from: int = AveragingConfig().partial_from
+    """`averaging.partial_from`: from this many peers in a Moshpit plan, an averaging that
+    some of them missed gives the others a candidate (the step rule counts it) instead of
+    being called again."""
 
 
 @dataclass
@@ -195,6 +199,7 @@ def _config(scenario: Scenario, factor: float) -> PeerConfig:
         averaging=AveragingConfig(
             group_size=scenario.group_size,
             min_bandwidth=AveragingConfig().min_bandwidth / factor,
+            partial_from=scenario.partial_from,
         ),
         training=TrainingConfig(validation_interval=0, checkpoint_dir="/nonexistent"),
     )

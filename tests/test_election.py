@@ -147,6 +147,23 @@ def test_a_downloader_counts_the_next_step_among_the_members_its_donor_names():
     assert policy.election(T0) == (Outcome.WON, joined)
 
 
+def test_a_member_that_restarted_carries_the_vote_its_record_still_shows():
+    """Review: a member that voted on step 4, restarted (its memory of the vote gone) and
+    downloaded step 3 learns it is a member of step 4's electorate. A second vote, for another
+    candidate, would count one way for readers of its old record and the other way for the
+    rest; it carries the first, and counts it."""
+    policy = at_step_3(member=False)
+    assert policy.learn_members(MEMBERS)
+    first = candidate("first", MEMBERS)
+    ours_before = other(ME, step=3, digest="d3", vote=VoteRecord.of(Vote(ME, first, PLAN)))
+    read(policy, ours_before, voting("z0", first), voting("z1", first))
+    elect(policy, BIG)  # another candidate of step 4, after the restart
+    assert policy.last_vote == Vote(ME, first, PLAN)
+    assert policy.own_record(Local(), T0).vote == VoteRecord.of(Vote(ME, first, PLAN))
+    read(policy, voting("z0", first), voting("z1", first))
+    assert policy.election(T0) == (Outcome.LOST, first)  # 3 : 0 with 2 unseen, ours counted
+
+
 def test_a_strangers_vote_does_not_fill_a_missing_members_place():
     """Review: anyone can name an electorate (its digest and size are in every holder's
     record). z3 left without voting, A and B have 2 votes each; a stranger's vote for A made
@@ -177,14 +194,25 @@ def test_the_first_step_is_a_genesis_and_a_download_takes_the_electorate_its_hol
     assert policy.ballot is not None and policy.ballot.genesis
     read(policy, *(voting(p, first, electorate=first.plan) for p in ("z0", "z1")))
     assert policy.election(T0) == (Outcome.WON, first)
-    # Holders of step 3 name its plan; one record naming another is outvoted.
+    # Holders of step 3 name its plan; another plan named too must trail it by the quorum
+    # (2): a few identities that padded a plan of their own to a tie won it before (the
+    # smaller digest), and a downloader then counted their votes (review).
     holders = [
         other(p, step=3, digest="d3", electorate=PLAN.digest, electorate_size=PLAN.size)
-        for p in ("z0", "z1")
+        for p in ("z0", "z1", "z2")
     ]
-    liar = other("z2", step=3, digest="d3", electorate="f" * 32, electorate_size=1)
-    read(policy, *holders, liar)
-    assert policy.view.electorate(3, "d3") == PLAN
+    liars = [
+        other(p, step=3, digest="d3", electorate="0" * 32, electorate_size=3)
+        for p in ("x0", "x1", "x2")
+    ]
+    read(policy, *holders)
+    assert policy.view.electorate(3, "d3") == PLAN  # uncontested
+    read(policy, *holders, liars[0])
+    assert policy.view.electorate(3, "d3") == PLAN  # 3 : 1
+    read(policy, *holders, *liars[:2])
+    assert policy.view.electorate(3, "d3") is None  # 3 : 2, a lead below the quorum
+    read(policy, *holders, *liars)
+    assert policy.view.electorate(3, "d3") is None  # a tie: nobody's
 
 
 def test_our_record_names_the_electorate_of_the_state_we_hold():

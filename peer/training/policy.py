@@ -471,6 +471,16 @@ class StepPolicy:
         vote = None
         key = (candidate.step, electorate)
         member = genesis or self.me in self._plans.get(electorate, ())
+        # A vote of ours the records still carry (we restarted since, and downloaded what we
+        # held): a second, for another candidate, would count one way for some readers and
+        # the other way for others. We carry the first instead (review).
+        earlier = next(
+            (v for v in self.view.votes(candidate.step) if v.voter == self.me),
+            None,
+        )
+        if earlier is not None and earlier.electorate == electorate and key not in self._voted:
+            self._voted.add(key)
+            self.last_vote = earlier
         if key not in self._voted and member:
             vote = Vote(self.me, candidate, electorate)
             self._voted.add(key)
@@ -526,8 +536,11 @@ class StepPolicy:
         if not members:
             return Outcome.LOST, None
         votes = [v for v in self.view.votes(step) if v.voter != self.me and v.voter in members]
-        if ballot.vote is not None:
-            votes.append(ballot.vote)
+        # Ours: this ballot's, or the one we cast on the step before (a second gathering of
+        # it, a restart), which our record carries and the others count.
+        own = self.last_vote
+        if own is not None and own.candidate.step == step and own.electorate == ballot.electorate:
+            votes.append(own)
         if ballot.genesis:
             certified = self.rule.genesis(step, ballot.electorate, votes)
             if certified is not None and not self._most_trainers_voted(certified, votes):

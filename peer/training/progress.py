@@ -344,16 +344,22 @@ class CollaborationView:
 
     def electorate(self, step: int, digest: str) -> Electorate | None:
         """Who votes on the step after `step`, as the holders of (`step`, `digest`) say: the
-        plan most of them name (ties: the smaller digest). Every honest holder of a certified
-        state names the same plan, the certified candidate's; None if none names one."""
+        plan most of them name, if it leads every other by `quorum` holders; None if none
+        names one, or the lead is smaller. Every honest holder of a certified state names the
+        same plan, the certified candidate's, so another is a liar's; a close count costs a
+        downloader its first step (it counts nothing), where taking the most named let a
+        few identities that padded a plan of their own to a tie with the honest holders (the
+        smaller digest won ties) make it count their votes (review)."""
         named = Counter(
             Electorate(r.electorate, r.electorate_size)
             for r in [*self.records, *self.farewells]
             if r.step == step and r.digest == digest and r.electorate
-        )
+        ).most_common()
         if not named:
             return None
-        return min(named, key=lambda e: (-named[e], e.digest))
+        runner_up = named[1][1] if len(named) > 1 else 0
+        first, count = named[0]
+        return first if count - runner_up >= max(1, self.quorum) or runner_up == 0 else None
 
     def with_record(self, record: ProgressRecord) -> CollaborationView:
         """This view with `record` replacing its owner's (our own newest figures)."""

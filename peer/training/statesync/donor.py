@@ -7,7 +7,7 @@ import functools
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import trio
@@ -30,6 +30,8 @@ from peer.net.tls import DataIdentity
 from peer.training.chunks import (
     HASH_BYTES,
     MAX_CHUNKS,
+    MAX_MEMBERS,
+    MAX_PEER_ID_CHARS,
     PIECE_BYTES,
     SERVICE,
     TICKET_BYTES,
@@ -85,6 +87,20 @@ async def _hash_chunks(
         for first in range(workers):
             nursery.start_soon(functools.partial(trio.to_thread.run_sync, work, first))
     return out
+
+
+def fitting(members: Sequence[str], *, room: int) -> list[str]:
+    """The electorate's members a manifest can carry: all of them, or none where they are
+    more than its schema takes (`MAX_MEMBERS`: a plan of up to 8,192 peers can have more) or
+    than the message has room for. A manifest that broke either would fail every download
+    of the state; without the list a downloader only loses its first step (review)."""
+    size = sum(len(m.encode()) + 3 for m in members)  # msgpack: a str header of 1-3 bytes
+    fits = (
+        len(members) <= MAX_MEMBERS
+        and size <= room
+        and all(len(m) <= MAX_PEER_ID_CHARS for m in members)
+    )
+    return list(members) if fits else []
 
 
 @dataclass(frozen=True)
@@ -198,6 +214,7 @@ class StateDonor:
         # The manifest must fit one RPC message: 34 bytes per msgpack'd hash and up to 9 per
         # end, plus slack.
         self.max_chunks = min(MAX_CHUNKS, (node.rpc.max_message_bytes - 1024) // (HASH_BYTES + 11))
+        self.max_message_bytes = node.rpc.max_message_bytes
         self._data: tuple[str, int] | None = None
         self._hashed: _Hashed | None = None
         self._hash_lock = trio.Lock()
@@ -290,7 +307,10 @@ class StateDonor:
             data_port=port,
             data_cert=self.identity.certificate,
             ticket=token,
-            members=list(snapshot.members),
+            members=fitting(
+                snapshot.members,
+                room=self.max_message_bytes - 1024 - len(hashed.ends) * (HASH_BYTES + 11),
+            ),
         )
 
     def _check_capacity(self, caller: ID) -> None:
