@@ -190,7 +190,8 @@ class Report:
     (the whole run)."""
 
 
-def _config(scenario: Scenario, factor: float) -> PeerConfig:
+def peer_config(scenario: Scenario, factor: float) -> PeerConfig:
+    """Every simulated peer's config: the scenario's task and averaging parameters."""
     return PeerConfig(
         collaboration=CollaborationConfig(name="sim"),
         task=TaskConfig(
@@ -214,7 +215,7 @@ class Collaboration:
         self.nats = NatDraw(scenario.nat_share, scenario.symmetric_share, seed=scenario.seed)
         self.plane = SimDataPlane(self.network, model_bytes=scenario.model_bytes)
         self.factor = scenario.model_bytes / (VECTOR * 4)
-        self.config = _config(scenario, self.factor)
+        self.config = peer_config(scenario, self.factor)
         self.backbones: list[SimNode] = []
         self.backbone_scopes: dict[ID, trio.CancelScope] = {}
         self.backbone_failures = self.backbone_restarts = 0

@@ -15,9 +15,10 @@ MEMBERS = [ME, "z0", "z1", "z2", "z3"]
 PLAN = plan_of(MEMBERS)  # the plan of step 3's candidate: who votes on step 4
 
 
-def at_step_3(*, member: bool = True) -> StepPolicy:
-    """A policy holding step 3, a candidate of PLAN's (we were in that plan if `member`)."""
-    policy = make_policy()
+def at_step_3(*, member: bool = True, me: str = ME) -> StepPolicy:
+    """A policy of `me` holding step 3, a candidate of PLAN's (we were in that plan if
+    `member`)."""
+    policy = make_policy(me=me)
     if member:  # we averaged in step 3's plan (`elect` remembers its members)
         policy.elect(Candidate(3, "d3-average", PLAN), frozenset(MEMBERS), T0)
         policy.elected(Outcome.WON)
@@ -52,9 +53,8 @@ def test_of_two_groups_that_averaged_a_step_apart_only_one_is_certified():
     view) and views differ, so both groups of a split could step (the simulation's safety
     check caught two states of one step). Now both elections see the same votes: the
     larger wins, the smaller loses and downloads it."""
-    small, big = at_step_3(), at_step_3()
+    small, big = at_step_3(), at_step_3(me="z1")
     elect(small, SMALL, T0)
-    big.me = "z1"
     elect(big, BIG, T0)
     records = [voting("z0", SMALL), voting("z2", BIG), voting("z3", BIG)]
     read(small, *records, voting("z1", BIG))
@@ -105,8 +105,7 @@ def test_a_member_votes_once_per_step_and_a_stranger_not_at_all():
     assert policy.own_record(Local(), T0).vote == VoteRecord.of(Vote(ME, BIG, PLAN))
     # "s" joined after step 3's gathering (it downloaded step 3): in step 4's plan, not in
     # step 3's, so it votes on step 5, not on step 4.
-    stranger = at_step_3(member=False)
-    stranger.me = "s"
+    stranger = at_step_3(member=False, me="s")
     joined = candidate("big", [*MEMBERS, "s"])
     elect(stranger, joined, T0)
     assert stranger.ballot is not None and stranger.ballot.vote is None
@@ -116,7 +115,10 @@ def test_a_member_votes_once_per_step_and_a_stranger_not_at_all():
     read(stranger, *(voting(p, joined) for p in MEMBERS[1:]))
     assert stranger.election(T0) == (Outcome.LOST, None)
     stranger.elected(Outcome.LOST)
-    assert stranger._genesis_at == 0 and joined.plan in stranger._plans
+    elect(stranger, candidate("again", [*MEMBERS, "s"]), T0 + 1)  # step 4's next try
+    assert stranger.ballot is not None and not stranger.ballot.genesis
+    stranger.hold(4, "d4", own_signature(4), electorate=joined.plan)  # it downloaded step 4
+    assert stranger.members_of_held() == tuple(sorted(MEMBERS_OF[joined]))  # its plan's
 
 
 def test_a_downloader_counts_the_next_step_among_the_members_its_donor_names():
@@ -127,9 +129,7 @@ def test_a_downloader_counts_the_next_step_among_the_members_its_donor_names():
     joined = candidate("joined", [*MEMBERS, "s"])
 
     def downloader() -> StepPolicy:
-        policy = at_step_3(member=False)
-        policy.me = "s"
-        return policy
+        return at_step_3(member=False, me="s")
 
     for claimed in (MEMBERS[:-1], [*MEMBERS, "s"], ["a", "b", "c", "d", "e"], []):
         refused = downloader()

@@ -41,14 +41,14 @@ ME = "m"  # peer ids sort: "0" < "12D3KooW..." < "m" < "z..."
 
 
 def make_policy(
-    *, min_group_size: int = 2, mode: str = "dedloc", max_steps: int = 0, **training
+    *, min_group_size: int = 2, mode: str = "dedloc", max_steps: int = 0, me: str = ME, **training
 ) -> StepPolicy:
     config = PeerConfig(
         averaging=AveragingConfig(min_group_size=min_group_size),
         task=TaskConfig(name="tiny", micro_batch=8, target_batch=64),
         training=TrainingConfig(mode=mode, max_steps=max_steps, **training),
     )
-    policy = StepPolicy(me=ME, config=config, vector_size=1000)
+    policy = StepPolicy(me=me, config=config, vector_size=1000)
     policy.hold(0, "d0", own_signature(0))
     policy.started()
     return policy

@@ -20,7 +20,7 @@ from peer.dht.records import Limits, make_entry
 from peer.errors import DeadlineExceeded, RpcError, Unreachable
 from peer.net.rpc import RpcServer
 from peer.training.publisher import ProgressPublisher
-from simulation.collaboration import EPOCH, Attempt, Scenario, _config, run_collaboration
+from simulation.collaboration import EPOCH, Attempt, Scenario, peer_config, run_collaboration
 from simulation.cpu import VERIFY_SECONDS, charged
 from simulation.dataplane import SimDataPlane, SimDataServer, SimIdentity
 from simulation.links import SharedLink, carry
@@ -291,8 +291,8 @@ def fingerprint(report) -> tuple:
 
 def test_a_scenario_sets_the_averaging_parameter_it_explores():
     """`--partial-from` (issue 46: at 100 peers, plans of 16-59 failed below 64)."""
-    assert _config(small(peers=5), 1.0).averaging.partial_from == 64  # the daemon's default
-    assert _config(small(peers=5, partial_from=2), 1.0).averaging.partial_from == 2
+    assert peer_config(small(peers=5), 1.0).averaging.partial_from == 64  # the daemon's default
+    assert peer_config(small(peers=5, partial_from=2), 1.0).averaging.partial_from == 2
 
 
 def test_the_same_seed_gives_the_same_run_to_the_byte_and_another_seed_another():

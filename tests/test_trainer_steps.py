@@ -130,7 +130,7 @@ def others_vote_for(trainer: Trainer, result: AveragingResult) -> None:
     plan = plan_of(result.plan)
     assert result.average is not None
     choice = Candidate(trainer.step + 1, average_digest(result.average, result.weight), plan)
-    electorate, _ = trainer.policy._electorate_for(choice)
+    electorate, _ = trainer.policy.electorate_for(choice)
     records = [
         ProgressRecord(
             peer_id=peer,

@@ -466,7 +466,7 @@ class StepPolicy:
         voted on the step yet, and count the votes from now on (`election`)."""
         if plan_of(members) != candidate.plan:
             raise ValueError("the candidate's plan is not its members'")
-        electorate, genesis = self._electorate_for(candidate)
+        electorate, genesis = self.electorate_for(candidate)
         self._remember_plan(candidate.plan, members)
         vote = None
         key = (candidate.step, electorate)
@@ -510,7 +510,7 @@ class StepPolicy:
         while len(self._plans) > 8:
             del self._plans[next(iter(self._plans))]
 
-    def _electorate_for(self, candidate: Candidate) -> tuple[Electorate, bool]:
+    def electorate_for(self, candidate: Candidate) -> tuple[Electorate, bool]:
         """The electorate of `candidate`'s step and whether it is a genesis (the candidate's
         own plan: the first step, a step whose election stalled for us, or one after a state
         of unknown plan that no holder names)."""

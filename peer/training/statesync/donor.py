@@ -89,6 +89,12 @@ async def _hash_chunks(
     return out
 
 
+# A manifest must fit one RPC message: 34 bytes per msgpack'd hash and up to 9 per end, plus
+# slack for its other fields.
+CHUNK_MANIFEST_BYTES = HASH_BYTES + 11
+MANIFEST_SLACK = 1024
+
+
 def fitting(members: Sequence[str], *, room: int) -> list[str]:
     """The electorate's members a manifest can carry: all of them, or none where they are
     more than its schema takes (`MAX_MEMBERS`: a plan of up to 8,192 peers can have more) or
@@ -211,10 +217,8 @@ class StateDonor:
         self.admission = Admission(node.network_key_bytes, admission_limits)
         # Manifests per caller, in thousandths so that caller_states may be fractional.
         self.budgets = ByteBudgets(capacity=round(caller_states * 1000), window=caller_window)
-        # The manifest must fit one RPC message: 34 bytes per msgpack'd hash and up to 9 per
-        # end, plus slack.
-        self.max_chunks = min(MAX_CHUNKS, (node.rpc.max_message_bytes - 1024) // (HASH_BYTES + 11))
         self.max_message_bytes = node.rpc.max_message_bytes
+        self.max_chunks = min(MAX_CHUNKS, self._manifest_room(0) // CHUNK_MANIFEST_BYTES)
         self._data: tuple[str, int] | None = None
         self._hashed: _Hashed | None = None
         self._hash_lock = trio.Lock()
@@ -307,11 +311,12 @@ class StateDonor:
             data_port=port,
             data_cert=self.identity.certificate,
             ticket=token,
-            members=fitting(
-                snapshot.members,
-                room=self.max_message_bytes - 1024 - len(hashed.ends) * (HASH_BYTES + 11),
-            ),
+            members=fitting(snapshot.members, room=self._manifest_room(len(hashed.ends))),
         )
+
+    def _manifest_room(self, chunks: int) -> int:
+        """Bytes of one RPC message a manifest of `chunks` chunks leaves for its members."""
+        return self.max_message_bytes - MANIFEST_SLACK - chunks * CHUNK_MANIFEST_BYTES
 
     def _check_capacity(self, caller: ID) -> None:
         serving = self._live_tickets() - (caller in self._by_caller)
