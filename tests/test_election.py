@@ -256,3 +256,43 @@ def test_a_genesis_needs_most_of_the_trainers_in_view():
     votes = [voting(f"z{i}", every, electorate=every.plan) for i in range(3)]
     read(policy, *votes, *others[2:])
     assert policy.election(T0 + patience) == (Outcome.WON, every)  # 4 of 6
+
+
+def test_a_partial_average_defers_its_vote_and_joins_the_leader_of_its_plan():
+    """A member left mid-averaging: the plan's peers end on several averages (at 100
+    simulated peers, 32 / 12 / 12 of one gathering), and with each voting for its own none
+    had a majority. A partial average defers its vote by a turn per missing contribution and
+    then joins the candidate of its plan that members' votes lead, given evidence from two."""
+    step4 = [*MEMBERS, "z4"]
+    ours, larger = candidate("ours", step4), candidate("larger", step4)
+    policy = at_step_3()
+    policy.elect(ours, MEMBERS_OF[ours], T0, basis=len(step4) - 2)
+    ballot = policy.ballot
+    assert ballot is not None and ballot.vote is None and ballot.vote_at is not None
+    turn = policy.timing.fallback_turn(policy.store_seconds)
+    assert ballot.vote_at == T0 + 2 * turn
+    read(policy, voting("z0", larger), voting("z1", larger))
+    assert policy.election(T0 + 2 * turn - 0.1) == (Outcome.WAITING, None)
+    assert policy.last_vote is None or policy.last_vote.candidate.step != 4
+    policy.election(T0 + 2 * turn)  # the vote is cast: for the leader
+    assert policy.last_vote == Vote(ME, larger, PLAN)
+    read(policy, voting("z0", larger), voting("z1", larger), voting("z2", larger))
+    assert policy.election(T0 + 2 * turn + 1) == (Outcome.LOST, larger)  # we download it
+
+    # One member's vote is a claim, not evidence: we vote for ours.
+    alone = at_step_3()
+    alone.elect(ours, MEMBERS_OF[ours], T0, basis=len(step4) - 1)
+    read(alone, voting("z0", larger))
+    alone.election(T0 + turn)
+    assert alone.last_vote == Vote(ME, ours, PLAN)
+    # Nor a candidate of another plan (another gathering), however many vote for it.
+    elsewhere = candidate("elsewhere", [*MEMBERS, "z9"])
+    apart = at_step_3()
+    apart.elect(ours, MEMBERS_OF[ours], T0, basis=len(step4) - 1)
+    read(apart, voting("z0", elsewhere), voting("z1", elsewhere), voting("z2", elsewhere))
+    apart.election(T0 + turn)
+    assert apart.last_vote == Vote(ME, ours, PLAN)
+    # A complete average votes at once.
+    whole = at_step_3()
+    whole.elect(ours, MEMBERS_OF[ours], T0, basis=len(step4))
+    assert whole.last_vote == Vote(ME, ours, PLAN)

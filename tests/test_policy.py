@@ -719,6 +719,26 @@ def test_after_a_failed_averaging_nobody_calls_while_others_are_still_in_it():
     assert isinstance(stuck.next_action(ours, T0 + longest), Call)
 
 
+def test_a_few_still_in_a_failed_averaging_do_not_hold_the_step_of_the_many():
+    """At 100 simulated peers, 12 still in a failed averaging held 47 ready peers for 148 s.
+    Below a third of the trainers at our step, the rest call without them (they download)."""
+    ours = Local(samples=32, samples_per_second=10.0)
+
+    def collaboration(still: int, free: int) -> StepPolicy:
+        records = [
+            other(f"zs{i:02}", call_step=0, gather_until=T0 - 0.5, holding=True, samples=8)
+            for i in range(still)
+        ] + [other(f"zf{i:02}", holding=True, samples=8) for i in range(free)]
+        policy, _ = dedloc(*records)
+        assert isinstance(policy.next_action(ours, T0), Wait)  # we missed their gathering
+        return policy
+
+    # 2 of the 10 trainers at our step still in it: we call.
+    assert isinstance(collaboration(still=2, free=7).next_action(ours, T0 + 1), Call)
+    # 4 of 10: a third or more, we wait for them.
+    assert isinstance(collaboration(still=4, free=5).next_action(ours, T0 + 1), Wait)
+
+
 def test_how_long_others_may_still_be_averaging_grows_with_the_vector():
     """A fixed 30 s was shorter than one round of a 400 MB vector at 50 MB/s, and a peer
     called the step while the others were still in it."""

@@ -590,7 +590,7 @@ class Trainer:
             await self.worker.average_digest(result.average, result.weight),
             plan_of(result.plan),
         )
-        outcome, certified = await self._elect(candidate, frozenset(result.plan))
+        outcome, certified = await self._elect(candidate, frozenset(result.plan), result.members)
         if outcome is Outcome.WON:
             await self.worker.apply(result.average)
             await self._hold(self.step + 1, electorate=candidate.plan)
@@ -619,18 +619,25 @@ class Trainer:
         )
 
     async def _elect(
-        self, candidate: Candidate, members: frozenset[str]
+        self, candidate: Candidate, members: frozenset[str], basis: int
     ) -> tuple[Outcome, Candidate | None]:
-        """Vote for `candidate` where we may and wait for the step rule to certify one (our
-        reads of the votes in the others' records), at most `settle_patience`."""
-        self.policy.elect(candidate, members, self.clock())
+        """Vote where we may (for `candidate`, or the leader of its plan where ours is partial:
+        `basis` of the plan's contributions) and wait for the step rule to certify one (our
+        reads of the votes in the others' records), at most `settle_patience` after our vote."""
+        self.policy.elect(candidate, members, self.clock(), basis=basis)
         self.progress.publish_now()
         started = self.monotonic()
         while True:
             outcome, certified = self.policy.election(self.clock())
+            if self.policy.take_changed():  # a deferred vote was cast
+                self.progress.publish_now()
             if outcome is not Outcome.WAITING:
                 break
-            with trio.move_on_after(self.training.progress_interval):
+            wait = self.training.progress_interval
+            ballot = self.policy.ballot
+            if ballot is not None and ballot.vote_at is not None:
+                wait = min(wait, max(0.0, ballot.vote_at - self.clock()))
+            with trio.move_on_after(wait):
                 await self._view_changed.wait()
         self.policy.elected(outcome)
         self.tally.elections[outcome.value] += 1
