@@ -16,6 +16,7 @@ from peer.config import AveragingConfig, PeerConfig, TaskConfig, TrainingConfig
 from peer.training.certificate import CARRIED_SIGNATURES, MAX_SIGNATURES, StepSignature, carried
 from peer.training.deal import MAX_RATE_CLAIM, REMEASURE_STEPS, deal, shares
 from peer.training.policy import (
+    CALL_GRID,
     MAX_FALLBACK_TURNS,
     MAX_WAIT_FOR_OTHERS,
     SLOW_CLAIM,
@@ -63,6 +64,11 @@ def other(peer_id: str, **fields) -> ProgressRecord:
     return msgspec.structs.replace(
         rec(0, step=0, digest="d0", updated_at=T0), peer_id=peer_id, **fields
     )
+
+
+def on_grid(close: float) -> float:
+    """The close a call names: the next multiple of CALL_GRID."""
+    return math.ceil(close / CALL_GRID) * CALL_GRID
 
 
 def read(policy: StepPolicy, *records: ProgressRecord, now: float = T0) -> None:
@@ -143,11 +149,11 @@ def test_one_dedloc_step_walked_on_a_virtual_clock():
     # ours) and declare.
     called = policy.timing.window(policy.store_seconds, rate["batch_seconds"])
     assert called == pytest.approx(1.0 + 2 * 0.8 + 0.25) and called > window
-    assert action == Call(now + called) and policy.take_changed()
+    assert action == Call(on_grid(now + called)) and policy.take_changed()
     assert policy.own_record(Local(samples=32), now).call_step == 0
     assert isinstance(policy.next_action(Local(samples=32, **rate), now + 0.1), Wait)
     # Half the window before the close: declare, after one more read.
-    gather_until = now + called
+    gather_until = on_grid(now + called)
     action = policy.next_action(Local(samples=32, **rate), gather_until - window / 2)
     assert isinstance(action, Declare) and action.gather_until == gather_until
     assert policy.declare(gather_until, gather_until - window / 2, in_background=False)
@@ -860,8 +866,8 @@ def test_a_call_leaves_a_slow_peer_time_for_its_micro_batch():
     now = T0 + 1.0
     read(policy, other("z1", samples=28, samples_per_second=4.0, updated_at=now), now=now)
     action = policy.next_action(Local(samples=40, **rate), now)
-    assert action == Call(now + policy.timing.window(policy.store_seconds, 2.0))
-    assert action.gather_until - now == pytest.approx(1.0 + SLOW_BATCH * 2.0 + 0.25)
+    assert action == Call(on_grid(now + policy.timing.window(policy.store_seconds, 2.0)))
+    assert action.gather_until == on_grid(now + 1.0 + SLOW_BATCH * 2.0 + 0.25)
 
 
 def test_a_record_claiming_a_crawl_widens_a_call_only_so_far():
@@ -917,3 +923,15 @@ def test_backoff_after_failed_downloads_doubles_and_a_success_resets_it():
     assert waits[:8] == doubling and doubling[-1] == 30.0
     assert waits[8] == 0 and waits[9] == interval
     assert not math.isinf(waits[-1])
+
+
+def test_two_calls_made_a_moment_apart_name_one_gathering():
+    """Two peers whose views name another lowest caller call at nearly the same moment: on
+    the grid their calls close together, one gathering (at 100 simulated peers, calls 24 and
+    18 strong, 0.1 s apart, split a step)."""
+    ours = Local(samples=32, samples_per_second=10.0)
+    first, second = dedloc(other("z1", samples=32, holding=True))[0], make_policy(me="n")
+    read(second, other("z1", samples=32, holding=True))
+    a, b = first.next_action(ours, T0 + 0.2), second.next_action(ours, T0 + 0.5)
+    assert isinstance(a, Call) and isinstance(b, Call)
+    assert a.gather_until == b.gather_until == on_grid(a.gather_until)

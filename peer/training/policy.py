@@ -78,6 +78,8 @@ MAX_WAIT_FOR_OTHERS = 600.0
 #: call for them (`_others_still_averaging`): below it, the rest are a two-thirds majority
 #: that certifies the step without them, and they download it.
 STILL_AVERAGING_SHARE = 1 / 3
+#: Seconds: the gathering's close a call names is a multiple of this (`next_action`).
+CALL_GRID = 1.0
 #: Turns at most that a partial average defers its vote (`StepPolicy.elect`).
 MAX_VOTE_TURNS = 3
 #: Turns at most a fallback caller waits for the peers below it (`_may_call`): fresh records
@@ -718,7 +720,10 @@ class StepPolicy:
             ours = self.timing.window(
                 self.store_seconds, self._call_batch_seconds(view, local, now)
             )
-            call = now + ours
+            # On the grid: two calls made at nearly the same moment (peers whose views name
+            # another lowest caller) are then one gathering, not two that split the step
+            # (at 100 simulated peers, calls 24 and 18 strong, 0.1 s apart).
+            call = math.ceil((now + ours) / CALL_GRID) * CALL_GRID
             self.call = (self.held.step, call)
             self.changed = True
             log.info("calling step %d: averaging at +%.1fs", self.held.step + 1, ours)
