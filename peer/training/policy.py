@@ -613,9 +613,18 @@ class StepPolicy:
         # (We may have voted for another candidate of our plan: LOST, and we download it.)
         if certified is not None:
             return Outcome.LOST, certified
-        if now - ballot.since >= self.timing.settle_patience(self.store_seconds):
+        if now - ballot.since >= self.election_patience():
             return Outcome.STALLED, None
         return Outcome.WAITING, None
+
+    def election_patience(self) -> float:
+        """How long after our vote an election may stay open: `settle_patience`, and the
+        longest that a partial average of our plan defers its vote (`elect`). Shorter, the
+        holders of the leading candidate gave up on it before the deferred votes certified
+        it, and the peers that joined it had nobody to download it from (100 simulated
+        peers: 55 downloads of step 1 that no holder served)."""
+        turn = self.timing.fallback_turn(self.store_seconds)
+        return self.timing.settle_patience(self.store_seconds) + MAX_VOTE_TURNS * turn
 
     def _most_trainers_voted(self, certified: Candidate, votes: list[Vote]) -> bool:
         """A genesis candidate's voters are more than half of the trainers in view at the step

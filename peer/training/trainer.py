@@ -614,7 +614,7 @@ class Trainer:
             "no average of step %d was certified within %.0fs; keeping our %d samples for the "
             "next try",
             candidate.step,
-            self.policy.timing.settle_patience(self.policy.store_seconds),
+            self.policy.election_patience(),
             samples,
         )
 
@@ -623,7 +623,7 @@ class Trainer:
     ) -> tuple[Outcome, Candidate | None]:
         """Vote where we may (for `candidate`, or the leader of its plan where ours is partial:
         `basis` of the plan's contributions) and wait for the step rule to certify one (our
-        reads of the votes in the others' records), at most `settle_patience` after our vote."""
+        reads of the votes in the others' records), at most `election_patience` after our vote."""
         self.policy.elect(candidate, members, self.clock(), basis=basis)
         self.progress.publish_now()
         started = self.monotonic()
