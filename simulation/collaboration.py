@@ -181,6 +181,8 @@ class Report:
     ideal_step_seconds: float
     violations: list[Violation]
     """States taken as a step other than the first taken as that step (`simulation.safety`)."""
+    taken_at: dict[int, float]
+    """Step -> virtual seconds: when the first peer took it."""
     elections: Counter[str]
     """How the trainers' candidates fared (`Trainer._elect`: won, lost, stalled)."""
     election_seconds: float
@@ -611,6 +613,7 @@ def run_collaboration(scenario: Scenario) -> Report:
         downloads=sum(t.tally.downloads for t in everyone) - collaboration.downloads_at_start,
         ideal_step_seconds=collaboration.ideal,
         violations=collaboration.safety.violations,
+        taken_at=collaboration.safety.taken_at,
         elections=sum((t.tally.elections for t in everyone), Counter()),
         election_seconds=sum(t.tally.election_seconds for t in everyone)
         / max(1, sum(sum(t.tally.elections.values()) for t in everyone)),

@@ -31,8 +31,8 @@ class Summary:
     cut_rounds: int
     """Rounds still averaging when the run ended: not counted as either."""
     agreed_rounds: float
-    """Rounds in which most of their peers ended on one average: the step the collaboration
-    takes (its certificate; the others download it)."""
+    """Rounds that yielded their step: the last try of a step before a peer first took it
+    (the step rule certified one of its candidates; the others download it)."""
     complete_rounds: float
     """Rounds in which every peer that took part got the average over its whole view."""
     late_gatherings: int
@@ -82,7 +82,7 @@ def summarize(report: Report) -> Summary:
     scenario = report.scenario
     seconds = scenario.minutes * 60
     hours = seconds / 3600
-    everyone = rounds_of(report.attempts)
+    everyone = rounds_of(report.attempts, report.taken_at)
     rounds = [r for r in everyone if not report.cut & r.epochs]
     on_the_step = [r.on_the_step for r in rounds]
     ops = sum(len(times) for times in report.dht_seconds.values())
@@ -103,7 +103,7 @@ def summarize(report: Report) -> Summary:
         complete_share=_share(a.complete for a in report.attempts),
         rounds=len(rounds),
         cut_rounds=len(everyone) - len(rounds),
-        agreed_rounds=_share(share > 0.5 for share in on_the_step),
+        agreed_rounds=_share(r.yielded for r in rounds),
         complete_rounds=_share(all(a.complete for a in r.calls) for r in rounds),
         late_gatherings=sum(r.late_gatherings for r in rounds),
         peers_on_the_step=statistics.fmean(on_the_step) if on_the_step else 0.0,
@@ -142,9 +142,14 @@ class Round:
 
     step: int
     calls: list[Attempt]
+    opened: float
+    """Virtual seconds: its first call."""
     late_gatherings: int = 0
-    """Gatherings of the step opened after this round took it: peers that missed it,
-    averaging apart (they are not on the step, and download it)."""
+    """Gatherings of the step opened after a peer took it: peers that missed it, averaging
+    apart (they are not on the step, and download it)."""
+    yielded: bool = False
+    """The step was taken from this try: it is the last try opened before a peer first took
+    the step."""
 
     @property
     def epochs(self) -> set[int]:
@@ -156,14 +161,16 @@ class Round:
         return _most_common_average(self.calls) / len(self.calls)
 
 
-def rounds_of(attempts: Iterable[Attempt]) -> list[Round]:
+def rounds_of(attempts: Iterable[Attempt], taken_at: dict[int, float]) -> list[Round]:
     """The averaging calls by round: the collaboration's try at one step, i.e. the calls of
     that step in one gathering (one epoch), or in several gatherings open at once (calls of
-    the step made at nearly the same moment split its peers: one round, and those apart from
-    its majority are not on the step). A gathering that opened after the last one closed (its
-    calls started later) is the next try, unless the step was taken (most of a round's calls
-    on one average): then its peers missed the step, and count in that round, off the step.
-    Calls made too late for their gathering (an empty view) are in none."""
+    the step made at nearly the same moment split its peers: one round). A gathering that
+    opened after the last one closed (its calls started later) is the next try, unless a peer
+    had taken the step by then (`taken_at`, virtual seconds: the safety check's first holder):
+    then its peers missed the step and count in the last round, off the step. The round that
+    yields a step is the last one opened before it was taken (the step rule certified one of
+    its candidates, whatever the split of their averages). Calls made too late for their
+    gathering (an empty view) are in none."""
     by_step: dict[int, dict[int, list[Attempt]]] = defaultdict(lambda: defaultdict(list))
     for attempt in attempts:
         if attempt.peers_seen > 0:
@@ -171,17 +178,20 @@ def rounds_of(attempts: Iterable[Attempt]) -> list[Round]:
     rounds: list[Round] = []
     for step in sorted(by_step):
         closes = -math.inf  # the current round's latest close, virtual seconds
-        taken = math.inf  # the close after which the current round held the step
+        taken = taken_at.get(step, math.inf)
+        ours: list[Round] = []
         for epoch, calls in sorted(by_step[step].items()):
             opened = min(a.started for a in calls)
-            if opened >= taken:
-                rounds[-1].late_gatherings += 1
-            elif opened >= closes:  # the last one closed before this one opened: a new try
-                rounds.append(Round(step, []))
-            rounds[-1].calls.extend(calls)
+            if opened >= taken and ours:
+                ours[-1].late_gatherings += 1
+            elif opened >= closes or not ours:  # the last one closed before: a new try
+                ours.append(Round(step, [], opened))
+            ours[-1].calls.extend(calls)
             closes = max(closes, epoch / 1000 - EPOCH)
-            if taken == math.inf and rounds[-1].on_the_step > 0.5:
-                taken = closes
+        tries = [r for r in ours if r.opened < taken]
+        if tries and taken < math.inf:
+            tries[-1].yielded = True
+        rounds.extend(ours)
     return rounds
 
 
@@ -229,7 +239,7 @@ def rows(summary: Summary) -> list[tuple[str, str]]:
             f"{s.averaged_share:.1%} / {s.complete_share:.1%} of {s.attempts}",
         ),
         (
-            "rounds where most peers agree (a step) / all complete",
+            "rounds that yield a step / whose calls all complete",
             f"{s.agreed_rounds:.1%} / {s.complete_rounds:.1%} of {s.rounds}"
             f" ({s.cut_rounds} cut by the end)",
         ),

@@ -32,8 +32,11 @@ class SafetyCheck:
     first: dict[int, tuple[str, str]] = field(default_factory=dict)
     """step -> (digest, peer): the first state anyone took as that step."""
     violations: list[Violation] = field(default_factory=list)
+    taken_at: dict[int, float] = field(default_factory=dict)
+    """step -> virtual seconds: when the first peer took it (the report's rounds)."""
 
     def held(self, step: int, peer: str, digest: str, at: float) -> None:
+        self.taken_at.setdefault(step, at)
         first = self.first.setdefault(step, (digest, peer))
         if first[0] != digest:
             violation = Violation(step, peer, digest, at, first[1], first[0])
