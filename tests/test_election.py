@@ -244,16 +244,24 @@ def test_a_member_that_left_after_voting_still_counts_through_its_farewell_recor
 def test_a_genesis_needs_most_of_the_trainers_in_view():
     """100 simulated peers: a stray gathering of 2 certified step 1 in its own plan while 98
     certified another in theirs, and a peer took step 1 as a second state. A genesis now
-    needs the votes of more than half of the trainers in view."""
+    needs the votes of more than half of the trainers in view; one whose plan is no such
+    majority stalls at once (waiting out the patience kept its peers out of the next
+    gathering: 100 simulated peers gathered in alternating halves)."""
     policy = make_policy()
     stray = candidate("stray", [ME, "z0"], step=1)
     elect(policy, stray, T0)
     others = [other(f"z{i}") for i in range(1, 5)]
     read(policy, voting("z0", stray, electorate=stray.plan), *others)
-    assert policy.election(T0)[0] is Outcome.WAITING  # 2 of 6
-    patience = policy.election_patience()
-    assert policy.election(T0 + patience)[0] is Outcome.STALLED
+    assert policy.election(T0)[0] is Outcome.STALLED  # 2 of 6 votes at most
     policy.elected(Outcome.STALLED)
+    # A plan of 4 of the 6 could still win: its election waits for the votes, then stalls.
+    most = make_policy()
+    four = candidate("four", [ME, "z0", "z1", "z2"], step=1)
+    elect(most, four, T0)
+    read(most, voting("z0", four, electorate=four.plan), *others)
+    assert most.election(T0)[0] is Outcome.WAITING  # 2 of 6, 2 more may come
+    patience = most.election_patience()
+    assert most.election(T0 + patience)[0] is Outcome.STALLED
     every = candidate("every", [ME, *(f"z{i}" for i in range(5))], step=1)
     elect(policy, every, T0 + patience)
     votes = [voting(f"z{i}", every, electorate=every.plan) for i in range(3)]

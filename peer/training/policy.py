@@ -256,7 +256,7 @@ class Outcome(enum.Enum):
     """Another candidate is certified: download it once its holders have it."""
     WAITING = "waiting"
     STALLED = "stalled"
-    """Nothing certified for `Timing.settle_patience`: no step of ours; the next try of the
+    """Nothing certified for `StepPolicy.election_patience`: no step of ours; the next try of the
     step starts a new election (`_genesis_at`)."""
 
 
@@ -580,7 +580,7 @@ class StepPolicy:
 
     def election(self, now: float) -> tuple[Outcome, Candidate | None]:
         """The election of our candidate as our last read shows it: the certified candidate
-        (ours: WON; another: LOST), or WAITING, or STALLED after `settle_patience`."""
+        (ours: WON; another: LOST), or WAITING, or STALLED after `election_patience`."""
         ballot = self.ballot
         assert ballot is not None, "no election runs"
         self.cast_due(now)
@@ -606,6 +606,11 @@ class StepPolicy:
             certified = self.rule.genesis(step, ballot.electorate, votes)
             if certified is not None and not self._most_trainers_voted(certified, votes):
                 certified = None
+            if certified is None and 2 * ballot.electorate.size <= len(self._trainers_around()):
+                # Every member's vote would still be no majority of the trainers: waiting out
+                # the patience only kept us out of the next gathering (100 simulated peers
+                # gathered in alternating halves, each stalling while the other gathered).
+                return Outcome.STALLED, None
         else:
             certified = self.rule.tally(step, ballot.electorate, votes)
         if certified == ballot.candidate:
@@ -637,12 +642,15 @@ class StepPolicy:
         voters = {
             v.voter for v in votes if v.candidate == certified and v.electorate == certified.plan
         }
-        trainers = {
+        return 2 * len(voters) > len(self._trainers_around() | voters)
+
+    def _trainers_around(self) -> set[str]:
+        """The trainers in view at our step or one around it, not downloading, and us."""
+        return {
             r.peer_id
             for r in self.view.records
             if r.role == "trainer" and abs(r.step - self.held.step) <= 1 and not r.downloading
-        }
-        return 2 * len(voters) > len(trainers | voters | {self.me})
+        } | {self.me}
 
     def elected(self, outcome: Outcome) -> None:
         """The election ended (`election`'s outcome). STALLED: our vote on the step is spent,
