@@ -935,3 +935,22 @@ def test_two_calls_made_a_moment_apart_name_one_gathering():
     a, b = first.next_action(ours, T0 + 0.2), second.next_action(ours, T0 + 0.5)
     assert isinstance(a, Call) and isinstance(b, Call)
     assert a.gather_until == b.gather_until == on_grid(a.gather_until)
+
+
+def test_slow_reads_of_the_records_widen_a_call_s_window():
+    """At 100 simulated peers a read of the records took longer than a store, and most
+    peers saw each 2-3 s call too late to declare in it."""
+    ours = Local(samples=32, samples_per_second=10.0)
+
+    def called(read_seconds: float) -> float:
+        policy, _ = dedloc(other("z1", samples=32, holding=True))
+        policy.note_store_time(0.2)
+        policy.note_read_time(read_seconds)
+        action = policy.next_action(ours, T0)
+        assert isinstance(action, Call)
+        return action.gather_until
+
+    assert called(0.1) == called(0.2)  # a read no slower than a store: as before
+    slow = called(4.0)
+    assert slow >= T0 + 0.2 + 4.0 + 1.0  # the call lands, a read starts and ends
+    assert slow > called(0.2)

@@ -78,6 +78,8 @@ MAX_WAIT_FOR_OTHERS = 600.0
 #: call for them (`_others_still_averaging`): below it, the rest are a two-thirds majority
 #: that certifies the step without them, and they download it.
 STILL_AVERAGING_SHARE = 1 / 3
+#: Each read's weight against the slowest before it (`note_read_time`).
+READ_DECAY = 0.8
 #: Seconds: the gathering's close a call names is a multiple of this (`next_action`).
 CALL_GRID = 1.0
 #: Turns at most that a partial average defers its vote (`StepPolicy.elect`).
@@ -303,6 +305,9 @@ class StepPolicy:
         """The last read of the progress records."""
         self.store_seconds = 0.0
         """How long a DHT store of ours takes (a moving average): windows widen with it."""
+        self.read_seconds = 0.0
+        """How long our reads of the records take (the slowest, decaying): a call's window
+        widens with it (`Timing.window`)."""
         self.call: tuple[int, float] | None = None
         """(step, gather_until) of the call we made or are averaging in."""
         self.downloading = False
@@ -357,6 +362,10 @@ class StepPolicy:
         """How long a DHT store of ours took (the progress loop times each one)."""
         first = self.store_seconds == 0.0
         self.store_seconds = seconds if first else 0.7 * self.store_seconds + 0.3 * seconds
+
+    def note_read_time(self, seconds: float) -> None:
+        """How long a read of the records took (the progress loop times each one)."""
+        self.read_seconds = max(seconds, READ_DECAY * self.read_seconds)
 
     def observe(self, view: CollaborationView, now: float) -> None:
         """A read of the progress records."""
@@ -735,7 +744,7 @@ class StepPolicy:
         if self._may_call(view, local, now):
             # Long enough for the others to see the call and finish their micro-batch.
             ours = self.timing.window(
-                self.store_seconds, self._call_batch_seconds(view, local, now)
+                self.store_seconds, self._call_batch_seconds(view, local, now), self.read_seconds
             )
             # On the grid: two calls made at nearly the same moment (peers whose views name
             # another lowest caller) are then one gathering, not two that split the step

@@ -91,6 +91,7 @@ class ProgressPublisher:
         ttl: float,
         longest_read_interval: float,
         on_store_time: Callable[[float], None] = lambda seconds: None,
+        on_read_time: Callable[[float], None] = lambda seconds: None,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.clock = clock
@@ -98,6 +99,7 @@ class ProgressPublisher:
         self.record = record
         self.on_read = on_read
         self.on_store_time = on_store_time
+        self.on_read_time = on_read_time
         self.interval = interval
         self.ttl = ttl
         self.collaboration = config.collaboration.name
@@ -118,7 +120,9 @@ class ProgressPublisher:
 
     async def read(self) -> None:
         """Read every record now (RemoteError if the DHT cannot be reached)."""
+        started = trio.current_time()
         entries = await self.dht.get(self.key, hot=True)
+        self.on_read_time(trio.current_time() - started)
         records = decode_progress(entries, collaboration=self.collaboration)
         self.read_interval = read_interval(
             received_bytes(entries, records),

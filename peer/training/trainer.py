@@ -219,6 +219,7 @@ class Trainer:
             longest_read_interval=self.timing.longest_read_interval,
             ttl=self.timing.progress_ttl,
             on_store_time=self.policy.note_store_time,
+            on_read_time=self.policy.note_read_time,
             clock=clock,
         )
         self.finished = trio.Event()
