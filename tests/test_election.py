@@ -307,3 +307,43 @@ def test_a_partial_average_defers_its_vote_and_joins_the_leader_of_its_plan():
     whole = at_step_3()
     whole.elect(ours, MEMBERS_OF[ours], T0, basis=len(step4))
     assert whole.last_vote == Vote(ME, ours, PLAN)
+
+
+def test_a_deferred_vote_is_drawn_only_by_a_third_of_the_plan_and_never_cast_twice():
+    """Review: two colluding members voting for a candidate they invented drew every
+    deferred vote, and the step was certified on a state nobody could serve. A leader needs
+    the votes of a third of the plan's members. And a vote of ours that our old record (from
+    before a restart) shows up with during the delay is carried, not cast again."""
+    step4 = [*MEMBERS, "z4", "z5", "z6", "z7"]  # a plan of 9: a third is 3
+    ours, invented = candidate("ours", step4), candidate("0-invented", step4)
+    policy = at_step_3()
+    policy.elect(ours, MEMBERS_OF[ours], T0, basis=len(step4) - 1)
+    turn = policy.ballot.vote_at - T0  # type: ignore[union-attr]
+    read(policy, voting("z0", invented), voting("z1", invented))  # two colluders
+    policy.election(T0 + turn)
+    assert policy.last_vote == Vote(ME, ours, PLAN)
+    # Three members (a third of 9): evidence enough.
+    drawn = at_step_3()
+    drawn.elect(ours, MEMBERS_OF[ours], T0, basis=len(step4) - 1)
+    read(drawn, *(voting(p, invented) for p in ("z0", "z1", "z2")))
+    drawn.election(T0 + turn)
+    assert drawn.last_vote == Vote(ME, invented, PLAN)
+
+    restarted = at_step_3()
+    restarted.elect(ours, MEMBERS_OF[ours], T0, basis=len(step4) - 1)
+    old = candidate("old", step4)
+    read(restarted, voting(ME, old))  # our record from before the restart, read late
+    assert restarted.election(T0 + turn)[0] is Outcome.WAITING
+    assert restarted.last_vote == Vote(ME, old, PLAN)  # carried, not a second vote
+    assert restarted.ballot is not None and restarted.ballot.vote is None
+
+
+def test_a_deferred_vote_does_not_wait_once_the_count_is_decided():
+    """Review: a peer whose vote was deferred waited out its turns although the others had
+    already certified a candidate, and missed the next gathering."""
+    step4 = [*MEMBERS, "z4"]
+    ours, larger = candidate("ours", step4), candidate("larger", step4)
+    policy = at_step_3()
+    policy.elect(ours, MEMBERS_OF[ours], T0, basis=len(step4) - 2)
+    read(policy, *(voting(p, larger) for p in ("z0", "z1", "z2", "z3")))
+    assert policy.election(T0) == (Outcome.LOST, larger)  # 4 of 5: certified, at once

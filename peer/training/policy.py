@@ -84,6 +84,9 @@ READ_DECAY = 0.8
 CALL_GRID = 1.0
 #: Turns at most that a partial average defers its vote (`StepPolicy.elect`).
 MAX_VOTE_TURNS = 3
+#: Share of a plan's members whose votes a candidate needs before a deferred vote joins it
+#: (`StepPolicy._cast`): fewer colluding members cannot draw it.
+JOIN_SHARE = 1 / 3
 #: Turns at most a fallback caller waits for the peers below it (`_may_call`): fresh records
 #: with ground ids below ours delay our fallback call by no more than this many.
 MAX_FALLBACK_TURNS = 8
@@ -498,33 +501,45 @@ class StepPolicy:
         self._remember_plan(candidate.plan, members)
         key = (candidate.step, electorate)
         member = genesis or self.me in self._plans.get(electorate, ())
-        # A vote of ours the records still carry (we restarted since, and downloaded what we
-        # held): a second, for another candidate, would count one way for some readers and
-        # the other way for others. We carry the first instead (review).
-        earlier = next(
-            (v for v in self.view.votes(candidate.step) if v.voter == self.me),
-            None,
-        )
-        if earlier is not None and earlier.electorate == electorate and key not in self._voted:
-            self._voted.add(key)
-            self.last_vote = earlier
+        self._carry_earlier_vote(candidate.step, electorate)
         self.ballot = Ballot(candidate, electorate, genesis, None, now)
         if key not in self._voted and member:
             lacking = len(members) - (len(members) if basis is None else basis)
             if lacking > 0:
-                turn = self.timing.fallback_turn(self.store_seconds)
-                self.ballot.vote_at = now + min(lacking, MAX_VOTE_TURNS) * turn
+                self.ballot.vote_at = now + min(lacking, MAX_VOTE_TURNS) * self._vote_turn()
             else:
                 self._cast(now)
         self.changed = True
 
+    def _carry_earlier_vote(self, step: int, electorate: Electorate) -> None:
+        """A vote of ours the records still carry (we restarted since, and downloaded what we
+        held): a second, for another candidate, would count one way for some readers and the
+        other way for others. We carry the first instead (review); checked again when a
+        deferred vote is cast, on the newer read (review)."""
+        key = (step, electorate)
+        earlier = next((v for v in self.view.votes(step) if v.voter == self.me), None)
+        if earlier is not None and earlier.electorate == electorate and key not in self._voted:
+            self._voted.add(key)
+            self.last_vote = earlier
+
+    def _vote_turn(self) -> float:
+        """How long a vote takes to be seen by the others: it lands (a store), and a read up
+        to `reading` old shows it (a store's time, or our reads' where slower)."""
+        extra_read = max(0.0, self.read_seconds - self.store_seconds)
+        return self.timing.fallback_turn(self.store_seconds) + extra_read
+
     def _cast(self, now: float) -> None:
         """Cast our deferred or immediate vote: for the candidate of our plan that members'
-        votes lead with, by more than ours would have with our vote (so at least two: a
-        single peer's claim draws no vote), else for ours."""
+        votes lead with, by more than ours would have with our vote and by at least
+        `JOIN_SHARE` of the plan's members (a few colluding members cannot draw the honest
+        votes to a candidate they invented, which nobody could serve), else for ours."""
         ballot = self.ballot
         assert ballot is not None
         ours = ballot.candidate
+        ballot.vote_at = None
+        self._carry_earlier_vote(ours.step, ballot.electorate)
+        if (ours.step, ballot.electorate) in self._voted:
+            return  # our record already carries a vote on the step
         members = self._plans.get(ballot.electorate, frozenset())
         counts = Counter(
             v.candidate
@@ -537,13 +552,13 @@ class StepPolicy:
         choice = ours
         if counts:
             leader, count = min(counts.items(), key=lambda item: (-item[1], item[0].average))
-            if leader != ours and count > counts[ours] + 1:
+            enough = count >= JOIN_SHARE * ours.plan.size
+            if leader != ours and count > counts[ours] + 1 and enough:
                 choice = leader
         vote = Vote(self.me, choice, ballot.electorate)
         self._voted.add((ours.step, ballot.electorate))
         self.last_vote = vote
         ballot.vote = vote
-        ballot.vote_at = None
         ballot.since = now
         self.changed = True
 
@@ -589,12 +604,12 @@ class StepPolicy:
 
     def election(self, now: float) -> tuple[Outcome, Candidate | None]:
         """The election of our candidate as our last read shows it: the certified candidate
-        (ours: WON; another: LOST), or WAITING, or STALLED after `election_patience`."""
+        (ours: WON; another: LOST), or WAITING, or STALLED after `election_patience`. Casts
+        our deferred vote first where its time has come (`cast_due`)."""
         ballot = self.ballot
         assert ballot is not None, "no election runs"
         self.cast_due(now)
-        if ballot.vote_at is not None:
-            return Outcome.WAITING, None
+        pending = ballot.vote_at is not None  # the count may still decide without our vote
         step = ballot.candidate.step
         # Only members' votes: anyone can name an electorate (its digest and size are in every
         # holder's record), and a stranger's vote filled a missing member's place in the
@@ -627,6 +642,8 @@ class StepPolicy:
         # (We may have voted for another candidate of our plan: LOST, and we download it.)
         if certified is not None:
             return Outcome.LOST, certified
+        if pending:
+            return Outcome.WAITING, None
         if now - ballot.since >= self.election_patience():
             return Outcome.STALLED, None
         return Outcome.WAITING, None
@@ -637,8 +654,7 @@ class StepPolicy:
         holders of the leading candidate gave up on it before the deferred votes certified
         it, and the peers that joined it had nobody to download it from (100 simulated
         peers: 55 downloads of step 1 that no holder served)."""
-        turn = self.timing.fallback_turn(self.store_seconds)
-        return self.timing.settle_patience(self.store_seconds) + MAX_VOTE_TURNS * turn
+        return self.timing.settle_patience(self.store_seconds) + MAX_VOTE_TURNS * self._vote_turn()
 
     def _most_trainers_voted(self, certified: Candidate, votes: list[Vote]) -> bool:
         """A genesis candidate's voters are more than half of the trainers in view at the step
@@ -750,6 +766,8 @@ class StepPolicy:
             # another lowest caller) are then one gathering, not two that split the step
             # (at 100 simulated peers, calls 24 and 18 strong, 0.1 s apart).
             call = math.ceil((now + ours) / CALL_GRID) * CALL_GRID
+            if call > now + self.timing.max_window:  # others believe no call further ahead
+                call = now + ours
             self.call = (self.held.step, call)
             self.changed = True
             log.info("calling step %d: averaging at +%.1fs", self.held.step + 1, ours)
