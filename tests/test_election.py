@@ -273,7 +273,8 @@ def test_a_partial_average_defers_its_vote_and_joins_the_leader_of_its_plan():
     """A member left mid-averaging: the plan's peers end on several averages (at 100
     simulated peers, 32 / 12 / 12 of one gathering), and with each voting for its own none
     had a majority. A partial average defers its vote by a turn per missing contribution and
-    then joins the candidate of its plan that members' votes lead, given evidence from two."""
+    then joins the candidate of its plan that members' votes lead (here 2 of a plan of 6:
+    more than ours would have, and a third of the plan)."""
     step4 = [*MEMBERS, "z4"]
     ours, larger = candidate("ours", step4), candidate("larger", step4)
     policy = at_step_3()

@@ -58,8 +58,7 @@ def test_gpt_is_causal_tied_and_starts_near_uniform():
 
 def test_the_default_task_samples_reproducibly_and_learns(tmp_path):
     write_tree(tmp_path)
-    task = ByteGPTTask(SMALL)
-    task._corpus = load_corpus(tmp_path)
+    task = ByteGPTTask(SMALL, corpus=load_corpus(tmp_path))
     one = task.sample_batch(4, torch.Generator().manual_seed(3))
     two = task.sample_batch(4, torch.Generator().manual_seed(3))
     assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))

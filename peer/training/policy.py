@@ -562,14 +562,6 @@ class StepPolicy:
         ballot.since = now
         self.changed = True
 
-    def cast_due(self, now: float) -> bool:
-        """Cast our deferred vote if its time has come; whether we did (publish it then)."""
-        ballot = self.ballot
-        if ballot is None or ballot.vote_at is None or now < ballot.vote_at:
-            return False
-        self._cast(now)
-        return True
-
     def members_of_held(self) -> tuple[str, ...]:
         """The members of our state's electorate, where we know them (sorted; empty if not)."""
         electorate = self.held.electorate
@@ -605,10 +597,12 @@ class StepPolicy:
     def election(self, now: float) -> tuple[Outcome, Candidate | None]:
         """The election of our candidate as our last read shows it: the certified candidate
         (ours: WON; another: LOST), or WAITING, or STALLED after `election_patience`. Casts
-        our deferred vote first where its time has come (`cast_due`)."""
+        our deferred vote first where its time has come (`_cast`; the caller publishes it:
+        `take_changed`)."""
         ballot = self.ballot
         assert ballot is not None, "no election runs"
-        self.cast_due(now)
+        if ballot.vote_at is not None and now >= ballot.vote_at:
+            self._cast(now)
         pending = ballot.vote_at is not None  # the count may still decide without our vote
         step = ballot.candidate.step
         # Only members' votes: anyone can name an electorate (its digest and size are in every

@@ -88,9 +88,10 @@ class ByteGPTTask:
 
     name = "gpt"
 
-    def __init__(self, shape: GPTShape | None = None) -> None:
+    def __init__(self, shape: GPTShape | None = None, corpus: Corpus | None = None) -> None:
+        """`corpus`: another text than the standard library's (tests pass a small one)."""
         self.shape = shape or GPTShape()
-        self._corpus: Corpus | None = None
+        self._corpus = corpus
 
     @property
     def corpus(self) -> Corpus:
