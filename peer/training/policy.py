@@ -1127,7 +1127,7 @@ class StepPolicy:
         in it, waiting out a dead member: a call of ours now would close before they are free,
         they would miss it, and the step would split (each part stepping with fewer peers, the
         rest downloading). Wait until they are done (their record shows no call at or before
-        it), at most as long as an averaging may take. Only while they are more than
+        it), at most as long as an averaging may take. Only while they are at least
         `STILL_AVERAGING_SHARE` of the trainers at our step: without them the rest cannot
         certify a step on their own, while a few stragglers are better left to download it (at
         100 simulated peers, 12 still in a failed averaging held 47 ready peers for 148 s)."""
