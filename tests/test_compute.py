@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -23,17 +22,35 @@ def test_measure_compute_times_real_steps_and_sizes_the_gradient():
 
 
 def test_a_slower_step_measures_slower():
-    class Slowed(TinyTask):
+    # Each step costs a fixed time on an injected clock, so a busy machine cannot flip the order
+    # (a 20 ms sleep per step on the real clock did, in CI: the unslowed task measured slower).
+    now = [0.0]
+
+    class Costed(TinyTask):
+        def __init__(self, seconds_per_step: float) -> None:
+            super().__init__()
+            self.seconds_per_step = seconds_per_step
+
         def loss(self, model, batch):
-            # 20 ms more per micro-batch, ~20x the tiny task's step: a sleep cannot finish
-            # early however busy the machine is (4x the arithmetic flipped under load).
-            time.sleep(0.02)
+            now[0] += self.seconds_per_step
             return super().loss(model, batch)
 
     cpu = torch.device("cpu")
-    fast = measure_compute(TinyTask(), micro_batch=64, device=cpu, min_seconds=0.3)
-    slow = measure_compute(Slowed(), micro_batch=64, device=cpu, min_seconds=0.3)
-    assert slow.samples_per_s < fast.samples_per_s
+
+    def measured(seconds_per_step: float) -> float:
+        result = measure_compute(
+            Costed(seconds_per_step),
+            micro_batch=64,
+            device=cpu,
+            min_seconds=0.3,
+            clock=lambda: now[0],
+        )
+        assert result is not None
+        return result.samples_per_s
+
+    fast, slow = measured(0.01), measured(0.03)
+    assert slow < fast
+    assert slow == pytest.approx(64 / 0.03) and fast == pytest.approx(64 / 0.01)
 
 
 def test_a_stopped_measurement_returns_none_within_a_step():

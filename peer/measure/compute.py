@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,9 +78,11 @@ def measure_compute(
     warmup_steps: int = 2,
     min_steps: int = 3,
     stop: threading.Event | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> ComputeMeasurement | None:
     """Samples/s of sampling + forward + backward at `micro_batch` (blocking; use a thread).
-    Returns None, within one step, once `stop` is set."""
+    Returns None, within one step, once `stop` is set. `clock` is injectable so that a test's
+    comparison of two speeds does not depend on how busy the machine is."""
     model = task.build_model().to(device)
     generator = torch.Generator().manual_seed(0)
 
@@ -97,13 +100,13 @@ def measure_compute(
         for _ in range(warmup_steps):
             step()
         synchronize()
-        steps, start = 0, time.perf_counter()
+        steps, start = 0, clock()
         while True:
             step()
             steps += 1
             if steps >= min_steps:
                 synchronize()
-                elapsed = time.perf_counter() - start
+                elapsed = clock() - start
                 if elapsed >= min_seconds:
                     break
     except _Stopped:
