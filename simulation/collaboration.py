@@ -202,6 +202,11 @@ def peer_config(scenario: Scenario, factor: float) -> PeerConfig:
         averaging=AveragingConfig(
             group_size=scenario.group_size,
             min_bandwidth=AveragingConfig().min_bandwidth / factor,
+            # A chunk of the short vector stands for a real chunk's bytes, as the bandwidths
+            # do: unscaled, 262,144 elements were one unit of the 64-value vector, so a
+            # round's parts gave one member the whole vector (twice a balanced member's
+            # bytes) and a stall timeout 15,625 times the real one's (4 MB model).
+            chunk_elements=max(1, round(AveragingConfig().chunk_elements / factor)),
             partial_from=scenario.partial_from,
         ),
         training=TrainingConfig(validation_interval=0, checkpoint_dir="/nonexistent"),

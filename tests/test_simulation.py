@@ -15,12 +15,21 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
 from peer.averaging.allreduce import Member, RoundSpec
+from peer.averaging.partition import part_ranges
+from peer.config import AveragingConfig
 from peer.dht import records
 from peer.dht.records import Limits, make_entry
 from peer.errors import DeadlineExceeded, RpcError, Unreachable
 from peer.net.rpc import RpcServer
 from peer.training.publisher import ProgressPublisher
-from simulation.collaboration import EPOCH, Attempt, Scenario, peer_config, run_collaboration
+from simulation.collaboration import (
+    EPOCH,
+    VECTOR,
+    Attempt,
+    Scenario,
+    peer_config,
+    run_collaboration,
+)
 from simulation.cpu import VERIFY_SECONDS, charged
 from simulation.dataplane import SimDataPlane, SimDataServer, SimIdentity
 from simulation.links import SharedLink, carry
@@ -303,6 +312,19 @@ def test_a_scenario_sets_the_averaging_parameter_it_explores():
     """`--partial-from` (issue 46: at 100 peers, plans of 16-59 failed below 64)."""
     assert peer_config(small(peers=5), 1.0).averaging.partial_from == 64  # the daemon's default
     assert peer_config(small(peers=5, partial_from=2), 1.0).averaging.partial_from == 2
+
+
+def test_a_simulated_chunk_stands_for_a_real_chunks_bytes():
+    """The short vector's chunk is scaled like the bandwidths: a group of four splits it in four
+    parts (unscaled, one member reduced all of it) and a chunk's time on a scaled link is a
+    real chunk's on the real link (the stall timeout)."""
+    for model_bytes in (4e6, 70.8e6):
+        factor = model_bytes / (VECTOR * 4)
+        chunk = peer_config(small(peers=5), factor).averaging.chunk_elements
+        parts = part_ranges(VECTOR, [1.0] * 4, unit=chunk)
+        assert all(end > start for start, end in parts)
+        real = AveragingConfig().chunk_elements * 4  # bytes of a real chunk
+        assert abs(chunk * 4 * factor - real) <= 4 * factor / 2 + 1  # within rounding
 
 
 def test_the_same_seed_gives_the_same_run_to_the_byte_and_another_seed_another():
