@@ -192,6 +192,12 @@ class Report:
     (the whole run)."""
 
 
+def scale_factor(model_bytes: float) -> float:
+    """The simulated model's bytes per byte of the short vector: what bandwidths (and the
+    averaging's chunk) are divided by, so deadlines come out as for the real model."""
+    return model_bytes / (VECTOR * 4)
+
+
 def peer_config(scenario: Scenario, factor: float) -> PeerConfig:
     """Every simulated peer's config: the scenario's task and averaging parameters."""
     return PeerConfig(
@@ -221,7 +227,7 @@ class Collaboration:
         # Its own draws: a run without NAT draws the same links and keys as before.
         self.nats = NatDraw(scenario.nat_share, scenario.symmetric_share, seed=scenario.seed)
         self.plane = SimDataPlane(self.network, model_bytes=scenario.model_bytes)
-        self.factor = scenario.model_bytes / (VECTOR * 4)
+        self.factor = scale_factor(scenario.model_bytes)
         self.config = peer_config(scenario, self.factor)
         self.backbones: list[SimNode] = []
         self.backbone_scopes: dict[ID, trio.CancelScope] = {}

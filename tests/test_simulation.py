@@ -29,6 +29,7 @@ from simulation.collaboration import (
     Scenario,
     peer_config,
     run_collaboration,
+    scale_factor,
 )
 from simulation.cpu import VERIFY_SECONDS, charged
 from simulation.dataplane import SimDataPlane, SimDataServer, SimIdentity
@@ -319,7 +320,7 @@ def test_a_simulated_chunk_stands_for_a_real_chunks_bytes():
     parts (unscaled, one member reduced all of it) and a chunk's time on a scaled link is a
     real chunk's on the real link (the stall timeout)."""
     for model_bytes in (4e6, 70.8e6):
-        factor = model_bytes / (VECTOR * 4)
+        factor = scale_factor(model_bytes)
         chunk = peer_config(small(peers=5), factor).averaging.chunk_elements
         parts = part_ranges(VECTOR, [1.0] * 4, unit=chunk)
         assert all(end > start for start, end in parts)
