@@ -30,10 +30,9 @@ from peer.roles import aggregators, assign_roles
 from peer.training.progress import (
     CollaborationView,
     ProgressRecord,
-    decode_progress,
-    progress_key,
     published_quorum,
 )
+from peer.training.publisher import read_progress
 
 STATUS_JOIN_BACKOFF = (0.5, 1.0)
 
@@ -310,7 +309,7 @@ async def read_report(
     assignment (a solve of 20-45 ms that a dashboard does not show)."""
     name = config.collaboration.name
     entries = await dht.get(presence_key(name))
-    progress = decode_progress(await dht.get(progress_key(name)), collaboration=name)
+    progress = (await read_progress(dht, name, None, hot=False)).records
     return _report(config, entries, progress, reached, assign=assign)
 
 

@@ -4,6 +4,8 @@ every wait that counts on a read counts on one that old (`Timing.reading`)."""
 
 from __future__ import annotations
 
+import random
+from collections import Counter
 from types import SimpleNamespace
 
 import msgspec
@@ -14,8 +16,14 @@ from libp2p.peer.id import ID
 
 from peer.config import PeerConfig
 from peer.dht.records import Entry
+from peer.training import shards
 from peer.training.progress import CollaborationView, ProgressRecord, encode_progress
-from peer.training.publisher import READ_BYTES_PER_SECOND, ProgressPublisher, read_interval
+from peer.training.publisher import (
+    READ_BYTES_PER_SECOND,
+    ProgressPublisher,
+    read_interval,
+    read_progress,
+)
 from peer.training.timing import Timing
 from tests.test_progress import rec
 
@@ -37,14 +45,17 @@ def progress_entries(count: int) -> dict[str, Entry]:
 
 
 class CountingDht:
-    """The DHT as the publisher sees it: `records` records of about a real one's size in every
-    read, and `junk` values of 64 KiB under open subkeys (a lying replica's)."""
+    """The DHT as the publisher sees it: `records` records of about a real one's size, each in
+    its shard at every level (`peer.training.shards`), and `junk` values of 64 KiB under open
+    subkeys in every shard (a lying replica's)."""
 
     def __init__(self, records: int, junk: int = 0) -> None:
         self.node = SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: "me"))
+        self.rng = random.Random(0)
         self.entries = progress_entries(records)
-        self.entries |= {f"junk-{i}": Entry(b"x" * 65536, 2e9) for i in range(junk)}
-        self.stores = self.reads = 0
+        self.junk = {f"junk-{i}": Entry(b"x" * 65536, 2e9) for i in range(junk)}
+        self.stores: Counter[str] = Counter()
+        self.gets = 0
         self.hot: set[bool] = set()
         self.lookup_seconds = 0.5
         self.cached = True  # a hot store skips its lookup
@@ -53,7 +64,7 @@ class CountingDht:
         return not self.cached
 
     async def store(self, key, subkey, value, *, expiration, hot=False) -> int:
-        self.stores += 1
+        self.stores[key] += 1
         self.last = value
         self.hot.add(hot)
         await trio.sleep(0.1 if self.cached else 0.6)
@@ -63,9 +74,15 @@ class CountingDht:
         return 1
 
     async def get(self, key, *, hot=False) -> dict[str, Entry]:
-        self.reads += 1
+        self.gets += 1
         self.hot.add(hot)
-        return self.entries
+        *_, level, index = ["0", "0", *key.split("/")[2:]]
+        shard = {
+            peer_id: entry
+            for peer_id, entry in self.entries.items()
+            if shards.shard_index(peer_id, int(level)) == int(index)
+        }
+        return shard | self.junk
 
 
 def test_reads_are_stretched_to_the_byte_budget_and_capped():
@@ -103,11 +120,19 @@ async def test_a_large_collaboration_is_read_less_often_while_our_record_goes_ou
         nursery.cancel_scope.cancel()
     # The last store is our farewell (`ProgressRecord.leaving`): our vote stays, we go.
     assert msgspec.msgpack.decode(dht.last, type=ProgressRecord).leaving
-    stores = dht.stores - 1
+    # Our record goes to each shard of our levels (`shards.write_levels`) every second.
+    keys = [shards.record_key("default", "me", at) for at in shards.write_levels(records)]
+    assert set(dht.stores) == set(keys)
+    stores = dht.stores[keys[0]] - 1
+    assert all(count == stores + 1 for count in dht.stores.values())
     assert 50 <= stores <= 61  # every second, and each store takes 0.1 s
-    assert reads[0] <= dht.reads <= reads[1], dht.reads
-    assert stores - dht.reads <= 1 or records > 180  # the last read was cut short
-    assert len(seen) == dht.reads
+    assert reads[0] <= len(seen) <= reads[1], len(seen)
+    assert stores - len(seen) <= 1 or records > 180  # the last read was cut short
+    # Every view shows every record, read from every shard of the level of their number, once
+    # the first read (the one key, then a probe of one shard of every level) showed it.
+    assert all(len(view.records) == records for view in seen)
+    probe, per_read = 1 + shards.MAX_LEVEL, 2 ** shards.level(records)
+    assert probe + len(seen) * per_read <= dht.gets <= probe + (len(seen) + 1) * per_read
     assert dht.hot == {True}
 
 
@@ -153,3 +178,63 @@ async def test_a_hot_store_that_skipped_its_lookup_reports_the_time_of_one_with_
         await trio.sleep(5)
         nursery.cancel_scope.cancel()
     assert times and all(t == pytest.approx(0.6) for t in times)
+
+
+class ShardedDht:
+    """A DHT whose progress records lie where their writers put them: at the levels of the
+    number of records each states it read (`shards.write_levels`)."""
+
+    def __init__(self, records: list[ProgressRecord]) -> None:
+        self.rng = random.Random(0)
+        self.keys: dict[str, dict[str, Entry]] = {}
+        self.gets: list[str] = []
+        for r in records:
+            for at in shards.write_levels(r.seen):
+                key = shards.record_key("default", r.peer_id, at)
+                self.keys.setdefault(key, {})[r.peer_id] = Entry(encode_progress(r), 2e9)
+
+    async def get(self, key, *, hot=False) -> dict[str, Entry]:
+        self.gets.append(key)
+        return dict(self.keys.get(key, {}))
+
+
+def written(count: int, seen: int) -> list[ProgressRecord]:
+    return [
+        msgspec.structs.replace(r, seen=seen)
+        for r in map(decode_entry, progress_entries(count).values())
+    ]
+
+
+def decode_entry(entry: Entry) -> ProgressRecord:
+    return msgspec.msgpack.decode(entry.value, type=ProgressRecord)
+
+
+@pytest.mark.parametrize("size", [None, 0, 20, 200, 5000])
+async def test_a_reader_finds_every_record_whatever_size_it_last_read(size: int | None):
+    """200 writers that read 200 records each wrote to the 16 shards of level 4 alone. A reader
+    that has read nothing, or whose last read showed another size (an empty level: 0, 20, 5000),
+    reads the one key and one shard of every level, then all of level 4."""
+    dht = ShardedDht(written(200, seen=200))
+    read = await read_progress(dht, "default", size)  # type: ignore[arg-type]
+    assert len(read.records) == read.size == 200
+    at = shards.level(200)
+    assert at == 4 and set(shards.level_keys("default", at)) <= set(dht.gets)
+    if size == 200:
+        assert sorted(dht.gets) == sorted(shards.level_keys("default", at))  # nothing else
+
+
+async def test_a_reader_of_a_level_with_some_writers_finds_the_size_they_state():
+    """Half the writers still write to level 3 (they read 100), half to level 4: a reader of
+    level 4 sees half the records, and the size they state (200) keeps it there."""
+    records = written(100, seen=100) + written(100, seen=200)
+    dht = ShardedDht(records)
+    read = await read_progress(dht, "default", 200)  # type: ignore[arg-type]
+    assert len(read.records) == 100 and read.size == 200
+
+
+async def test_a_small_collaboration_is_read_from_its_one_key_alone():
+    dht = ShardedDht(written(10, seen=10))
+    for size in (None, 10):
+        dht.gets.clear()
+        read = await read_progress(dht, "default", size)  # type: ignore[arg-type]
+        assert len(read.records) == 10 and dht.gets == [shards.shard_key("default", 0, 0)]

@@ -84,8 +84,9 @@ HOT_READ_REPLICAS = 2
 #: record written every second by every trainer. Short, so that nodes that joined closer to
 #: the key are written to soon.
 HOT_REPLICAS_SECONDS = 10.0
-#: Hot keys whose replicas are remembered (the oldest go).
-HOT_KEYS = 64
+#: Hot keys whose replicas are remembered (the oldest go): every shard of the progress key a
+#: reader reads (`peer.training.shards.MAX_LEVEL`: 64) and the few a writer writes, and more.
+HOT_KEYS = 128
 #: Seconds a contact whose call timed out or found no connection is left out of our lookups,
 #: however many others still name it (`routing.Unresponsive`); doubled at each failure after
 #: that, up to `UNRESPONSIVE_MAX_SECONDS`. A node that answers us or calls us is back at once.

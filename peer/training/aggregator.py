@@ -32,8 +32,8 @@ from peer.dht.node import DHT
 from peer.errors import RemoteError
 from peer.measure.capabilities import Capabilities
 from peer.net.host import Node
-from peer.training.progress import CollaborationView, decode_progress, progress_key
-from peer.training.publisher import read_interval, received_bytes
+from peer.training.progress import CollaborationView
+from peer.training.publisher import read_interval, read_progress, received_bytes
 from peer.training.timing import Timing
 
 log = logging.getLogger("peertrain.aggregator")
@@ -95,6 +95,7 @@ class BackboneAggregator:
         # Half our reads' interval: the configured one, stretched as for a trainer once the
         # records are many (`publisher.read_interval`).
         self._read_interval = self.config.training.progress_interval
+        self._size: int | None = None  # the collaboration's, as our last read showed it
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -120,11 +121,10 @@ class BackboneAggregator:
         far-ahead call must not keep us from the one the trainers answer)."""
         name = self.config.collaboration.name
         try:
-            entries = await self.dht.get(progress_key(name), hot=True)
+            entries, records, self._size = await read_progress(self.dht, name, self._size)
         except RemoteError as error:
             log.debug("could not read the progress records: %s", error)
             return None
-        records = decode_progress(entries, collaboration=name)
         self._read_interval = read_interval(
             received_bytes(entries, records),
             interval=self.config.training.progress_interval,

@@ -18,7 +18,8 @@ from peer.config import PeerConfig
 from peer.dht.node import DHT
 from peer.errors import RemoteError
 from peer.status import TrainingSummary, summarise_training
-from peer.training.progress import decode_progress, progress_key, published_quorum
+from peer.training.progress import published_quorum
+from peer.training.publisher import read_progress
 
 log = logging.getLogger("peertrain.collaboration")
 
@@ -91,10 +92,11 @@ async def log_collaboration(
     the global step has moved."""
     name = config.collaboration.name
     seen = StepClock()
+    size: int | None = None  # the collaboration's, as our last read showed it
     task_status.started()
     while True:
         with contextlib.suppress(RemoteError):  # no answer this time: the next read
-            progress = decode_progress(await dht.get(progress_key(name)), collaboration=name)
+            _, progress, size = await read_progress(dht, name, size, hot=False)
             quorum = published_quorum(progress, config.averaging.min_group_size)
             summary = summarise_training(progress, None, quorum=quorum)
             if summary is not None and summary.global_step > 0:

@@ -1,7 +1,8 @@
 """Training progress: each peer's signed record in the DHT, and what the collaboration's
 records say when read together (pure).
 
-Key `<collaboration>/progress`, subkey = the peer id, so only its owner can write an entry.
+Key `<collaboration>/progress` (split into shards by peer id once the collaboration is large:
+`peer.training.shards`), subkey = the peer id, so only its owner can write an entry.
 A record says where the peer is (the step of its state and a digest of its parameters), what it
 has accumulated toward the next step, how fast, and, once it decides the collaboration has
 enough samples, which step it *calls* and when that step's averaging starts (`gather_until`).
@@ -142,6 +143,9 @@ class ProgressRecord(msgspec.Struct, frozen=True):
     """Its peer has left (its last record, in place of a withdrawal): counted for its vote and
     signatures only (`CollaborationView.farewells`), never as a trainer. Withdrawn, a vote
     cast just before leaving was lost, and a count it decided stalled."""
+    seen: _Count = 0
+    """Records its peer read in its last read of the collaboration's progress: where others
+    place the progress shards (`peer.training.shards`); 0: none read yet."""
 
     def problem(self) -> str | None:
         """Why the record is unusable (non-finite numbers), or None."""

@@ -25,11 +25,12 @@ windows and waits that count on a read count on one that old (`Timing.reading`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 import msgspec
 import trio
@@ -37,15 +38,15 @@ from libp2p.peer.id import ID
 
 from peer.config import PeerConfig
 from peer.dht.node import DHT, HOT_READ_REPLICAS
-from peer.dht.records import Entry
+from peer.dht.records import Entry, merge
 from peer.errors import RemoteError
 from peer.net.host import parse_addrs
+from peer.training import shards
 from peer.training.progress import (
     CollaborationView,
     ProgressRecord,
     decode_progress,
     encode_progress,
-    progress_key,
 )
 
 if TYPE_CHECKING:
@@ -79,6 +80,72 @@ def received_bytes(entries: dict[str, Entry], records: list[ProgressRecord]) -> 
     return HOT_READ_REPLICAS * sum(min(len(v), MAX_RECORD_BYTES) for v in values)
 
 
+class ProgressRead(NamedTuple):
+    entries: dict[str, Entry]
+    records: list[ProgressRecord]
+    """`entries` decoded (`decode_progress`)."""
+    size: int
+    """The collaboration's size as they show it (`shards.collaboration_size`)."""
+
+
+async def read_progress(
+    dht: DHT, collaboration: str, size: int | None, *, hot: bool = True
+) -> ProgressRead:
+    """Every progress record of `collaboration`: the shards of the level of `size` (the size our
+    last read showed). With no `size` (nothing read yet), or none found at its level, the one
+    key of a small collaboration is read, and where it shows a larger one (or nothing), one
+    shard of every other level (`shards.probe_size`) before the level they show. RemoteError if
+    no shard of the level could be read."""
+    at = None if size is None else shards.level(size)
+    if at is not None:
+        read = await _read_level(dht, collaboration, at, hot=hot)
+        if read.records:
+            return read
+    if at != 0:
+        read = await _read_level(dht, collaboration, 0, hot=hot)
+        if read.records and shards.level(read.size) == 0:
+            return read
+    probed = shards.level(max(read.size, await _probe(dht, collaboration, hot=hot)))
+    return read if probed == 0 else await _read_level(dht, collaboration, probed, hot=hot)
+
+
+async def _read_level(dht: DHT, collaboration: str, at: int, *, hot: bool) -> ProgressRead:
+    """Every shard of level `at`, at once; a shard that cannot be read is left out."""
+    keys = shards.level_keys(collaboration, at)
+    entries: dict[str, Entry] = {}
+    failures: list[RemoteError] = []
+
+    async def read(key: str) -> None:
+        try:
+            merge(entries, await dht.get(key, hot=hot))
+        except RemoteError as error:
+            failures.append(error)
+
+    async with trio.open_nursery() as nursery:
+        for key in keys:
+            nursery.start_soon(read, key)
+    if len(failures) == len(keys):
+        raise failures[0]
+    records = decode_progress(entries, collaboration=collaboration)
+    return ProgressRead(entries, records, shards.collaboration_size(records))
+
+
+async def _probe(dht: DHT, collaboration: str, *, hot: bool) -> int:
+    """The size one shard of each level above 0, chosen at random, shows."""
+    found: list[tuple[int, list[ProgressRecord]]] = []
+
+    async def probe(at_level: int) -> None:
+        key = shards.shard_key(collaboration, at_level, dht.rng.randrange(2**at_level))
+        with contextlib.suppress(RemoteError):
+            entries = await dht.get(key, hot=hot)
+            found.append((at_level, decode_progress(entries, collaboration=collaboration)))
+
+    async with trio.open_nursery() as nursery:
+        for at_level in range(1, shards.MAX_LEVEL + 1):
+            nursery.start_soon(probe, at_level)
+    return shards.probe_size(found)
+
+
 class ProgressPublisher:
     def __init__(
         self,
@@ -105,8 +172,11 @@ class ProgressPublisher:
         self.collaboration = config.collaboration.name
         self.quorum = config.averaging.min_group_size
         self.deadline = max(interval, 2 * config.net.rpc_timeout)
-        self.key = progress_key(self.collaboration)
         self.me = dht.node.peer_id.to_base58()
+        self.size: int | None = None
+        """The collaboration's size as our last read showed it: where the shards are."""
+        self.seen = 0
+        """Records our last read took (what our record states: `ProgressRecord.seen`)."""
         self.longest_read_interval = longest_read_interval
         self.read_interval = interval
         """Seconds between two of our reads (`read_interval`), after the last read."""
@@ -121,9 +191,9 @@ class ProgressPublisher:
     async def read(self) -> None:
         """Read every record now (RemoteError if the DHT cannot be reached)."""
         started = trio.current_time()
-        entries = await self.dht.get(self.key, hot=True)
+        entries, records, self.size = await read_progress(self.dht, self.collaboration, self.size)
+        self.seen = len(records)
         self.on_read_time(trio.current_time() - started)
-        records = decode_progress(entries, collaboration=self.collaboration)
         self.read_interval = read_interval(
             received_bytes(entries, records),
             interval=self.interval,
@@ -156,36 +226,52 @@ class ProgressPublisher:
         record = self.record()
         now = self.clock()
         if record is None:
-            expiration = now + self.ttl + 1
-            await self.dht.withdraw(self.key, self.me, expiration=expiration, hot=True)
+            await self._store(None, expiration=now + self.ttl + 1)
             return
         last = msgspec.structs.replace(record, leaving=True, updated_at=now)
-        await self.dht.store(
-            self.key, self.me, encode_progress(last), expiration=now + self.ttl, hot=True
-        )
+        await self._store(last, expiration=now + self.ttl)
+
+    def _keys(self) -> list[str]:
+        """The shards our record goes to (`shards.write_levels`)."""
+        levels = shards.write_levels(self.size or 0)
+        return [shards.record_key(self.collaboration, self.me, at) for at in levels]
+
+    async def _store(self, record: ProgressRecord | None, *, expiration: float) -> None:
+        """`record` (None: a withdrawal) into each of our shards at once, stating how many
+        records we read (`ProgressRecord.seen`)."""
+        value = None
+        if record is not None:
+            value = encode_progress(msgspec.structs.replace(record, seen=self.seen))
+        async with trio.open_nursery() as nursery:
+            for key in self._keys():
+                nursery.start_soon(
+                    functools.partial(
+                        self.dht.store, key, self.me, value, expiration=expiration, hot=True
+                    )
+                )
 
     async def _exchange(self) -> None:
         record = self.record()
-        started, timed = trio.current_time(), record is None
-        # What the windows size is a store with a lookup (a ticket's); a hot store that
-        # skipped it adds our lookups' time (at 300 simulated peers the store times halved
-        # without it, the declare margin with them, and tickets landed after the close).
-        skipped = 0.0 if self.dht.looks_up(self.key) else self.dht.lookup_seconds
+        started, timed, read, skipped = trio.current_time(), record is None, False, 0.0
         try:
             with trio.move_on_after(self.deadline):
                 if record is not None:
-                    await self.dht.store(
-                        self.key,
-                        self.me,
-                        encode_progress(record),
-                        expiration=record.updated_at + self.ttl,
-                        hot=True,
-                    )
+                    if self.size is None:  # where our record goes depends on what we read
+                        await self.read()
+                        started, read = trio.current_time(), True
+                    # What the windows size is a store with a lookup (a ticket's); a hot store
+                    # that skipped it adds our lookups' time (at 300 simulated peers the store
+                    # times halved without it, the declare margin with them, and tickets
+                    # landed after the close).
+                    key = self._keys()[0]
+                    skipped = 0.0 if self.dht.looks_up(key) else self.dht.lookup_seconds
+                    await self._store(record, expiration=record.updated_at + self.ttl)
                     self._stored = timed = True
                     self.on_store_time(trio.current_time() - started + skipped)
                 # Stretched reads wait their turn; at the configured interval every exchange
                 # reads, as every publication of ours expects an answer soon.
-                if self.read_interval <= self.interval or trio.current_time() >= self._next_read:
+                due = self.read_interval <= self.interval or trio.current_time() >= self._next_read
+                if due and not read:
                     await self.read()
         except RemoteError as error:
             log.debug("progress exchange failed: %s", error)
