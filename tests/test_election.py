@@ -269,6 +269,35 @@ def test_a_genesis_needs_most_of_the_trainers_in_view():
     assert policy.election(T0 + patience) == (Outcome.WON, every)  # 4 of 6
 
 
+def test_a_genesis_counts_the_trainers_of_recent_reads_not_of_the_last_alone():
+    """A read can show part of the collaboration (a progress shard level some writers had
+    left): 100 simulated peers with sharded records took step 1 as two states, each won by a
+    majority of a partial view. The trainers counted are those of every read in the last
+    `Timing.rejoin_after`; leavers go at once."""
+    policy = make_policy()
+    others = [other(f"z{i}") for i in range(1, 7)]
+    read(policy, *others, now=T0 - 1)  # ME and 6 others
+    three = candidate("three", [ME, "z1", "z2"], step=1)
+    elect(policy, three, T0)
+    votes = [voting(f"z{i}", three, electorate=three.plan) for i in (1, 2)]
+    read(policy, *votes)  # this read shows 3 trainers: all of them vote
+    assert policy.election(T0)[0] is Outcome.STALLED  # 3 of the 7 seen a second ago
+    policy.elected(Outcome.STALLED)
+    # The others leave (their last records say so): three of three win.
+    again = make_policy()
+    read(again, *others, now=T0 - 1)
+    elect(again, three, T0)
+    leaving = [msgspec.structs.replace(r, leaving=True) for r in others[2:]]
+    read(again, *votes, *leaving)
+    assert again.election(T0) == (Outcome.WON, three)
+    # Or they were last seen longer ago than `rejoin_after`.
+    late = make_policy()
+    read(late, *others, now=T0 - late.timing.rejoin_after - 1)
+    elect(late, three, T0)
+    read(late, *votes)
+    assert late.election(T0) == (Outcome.WON, three)
+
+
 def test_a_partial_average_defers_its_vote_and_joins_the_leader_of_its_plan():
     """A member left mid-averaging: the plan's peers end on several averages (at 100
     simulated peers, 32 / 12 / 12 of one gathering), and with each voting for its own none

@@ -9,14 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from peer.training import shards
-from peer.training.progress import ProgressRecord, progress_key
-
-
-def record(peer: int, seen: int = 0) -> ProgressRecord:
-    return ProgressRecord(
-        peer_id=f"peer-{peer}", role="trainer", addrs=[], step=0, digest="d", samples=0,
-        samples_per_second=0.0, updated_at=1.0, seen=seen,
-    )  # fmt: skip
+from peer.training.progress import progress_key
 
 
 def test_a_small_collaboration_keeps_every_record_on_the_progress_key():
@@ -57,19 +50,10 @@ def test_a_reader_whose_size_is_within_a_quarter_of_a_writers_reads_a_level_it_w
     assert len(shards.write_levels(writer)) <= 2
 
 
-def test_the_size_is_the_records_read_or_the_median_they_state_never_a_minoritys():
-    assert shards.collaboration_size([record(i) for i in range(5)]) == 5
-    # A reader of the wrong level read 20 of 400: their writers read 400.
-    assert shards.collaboration_size([record(i, seen=400) for i in range(20)]) == 400
-    # Seven lie: the median is the honest thirteen's.
-    lying = [record(i, seen=10**9) for i in range(7)] + [record(i, seen=20) for i in range(13)]
-    assert shards.collaboration_size(lying) == 20
-    # Stated sizes below the count do not lower it.
-    assert shards.collaboration_size([record(i, seen=2) for i in range(30)]) == 30
-
-
-def test_a_probe_counts_a_shards_records_for_every_shard_of_its_level():
-    assert shards.probe_size([]) == 0
-    assert shards.probe_size([(0, []), (3, [record(i) for i in range(12)]), (4, [])]) == 96
-    stated = [record(i, seen=700) for i in range(10)]
-    assert shards.probe_size([(2, stated), (5, [record(0)])]) == 700
+def test_a_probe_reads_the_level_whose_shard_shows_the_most_records():
+    assert shards.probe_level([]) == shards.probe_level([(0, 0), (3, 0)]) == 0
+    assert shards.probe_level([(0, 0), (3, 12), (4, 0)]) == 3
+    assert shards.probe_level([(0, 5), (2, 10), (5, 1)]) == 2  # 40 projected against 32
+    # A level's shard is a sample: 7 of a level-4 shard project 112, level 3's range, and
+    # level 3 is empty; the level read is 4, where the records are.
+    assert shards.probe_level([(0, 0), (3, 0), (4, 7)]) == 4

@@ -121,10 +121,11 @@ class BackboneAggregator:
         far-ahead call must not keep us from the one the trainers answer)."""
         name = self.config.collaboration.name
         try:
-            entries, records, self._size = await read_progress(self.dht, name, self._size)
+            entries, records = read = await read_progress(self.dht, name, self._size)
         except RemoteError as error:
             log.debug("could not read the progress records: %s", error)
             return None
+        self._size = read.size
         self._read_interval = read_interval(
             received_bytes(entries, records),
             interval=self.config.training.progress_interval,

@@ -96,7 +96,8 @@ async def log_collaboration(
     task_status.started()
     while True:
         with contextlib.suppress(RemoteError):  # no answer this time: the next read
-            _, progress, size = await read_progress(dht, name, size, hot=False)
+            progress = (await read_progress(dht, name, size, hot=False)).records
+            size = len(progress)
             quorum = published_quorum(progress, config.averaging.min_group_size)
             summary = summarise_training(progress, None, quorum=quorum)
             if summary is not None and summary.global_step > 0:

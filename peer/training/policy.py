@@ -302,6 +302,8 @@ class StepPolicy:
         # The recent plans we were in, with their members: whose votes count in them.
         self._plans: dict[Electorate, frozenset[str]] = {}
         self._genesis_at = 0  # a step whose election stalled for us: its next try is a genesis
+        # Trainers around our step in our recent reads -> when last seen (`_trainers_around`).
+        self._around: dict[str, float] = {}
         self.phase = Phase.STARTING
         self.held = Held()
         self.view = CollaborationView([], self.quorum)
@@ -401,6 +403,13 @@ class StepPolicy:
         self._moves.note(view, now)
         if self._company(now):
             self._company_at = now
+        for r in view.records:
+            if r.role == "trainer" and abs(r.step - held.step) <= 1 and not r.downloading:
+                self._around[r.peer_id] = now
+        recent = now - self.timing.rejoin_after
+        self._around = {peer: seen for peer, seen in self._around.items() if seen >= recent}
+        for r in view.farewells:
+            self._around.pop(r.peer_id, None)
 
     def out_of_touch(self, now: float) -> bool:
         """We may have lost the others (a partition, contacts that died under our DHT calls):
@@ -651,8 +660,8 @@ class StepPolicy:
         return self.timing.settle_patience(self.store_seconds) + MAX_VOTE_TURNS * self._vote_turn()
 
     def _most_trainers_voted(self, certified: Candidate, votes: list[Vote]) -> bool:
-        """A genesis candidate's voters are more than half of the trainers in view at the step
-        (or one around it). A genesis has no electorate before it that its rivals share: two
+        """A genesis candidate's voters are more than half of the trainers at the step (or one
+        around it) in our recent reads (`_trainers_around`). A genesis has no electorate before it that its rivals share: two
         gatherings of the first step each certified their own at 100 simulated peers (a
         stray group beside the large one), and 131 peers then took the step as a second state.
         Within one read two genesis candidates never both win; reads that differ, or a peer
@@ -664,12 +673,12 @@ class StepPolicy:
         return 2 * len(voters) > len(self._trainers_around() | voters)
 
     def _trainers_around(self) -> set[str]:
-        """The trainers in view at our step or one around it, not downloading, and us."""
-        return {
-            r.peer_id
-            for r in self.view.records
-            if r.role == "trainer" and abs(r.step - self.held.step) <= 1 and not r.downloading
-        } | {self.me}
+        """The trainers at our step or one around it, not downloading, in any of our reads of
+        the last `Timing.rejoin_after` (leavers out), and us. Not the last read's alone: a
+        read can show part of the collaboration (a progress shard level that some writers
+        had left, `peer.training.shards`), and two such reads each let a minority win a
+        genesis (100 simulated peers took step 1 as two states)."""
+        return set(self._around) | {self.me}
 
     def elected(self, outcome: Outcome) -> None:
         """The election ended (`election`'s outcome). STALLED: our vote on the step is spent,

@@ -143,9 +143,6 @@ class ProgressRecord(msgspec.Struct, frozen=True):
     """Its peer has left (its last record, in place of a withdrawal): counted for its vote and
     signatures only (`CollaborationView.farewells`), never as a trainer. Withdrawn, a vote
     cast just before leaving was lost, and a count it decided stalled."""
-    seen: _Count = 0
-    """Records its peer read in its last read of the collaboration's progress: where others
-    place the progress shards (`peer.training.shards`); 0: none read yet."""
 
     def problem(self) -> str | None:
         """Why the record is unusable (non-finite numbers), or None."""

@@ -84,8 +84,11 @@ class ProgressRead(NamedTuple):
     entries: dict[str, Entry]
     records: list[ProgressRecord]
     """`entries` decoded (`decode_progress`)."""
-    size: int
-    """The collaboration's size as they show it (`shards.collaboration_size`)."""
+
+    @property
+    def size(self) -> int:
+        """The collaboration's size as this read shows it: where the next read reads."""
+        return len(self.records)
 
 
 async def read_progress(
@@ -94,7 +97,7 @@ async def read_progress(
     """Every progress record of `collaboration`: the shards of the level of `size` (the size our
     last read showed). With no `size` (nothing read yet), or none found at its level, the one
     key of a small collaboration is read, and where it shows a larger one (or nothing), one
-    shard of every other level (`shards.probe_size`) before the level they show. RemoteError if
+    shard of every other level, then the level where they show the most (`shards.probe_level`). RemoteError if
     no shard of the level could be read."""
     at = None if size is None else shards.level(size)
     if at is not None:
@@ -105,12 +108,15 @@ async def read_progress(
         read = await _read_level(dht, collaboration, 0, hot=hot)
         if read.records and shards.level(read.size) == 0:
             return read
-    probed = shards.level(max(read.size, await _probe(dht, collaboration, hot=hot)))
+    probed = shards.probe_level([(0, read.size), *await _probe(dht, collaboration, hot=hot)])
     return read if probed == 0 else await _read_level(dht, collaboration, probed, hot=hot)
 
 
 async def _read_level(dht: DHT, collaboration: str, at: int, *, hot: bool) -> ProgressRead:
-    """Every shard of level `at`, at once; a shard that cannot be read is left out."""
+    """Every shard of level `at`, at once; RemoteError if one could not be read. A view with a
+    shard missing is no view: a first step's election counts the trainers in view (`StepPolicy.
+    _most_trainers_voted`), and views with a shard left out each let a minority certify its
+    own first step (100 simulated peers took step 1 as two states)."""
     keys = shards.level_keys(collaboration, at)
     entries: dict[str, Entry] = {}
     failures: list[RemoteError] = []
@@ -124,26 +130,26 @@ async def _read_level(dht: DHT, collaboration: str, at: int, *, hot: bool) -> Pr
     async with trio.open_nursery() as nursery:
         for key in keys:
             nursery.start_soon(read, key)
-    if len(failures) == len(keys):
+    if failures:
         raise failures[0]
     records = decode_progress(entries, collaboration=collaboration)
-    return ProgressRead(entries, records, shards.collaboration_size(records))
+    return ProgressRead(entries, records)
 
 
-async def _probe(dht: DHT, collaboration: str, *, hot: bool) -> int:
-    """The size one shard of each level above 0, chosen at random, shows."""
-    found: list[tuple[int, list[ProgressRecord]]] = []
+async def _probe(dht: DHT, collaboration: str, *, hot: bool) -> list[tuple[int, int]]:
+    """(level, records) of one shard of each level above 0, chosen at random."""
+    found: list[tuple[int, int]] = []
 
     async def probe(at_level: int) -> None:
         key = shards.shard_key(collaboration, at_level, dht.rng.randrange(2**at_level))
         with contextlib.suppress(RemoteError):
             entries = await dht.get(key, hot=hot)
-            found.append((at_level, decode_progress(entries, collaboration=collaboration)))
+            found.append((at_level, len(decode_progress(entries, collaboration=collaboration))))
 
     async with trio.open_nursery() as nursery:
         for at_level in range(1, shards.MAX_LEVEL + 1):
             nursery.start_soon(probe, at_level)
-    return shards.probe_size(found)
+    return found
 
 
 class ProgressPublisher:
@@ -175,8 +181,6 @@ class ProgressPublisher:
         self.me = dht.node.peer_id.to_base58()
         self.size: int | None = None
         """The collaboration's size as our last read showed it: where the shards are."""
-        self.seen = 0
-        """Records our last read took (what our record states: `ProgressRecord.seen`)."""
         self.longest_read_interval = longest_read_interval
         self.read_interval = interval
         """Seconds between two of our reads (`read_interval`), after the last read."""
@@ -191,8 +195,8 @@ class ProgressPublisher:
     async def read(self) -> None:
         """Read every record now (RemoteError if the DHT cannot be reached)."""
         started = trio.current_time()
-        entries, records, self.size = await read_progress(self.dht, self.collaboration, self.size)
-        self.seen = len(records)
+        entries, records = read = await read_progress(self.dht, self.collaboration, self.size)
+        self.size = read.size
         self.on_read_time(trio.current_time() - started)
         self.read_interval = read_interval(
             received_bytes(entries, records),
@@ -237,11 +241,8 @@ class ProgressPublisher:
         return [shards.record_key(self.collaboration, self.me, at) for at in levels]
 
     async def _store(self, record: ProgressRecord | None, *, expiration: float) -> None:
-        """`record` (None: a withdrawal) into each of our shards at once, stating how many
-        records we read (`ProgressRecord.seen`)."""
-        value = None
-        if record is not None:
-            value = encode_progress(msgspec.structs.replace(record, seen=self.seen))
+        """`record` (None: a withdrawal) into each of our shards at once."""
+        value = None if record is None else encode_progress(record)
         async with trio.open_nursery() as nursery:
             for key in self._keys():
                 nursery.start_soon(
