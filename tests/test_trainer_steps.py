@@ -7,6 +7,7 @@ import gc
 import logging
 import math
 import os
+import random
 import subprocess
 import sys
 import threading
@@ -62,6 +63,11 @@ class FakeMonotonic:
         self.now += seconds
 
 
+async def no_records(key: str, *, hot: bool = False) -> dict:
+    """A progress read of a DHT nobody else is in."""
+    return {}
+
+
 async def make_trainer(
     tmp_path,
     task=None,
@@ -84,6 +90,8 @@ async def make_trainer(
             ),
             looks_up=lambda key: True,
             lookup_seconds=0.0,
+            get=no_records,
+            rng=random.Random(0),
         ),
         averager=None,  # type: ignore[arg-type]
         config=PeerConfig(
