@@ -32,7 +32,7 @@ from peer.training.progress import (
     ProgressRecord,
     published_quorum,
 )
-from peer.training.publisher import read_progress
+from peer.training.publisher import ProgressReader
 
 STATUS_JOIN_BACKOFF = (0.5, 1.0)
 
@@ -309,7 +309,7 @@ async def read_report(
     assignment (a solve of 20-45 ms that a dashboard does not show)."""
     name = config.collaboration.name
     entries = await dht.get(presence_key(name))
-    progress = (await read_progress(dht, name, None, hot=False)).records
+    progress = (await ProgressReader(dht, name, hot=False).read()).records
     return _report(config, entries, progress, reached, assign=assign)
 
 

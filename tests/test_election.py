@@ -279,7 +279,10 @@ def test_a_genesis_counts_the_trainers_of_recent_reads_not_of_the_last_alone():
     read(policy, *others, now=T0 - 1)  # ME and 6 others
     three = candidate("three", [ME, "z1", "z2"], step=1)
     elect(policy, three, T0)
-    votes = [voting(f"z{i}", three, electorate=three.plan) for i in (1, 2)]
+    votes = [  # at step 0, as we are: trainers around our step
+        msgspec.structs.replace(voting(f"z{i}", three, three.plan), step=0, digest="d0")
+        for i in (1, 2)
+    ]
     read(policy, *votes)  # this read shows 3 trainers: all of them vote
     assert policy.election(T0)[0] is Outcome.STALLED  # 3 of the 7 seen a second ago
     policy.elected(Outcome.STALLED)

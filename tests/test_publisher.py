@@ -20,10 +20,11 @@ from peer.errors import RemoteError
 from peer.training import shards
 from peer.training.progress import CollaborationView, ProgressRecord, encode_progress
 from peer.training.publisher import (
+    PROBE_SECONDS,
     READ_BYTES_PER_SECOND,
     ProgressPublisher,
+    ProgressReader,
     read_interval,
-    read_progress,
 )
 from peer.training.timing import Timing
 from tests.test_progress import rec
@@ -74,7 +75,7 @@ class CountingDht:
     async def withdraw(self, key, subkey, *, expiration, hot=False) -> int:
         return 1
 
-    async def get(self, key, *, hot=False) -> dict[str, Entry]:
+    async def get(self, key, *, hot=False, strict=False) -> dict[str, Entry]:
         self.gets += 1
         self.hot.add(hot)
         *_, level, index = ["0", "0", *key.split("/")[2:]]
@@ -196,47 +197,96 @@ class ShardedDht:
         for count, read in writers:
             for peer_id, entry in progress_entries(count).items():
                 for at in shards.write_levels(read):
-                    key = shards.record_key("default", peer_id, at)
-                    self.keys.setdefault(key, {})[peer_id] = entry
+                    self.put(shards.record_key("default", peer_id, at), peer_id, entry)
 
-    async def get(self, key, *, hot=False) -> dict[str, Entry]:
+    def put(self, key: str, peer_id: str, entry: Entry) -> None:
+        self.keys.setdefault(key, {})[peer_id] = entry
+
+    async def get(self, key, *, hot=False, strict=False) -> dict[str, Entry]:
         self.gets.append(key)
         if key in self.failing:
             raise RemoteError(f"no replica of {key} answered")
         return dict(self.keys.get(key, {}))
 
 
+def reader(dht: ShardedDht, size: int | None = None, me: str | None = None) -> ProgressReader:
+    progress = ProgressReader(dht, "default", me=me)  # type: ignore[arg-type]
+    progress.size = size
+    return progress
+
+
 @pytest.mark.parametrize("size", [None, 0, 20, 200, 5000])
 async def test_a_reader_finds_every_record_whatever_size_it_last_read(size: int | None):
     """200 writers that read 200 records each wrote to the 16 shards of level 4 alone. A reader
     that has read nothing, or whose last read showed another size (an empty level: 0, 20,
-    5000), reads the one key and one shard of every level, then all of level 4."""
+    5000), probes one shard of every level, then reads all of level 4."""
     dht = ShardedDht((200, 200))
-    read = await read_progress(dht, "default", size)  # type: ignore[arg-type]
-    assert len(read.records) == read.size == 200
-    at = shards.level(200)
-    assert at == 4 and set(shards.level_keys("default", at)) <= set(dht.gets)
-    if size == 200:
-        assert sorted(dht.gets) == sorted(shards.level_keys("default", at))  # nothing else
+    progress = reader(dht, size)
+    read = await progress.read()
+    assert len(read.records) == read.size == progress.size == 200
+    assert set(shards.level_keys("default", 4)) <= set(dht.gets)
+    dht.gets.clear()
+    await progress.read()
+    assert sorted(dht.gets) == sorted(shards.level_keys("default", 4))  # nothing else
 
 
 async def test_a_reader_of_a_level_few_writers_wrote_reads_where_the_rest_are_next():
     """10 writers write level 6 (they read 1,000: a lie or a collaboration that shrank), 200
     write level 4. A reader of level 6 finds the 10, and reads the one key next: empty, so it
     probes and finds the 200 (the 10 are never all it sees for long)."""
-    dht = ShardedDht((10, 1000), (200, 200))
-    read = await read_progress(dht, "default", 1000)  # type: ignore[arg-type]
-    assert read.size == 10
-    read = await read_progress(dht, "default", read.size)  # type: ignore[arg-type]
-    assert read.size == 200
+    progress = reader(ShardedDht((10, 1000), (200, 200)), 1000)
+    assert (await progress.read()).size == 10
+    assert (await progress.read()).size == 200
 
 
-async def test_a_small_collaboration_is_read_from_its_one_key_alone():
+async def test_a_joiner_is_not_held_by_a_record_on_the_one_key():
+    """(Found in review.) One record stored under the one key of a small collaboration: a joiner
+    that read it and stopped there saw one peer for ever, wrote its own record there, and held
+    the next joiners too. A joiner probes every level first."""
+    dht = ShardedDht((200, 200))
+    stray = next(iter(progress_entries(1).items()))
+    dht.put(shards.shard_key("default", 0, 0), *stray)
+    assert (await reader(dht).read()).size == 200
+
+
+async def test_a_record_counts_only_in_the_shard_its_peer_id_names():
+    """(Found in review.) Four identities writing into all 64 shards of level 6 counted 64
+    times each in a probe (256 against the 192 a level-4 shard of 200 shows), and a joiner read
+    level 6: four peers."""
+    dht = ShardedDht((200, 200))
+    for peer_id, entry in progress_entries(4).items():
+        for key in shards.level_keys("default", 6):
+            dht.put(key, peer_id, entry)
+    assert (await reader(dht).read()).size == 200
+
+
+async def test_a_reader_cut_off_keeps_its_size_and_one_alone_probes_again(autojump_clock):
+    """An unreachable DHT is no empty collaboration: a read that finds nothing where records
+    were raises (the last view and size stay). And a peer that sees only its own record (it
+    wrote it where a partition left it) probes every level again within `PROBE_SECONDS`."""
+    dht = ShardedDht((200, 200))
+    progress = reader(dht, 200)
+    keys, dht.keys = dht.keys, {}
+    with pytest.raises(RemoteError, match="unreachable"):
+        await progress.read()
+    assert progress.size == 200
+    me, entry = next(iter(progress_entries(1).items()))
+    alone = reader(ShardedDht(), None, me=me)
+    alone.dht.put(shards.shard_key("default", 0, 0), me, entry)  # type: ignore[attr-defined]
+    assert (await alone.read()).size == 1
+    alone.dht.keys |= keys  # type: ignore[attr-defined]
+    assert (await alone.read()).size == 1  # probed a moment ago
+    await trio.sleep(PROBE_SECONDS)
+    assert (await alone.read()).size == 200
+
+
+async def test_a_small_collaboration_is_read_from_its_one_key_after_the_first_read():
     dht = ShardedDht((10, 10))
-    for size in (None, 10):
-        dht.gets.clear()
-        read = await read_progress(dht, "default", size)  # type: ignore[arg-type]
-        assert len(read.records) == 10 and dht.gets == [shards.shard_key("default", 0, 0)]
+    progress = reader(dht)
+    assert len((await progress.read()).records) == 10  # a probe of every level, then the key
+    dht.gets.clear()
+    assert len((await progress.read()).records) == 10
+    assert dht.gets == [shards.shard_key("default", 0, 0)]
 
 
 async def test_a_read_with_a_shard_that_could_not_be_read_is_no_read():
@@ -246,4 +296,4 @@ async def test_a_read_with_a_shard_that_could_not_be_read_is_no_read():
     dht = ShardedDht((200, 200))
     dht.failing.add(shards.level_keys("default", 4)[5])
     with pytest.raises(RemoteError, match="no replica"):
-        await read_progress(dht, "default", 200)  # type: ignore[arg-type]
+        await reader(dht, 200).read()

@@ -63,7 +63,7 @@ class FakeMonotonic:
         self.now += seconds
 
 
-async def no_records(key: str, *, hot: bool = False) -> dict:
+async def no_records(key: str, *, hot: bool = False, strict: bool = False) -> dict:
     """A progress read of a DHT nobody else is in."""
     return {}
 

@@ -380,7 +380,7 @@ class DHT:
                 nursery.start_soon(send, contact)
         return accepted
 
-    async def get(self, key: str, *, hot: bool = False) -> dict[str, Entry]:
+    async def get(self, key: str, *, hot: bool = False, strict: bool = False) -> dict[str, Entry]:
         """The entries of `key` live when the read began, merged from the closest replicas
         (fresh, never cached). Replicas drop what has expired when they answer; judging the
         rest by the time the read ends would lose every record whose TTL is shorter than a
@@ -390,7 +390,10 @@ class DHT:
         from `HOT_READ_REPLICAS` of its closest replicas, chosen at random, without a lookup
         while the replicas looked up last are fresh (`_hot_replicas`). At 300 simulated
         trainers a full read of the progress key cost every replica and every node on the
-        lookup's path a 192 KiB reply, every second, from every trainer."""
+        lookup's path a 192 KiB reply, every second, from every trainer.
+
+        `strict`: Unreachable where no node answered the read (and we hold no copy as a
+        replica): an empty answer, not an empty key (a reader counting what it read)."""
         started = self.clock()
         merged: dict[str, Entry] = {}
         if self.server:
@@ -399,9 +402,12 @@ class DHT:
             return live(merged, now=started)
         request = p.Get(key, self._caller_addrs())
         paged: list[Contact] = []  # replicas we read page by page
+        answered = 0
 
         async def query(contact: Contact) -> list[Contact]:
+            nonlocal answered
             reply = await self._call(contact.peer_id, "get", request, p.GetReply)
+            answered += 1
             merge(merged, await self._checked(key, reply.entries, known=merged))
             if reply.pages > 1 and len(paged) < PAGED_REPLICAS:
                 paged.append(contact)
@@ -409,6 +415,8 @@ class DHT:
             return p.to_contacts(reply.nodes, exclude=self.node.peer_id)
 
         await self._lookup(key_id(key), query)
+        if strict and not answered and not self._replica():
+            raise Unreachable(f"no DHT node answered a read of {key!r}")
         if hot:
             self._note_hot_read(key_id(key), owned_entries(merged))
         return live(merged, now=started)

@@ -33,7 +33,7 @@ from peer.errors import RemoteError
 from peer.measure.capabilities import Capabilities
 from peer.net.host import Node
 from peer.training.progress import CollaborationView
-from peer.training.publisher import read_interval, read_progress, received_bytes
+from peer.training.publisher import ProgressReader, read_interval, received_bytes
 from peer.training.timing import Timing
 
 log = logging.getLogger("peertrain.aggregator")
@@ -95,7 +95,7 @@ class BackboneAggregator:
         # Half our reads' interval: the configured one, stretched as for a trainer once the
         # records are many (`publisher.read_interval`).
         self._read_interval = self.config.training.progress_interval
-        self._size: int | None = None  # the collaboration's, as our last read showed it
+        self._reader = ProgressReader(dht, config.collaboration.name)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -119,13 +119,11 @@ class BackboneAggregator:
     async def _next_call(self, *, before: float) -> Call | None:
         """A call to join: after the last we joined, or one earlier than those we are in (a
         far-ahead call must not keep us from the one the trainers answer)."""
-        name = self.config.collaboration.name
         try:
-            entries, records = read = await read_progress(self.dht, name, self._size)
+            entries, records = await self._reader.read()
         except RemoteError as error:
             log.debug("could not read the progress records: %s", error)
             return None
-        self._size = read.size
         self._read_interval = read_interval(
             received_bytes(entries, records),
             interval=self.config.training.progress_interval,

@@ -19,7 +19,7 @@ from peer.dht.node import DHT
 from peer.errors import RemoteError
 from peer.status import TrainingSummary, summarise_training
 from peer.training.progress import published_quorum
-from peer.training.publisher import read_progress
+from peer.training.publisher import ProgressReader
 
 log = logging.getLogger("peertrain.collaboration")
 
@@ -92,12 +92,11 @@ async def log_collaboration(
     the global step has moved."""
     name = config.collaboration.name
     seen = StepClock()
-    size: int | None = None  # the collaboration's, as our last read showed it
+    reader = ProgressReader(dht, name, hot=False)
     task_status.started()
     while True:
         with contextlib.suppress(RemoteError):  # no answer this time: the next read
-            progress = (await read_progress(dht, name, size, hot=False)).records
-            size = len(progress)
+            progress = (await reader.read()).records
             quorum = published_quorum(progress, config.averaging.min_group_size)
             summary = summarise_training(progress, None, quorum=quorum)
             if summary is not None and summary.global_step > 0:

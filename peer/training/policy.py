@@ -403,13 +403,15 @@ class StepPolicy:
         self._moves.note(view, now)
         if self._company(now):
             self._company_at = now
+        # A peer this read shows is judged by its record now; one it does not show stays
+        # counted for `rejoin_after` (a read can show part of the collaboration).
+        recent = now - self.timing.rejoin_after
+        self._around = {peer: seen for peer, seen in self._around.items() if seen >= recent}
+        for r in [*view.records, *view.farewells]:
+            self._around.pop(r.peer_id, None)
         for r in view.records:
             if r.role == "trainer" and abs(r.step - held.step) <= 1 and not r.downloading:
                 self._around[r.peer_id] = now
-        recent = now - self.timing.rejoin_after
-        self._around = {peer: seen for peer, seen in self._around.items() if seen >= recent}
-        for r in view.farewells:
-            self._around.pop(r.peer_id, None)
 
     def out_of_touch(self, now: float) -> bool:
         """We may have lost the others (a partition, contacts that died under our DHT calls):
@@ -661,9 +663,10 @@ class StepPolicy:
 
     def _most_trainers_voted(self, certified: Candidate, votes: list[Vote]) -> bool:
         """A genesis candidate's voters are more than half of the trainers at the step (or one
-        around it) in our recent reads (`_trainers_around`). A genesis has no electorate before it that its rivals share: two
-        gatherings of the first step each certified their own at 100 simulated peers (a
-        stray group beside the large one), and 131 peers then took the step as a second state.
+        around it) in our recent reads (`_trainers_around`). A genesis has no electorate
+        before it that its rivals share: two gatherings of the first step each certified
+        their own at 100 simulated peers (a stray group beside the large one), and 131 peers
+        then took the step as a second state.
         Within one read two genesis candidates never both win; reads that differ, or a peer
         counted in two genesis plans (it votes again after a stall), still could
         (docs/SECURITY.md)."""
@@ -673,11 +676,12 @@ class StepPolicy:
         return 2 * len(voters) > len(self._trainers_around() | voters)
 
     def _trainers_around(self) -> set[str]:
-        """The trainers at our step or one around it, not downloading, in any of our reads of
-        the last `Timing.rejoin_after` (leavers out), and us. Not the last read's alone: a
-        read can show part of the collaboration (a progress shard level that some writers
-        had left, `peer.training.shards`), and two such reads each let a minority win a
-        genesis (100 simulated peers took step 1 as two states)."""
+        """The trainers at our step or one around it, not downloading, as our last read shows
+        them, and those it does not show that one of our reads of the last
+        `Timing.rejoin_after` did (leavers out); and us. Not the last read's alone: a read can
+        show part of the collaboration (a progress shard level some writers had left,
+        `peer.training.shards`), and two such reads each let a minority win a genesis (100
+        simulated peers took step 1 as two states)."""
         return set(self._around) | {self.me}
 
     def elected(self, outcome: Outcome) -> None:

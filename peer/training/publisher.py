@@ -15,7 +15,8 @@ the windows are for tickets, which are stored with one). Reads are decoded here,
 record is left `leaving` (its vote and signatures count on, the peer no more), so others stop
 counting us at once instead of when it expires.
 
-The progress key is a hot DHT key (`DHT.get(hot=True)`: two of its replicas, no lookup), and a
+The progress key (its shards, past 16 records: `ProgressReader`, `peer.training.shards`) is a
+hot DHT key (`DHT.get(hot=True)`: two of its replicas, no lookup), and a
 read is due every `read_interval`: the configured interval while the records are small, longer
 once reading them all would cost more than `READ_BYTES_PER_SECOND` (at 300 simulated trainers
 every trainer read 11 Mbit/s of records, and the busiest replica sent 765 Mbit/s). The
@@ -91,65 +92,96 @@ class ProgressRead(NamedTuple):
         return len(self.records)
 
 
-async def read_progress(
-    dht: DHT, collaboration: str, size: int | None, *, hot: bool = True
-) -> ProgressRead:
-    """Every progress record of `collaboration`: the shards of the level of `size` (the size our
-    last read showed). With no `size` (nothing read yet), or none found at its level, the one
-    key of a small collaboration is read, and where it shows a larger one (or nothing), one
-    shard of every other level, then the level where they show the most (`shards.probe_level`). RemoteError if
-    no shard of the level could be read."""
-    at = None if size is None else shards.level(size)
-    if at is not None:
-        read = await _read_level(dht, collaboration, at, hot=hot)
-        if read.records:
-            return read
-    if at != 0:
-        read = await _read_level(dht, collaboration, 0, hot=hot)
-        if read.records and shards.level(read.size) == 0:
-            return read
-    probed = shards.probe_level([(0, read.size), *await _probe(dht, collaboration, hot=hot)])
-    return read if probed == 0 else await _read_level(dht, collaboration, probed, hot=hot)
+#: Seconds between two probes of every level by a reader whose level shows nobody else.
+PROBE_SECONDS = 30.0
 
 
-async def _read_level(dht: DHT, collaboration: str, at: int, *, hot: bool) -> ProgressRead:
-    """Every shard of level `at`, at once; RemoteError if one could not be read. A view with a
-    shard missing is no view: a first step's election counts the trainers in view (`StepPolicy.
-    _most_trainers_voted`), and views with a shard left out each let a minority certify its
-    own first step (100 simulated peers took step 1 as two states)."""
-    keys = shards.level_keys(collaboration, at)
-    entries: dict[str, Entry] = {}
-    failures: list[RemoteError] = []
+class ProgressReader:
+    """Reads every progress record of a collaboration, wherever its shards are
+    (`peer.training.shards`), remembering the size its last read showed (`size`).
 
-    async def read(key: str) -> None:
-        try:
-            merge(entries, await dht.get(key, hot=hot))
-        except RemoteError as error:
-            failures.append(error)
+    A read takes every shard of the level of `size`. Where that shows nobody but us (`me`), or
+    nothing, or before any read, one shard of every level is probed, at most every
+    `PROBE_SECONDS` (always on a first read), and the level whose shard shows the most is read
+    (`shards.probe_level`): so a joiner is not held by a few records on the one key of a small
+    collaboration, nor a peer that was cut off by the level of its own record. A read that finds
+    nothing after one that found records raises RemoteError (the last view and size stay): an
+    unreachable DHT is no empty collaboration. Entries are taken only from the shard their peer
+    id names (`shards.record_key`): one identity writing into every shard would count 64 times
+    in a probe. Every shard is read strictly (`DHT.get(strict=True)`): a shard no replica of
+    which answered fails the read, since a view with a shard missing counts part of the
+    trainers (a first step's election counts them)."""
 
-    async with trio.open_nursery() as nursery:
-        for key in keys:
-            nursery.start_soon(read, key)
-    if failures:
-        raise failures[0]
-    records = decode_progress(entries, collaboration=collaboration)
-    return ProgressRead(entries, records)
+    def __init__(
+        self, dht: DHT, collaboration: str, *, me: str | None = None, hot: bool = True
+    ) -> None:
+        self.dht = dht
+        self.collaboration = collaboration
+        self.me = me
+        self.hot = hot
+        self.size: int | None = None
+        self._probed_at = -math.inf
 
+    async def read(self) -> ProgressRead:
+        previous = self.size
+        if previous is not None:
+            read = await self._read_level(shards.level(previous))
+            recent = trio.current_time() - self._probed_at < PROBE_SECONDS
+            if self._others(read) or (recent and (read.records or not previous)):
+                self.size = read.size
+                return read
+        self._probed_at = trio.current_time()
+        found = await self._probe()
+        read = await self._read_level(shards.probe_level(found))
+        if not read.records and previous:
+            raise RemoteError("no progress records found where there were: the DHT is unreachable")
+        self.size = read.size
+        return read
 
-async def _probe(dht: DHT, collaboration: str, *, hot: bool) -> list[tuple[int, int]]:
-    """(level, records) of one shard of each level above 0, chosen at random."""
-    found: list[tuple[int, int]] = []
+    def _others(self, read: ProgressRead) -> bool:
+        return any(r.peer_id != self.me for r in read.records)
 
-    async def probe(at_level: int) -> None:
-        key = shards.shard_key(collaboration, at_level, dht.rng.randrange(2**at_level))
-        with contextlib.suppress(RemoteError):
-            entries = await dht.get(key, hot=hot)
-            found.append((at_level, len(decode_progress(entries, collaboration=collaboration))))
+    async def _read_level(self, at: int) -> ProgressRead:
+        """Every shard of level `at`, at once; RemoteError if one could not be read."""
+        entries: dict[str, Entry] = {}
+        failures: list[RemoteError] = []
 
-    async with trio.open_nursery() as nursery:
-        for at_level in range(1, shards.MAX_LEVEL + 1):
-            nursery.start_soon(probe, at_level)
-    return found
+        async def read(key: str) -> None:
+            try:
+                merge(entries, await self._get(key, at))
+            except RemoteError as error:
+                failures.append(error)
+
+        async with trio.open_nursery() as nursery:
+            for key in shards.level_keys(self.collaboration, at):
+                nursery.start_soon(read, key)
+        if failures:
+            raise failures[0]
+        return ProgressRead(entries, decode_progress(entries, collaboration=self.collaboration))
+
+    async def _get(self, key: str, at: int) -> dict[str, Entry]:
+        """`key`'s entries under the subkeys whose shard it is."""
+        entries = await self.dht.get(key, hot=self.hot, strict=True)
+        return {
+            subkey: entry
+            for subkey, entry in entries.items()
+            if shards.record_key(self.collaboration, subkey, at) == key
+        }
+
+    async def _probe(self) -> list[tuple[int, int]]:
+        """(level, records) of one shard of every level, chosen at random."""
+        found: list[tuple[int, int]] = []
+
+        async def probe(at: int) -> None:
+            key = shards.shard_key(self.collaboration, at, self.dht.rng.randrange(2**at))
+            with contextlib.suppress(RemoteError):
+                entries = await self._get(key, at)
+                found.append((at, len(decode_progress(entries, collaboration=self.collaboration))))
+
+        async with trio.open_nursery() as nursery:
+            for at in range(shards.MAX_LEVEL + 1):
+                nursery.start_soon(probe, at)
+        return found
 
 
 class ProgressPublisher:
@@ -179,8 +211,9 @@ class ProgressPublisher:
         self.quorum = config.averaging.min_group_size
         self.deadline = max(interval, 2 * config.net.rpc_timeout)
         self.me = dht.node.peer_id.to_base58()
-        self.size: int | None = None
-        """The collaboration's size as our last read showed it: where the shards are."""
+        self.reader = ProgressReader(dht, self.collaboration, me=self.me)
+        self._written: dict[str, float] = {}
+        """The shards our record went to -> until when it lives there (our farewell's)."""
         self.longest_read_interval = longest_read_interval
         self.read_interval = interval
         """Seconds between two of our reads (`read_interval`), after the last read."""
@@ -195,8 +228,7 @@ class ProgressPublisher:
     async def read(self) -> None:
         """Read every record now (RemoteError if the DHT cannot be reached)."""
         started = trio.current_time()
-        entries, records = read = await read_progress(self.dht, self.collaboration, self.size)
-        self.size = read.size
+        entries, records = await self.reader.read()
         self.on_read_time(trio.current_time() - started)
         self.read_interval = read_interval(
             received_bytes(entries, records),
@@ -230,21 +262,29 @@ class ProgressPublisher:
         record = self.record()
         now = self.clock()
         if record is None:
-            await self._store(None, expiration=now + self.ttl + 1)
+            await self._store(None, expiration=now + self.ttl + 1, everywhere=True)
             return
         last = msgspec.structs.replace(record, leaving=True, updated_at=now)
-        await self._store(last, expiration=now + self.ttl)
+        await self._store(last, expiration=now + self.ttl, everywhere=True)
 
     def _keys(self) -> list[str]:
         """The shards our record goes to (`shards.write_levels`)."""
-        levels = shards.write_levels(self.size or 0)
+        levels = shards.write_levels(self.reader.size or 0)
         return [shards.record_key(self.collaboration, self.me, at) for at in levels]
 
-    async def _store(self, record: ProgressRecord | None, *, expiration: float) -> None:
-        """`record` (None: a withdrawal) into each of our shards at once."""
+    async def _store(
+        self, record: ProgressRecord | None, *, expiration: float, everywhere: bool = False
+    ) -> None:
+        """`record` (None: a withdrawal) into each of our shards at once; `everywhere`: also
+        into those of other levels it still lives in (a farewell: readers of a level we left
+        would count us until it expired)."""
         value = None if record is None else encode_progress(record)
+        now = self.clock()
+        self._written = {k: until for k, until in self._written.items() if until > now}
+        keys = set(self._keys()) | (set(self._written) if everywhere else set())
         async with trio.open_nursery() as nursery:
-            for key in self._keys():
+            for key in sorted(keys):
+                self._written[key] = max(self._written.get(key, 0.0), expiration)
                 nursery.start_soon(
                     functools.partial(
                         self.dht.store, key, self.me, value, expiration=expiration, hot=True
@@ -257,7 +297,7 @@ class ProgressPublisher:
         try:
             with trio.move_on_after(self.deadline):
                 if record is not None:
-                    if self.size is None:  # where our record goes depends on what we read
+                    if self.reader.size is None:  # where our record goes depends on a read
                         await self.read()
                         started, read = trio.current_time(), True
                     # What the windows size is a store with a lookup (a ticket's); a hot store
