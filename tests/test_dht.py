@@ -716,3 +716,19 @@ async def test_a_node_whose_call_failed_is_asked_again_once_it_calls_us(autojump
     lookup = await reader.find_nodes(node_id(back.node.peer_id))
     assert back.node.peer_id in {c.peer_id for c in lookup.closest_answered()}
     assert timeouts(reader) == 1
+
+
+async def test_a_strict_read_nobody_answered_raises_where_a_plain_one_is_empty():
+    """(Found in review.) A read every node of which failed returned {}, as an empty key does:
+    a progress reader took it for a collaboration of nobody (`ProgressReader`). Strict, it is
+    Unreachable; a server that holds the key's entries as a replica reads its own copy."""
+    async with nodes(1) as (node,):
+        alone = DHT(node, CONFIG, server=False, rpc_timeout=5.0)
+        assert await alone.get("k") == {}
+        with pytest.raises(Unreachable, match="no DHT node answered"):
+            await alone.get("k", strict=True)
+    async with swarm(2, CONFIG) as s:
+        now = s.dhts[0].clock()
+        await s.dhts[0].store("k", "a", b"one", expiration=now + 60)
+        s.dhts[0].table.remove(s.dhts[1].node.peer_id)  # it answers nobody's lookup now
+        assert (await s.dhts[0].get("k", strict=True))["a"].value == b"one"

@@ -392,8 +392,8 @@ class DHT:
         trainers a full read of the progress key cost every replica and every node on the
         lookup's path a 192 KiB reply, every second, from every trainer.
 
-        `strict`: Unreachable where no node answered the read (and we hold no copy as a
-        replica): an empty answer, not an empty key (a reader counting what it read)."""
+        `strict`: Unreachable where no node answered the read and we hold no copy of the key
+        as a replica: an empty answer, not an empty key (a reader counting what it read)."""
         started = self.clock()
         merged: dict[str, Entry] = {}
         if self.server:
@@ -415,7 +415,7 @@ class DHT:
             return p.to_contacts(reply.nodes, exclude=self.node.peer_id)
 
         await self._lookup(key_id(key), query)
-        if strict and not answered and not self._replica():
+        if strict and not answered and not (self._replica() and merged):
             raise Unreachable(f"no DHT node answered a read of {key!r}")
         if hot:
             self._note_hot_read(key_id(key), owned_entries(merged))
