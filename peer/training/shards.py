@@ -46,8 +46,8 @@ def level(size: int) -> int:
 def write_levels(size: int) -> list[int]:
     """The levels a writer who reads `size` records stores its record at: its own, and near a
     level's boundary the one across it too, for readers whose size differs from ours by up to a
-    quarter (a reader whose level is further off still finds its level from the sizes the
-    records it did read state: `collaboration_size`)."""
+    quarter (a reader further off reads a level with fewer records, or none, and moves or
+    probes: `publisher.ProgressReader`)."""
     return sorted({level(size * 4 // 5), level(size * 5 // 4)})
 
 
