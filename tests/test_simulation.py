@@ -506,7 +506,8 @@ def test_progress_reads_go_on_after_a_replica_of_the_progress_key_leaves_silentl
 def test_progress_replies_spread_over_the_shards_replicas():
     """40 simulated peers publishing and reading progress records (`simulation.progressload`):
     on one key its 8 replicas sent 5.4x the mean node's replies (at 100 peers 13x, 15 Mbit/s
-    each); in shards the busiest sends 2.6x (3.0x before the review), and every read sees everyone."""
+    each); in shards the busiest sends 2.6x (3.0x before the review), and every read sees
+    everyone."""
     load = run_load(40, seconds=20, warmup=15, seed=0)
     assert load.coverage >= 0.99
     assert load.busiest <= 4 * load.mean, (load.busiest, load.mean)
