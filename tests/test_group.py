@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import msgspec
 import pytest
 
@@ -10,9 +12,12 @@ from peer.averaging.group import (
     Ticket,
     able_to_reduce,
     build_spec,
+    placed,
     round_id_of,
     round_timeouts,
+    view_digest,
 )
+from peer.averaging.moshpit import plan
 from peer.measure.attestation import Evidence, attest
 from peer.measure.capabilities import Capabilities
 from peer.roles import aggregators
@@ -156,3 +161,53 @@ def test_timeouts_follow_the_bytes_and_the_measured_bandwidth():
     assert stall_slow == pytest.approx(1 + 3 * 100 * 4 / 1e6)  # one chunk at the slowest
     # Nothing measured: only the floor.
     assert round_timeouts(spec, {}, wire_bytes_per_element=4, floor=2, multiplier=3) == (2, 2)
+
+
+def _nat_view(count: int, rng: random.Random) -> list[Ticket]:
+    """`count` tickets, half of them behind NAT, a third of those symmetric (issue 46's mix)."""
+    view = []
+    for _ in range(count):
+        draw = rng.random()
+        capabilities = caps(1e6, reachable=draw >= 0.5, punchable=1 / 6 <= draw < 0.5)
+        peer_id = f"peer-{rng.getrandbits(64):016x}"
+        ticket = Ticket(peer_id=peer_id, rpc_addrs=[], data_host="h", data_port=1,
+                        computes=True, weight=1.0, capabilities=capabilities)  # fmt: skip
+        view.append(ticket)
+    return sorted(view, key=lambda t: t.peer_id)
+
+
+def _groups_nobody_can_reduce(seated: list[Ticket], group_size: int) -> int:
+    rounds = plan(len(seated), group_size).rounds
+    groups = [[seated[i] for i in g] for groups in rounds for g in groups if len(g) > 1]
+    return sum(not any(able_to_reduce(g)) for g in groups)
+
+
+@pytest.mark.parametrize("count", [40, 100, 300])
+def test_placed_views_give_every_group_a_member_all_the_others_can_dial(count):
+    rng = random.Random(count)
+    for _ in range(10):
+        view = _nat_view(count, rng)
+        # In peer-id order nearly every plan has groups nobody in them can reduce for.
+        seated = placed(view, 4)
+        assert sorted(seated, key=lambda t: t.peer_id) == view
+        assert _groups_nobody_can_reduce(seated, 4) == 0
+        assert placed(list(reversed(view)), 4) == seated  # every member gets the same
+
+
+def test_in_peer_id_order_most_nat_plans_have_a_group_that_cannot_reduce():
+    # The baseline the placement is measured against (its docstring's figure).
+    rng = random.Random(0)
+    views = [_nat_view(100, rng) for _ in range(10)]
+    assert all(_groups_nobody_can_reduce(view, 4) > 0 for view in views)
+
+
+def test_placed_keeps_peer_id_order_when_everyone_can_be_dialled():
+    view = [joined(caps(1e6)).ticket for _ in range(20)]
+    assert placed(view, 4) == sorted(view, key=lambda t: t.peer_id)
+
+
+def test_the_view_digest_names_who_can_be_dialled():
+    # Members that read another reachability for one peer seat it elsewhere: their views differ.
+    ticket = joined(caps(1e6)).ticket
+    behind = msgspec.structs.replace(ticket, capabilities=caps(1e6, reachable=False))
+    assert view_digest(3, [ticket]) != view_digest(3, [behind])

@@ -33,7 +33,8 @@ from peer.training.policy import (
     Stop,
     Wait,
 )
-from peer.training.progress import CollaborationView, ProgressRecord
+from peer.training.progress import CollaborationView, ProgressRecord, VoteRecord
+from peer.training.steprule import Candidate, Vote, plan_of
 from peer.training.timing import SLOW_BATCH, STORES_PER_WINDOW
 from tests.test_progress import PEERS, rec
 
@@ -706,6 +707,27 @@ def test_a_caller_done_with_its_own_quota_waits_for_the_collaboration():
     later = T0 + fallback + 4 * window + 0.2
     read(idle, msgspec.structs.replace(lowest, updated_at=later), now=later)
     assert isinstance(idle.next_action(nothing, later), Call)
+
+
+def test_a_peer_one_step_behind_with_no_vote_on_ours_holds_no_call():
+    """One behind that voted on our step is about to step with us (its record was published
+    before its step): we wait for it. One behind with no such vote missed our step and will
+    download it: waiting for it held every call while its machine was paused (a simulated
+    volunteer paused a minute at step 3, and the five at step 4 waited it out)."""
+    policy = make_policy()
+    policy.hold(1, "d1", own_signature(1))
+    done = other("z1", step=1, digest="d1", samples=16, holding=True)
+    ours = Local(samples=32, samples_per_second=10.0)
+    paused = other("z2", samples=8, samples_per_second=10.0)  # at step 0, computing
+    read(policy, done, paused)
+    assert isinstance(policy.next_action(ours, T0), Call)
+    plan = plan_of([ME, "z1", "z2"])
+    vote = VoteRecord.of(Vote("z2", Candidate(1, "a1", plan), plan))
+    voted = msgspec.structs.replace(paused, vote=vote)
+    waiting = make_policy()
+    waiting.hold(1, "d1", own_signature(1))
+    read(waiting, done, voted)
+    assert isinstance(waiting.next_action(ours, T0), Wait)
 
 
 def test_after_a_failed_averaging_nobody_calls_while_others_are_still_in_it():

@@ -267,11 +267,11 @@ def may_reduce(group: tuple[tuple[Nat, bool], ...]) -> list[bool]:
 def test_a_collaboration_with_peers_behind_nat_trains_and_plans_only_reachable_reducers():
     scenario = Scenario(
         peers=6, minutes=1, warmup_minutes=1, model_bytes=4e6, target_batch=512,
-        churn_per_hour=0, seed=1, nat_share=0.5, symmetric_share=1 / 3,
+        churn_per_hour=0, seed=2, nat_share=0.5, symmetric_share=1 / 3,
     )  # fmt: skip
     report = run_collaboration(scenario)
     summary = summarize(report)
-    assert (summary.behind_nat, summary.symmetric) == (3, 1)
+    assert (summary.behind_nat, summary.symmetric) == (4, 1)
     assert summary.steps >= 2 and report.digests_agree and not report.violations
     # A symmetric peer joined a punchable leader through a relay.
     assert report.nat.connections[Path.RELAYED] >= 1 and report.nat.relayed_bytes > 0

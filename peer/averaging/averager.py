@@ -53,6 +53,7 @@ from peer.averaging.group import (
     able_to_reduce,
     attested_bandwidth,
     longest_round,
+    placed,
     round_timeouts,
     stated_size,
     view_digest,
@@ -649,11 +650,13 @@ class Averager:
     ) -> None:
         """Our rounds of the view's Moshpit plan, on a copy of `vector`; sets `result.average`
         to the mean over our last basis (module doc)."""
+        moshpit = plan(len(view), self.config.group_size)
+        several = len(moshpit.rounds) > 1
+        if several:  # where each sits: every group with someone its members can dial
+            view = placed(view, self.config.group_size)
         ids = [t.peer_id for t in view]
         number = ids.index(self.me)
         weights = [t.weight if t.computes else 0.0 for t in view]
-        moshpit = plan(len(view), self.config.group_size)
-        several = len(moshpit.rounds) > 1
         rules = Counter(t.aggregation for t in view)
         if several and len(rules) > 1:
             result.skipped.append(

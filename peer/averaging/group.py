@@ -27,6 +27,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from peer.averaging.allreduce import Member, RoundSpec
+from peer.averaging.moshpit import placement, plan
 from peer.measure.attestation import Evidence, attested_link
 from peer.measure.capabilities import Capabilities
 from peer.net.tls import MAX_CERT_BYTES
@@ -83,14 +84,48 @@ def stated_size(view: Sequence[Ticket], *, quorum: int) -> int | None:
 
 
 def view_digest(epoch: int, tickets: Sequence[Ticket]) -> bytes:
-    """What a Moshpit plan is made of: who averages (in peer-id order) with what weight."""
-    digest = hashlib.blake2b(b"peertrain/view/1", digest_size=16)
+    """What a Moshpit plan is made of: who averages with what weight, and who can be dialled
+    (where each sits, `placed`)."""
+    digest = hashlib.blake2b(b"peertrain/view/2", digest_size=16)
     digest.update(str(epoch).encode())
     for t in sorted(tickets, key=lambda t: t.peer_id):
         name = t.peer_id.encode()
         digest.update(len(name).to_bytes(4, "big") + name)
-        digest.update(struct.pack(">?d", t.computes, t.weight) + t.aggregation.encode())
+        digest.update(struct.pack(">?d??", t.computes, t.weight, can_reduce(t), can_punch(t)))
+        digest.update(t.aggregation.encode())
     return digest.digest()
+
+
+def placed(view: Sequence[Ticket], group_size: int) -> list[Ticket]:
+    """The view's tickets in the order of their Moshpit numbers (pure; every member of the
+    view gets the same). Peer-id order while everyone is reachable, or nobody is. Else a group
+    whose members cannot dial each other fails its round (tensors never go through a relay):
+    the reachable peers take the numbers that sit one in the most groups (`placement`), then
+    the peers behind a symmetric NAT (they reach only reachable peers) the numbers whose
+    groups all hold a reachable one, or the fewest that do not, and the punchable peers the
+    rest (a group of punchable and reachable peers reduces: `able_to_reduce`). Out of peer-id
+    order, 50 of 100 peers behind NAT (a third symmetric) left a group of every plan with
+    nobody to reduce in 100 simulated runs (`tests/test_group.py`)."""
+    by_id = sorted(view, key=lambda t: t.peer_id)
+    reachable = [t for t in by_id if can_reduce(t)]
+    if len(reachable) in (0, len(by_id)):
+        return by_id
+    order = placement(len(by_id), group_size)
+    seats: list[Ticket | None] = [None] * len(by_id)
+    for number, ticket in zip(order, reachable, strict=False):
+        seats[number] = ticket
+    groups = [g for groups in plan(len(by_id), group_size).rounds for g in groups if len(g) > 1]
+    served = [any(seats[m] is not None for m in g) for g in groups]
+    exposure = [0] * len(by_id)  # groups of a number that no reachable peer sits in
+    for group, ok in zip(groups, served, strict=True):
+        for m in group:
+            exposure[m] += not ok
+    free = sorted(order[len(reachable) :], key=lambda m: (exposure[m], m))
+    rest = [t for t in by_id if not can_reduce(t) and not can_punch(t)]
+    rest += [t for t in by_id if not can_reduce(t) and can_punch(t)]
+    for number, ticket in zip(free, rest, strict=True):
+        seats[number] = ticket
+    return [t for t in seats if t is not None]
 
 
 class Joined(msgspec.Struct, frozen=True):

@@ -1037,13 +1037,22 @@ class StepPolicy:
         return rates
 
     def _step_company(self, view: CollaborationView) -> list[ProgressRecord]:
-        """The trainers about to take our next step with us: at our step, or one behind (a
-        record published just before its step), not downloading."""
+        """The trainers about to take our next step with us, not downloading: at our step, or
+        one behind that voted on our step (a record published just before its step: in our
+        step's election, or just out of it). One behind with no vote on our step missed it
+        and downloads it before it computes with us: counted, it held every call while its
+        machine was paused (6 simulated volunteers, one paused for a minute at step 3: the
+        other five, at step 4, waited it out)."""
         step = self.held.step
         return [
             r
             for r in view.records
-            if r.role == "trainer" and r.step in (step, step - 1) and not r.downloading
+            if r.role == "trainer"
+            and not r.downloading
+            and (
+                r.step == step
+                or (r.step == step - 1 and r.vote is not None and r.vote.step == step)
+            )
         ]
 
     def _current_call(self, view: CollaborationView, now: float) -> float | None:
