@@ -17,7 +17,7 @@ from peer.averaging.group import (
     round_timeouts,
     view_digest,
 )
-from peer.averaging.moshpit import plan
+from peer.averaging.moshpit import placement, plan
 from peer.measure.attestation import Evidence, attest
 from peer.measure.capabilities import Capabilities
 from peer.roles import aggregators
@@ -188,10 +188,10 @@ def test_placed_views_give_every_group_a_member_all_the_others_can_dial(count):
     for _ in range(10):
         view = _nat_view(count, rng)
         # In peer-id order nearly every plan has groups nobody in them can reduce for.
-        seated = placed(view, 4)
+        seated = placed(view, 4, salt=b"view")
         assert sorted(seated, key=lambda t: t.peer_id) == view
         assert _groups_nobody_can_reduce(seated, 4) == 0
-        assert placed(list(reversed(view)), 4) == seated  # every member gets the same
+        assert placed(list(reversed(view)), 4, salt=b"view") == seated  # every member alike
 
 
 def test_in_peer_id_order_most_nat_plans_have_a_group_that_cannot_reduce():
@@ -201,13 +201,31 @@ def test_in_peer_id_order_most_nat_plans_have_a_group_that_cannot_reduce():
     assert all(_groups_nobody_can_reduce(view, 4) > 0 for view in views)
 
 
-def test_placed_keeps_peer_id_order_when_everyone_can_be_dialled():
+def test_placed_keeps_peer_id_order_when_everyone_or_nobody_says_it_is_reachable():
     view = [joined(caps(1e6)).ticket for _ in range(20)]
-    assert placed(view, 4) == sorted(view, key=lambda t: t.peer_id)
+    assert placed(view, 4, salt=b"view") == sorted(view, key=lambda t: t.peer_id)
+    unmeasured = [msgspec.structs.replace(t, capabilities=None) for t in view]
+    assert placed(unmeasured, 4, salt=b"view") == sorted(unmeasured, key=lambda t: t.peer_id)
+
+
+def test_ground_low_ids_claiming_reachability_do_not_take_the_covering_seats():
+    """Reachability is a claim: ranked by peer id, the lowest ids claiming it took the
+    numbers that make a peer some groups' only reducer (review). Ranked by the view's digest
+    and the id, which ones get them changes with every view."""
+    view = _nat_view(100, random.Random(7))
+    reachable = [t.peer_id for t in view if t.capabilities.reachable]
+    first = placement(100, 4)[:10]
+    covering = [
+        {placed(view, 4, salt=salt)[n].peer_id for n in first} for salt in (b"a", b"b", b"c")
+    ]
+    assert all(c <= set(reachable) for c in covering)
+    assert all(c != set(reachable[:10]) for c in covering)
+    assert len({frozenset(c) for c in covering}) == 3
 
 
 def test_the_view_digest_names_who_can_be_dialled():
     # Members that read another reachability for one peer seat it elsewhere: their views differ.
     ticket = joined(caps(1e6)).ticket
     behind = msgspec.structs.replace(ticket, capabilities=caps(1e6, reachable=False))
-    assert view_digest(3, [ticket]) != view_digest(3, [behind])
+    unmeasured = msgspec.structs.replace(ticket, capabilities=None)
+    assert len({view_digest(3, [t]) for t in (ticket, behind, unmeasured)}) == 3

@@ -709,11 +709,12 @@ def test_a_caller_done_with_its_own_quota_waits_for_the_collaboration():
     assert isinstance(idle.next_action(nothing, later), Call)
 
 
-def test_a_peer_one_step_behind_with_no_vote_on_ours_holds_no_call():
-    """One behind that voted on our step is about to step with us (its record was published
-    before its step): we wait for it. One behind with no such vote missed our step and will
-    download it: waiting for it held every call while its machine was paused (a simulated
-    volunteer paused a minute at step 3, and the five at step 4 waited it out)."""
+def test_a_peer_one_step_behind_that_missed_our_step_holds_no_call():
+    """One behind that voted on our step, or is a member of its plan, is about to step with
+    us (its record was published before its step): we wait for it. One behind that is
+    neither missed our step and will download it: waiting for it held every call while its
+    machine was paused (a simulated volunteer paused a minute at step 3, and the five at step
+    4 waited it out)."""
     policy = make_policy()
     policy.hold(1, "d1", own_signature(1))
     done = other("z1", step=1, digest="d1", samples=16, holding=True)
@@ -728,6 +729,12 @@ def test_a_peer_one_step_behind_with_no_vote_on_ours_holds_no_call():
     waiting.hold(1, "d1", own_signature(1))
     read(waiting, done, voted)
     assert isinstance(waiting.next_action(ours, T0), Wait)
+    # A member of our step's plan whose vote has not landed yet (a partial average defers it).
+    member = make_policy()
+    member.hold(1, "d1", own_signature(1), electorate=plan)
+    assert member.learn_members([ME, "z1", "z2"])
+    read(member, done, paused)
+    assert isinstance(member.next_action(ours, T0), Wait)
 
 
 def test_after_a_failed_averaging_nobody_calls_while_others_are_still_in_it():

@@ -653,7 +653,7 @@ class Averager:
         moshpit = plan(len(view), self.config.group_size)
         several = len(moshpit.rounds) > 1
         if several:  # where each sits: every group with someone its members can dial
-            view = placed(view, self.config.group_size)
+            view = placed(view, self.config.group_size, salt=view_digest(epoch, view))
         ids = [t.peer_id for t in view]
         number = ids.index(self.me)
         weights = [t.weight if t.computes else 0.0 for t in view]

@@ -84,46 +84,67 @@ def stated_size(view: Sequence[Ticket], *, quorum: int) -> int | None:
 
 
 def view_digest(epoch: int, tickets: Sequence[Ticket]) -> bytes:
-    """What a Moshpit plan is made of: who averages with what weight, and who can be dialled
-    (where each sits, `placed`)."""
+    """What a Moshpit plan is made of: who averages with what weight, and what each says of
+    its reachability (where each sits, `placed`)."""
     digest = hashlib.blake2b(b"peertrain/view/2", digest_size=16)
     digest.update(str(epoch).encode())
     for t in sorted(tickets, key=lambda t: t.peer_id):
         name = t.peer_id.encode()
         digest.update(len(name).to_bytes(4, "big") + name)
-        digest.update(struct.pack(">?d??", t.computes, t.weight, can_reduce(t), can_punch(t)))
+        digest.update(struct.pack(">?dB", t.computes, t.weight, _dialling(t)))
         digest.update(t.aggregation.encode())
     return digest.digest()
 
 
-def placed(view: Sequence[Ticket], group_size: int) -> list[Ticket]:
+def _dialling(ticket: Ticket) -> int:
+    """What a ticket says of how it can be dialled: 0 nothing (not measured yet, or an older
+    peer), 1 reachable, 2 punchable only, 3 neither (behind a symmetric NAT: client-only)."""
+    capabilities = ticket.capabilities
+    if capabilities is None:
+        return 0
+    return 1 if capabilities.reachable else 2 if capabilities.punchable else 3
+
+
+def placed(view: Sequence[Ticket], group_size: int, *, salt: bytes) -> list[Ticket]:
     """The view's tickets in the order of their Moshpit numbers (pure; every member of the
-    view gets the same). Peer-id order while everyone is reachable, or nobody is. Else a group
-    whose members cannot dial each other fails its round (tensors never go through a relay):
-    the reachable peers take the numbers that sit one in the most groups (`placement`), then
-    the peers behind a symmetric NAT (they reach only reachable peers) the numbers whose
-    groups all hold a reachable one, or the fewest that do not, and the punchable peers the
-    rest (a group of punchable and reachable peers reduces: `able_to_reduce`). Out of peer-id
-    order, 50 of 100 peers behind NAT (a third symmetric) left a group of every plan with
-    nobody to reduce in 100 simulated runs (`tests/test_group.py`)."""
+    view gets the same). Peer-id order unless some of the tickets say they are reachable and
+    some say they are not. Then a group whose members cannot dial each other would fail its
+    round (tensors never go through a relay): the reachable peers take the numbers that sit
+    one in the most groups (`placement`), then the peers behind a symmetric NAT (they reach
+    only reachable peers) the numbers whose groups all hold a reachable one, or the fewest
+    that do not, then the punchable peers and those that say nothing (not measured yet) the
+    rest (a group of punchable and reachable peers reduces: `able_to_reduce`). In peer-id
+    order, every plan of 100 peers, half of them behind NAT and a third of those symmetric,
+    had groups with nobody to reduce (`tests/test_group.py`).
+
+    Within a class the order is by a hash of `salt` (the view's digest) and the peer id, not
+    by peer id: reachability is a peer's claim, and identities with ground ids claiming it
+    took the first seats, where they are some groups' only reducers (review). A ticket sent
+    last could still grind the digest (docs/SECURITY.md)."""
     by_id = sorted(view, key=lambda t: t.peer_id)
-    reachable = [t for t in by_id if can_reduce(t)]
-    if len(reachable) in (0, len(by_id)):
+    dialling = {t.peer_id: _dialling(t) for t in by_id}
+    if not any(d == 1 for d in dialling.values()) or all(d == 1 for d in dialling.values()):
         return by_id
+
+    def drawn(kind: set[int]) -> list[Ticket]:
+        return sorted(
+            (t for t in by_id if dialling[t.peer_id] in kind),
+            key=lambda t: hashlib.blake2b(salt + t.peer_id.encode(), digest_size=16).digest(),
+        )
+
+    reachable = drawn({1})
     order = placement(len(by_id), group_size)
     seats: list[Ticket | None] = [None] * len(by_id)
     for number, ticket in zip(order, reachable, strict=False):
         seats[number] = ticket
     groups = [g for groups in plan(len(by_id), group_size).rounds for g in groups if len(g) > 1]
-    served = [any(seats[m] is not None for m in g) for g in groups]
     exposure = [0] * len(by_id)  # groups of a number that no reachable peer sits in
-    for group, ok in zip(groups, served, strict=True):
-        for m in group:
-            exposure[m] += not ok
+    for group in groups:
+        if all(seats[m] is None for m in group):
+            for m in group:
+                exposure[m] += 1
     free = sorted(order[len(reachable) :], key=lambda m: (exposure[m], m))
-    rest = [t for t in by_id if not can_reduce(t) and not can_punch(t)]
-    rest += [t for t in by_id if not can_reduce(t) and can_punch(t)]
-    for number, ticket in zip(free, rest, strict=True):
+    for number, ticket in zip(free, drawn({3}) + drawn({0, 2}), strict=True):
         seats[number] = ticket
     return [t for t in seats if t is not None]
 

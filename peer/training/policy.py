@@ -1038,21 +1038,23 @@ class StepPolicy:
 
     def _step_company(self, view: CollaborationView) -> list[ProgressRecord]:
         """The trainers about to take our next step with us, not downloading: at our step, or
-        one behind that voted on our step (a record published just before its step: in our
-        step's election, or just out of it). One behind with no vote on our step missed it
-        and downloads it before it computes with us: counted, it held every call while its
-        machine was paused (6 simulated volunteers, one paused for a minute at step 3: the
-        other five, at step 4, waited it out)."""
+        one behind that is a member of our step's plan or voted on our step (its record was
+        published just before its step: it is still in our step's averaging or election). One
+        behind that is neither missed our step and downloads it before it computes with us:
+        counted, it held every call while its machine was paused (6 simulated volunteers, one
+        paused for a minute at step 3: the other five, at step 4, waited it out)."""
         step = self.held.step
+        electorate = self.held.electorate
+        members = self._plans.get(electorate, frozenset()) if electorate else frozenset()
+
+        def about_to_step(r: ProgressRecord) -> bool:
+            voted = r.vote is not None and r.vote.step == step
+            return r.step == step or (r.step == step - 1 and (r.peer_id in members or voted))
+
         return [
             r
             for r in view.records
-            if r.role == "trainer"
-            and not r.downloading
-            and (
-                r.step == step
-                or (r.step == step - 1 and r.vote is not None and r.vote.step == step)
-            )
+            if r.role == "trainer" and not r.downloading and about_to_step(r)
         ]
 
     def _current_call(self, view: CollaborationView, now: float) -> float | None:
