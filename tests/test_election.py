@@ -97,6 +97,32 @@ def test_a_departed_members_missing_vote_stalls_only_a_close_count():
     assert ballot.vote is not None  # a new electorate: we vote in it
 
 
+def test_an_election_stays_open_while_members_are_still_averaging():
+    """A member whose averaging outlasts ours votes after it: giving up at our patience, 18
+    of 22 candidates of a 70.8 MB model's first step stalled (40 simulated volunteers). Open
+    while a member's record still shows the gathering's call, until the averaging's outer
+    deadline (`AveragingResult.ends_by`)."""
+    gathering = T0 - 60.0
+    ends_by = T0 + 10 * at_step_3().election_patience()
+
+    def averaging(peer_id: str) -> ProgressRecord:
+        return other(peer_id, step=3, digest="d3", call_step=3, gather_until=gathering)
+
+    policy = at_step_3()
+    policy.elect(BIG, MEMBERS_OF[BIG], T0, gathering=gathering, others_until=ends_by)
+    patience = T0 + policy.election_patience()
+    read(policy, voting("z0", BIG), voting("z1", SMALL), averaging("z2"), averaging("z3"))
+    assert policy.election(patience)[0] is Outcome.WAITING
+    assert policy.election(ends_by)[0] is Outcome.STALLED  # a record that claims it for ever
+    # Done averaging (no call in its record), or in another gathering: nothing to wait for.
+    for z2 in (other("z2", step=3, digest="d3"), averaging("z2")):
+        done = at_step_3()
+        elsewhere = gathering if z2.call_step == -1 else gathering - 30.0
+        done.elect(BIG, MEMBERS_OF[BIG], T0, gathering=elsewhere, others_until=ends_by)
+        read(done, voting("z0", BIG), voting("z1", SMALL), z2)
+        assert done.election(patience)[0] is Outcome.STALLED
+
+
 def test_a_member_votes_once_per_step_and_a_stranger_not_at_all():
     policy = at_step_3()
     elect(policy, BIG, T0)

@@ -114,6 +114,9 @@ class AveragingResult:
     """Who the average came from, the same for every peer that holds these bits: the view of a
     plan of several rounds, or the members a single group's average is exact over. It names
     who votes on the next step if this average is certified (`peer.training.steprule`)."""
+    ends_by: float = -math.inf
+    """When every member's averaging has ended, on the collaboration's clock: the outer
+    deadline from the view's bandwidths, which every member of the view derives alike."""
 
 
 @dataclass
@@ -612,6 +615,7 @@ class Averager:
                 self.config.max_averaging_seconds,
                 2 * longest_averaging(len(vector), len(view), rates, self.config),
             )
+            result.ends_by = self.dht.clock() + limit
             with trio.move_on_after(limit) as scope:
                 await self._follow_plan(
                     namespace, epoch, view, ticket, vector, result, on_round, evidence

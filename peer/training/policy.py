@@ -278,6 +278,10 @@ class Ballot:
     """When our vote was cast (or the election began, where we cast none)."""
     vote_at: float | None = None
     """A vote we defer until then (`elect`: a partial average waits for larger ones)."""
+    gathering: float = math.nan
+    """When the gathering our candidate came from closed (its call's `gather_until`)."""
+    others_until: float = -math.inf
+    """The averaging's outer deadline: no member averages past it."""
 
 
 # ------------------------------------------------------------------------------ the policy
@@ -496,12 +500,21 @@ class StepPolicy:
     # -------------------------------------------------------------- the election
 
     def elect(
-        self, candidate: Candidate, members: frozenset[str], now: float, *, basis: int | None = None
+        self,
+        candidate: Candidate,
+        members: frozenset[str],
+        now: float,
+        *,
+        basis: int | None = None,
+        gathering: float = math.nan,
+        others_until: float = -math.inf,
     ) -> None:
         """Our averaging ended on `candidate` (the next step's, if certified), whose plan
         `members` make and whose average holds `basis` of their contributions (None: all):
         vote if we are a member of the step's electorate and have not voted on the step yet,
-        and count the votes from now on (`election`). A partial average (a member left
+        and count the votes from now on (`election`): `election_patience` after our vote, and
+        while members of the plan are still in the averaging of the `gathering` (until its outer
+        deadline, `others_until`, at most). A partial average (a member left
         mid-averaging) defers the vote by a turn per contribution it lacks (at most
         `MAX_VOTE_TURNS`), so that the larger averages of the gathering vote first and ours
         can join the leader (`_cast`): a departure split 62 peers 32 / 12 / 12 over three
@@ -513,7 +526,15 @@ class StepPolicy:
         key = (candidate.step, electorate)
         member = genesis or self.me in self._plans.get(electorate, ())
         self._carry_earlier_vote(candidate.step, electorate)
-        self.ballot = Ballot(candidate, electorate, genesis, None, now)
+        self.ballot = Ballot(
+            candidate,
+            electorate,
+            genesis,
+            None,
+            now,
+            gathering=gathering,
+            others_until=others_until,
+        )
         if key not in self._voted and member:
             lacking = len(members) - (len(members) if basis is None else basis)
             if lacking > 0:
@@ -649,9 +670,27 @@ class StepPolicy:
             return Outcome.LOST, certified
         if pending:
             return Outcome.WAITING, None
-        if now - ballot.since >= self.election_patience():
+        if now - ballot.since >= self.election_patience() and not self._members_averaging(now):
             return Outcome.STALLED, None
         return Outcome.WAITING, None
+
+    def _members_averaging(self, now: float) -> bool:
+        """Members of our candidate's plan whose records still show the call of its gathering:
+        they are still averaging, and vote after it. Giving up on them at our patience, 18 of
+        the 22 candidates of a 70.8 MB model's first step stalled (40 simulated volunteers;
+        waiting, all 22 won). Until the averaging's outer deadline at most: a record that
+        claims it for ever holds us no longer."""
+        ballot = self.ballot
+        assert ballot is not None
+        if now >= ballot.others_until:
+            return False
+        members = self._plans.get(ballot.candidate.plan, frozenset())
+        step = ballot.candidate.step - 1
+        return any(
+            r.peer_id in members and r.call_step == step and r.gather_until == ballot.gathering
+            for r in self.view.records
+            if r.peer_id != self.me
+        )
 
     def election_patience(self) -> float:
         """How long after our vote an election may stay open: `settle_patience`, and the

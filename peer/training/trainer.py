@@ -591,7 +591,9 @@ class Trainer:
             await self.worker.average_digest(result.average, result.weight),
             plan_of(result.plan),
         )
-        outcome, certified = await self._elect(candidate, frozenset(result.plan), result.members)
+        outcome, certified = await self._elect(
+            candidate, frozenset(result.plan), result.members, gather_until, result.ends_by
+        )
         if outcome is Outcome.WON:
             await self.worker.apply(result.average)
             await self._hold(self.step + 1, electorate=candidate.plan)
@@ -620,12 +622,21 @@ class Trainer:
         )
 
     async def _elect(
-        self, candidate: Candidate, members: frozenset[str], basis: int
+        self,
+        candidate: Candidate,
+        members: frozenset[str],
+        basis: int,
+        gather_until: float,
+        ends_by: float,
     ) -> tuple[Outcome, Candidate | None]:
         """Vote where we may (for `candidate`, or the leader of its plan where ours is partial:
         `basis` of the plan's contributions) and wait for the step rule to certify one (our
-        reads of the votes in the others' records), at most `election_patience` after our vote."""
-        self.policy.elect(candidate, members, self.clock(), basis=basis)
+        reads of the votes in the others' records): `election_patience` after our vote, and
+        while members are still in the averaging (until its deadline `ends_by` at most)."""
+        now = self.clock()
+        self.policy.elect(
+            candidate, members, now, basis=basis, gathering=gather_until, others_until=ends_by
+        )
         self.progress.publish_now()
         started = self.monotonic()
         while True:
