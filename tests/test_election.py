@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import msgspec
 
-from peer.training.policy import Local, Outcome, StepPolicy
+from peer.training.policy import MAX_WAIT_FOR_OTHERS, Local, Outcome, StepPolicy
 from peer.training.progress import ProgressRecord, VoteRecord
 from peer.training.steprule import Candidate, Electorate, Vote, plan_of
 from tests.test_policy import ME, T0, make_policy, other, own_signature, read
@@ -100,27 +100,35 @@ def test_a_departed_members_missing_vote_stalls_only_a_close_count():
 def test_an_election_stays_open_while_members_are_still_averaging():
     """A member whose averaging outlasts ours votes after it: giving up at our patience, 18
     of 22 candidates of a 70.8 MB model's first step stalled (40 simulated volunteers). Open
-    while a member's record still shows the gathering's call, until the averaging's outer
-    deadline (`AveragingResult.ends_by`)."""
+    while a member's fresh record still shows the gathering's call, up to the averaging's
+    outer deadline (`AveragingResult.ends_by`) and MAX_WAIT_FOR_OTHERS after our vote."""
     gathering = T0 - 60.0
-    ends_by = T0 + 10 * at_step_3().election_patience()
 
-    def averaging(peer_id: str) -> ProgressRecord:
-        return other(peer_id, step=3, digest="d3", call_step=3, gather_until=gathering)
+    def averaging(peer_id: str, at: float, **fields) -> ProgressRecord:
+        fields = {"gather_until": gathering, **fields}
+        return other(peer_id, step=3, digest="d3", call_step=3, updated_at=at, **fields)
 
-    policy = at_step_3()
-    policy.elect(BIG, MEMBERS_OF[BIG], T0, gathering=gathering, others_until=ends_by)
-    patience = T0 + policy.election_patience()
-    read(policy, voting("z0", BIG), voting("z1", SMALL), averaging("z2"), averaging("z3"))
-    assert policy.election(patience)[0] is Outcome.WAITING
-    assert policy.election(ends_by)[0] is Outcome.STALLED  # a record that claims it for ever
-    # Done averaging (no call in its record), or in another gathering: nothing to wait for.
-    for z2 in (other("z2", step=3, digest="d3"), averaging("z2")):
-        done = at_step_3()
-        elsewhere = gathering if z2.call_step == -1 else gathering - 30.0
-        done.elect(BIG, MEMBERS_OF[BIG], T0, gathering=elsewhere, others_until=ends_by)
-        read(done, voting("z0", BIG), voting("z1", SMALL), z2)
-        assert done.election(patience)[0] is Outcome.STALLED
+    def electing(ends_by: float, *records: ProgressRecord, at: float) -> StepPolicy:
+        policy = at_step_3()
+        policy.elect(BIG, MEMBERS_OF[BIG], T0, gathering=gathering, others_until=ends_by)
+        read(policy, voting("z0", BIG), voting("z1", SMALL), *records, now=at)
+        return policy
+
+    patience = at_step_3().election_patience()
+    far = T0 + 10 * MAX_WAIT_FOR_OTHERS
+    for at, outcome in ((T0 + patience, Outcome.WAITING), (T0 + MAX_WAIT_FOR_OTHERS - 1, Outcome.WAITING),
+                        (T0 + MAX_WAIT_FOR_OTHERS, Outcome.STALLED)):  # fmt: skip
+        policy = electing(far, averaging("z2", at), at=at)
+        assert policy.election(at)[0] is outcome, at
+    soon = T0 + 3 * patience  # the averaging's deadline: nobody averages past it
+    assert electing(soon, averaging("z2", soon), at=soon).election(soon)[0] is Outcome.STALLED
+    # A stale record, one with a vote on the step, one of another gathering: not waited for.
+    stale_at = T0 + patience + at_step_3().timing.stale_record + 1
+    assert electing(far, averaging("z2", T0), at=stale_at).election(stale_at)[0] is Outcome.STALLED
+    now = T0 + patience
+    vote = VoteRecord.of(Vote("z2", SMALL, PLAN))
+    for record in (averaging("z2", now, vote=vote), averaging("z2", now, gather_until=T0)):
+        assert electing(far, record, at=now).election(now)[0] is Outcome.STALLED
 
 
 def test_a_member_votes_once_per_step_and_a_stranger_not_at_all():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from contextlib import asynccontextmanager
 
@@ -564,6 +565,8 @@ async def test_chunk_wise_codecs_and_reducers_give_every_group_the_same_bits(
         results = await average_all(averagers, vectors)
     assert all(r.average is not None and not r.skipped for r in results)
     assert len({r.average.tobytes() for r in results}) == 1
+    # Each knows when its averaging would have ended at the latest: others wait on its vote.
+    assert all(math.isfinite(r.ends_by) for r in results)
     if "codec" in changes:  # the mean, to the codec's error
         mean = np.mean(np.stack(vectors).astype(np.float64), axis=0)
         np.testing.assert_allclose(results[0].average, mean, atol=0.1)

@@ -115,8 +115,9 @@ class AveragingResult:
     plan of several rounds, or the members a single group's average is exact over. It names
     who votes on the next step if this average is certified (`peer.training.steprule`)."""
     ends_by: float = -math.inf
-    """When every member's averaging has ended, on the collaboration's clock: the outer
-    deadline from the view's bandwidths, which every member of the view derives alike."""
+    """When our averaging ends at the latest, on the collaboration's clock: its outer deadline
+    from the view's bandwidths, which the other members of the view derive about alike (each
+    from its own start and evidence)."""
 
 
 @dataclass

@@ -678,16 +678,22 @@ class StepPolicy:
         """Members of our candidate's plan whose records still show the call of its gathering:
         they are still averaging, and vote after it. Giving up on them at our patience, 18 of
         the 22 candidates of a 70.8 MB model's first step stalled (40 simulated volunteers;
-        waiting, all 22 won). Until the averaging's outer deadline at most: a record that
-        claims it for ever holds us no longer."""
+        waiting, all 22 won). Until the averaging's outer deadline, and `MAX_WAIT_FOR_OTHERS`
+        after our vote, at most: a record that claims it for ever (one member's claim) holds
+        us no longer (review: up to 1,800 s where the patience is 16 s); a stale record, or
+        one with a vote on the step, not at all."""
         ballot = self.ballot
         assert ballot is not None
-        if now >= ballot.others_until:
+        if now >= min(ballot.others_until, ballot.since + MAX_WAIT_FOR_OTHERS):
             return False
         members = self._plans.get(ballot.candidate.plan, frozenset())
-        step = ballot.candidate.step - 1
+        step = ballot.candidate.step
         return any(
-            r.peer_id in members and r.call_step == step and r.gather_until == ballot.gathering
+            r.peer_id in members
+            and r.call_step == step - 1
+            and r.gather_until == ballot.gathering
+            and (r.vote is None or r.vote.step != step)  # one that voted is out of it
+            and self._fresh(r, now)
             for r in self.view.records
             if r.peer_id != self.me
         )
@@ -766,6 +772,7 @@ class StepPolicy:
         view = self.view_with(local, now)
         if self._done(local, now):
             self._move(Event.DONE)
+            self.call = None  # the trainer cancels an averaging of ours: no call in our record
             self._settle_patience = now + self.timing.settle_patience(self.store_seconds)
             self._settle_deadline = self._settle_patience + self.timing.download_timeout
             if self.left_behind(now):

@@ -614,10 +614,8 @@ class Trainer:
             return
         await self.worker.give_back(vector, samples)
         log.info(
-            "no average of step %d was certified within %.0fs; keeping our %d samples for the "
-            "next try",
+            "no average of step %d was certified; keeping our %d samples for the next try",
             candidate.step,
-            self.policy.election_patience(),
             samples,
         )
 
