@@ -1,8 +1,8 @@
 """Moshpit groups for any number of peers, pure: who averages with whom in each round, and
 with what weight, so that after the last round every peer holds the exact weighted mean.
 
-The N peers ready to average are numbered 0..N-1 (in peer-id order, or where they can be dialled
-from: `peer.averaging.group.placed`, `placement`). With group size m, the plan
+The N peers ready to average are numbered 0..N-1 (in peer-id order, or seated by who can dial
+whom: `placement`, `peer.averaging.group.placed`). With group size m, the plan
 takes k = ceil(log_m N) rounds (the fewest groups of m allow) and is built recursively:
 
     plan(peers, k):  k = 1: one group of all of them.

@@ -631,9 +631,13 @@ class Trainer:
         `basis` of the plan's contributions) and wait for the step rule to certify one (our
         reads of the votes in the others' records): `election_patience` after our vote, and
         while members are still in the averaging (until its deadline `ends_by` at most)."""
-        now = self.clock()
         self.policy.elect(
-            candidate, members, now, basis=basis, gathering=gather_until, others_until=ends_by
+            candidate,
+            members,
+            self.clock(),
+            basis=basis,
+            gathering=gather_until,
+            others_until=ends_by,
         )
         self.progress.publish_now()
         started = self.monotonic()
