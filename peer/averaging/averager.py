@@ -657,8 +657,9 @@ class Averager:
         to the mean over our last basis (module doc)."""
         moshpit = plan(len(view), self.config.group_size)
         several = len(moshpit.rounds) > 1
+        digest = view_digest(epoch, view) if several else b""
         if several:  # where each sits: every group with someone its members can dial
-            view = placed(view, self.config.group_size, salt=view_digest(epoch, view))
+            view = placed(view, self.config.group_size, salt=digest)
         ids = [t.peer_id for t in view]
         number = ids.index(self.me)
         weights = [t.weight if t.computes else 0.0 for t in view]
@@ -681,7 +682,7 @@ class Averager:
             size=len(vector),
             codec=self.config.codec,
             chunk_elements=self.config.chunk_elements,
-            view=view_digest(epoch, view) if several else b"",
+            view=digest,
             evidence=evidence,
         )
         # Never the caller's: a failed round must leave it whole (and a retry, or a failed
