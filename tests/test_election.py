@@ -303,6 +303,37 @@ def test_a_genesis_needs_most_of_the_trainers_in_view():
     assert policy.election(T0 + patience) == (Outcome.WON, every)  # 4 of 6
 
 
+def test_a_genesis_split_by_a_departure_counts_the_whole_plans_votes():
+    """A member that leaves mid-averaging ends a plan's peers on several averages (40
+    simulated peers, 70.8 MB: five bases of one first step), and each votes for its own. The
+    count within the plan certifies the leader (it leads by more than the votes unseen); the
+    majority of the trainers a genesis needs is the plan's voters, not the leader's alone:
+    counting the leader's, every such first step stalled."""
+    members = [ME, *(f"z{i}" for i in range(6))]  # 7 trainers, all in the plan
+    split = [candidate(name, members, step=1) for name in ("a-leader", "b-second", "c-third")]
+    leader, second, third = split
+    policy = make_policy()
+    elect(policy, leader, T0)
+    choices = [leader, leader, second, second, third]  # z0..z4; z5 left (its vote never comes)
+    votes = [  # at step 0, as we are: trainers around our step
+        msgspec.structs.replace(voting(f"z{i}", c, leader.plan), step=0, digest="d0")
+        for i, c in enumerate(choices)
+    ]
+    leaving = msgspec.structs.replace(other("z5"), leaving=True)
+    read(policy, *votes, leaving)
+    # 3 for the leader (ours too), 2, 1, one unseen: 3 > 2 + 1 unseen? No: the tie goes to
+    # the smaller digest, "a-leader": certified; 3 voters of 7 trainers, 6 voters in the plan.
+    assert policy.election(T0) == (Outcome.WON, leader)
+    # A reader whose view holds more trainers than the plan's voters and half: no genesis.
+    crowded = make_policy()
+    elect(crowded, leader, T0)
+    read(crowded, *votes, *(other(f"y{i}") for i in range(8)))  # with us, 14 trainers
+    assert crowded.election(T0)[0] is Outcome.STALLED  # 7 members of 14 trainers: hopeless
+    assert crowded.stall_count == (  # the log says why: the count as it stood
+        "votes 3 / 2 / 1 of 7 members, 1 unseen; 14 trainers around (a genesis)"
+    )
+
+
 def test_a_genesis_counts_the_trainers_of_recent_reads_not_of_the_last_alone():
     """A read can show part of the collaboration (a progress shard level some writers had
     left): 100 simulated peers with sharded records took step 1 as two states, each won by a

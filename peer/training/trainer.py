@@ -614,8 +614,9 @@ class Trainer:
             return
         await self.worker.give_back(vector, samples)
         log.info(
-            "no average of step %d was certified; keeping our %d samples for the next try",
+            "no average of step %d was certified (%s); keeping our %d samples for the next try",
             candidate.step,
+            self.policy.stall_count,
             samples,
         )
 
