@@ -375,7 +375,8 @@ def test_a_partial_average_defers_its_vote_and_joins_the_leader_of_its_plan():
     step4 = [*MEMBERS, "z4"]
     ours, larger = candidate("ours", step4), candidate("larger", step4)
     policy = at_step_3()
-    policy.elect(ours, MEMBERS_OF[ours], T0, basis=len(step4) - 2)
+    gathering = T0 - 30.0
+    policy.elect(ours, MEMBERS_OF[ours], T0, basis=len(step4) - 2, gathering=gathering)
     ballot = policy.ballot
     assert ballot is not None and ballot.vote is None and ballot.vote_at is not None
     turn = policy.timing.fallback_turn(policy.store_seconds)
@@ -383,8 +384,13 @@ def test_a_partial_average_defers_its_vote_and_joins_the_leader_of_its_plan():
     read(policy, voting("z0", larger), voting("z1", larger))
     assert policy.election(T0 + 2 * turn - 0.1) == (Outcome.WAITING, None)
     assert policy.last_vote is None or policy.last_vote.candidate.step != 4
+    # Until it votes, our record shows the gathering's call: members counting meanwhile
+    # wait for our vote (`_members_averaging`) rather than give up on it.
+    record = policy.own_record(Local(), T0)
+    assert (record.call_step, record.gather_until) == (3, gathering)
     policy.election(T0 + 2 * turn)  # the vote is cast: for the leader
     assert policy.last_vote == Vote(ME, larger, PLAN)
+    assert policy.own_record(Local(), T0).call_step == -1
     read(policy, voting("z0", larger), voting("z1", larger), voting("z2", larger))
     assert policy.election(T0 + 2 * turn + 1) == (Outcome.LOST, larger)  # we download it
 

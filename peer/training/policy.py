@@ -541,6 +541,12 @@ class StepPolicy:
             lacking = len(members) - (len(members) if basis is None else basis)
             if lacking > 0:
                 self.ballot.vote_at = now + min(lacking, MAX_VOTE_TURNS) * self._vote_turn()
+                # Our record shows the gathering's call until we vote, so members counting
+                # meanwhile wait for our vote (`_members_averaging`): with neither a call nor
+                # a vote in it, 34 of 40 simulated peers gave up on a 70.8 MB first step a few
+                # seconds before the deferred votes that certified it came.
+                if not math.isnan(gathering):
+                    self.call = (candidate.step - 1, gathering)
             else:
                 self._cast(now)
         self.changed = True
@@ -571,6 +577,7 @@ class StepPolicy:
         assert ballot is not None
         ours = ballot.candidate
         ballot.vote_at = None
+        self._end_deferral(ballot)
         self._carry_earlier_vote(ours.step, ballot.electorate)
         if (ours.step, ballot.electorate) in self._voted:
             return  # our record already carries a vote on the step
@@ -595,6 +602,13 @@ class StepPolicy:
         ballot.vote = vote
         ballot.since = now
         self.changed = True
+
+    def _end_deferral(self, ballot: Ballot) -> None:
+        """Our record no longer shows the gathering's call that `elect` kept for a deferred
+        vote."""
+        if self.call == (ballot.candidate.step - 1, ballot.gathering):
+            self.call = None
+            self.changed = True
 
     def members_of_held(self) -> tuple[str, ...]:
         """The members of our state's electorate, where we know them (sorted; empty if not)."""
@@ -757,6 +771,7 @@ class StepPolicy:
         plan, unless someone has moved past the step meanwhile (we download it then)."""
         ballot = self.ballot
         assert ballot is not None and outcome is not Outcome.WAITING
+        self._end_deferral(ballot)
         self.ballot = None
         self.changed = True
         # A stranger to the electorate (it cannot count) starts no genesis: members may still
