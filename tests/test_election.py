@@ -394,6 +394,14 @@ def test_a_partial_average_defers_its_vote_and_joins_the_leader_of_its_plan():
     read(policy, voting("z0", larger), voting("z1", larger), voting("z2", larger))
     assert policy.election(T0 + 2 * turn + 1) == (Outcome.LOST, larger)  # we download it
 
+    # Certified before our deferred vote is due: the election ends, and the call with it.
+    early = at_step_3()
+    early.elect(ours, MEMBERS_OF[ours], T0, basis=len(step4) - 2, gathering=gathering)
+    read(early, *(voting(f"z{i}", larger) for i in range(4)))
+    assert early.election(T0) == (Outcome.LOST, larger)
+    early.elected(Outcome.LOST)
+    assert early.own_record(Local(), T0).call_step == -1
+
     # One member's vote is a claim, not evidence: we vote for ours.
     alone = at_step_3()
     alone.elect(ours, MEMBERS_OF[ours], T0, basis=len(step4) - 1)
