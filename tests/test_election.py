@@ -308,7 +308,7 @@ def test_a_genesis_split_by_a_departure_counts_the_whole_plans_votes():
     simulated peers, 70.8 MB: five bases of one first step), and each votes for its own. The
     count within the plan certifies the leader (it leads by more than the votes unseen); the
     majority of the trainers a genesis needs is the plan's voters, not the leader's alone:
-    counting the leader's, every such first step stalled."""
+    counting the leader's, such a first step stalled."""
     members = [ME, *(f"z{i}" for i in range(6))]  # 7 trainers, all in the plan
     split = [candidate(name, members, step=1) for name in ("a-leader", "b-second", "c-third")]
     leader, second, third = split
@@ -321,8 +321,9 @@ def test_a_genesis_split_by_a_departure_counts_the_whole_plans_votes():
     ]
     leaving = msgspec.structs.replace(other("z5"), leaving=True)
     read(policy, *votes, leaving)
-    # 3 for the leader (ours too), 2, 1, one unseen: 3 > 2 + 1 unseen? No: the tie goes to
-    # the smaller digest, "a-leader": certified; 3 voters of 7 trainers, 6 voters in the plan.
+    # 3 for the leader (ours too), 2 and 1 for the others, 1 unseen: the second could reach
+    # 3, a tie that the smaller digest ("a-leader") wins, so the leader is certified; its 3
+    # voters are no majority of the 7 trainers, the plan's 6 voters are.
     assert policy.election(T0) == (Outcome.WON, leader)
     # A reader whose view holds more trainers than the plan's voters and half: no genesis.
     crowded = make_policy()

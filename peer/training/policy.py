@@ -747,9 +747,9 @@ class StepPolicy:
         one), and 131 peers then took the step as a second state. Two plans that each hold
         such a majority share a voter, who votes in the second only after the first stalled for
         it. The voters of the plan, not of the certified candidate: a departure split a plan's
-        votes over several averages, the count within the plan certified its leader, and the
-        leader's own votes, no majority of the trainers, stalled every first step (40
-        simulated peers, 70.8 MB: 37 stalled elections, no step).
+        votes over several averages, and the leader's own votes could be no majority of the
+        trainers (40 simulated peers, 70.8 MB: counting them, no step and 37 elections
+        stalled; counting the plan's, 1 step).
         Within one read two genesis candidates never both win; reads that differ, or a peer
         counted in two genesis plans (it votes again after a stall), still could
         (docs/SECURITY.md)."""
