@@ -1,7 +1,7 @@
 """The progress exchange alone, at N peers: where the bytes of its replies land.
 
     .venv/bin/python -m simulation.progressload --peers 100 300 [--seconds 60] [--one-key]
-        [--verbose] [--shard-records 16]
+        [--verbose] [--shard-records 16] [--placed]
 
 (300 peers took 27 minutes of wall time on 2 cores; 1,000, hours.)
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import heapq
 import random
 import statistics
 import time
@@ -27,9 +28,11 @@ from dataclasses import dataclass
 
 import trio
 import trio.testing
+from libp2p.peer.id import ID
 
 from peer.config import PeerConfig
-from peer.dht.node import DHT
+from peer.dht.node import DHT, HOT_READ_REPLICAS, SPREAD_HOLDERS
+from peer.dht.routing import ID_BITS, Contact, hot_holders, key_id, node_id, spread_bits
 from peer.training import shards
 from peer.training.progress import CollaborationView, ProgressRecord
 from peer.training.publisher import ProgressPublisher
@@ -169,6 +172,38 @@ def run_load(peers: int, *, seconds: float = 60.0, warmup: float = 20.0, seed: i
     return Load(peers, seconds, served, coverage, calls, replies, time.perf_counter() - started)
 
 
+def placed_load(peers: int, *, seed: int = 0, reachable: float = 1.0) -> tuple[float, float]:
+    """The mean and the busiest node's share of the progress reads' reply bytes, from where the
+    shards and their holders fall alone: records of one size, every peer a trainer, every
+    table complete, every reader reading every shard from `HOT_READ_REPLICAS` of its holders
+    at random, those of its prefix first. What `run_load` measures without running a DHT, so
+    1,000 and 10,000 peers cost seconds; in units of one record read once. Only the
+    `reachable` share of the peers is a DHT server (the others are behind NAT) and holds
+    anything; the mean is over all peers, so it is at least 1 / `reachable` of the busiest."""
+    rng = random.Random(seed)
+    replicas = PeerConfig().dht.replicas
+    ids = [ID(rng.randbytes(34)) for _ in range(peers)]
+    servers = ids[: max(replicas, round(reachable * peers))]
+    at = shards.level(peers)
+    records = Counter(shards.shard_index(i.to_base58(), at) for i in ids)
+    load = dict.fromkeys(ids, 0.0)
+    for index in range(2**at):
+        key = shards.shard_key("load", at, index)
+        target, bits = key_id(key), spread_bits(key)
+        # What a lookup finds (`DHT._hot_replicas`).
+        closest = heapq.nsmallest(
+            SPREAD_HOLDERS * replicas, servers, key=lambda i: node_id(i) ^ target
+        )
+        contacts = [Contact(i, ()) for i in closest]
+        holders = closest[: hot_holders(target, bits, contacts, replicas)]
+        inside = [i for i in holders if node_id(i) >> (ID_BITS - bits) == index]
+        # Read from the holders of the prefix first (`DHT._hot_get`).
+        read = inside if len(inside) >= HOT_READ_REPLICAS else holders
+        for holder in read:
+            load[holder] += peers * HOT_READ_REPLICAS / len(read) * records[index]
+    return statistics.fmean(load.values()), max(load.values())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         prog="python -m simulation.progressload", description=__doc__.splitlines()[0]
@@ -178,6 +213,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=float, default=20.0, help="virtual seconds first")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--one-key", action="store_true", help="every record on one key")
+    parser.add_argument(
+        "--placed", action="store_true", help="the shards' placement alone, no DHT (fast)"
+    )
+    parser.add_argument(
+        "--reachable", type=float, default=1.0, help="with --placed: the share not behind NAT"
+    )
     parser.add_argument("--verbose", action="store_true", help="calls by method, the busiest")
     parser.add_argument(
         "--shard-records", type=int, default=shards.SHARD_RECORDS, help="records a shard holds"
@@ -185,6 +226,13 @@ def main() -> None:
     args = parser.parse_args()
     layout = one_key() if args.one_key else contextlib.nullcontext()
     shards.SHARD_RECORDS = args.shard_records
+    if args.placed:
+        print("| peers | busiest node's replies / the mean node's (placement alone) |")
+        print("| --- | --- |")
+        for peers in args.peers:
+            mean, busiest = placed_load(peers, seed=args.seed, reachable=args.reachable)
+            print(f"| {peers} | {busiest / mean:.2f}x |", flush=True)
+        return
     print(
         "| peers | mean node's replies | busiest node's | busiest / mean | read coverage | wall |"
     )

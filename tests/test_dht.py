@@ -23,7 +23,7 @@ from peer.dht import protocol as dht
 from peer.dht import records
 from peer.dht.node import DHT, REJOIN_ATTEMPTS
 from peer.dht.records import Entry, make_entry
-from peer.dht.routing import node_id
+from peer.dht.routing import ID_BITS, key_id, node_id, spread_key
 from peer.errors import RpcError, Unreachable
 from peer.net.framing import encode_frame
 from peer.net.rpc import Request, RpcServer, protocol_id
@@ -553,6 +553,32 @@ async def test_a_hot_key_is_read_from_two_replicas_without_a_lookup_each_time():
         gets = calls_of(reader, "get")
         assert set(await reader.get("hot")) == everyone
         assert calls_of(reader, "get") - gets >= CONFIG.replicas - 1
+
+
+async def test_a_spread_key_is_held_by_every_node_of_its_prefix():
+    """A hot spread key (a progress shard) lives on every node whose id shares its prefix, up to
+    `SPREAD_HOLDERS` times `replicas`, not on its `replicas` closest alone: the family's keys then split the
+    nodes between them, and their reads with them."""
+    clock = FakeClock()
+    async with swarm(N, CONFIG, clock=clock) as s:
+
+        def prefix(key: str) -> list[DHT]:
+            target = key_id(key)
+            inside = [d for d in s.dhts if (node_id(d.node.peer_id) ^ target) >> (ID_BITS - 1) == 0]
+            return sorted(inside, key=lambda d: node_id(d.node.peer_id) ^ target)
+
+        # Of the two halves of 16 nodes, one holds at least 8, more than `replicas` (5).
+        key = max((spread_key("f", 1, i) for i in range(2)), key=lambda k: len(prefix(k)))
+        holders = {d.node.peer_id for d in prefix(key)[: dht_node.SPREAD_HOLDERS * CONFIG.replicas]}
+        assert len(holders) > CONFIG.replicas
+        for writer in s.dhts:
+            me = writer.node.peer_id.to_base58()
+            assert await writer.store(key, me, b"x", expiration=clock.now + 60, hot=True)
+        held = {d.node.peer_id for d in s.dhts if d.records.get(key, now=clock.now)}
+        assert held == holders
+        everyone = {d.node.peer_id.to_base58() for d in s.dhts}
+        for reader in s.dhts:
+            assert set(await reader.get(key, hot=True)) == everyone
 
 
 async def test_a_hot_read_of_replicas_that_replaced_departed_ones_reads_every_replica():

@@ -1,11 +1,23 @@
 """Kademlia routing table and lookup state machine, pure."""
 
+import hashlib
 import random
 
+import pytest
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
-from peer.dht.routing import Contact, Lookup, RoutingTable, Unresponsive
+from peer.dht.routing import (
+    ID_BITS,
+    Contact,
+    Lookup,
+    RoutingTable,
+    Unresponsive,
+    hot_holders,
+    key_id,
+    spread_bits,
+    spread_key,
+)
 
 
 def new_id(rng: random.Random | None = None) -> ID:
@@ -159,3 +171,37 @@ def test_the_oldest_unresponsive_contacts_are_forgotten_beyond_the_size():
     assert len(unresponsive) == 2
     assert not unresponsive.skips(first, now=3)
     assert all(unresponsive.skips(c, now=3) for c in others)
+
+
+def test_a_spread_familys_keys_lie_evenly_around_the_ring():
+    """Each key of a family of 2^bits owns one 2^-bits of the ring (its top bits are no other
+    key's): hashed shard keys shared replicas by chance, and their busiest served 5.8x the
+    mean node at 100 simulated peers."""
+    for bits in (1, 3, 6):
+        ids = [key_id(spread_key("c/progress/3", bits, i)) for i in range(2**bits)]
+        assert len({i >> (ID_BITS - bits) for i in ids}) == 2**bits
+        low = {i % (1 << (ID_BITS - bits)) for i in ids}
+        assert len(low) == 1  # the same place in each part
+    # Another family, or another size, starts elsewhere.
+    assert key_id(spread_key("a", 3, 0)) != key_id(spread_key("b", 3, 0))
+    assert key_id(spread_key("a", 3, 0)) != key_id(spread_key("a", 4, 0))
+    # Anything that is not a well-formed spread key is hashed as any key.
+    for text in ("a#spread/3/8", "a#spread/0/0", "a#spread/17/1", "a#spread/3/01", "a#spread/3"):
+        assert key_id(text) == int.from_bytes(hashlib.sha256(text.encode()).digest(), "big")
+        assert spread_bits(text) == 0
+    assert spread_bits(spread_key("a", 5, 31)) == 5
+    with pytest.raises(ValueError):
+        spread_key("a", 3, 8)
+
+
+def test_a_hot_key_is_held_by_its_prefix_or_its_closest_replicas():
+    target = key_id(spread_key("f", 2, 1))
+    rng = random.Random(0)
+    contacts = [Contact(ID(rng.randbytes(34)), ()) for _ in range(60)]
+    contacts.sort(key=lambda c: c.id ^ target)
+    in_prefix = [c for c in contacts if (c.id ^ target) >> (ID_BITS - 2) == 0]
+    assert len(in_prefix) > 8
+    assert hot_holders(target, 2, contacts, 8) == len(in_prefix)
+    assert contacts[: len(in_prefix)] == in_prefix  # the nearest first: the prefix first
+    assert hot_holders(target, 0, contacts, 8) == 8  # a hashed key: its closest
+    assert hot_holders(target, 5, contacts, 8) == 8  # a prefix of few nodes: at least 8

@@ -50,7 +50,17 @@ from peer.dht.records import (
     select,
     validate_entry,
 )
-from peer.dht.routing import Contact, Lookup, RoutingTable, Unresponsive, key_id, node_id
+from peer.dht.routing import (
+    ID_BITS,
+    Contact,
+    Lookup,
+    RoutingTable,
+    Unresponsive,
+    hot_holders,
+    key_id,
+    node_id,
+    spread_bits,
+)
 from peer.errors import DeadlineExceeded, ProtocolError, RemoteError, RpcError, Unreachable
 from peer.net.host import Node, parse_addrs
 from peer.net.ratelimit import ByteBudgets
@@ -84,9 +94,21 @@ HOT_READ_REPLICAS = 2
 #: record written every second by every trainer. Short, so that nodes that joined closer to
 #: the key are written to soon.
 HOT_REPLICAS_SECONDS = 10.0
+#: The same for a spread key (`routing.spread_key`), whose holders are every node of its prefix:
+#: a reader of 2^L shards looks up every one of them, and with twice the holders each lookup
+#: asks about twice as many nodes (find_node calls at 100 simulated peers: 6.6 a second a
+#: node with 8 replicas, 12 with prefixes looked up every 10 s). A node that joined the prefix
+#: since is no holder until then, for writers and readers alike; one that left fails its call
+#: and the key is looked up again (`_forget`).
+HOT_SPREAD_SECONDS = 30.0
+#: Holders of a spread key a lookup finds, at most, as a multiple of `dht.replicas`: its prefix
+#: holds a shard's ~8-16 nodes (`peer.training.shards.SHARD_RECORDS`), more by chance. With
+#: 2x, the 45 % of 1,000 peers' 64 shards whose prefix held over 16 nodes had 16 holders for
+#: their 17-27 records, the busiest 1.75x the mean node (by placement); with 3x, ~1.1x.
+SPREAD_HOLDERS = 3
 #: Hot keys whose replicas are remembered (the oldest go): every shard of the progress key a
-#: reader reads (`peer.training.shards.MAX_LEVEL`: 64) and the few a writer writes, and more.
-HOT_KEYS = 128
+#: reader reads (`peer.training.shards.MAX_LEVEL`: 1,024) and the few a writer writes, and more.
+HOT_KEYS = 1152
 #: Seconds a contact whose call timed out or found no connection is left out of our lookups,
 #: however many others still name it (`routing.Unresponsive`); doubled at each failure after
 #: that, up to `UNRESPONSIVE_MAX_SECONDS`. A node that answers us or calls us is back at once.
@@ -161,6 +183,7 @@ class DHT:
         self._forgotten: OrderedDict[ID, tuple[Contact, int]] = OrderedDict()
         # Hot keys' closest replicas (key id -> (looked up at, contacts)): `_hot_replicas`.
         self._hot: OrderedDict[int, tuple[float, list[Contact]]] = OrderedDict()
+        """Hot keys' holders: key id -> (fresh until, contacts)."""
         # Hot keys' entries at their last read (key id -> count): see `_hot_get`.
         self._hot_read: OrderedDict[int, int] = OrderedDict()
         self._probes: trio.Nursery | None = None  # `run`'s: where `_probe` calls go on
@@ -347,15 +370,18 @@ class DHT:
 
     async def store_entries(self, key: str, entries: dict[str, Entry], *, hot: bool = False) -> int:
         target = key_id(key)
+        bits = spread_bits(key) if hot and self._large() else 0
         if hot and self._large():
-            targets = list(await self._hot_replicas(target))
+            targets = list(await self._hot_replicas(target, bits))
         else:
             targets = (await self.find_nodes(target)).closest_answered()[: self.config.replicas]
         accepted = 0
-        if self._replica() and self._we_belong_among(target, targets):
-            # We are one of the `replicas` closest: keep a copy and drop the farthest remote, so
-            # the record lives on exactly the nodes a reader's lookup will ask.
-            targets = targets[: self.config.replicas - 1]
+        if self._replica() and self._we_belong_among(target, targets, bits):
+            # We are one of the holders: keep a copy and drop the farthest remote (unless it
+            # shares the key's prefix, as we do), so the record lives on exactly the nodes a
+            # reader's lookup will ask.
+            if targets and not _in_prefix(targets[-1].id, target, bits):
+                targets = targets[:-1]
             me = self.node.peer_id.to_base58()
             try:
                 accepted += any(
@@ -422,19 +448,28 @@ class DHT:
         return live(merged, now=started)
 
     async def _hot_get(self, key: str, merged: dict[str, Entry]) -> bool:
-        """Read `key` whole (every page) from `HOT_READ_REPLICAS` of its closest replicas at
-        random, into `merged`; a replica that fails is replaced by another of them. False if
+        """Read `key` whole (every page) from `HOT_READ_REPLICAS` of its holders at random
+        (`_hot_replicas`; those of its prefix first), into `merged`; a replica that fails is replaced by another of them. False if
         none answered, or if they held fewer than half the entries of our last read of it: the
         caller then reads the usual way, from every replica its lookup meets. (Replicas that
         took the place of departed ones hold only what was written since, until every writer
         has written again: two of them alone would hide the rest.)"""
-        target = key_id(key)
-        replicas = await self._hot_replicas(target)
+        target, bits = key_id(key), spread_bits(key)
+        replicas = await self._hot_replicas(target, bits)
         me = self.node.peer_id
         # We are a replica ourselves (our copy is merged already): one remote read fewer.
-        wanted = HOT_READ_REPLICAS - (self._replica() and self._we_belong_among(target, replicas))
-        candidates = [c for c in replicas if c.peer_id != me]
-        self.rng.shuffle(candidates)
+        wanted = HOT_READ_REPLICAS - (
+            self._replica() and self._we_belong_among(target, replicas, bits)
+        )
+        # A spread key's holders of its prefix first: its records are about as many as they
+        # are (`peer.training.shards`). The nearest others hold it only because the prefix has
+        # fewer than `replicas` nodes, and hold their own prefix's key too; read from them
+        # alike, they served 1.9x the mean node (by placement, at 300 and 1,000 peers).
+        inside = [c for c in replicas if c.peer_id != me and _in_prefix(c.id, target, bits)]
+        outside = [c for c in replicas if c.peer_id != me and not _in_prefix(c.id, target, bits)]
+        for part in (inside, outside) if inside else (outside,):
+            self.rng.shuffle(part)
+        candidates = inside + outside
         request = p.Get(key, self._caller_addrs())
         answered = 0
 
@@ -476,7 +511,7 @@ class DHT:
     def looks_up(self, key: str) -> bool:
         """Whether a hot store of `key` would look its replicas up now."""
         cached = self._hot.get(key_id(key))
-        fresh = cached is not None and trio.current_time() - cached[0] < HOT_REPLICAS_SECONDS
+        fresh = cached is not None and trio.current_time() < cached[0]
         return not (self._large() and fresh)
 
     def _large(self) -> bool:
@@ -485,19 +520,26 @@ class DHT:
         holds every key)."""
         return len(self.table) >= self.config.replicas
 
-    async def _hot_replicas(self, target: int) -> list[Contact]:
-        """The `replicas` closest live nodes to `target`, looked up at most
-        `HOT_REPLICAS_SECONDS` ago, or again after one of them failed a call (`_forget`)."""
+    async def _hot_replicas(self, target: int, bits: int = 0) -> list[Contact]:
+        """The live nodes that hold a hot key (`routing.hot_holders`: the `replicas` closest
+        to `target`, or every node of a spread key's prefix), looked up at most
+        `HOT_REPLICAS_SECONDS` (`HOT_SPREAD_SECONDS`) ago, or again after one of them failed a
+        call (`_forget`)."""
         now = trio.current_time()
         cached = self._hot.get(target)
-        if cached is not None and now - cached[0] < HOT_REPLICAS_SECONDS:
+        if cached is not None and now < cached[0]:
             self._hot.move_to_end(target)
             return cached[1]
-        contacts = (await self.find_nodes(target)).closest_answered()[: self.config.replicas]
+        k = SPREAD_HOLDERS * self.config.replicas if bits else self.config.replicas
+        closest = (await self.find_nodes(target, k=k)).closest_answered()
+        contacts = closest[: hot_holders(target, bits, closest, self.config.replicas)]
         # Fewer than `replicas` answered: our table is filling, the closest nodes are still
         # to be found; looked up at every use.
         if len(contacts) >= self.config.replicas:
-            self._hot[target] = (now, contacts)
+            self._hot[target] = (
+                now + (HOT_SPREAD_SECONDS if bits else HOT_REPLICAS_SECONDS),
+                contacts,
+            )
             self._hot.move_to_end(target)
             while len(self._hot) > HOT_KEYS:
                 self._hot.popitem(last=False)
@@ -560,8 +602,9 @@ class DHT:
             valid[subkey] = entry
         return valid
 
-    async def find_nodes(self, target: int) -> Lookup:
-        """The lookup of `target`'s closest nodes, not held by a query that stalls."""
+    async def find_nodes(self, target: int, *, k: int | None = None) -> Lookup:
+        """The lookup of `target`'s `k` closest nodes (`dht.replicas`), not held by a query
+        that stalls."""
 
         async def query(contact: Contact) -> list[Contact]:
             reply = await self._call(
@@ -572,7 +615,7 @@ class DHT:
             )
             return p.to_contacts(reply.nodes, exclude=self.node.peer_id)
 
-        return await self._lookup(target, query, stall=STALL_SECONDS)
+        return await self._lookup(target, query, stall=STALL_SECONDS, k=k)
 
     # ------------------------------------------------------------------ lookup shell
 
@@ -582,11 +625,12 @@ class DHT:
         query: Callable[[Contact], Awaitable[list[Contact]]],
         *,
         stall: float = math.inf,
+        k: int | None = None,
     ) -> Lookup:
         """Run a lookup; a query pending for `stall` seconds no longer holds it, and is cut
         when the lookup is done (its contact then probed: `_probe`). A get's queries carry
         the replicas' entries, and are waited for (`stall` infinite)."""
-        k = self.config.replicas
+        k = k or self.config.replicas
         started = trio.current_time()
         lookup = Lookup(target, self.table.nearest(target, k), k=k, alpha=self.config.alpha)
         finished_send, finished_recv = trio.open_memory_channel[None](float("inf"))
@@ -782,10 +826,16 @@ class DHT:
             if any(c.peer_id == contact.peer_id for c in contacts):
                 del self._hot[target]  # looked up again at its next use
 
-    def _we_belong_among(self, target: int, contacts: list[Contact]) -> bool:
-        if len(contacts) < self.config.replicas:
+    def _we_belong_among(self, target: int, contacts: list[Contact], bits: int = 0) -> bool:
+        """Whether we hold the key at `target` beside `contacts` (the other holders): we share
+        its spread prefix, or are nearer than one of them."""
+        if _in_prefix(self.table.own, target, bits) or len(contacts) < self.config.replicas:
             return True
         return self.table.own ^ target < max(c.id ^ target for c in contacts)
+
+
+def _in_prefix(node: int, target: int, bits: int) -> bool:
+    return bits > 0 and (node ^ target) >> (ID_BITS - bits) == 0
 
 
 def owned_entries(entries: Mapping[str, Entry]) -> int:

