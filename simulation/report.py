@@ -8,7 +8,7 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from simulation.collaboration import EPOCH, Attempt, Report
+from simulation.collaboration import BACKBONES, EPOCH, Attempt, Report
 from simulation.nat import Nat, Path
 
 
@@ -48,6 +48,9 @@ class Summary:
     dht_bytes_per_peer: float
     """Bytes/s of DHT traffic (requests and replies) per trainer."""
     hottest_node_bytes: float
+    mean_node_reply_bytes: float
+    """Bytes/s of replies the mean node sent: all replies over the peers and backbones (a
+    peer that left and the one that took its place count as one)."""
     """Bytes/s of replies the busiest node sent."""
     view_coverage: float
     """The mean share of the live trainers whose progress records a read saw."""
@@ -114,6 +117,9 @@ def summarize(report: Report) -> Summary:
         get_p99=_quantile(report.dht_seconds["get"], 0.99),
         dht_bytes_per_peer=sum(report.traffic.bytes.values()) / seconds / scenario.peers,
         hottest_node_bytes=max(report.traffic.served.values(), default=0) / seconds,
+        mean_node_reply_bytes=sum(report.traffic.served.values())
+        / seconds
+        / (scenario.peers + BACKBONES),
         view_coverage=statistics.fmean(coverage) if coverage else 0.0,
         min_view_coverage=min(coverage, default=0.0),
         departures=report.departures,
@@ -249,7 +255,11 @@ def rows(summary: Summary) -> list[tuple[str, str]]:
         ("DHT store p50 / p99", f"{s.store_p50 * 1000:.0f} / {s.store_p99 * 1000:.0f} ms"),
         ("DHT get p50 / p99", f"{s.get_p50 * 1000:.0f} / {s.get_p99 * 1000:.0f} ms"),
         ("DHT traffic per trainer", f"{s.dht_bytes_per_peer * 8 / 1e6:.2f} Mbit/s"),
-        ("busiest node's DHT replies", f"{s.hottest_node_bytes * 8 / 1e6:.1f} Mbit/s"),
+        (
+            "busiest node's DHT replies (x the mean node's)",
+            f"{s.hottest_node_bytes * 8 / 1e6:.1f} Mbit/s"
+            f" ({s.hottest_node_bytes / max(s.mean_node_reply_bytes, 1e-9):.1f}x)",
+        ),
         (
             "progress read coverage (mean / min)",
             f"{s.view_coverage:.1%} / {s.min_view_coverage:.1%}",

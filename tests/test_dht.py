@@ -555,6 +555,19 @@ async def test_a_hot_key_is_read_from_two_replicas_without_a_lookup_each_time():
         assert calls_of(reader, "get") - gets >= CONFIG.replicas - 1
 
 
+async def test_in_a_dht_smaller_than_the_replicas_every_node_holds_a_store():
+    """Fewer nodes than `replicas`: the writer keeps a copy and every other node gets one (a
+    change that dropped the farthest of them whatever their number left a ticket of a 2-node
+    swarm on its writer alone)."""
+    clock = FakeClock()
+    async with swarm(3, CONFIG, clock=clock) as s:
+        for hot in (False, True):
+            key = f"small-{hot}"
+            writer = s.dhts[0]
+            assert await writer.store(key, "k", b"v", expiration=clock.now + 60, hot=hot)
+            assert all(d.records.get(key, now=clock.now) for d in s.dhts)
+
+
 async def test_a_spread_key_is_held_by_every_node_of_its_prefix():
     """A hot spread key (a progress shard) lives on every node whose id shares its prefix, up to
     `SPREAD_HOLDERS` times `replicas`, not on its `replicas` closest alone: the family's keys then split the

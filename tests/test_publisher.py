@@ -280,6 +280,17 @@ async def test_a_reader_cut_off_keeps_its_size_and_one_alone_probes_again(autoju
     assert (await alone.read()).size == 200
 
 
+async def test_a_probe_that_points_at_the_level_just_read_reads_it_once():
+    """A peer alone at its level probes every level; where the probe points back at the level
+    it just read, that read stands (it read the level twice, every `PROBE_SECONDS`)."""
+    me, entry = next(iter(progress_entries(1).items()))
+    alone = reader(ShardedDht(), 1, me=me)
+    alone.dht.put(shards.shard_key("default", 0, 0), me, entry)  # type: ignore[attr-defined]
+    assert (await alone.read()).size == 1
+    # The one key, then one shard of every level (the one key among them), and no more.
+    assert len(alone.dht.gets) == 1 + (1 + shards.MAX_LEVEL)  # type: ignore[attr-defined]
+
+
 async def test_a_small_collaboration_is_read_from_its_one_key_after_the_first_read():
     dht = ShardedDht((10, 10))
     progress = reader(dht)

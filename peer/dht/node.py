@@ -377,11 +377,11 @@ class DHT:
             targets = (await self.find_nodes(target)).closest_answered()[: self.config.replicas]
         accepted = 0
         if self._replica() and self._we_belong_among(target, targets, bits):
-            # We are one of the holders: keep a copy and drop the farthest remote (unless it
-            # shares the key's prefix, as we do), so the record lives on exactly the nodes a
-            # reader's lookup will ask.
-            if targets and not _in_prefix(targets[-1].id, target, bits):
-                targets = targets[:-1]
+            # We are one of the holders: keep a copy and, of `replicas` or more, drop the
+            # farthest remote (unless the holders are the key's prefix, which we join), so the
+            # record lives on exactly the nodes a reader's lookup will ask.
+            if not (targets and _in_prefix(targets[-1].id, target, bits)):
+                targets = targets[: self.config.replicas - 1]
             me = self.node.peer_id.to_base58()
             try:
                 accepted += any(

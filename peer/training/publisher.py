@@ -107,8 +107,8 @@ class ProgressReader:
     collaboration, nor a peer that was cut off by the level of its own record. A read that finds
     nothing after one that found records raises RemoteError (the last view and size stay): an
     unreachable DHT is no empty collaboration. Entries are taken only from the shard their peer
-    id names (`shards.record_key`): one identity writing into every shard would count 64 times
-    in a probe. Every shard is read strictly (`DHT.get(strict=True)`): a shard no replica of
+    id names (`shards.record_key`): one identity writing into every shard would count once per
+    shard in a probe. Every shard is read strictly (`DHT.get(strict=True)`): a shard no replica of
     which answered fails the read, since a view with a shard missing counts part of the
     trainers (a first step's election counts them)."""
 
@@ -124,15 +124,20 @@ class ProgressReader:
 
     async def read(self) -> ProgressRead:
         previous = self.size
+        current: ProgressRead | None = None
         if previous is not None:
-            read = await self._read_level(shards.level(previous))
+            read = current = await self._read_level(shards.level(previous))
             recent = trio.current_time() - self._probed_at < PROBE_SECONDS
             if self._others(read) or (recent and (read.records or not previous)):
                 self.size = read.size
                 return read
         self._probed_at = trio.current_time()
         found = await self._probe()
-        read = await self._read_level(shards.probe_level(found))
+        at = shards.probe_level(found)
+        if current is not None and previous is not None and at == shards.level(previous):
+            read = current  # the level just read, a moment ago
+        else:
+            read = await self._read_level(at)
         if not read.records and previous:
             raise RemoteError("no progress records found where there were: the DHT is unreachable")
         self.size = read.size
