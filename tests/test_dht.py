@@ -569,9 +569,9 @@ async def test_in_a_dht_smaller_than_the_replicas_every_node_holds_a_store():
 
 
 async def test_a_spread_key_is_held_by_every_node_of_its_prefix():
-    """A hot spread key (a progress shard) lives on every node whose id shares its prefix, up to
-    `SPREAD_HOLDERS` times `replicas`, not on its `replicas` closest alone: the family's keys then split the
-    nodes between them, and their reads with them."""
+    """A hot spread key (a progress shard) lives on every node whose id shares its prefix, up
+    to `SPREAD_HOLDERS` times `replicas`, not on its `replicas` closest alone: the family's
+    keys then split the nodes between them, and their reads with them."""
     clock = FakeClock()
     async with swarm(N, CONFIG, clock=clock) as s:
 

@@ -95,9 +95,9 @@ HOT_READ_REPLICAS = 2
 #: the key are written to soon.
 HOT_REPLICAS_SECONDS = 10.0
 #: The same for a spread key (`routing.spread_key`), whose holders are every node of its prefix:
-#: a reader of 2^L shards looks up every one of them, and with twice the holders each lookup
-#: asks about twice as many nodes (find_node calls at 100 simulated peers: 6.6 a second a
-#: node with 8 replicas, 12 with prefixes looked up every 10 s). A node that joined the prefix
+#: a reader of 2^L shards looks up every one of them, each deeper than 8 replicas (find_node
+#: calls at 100 simulated peers: 6.6 a second a node with 8 replicas every 10 s, 12 with
+#: prefixes 16 deep every 10 s, 1.2-6.7 with 24 deep every 30 s). A node that joined the prefix
 #: since is no holder until then, for writers and readers alike; one that left fails its call
 #: and the key is looked up again (`_forget`).
 HOT_SPREAD_SECONDS = 30.0
@@ -181,9 +181,8 @@ class DHT:
         # The table's contacts we dropped last (bounded), each with the attempts left to join
         # again through it if we lose them all.
         self._forgotten: OrderedDict[ID, tuple[Contact, int]] = OrderedDict()
-        # Hot keys' closest replicas (key id -> (looked up at, contacts)): `_hot_replicas`.
+        # Hot keys' holders (key id -> (fresh until, contacts)): `_hot_replicas`.
         self._hot: OrderedDict[int, tuple[float, list[Contact]]] = OrderedDict()
-        """Hot keys' holders: key id -> (fresh until, contacts)."""
         # Hot keys' entries at their last read (key id -> count): see `_hot_get`.
         self._hot_read: OrderedDict[int, int] = OrderedDict()
         self._probes: trio.Nursery | None = None  # `run`'s: where `_probe` calls go on
@@ -370,8 +369,9 @@ class DHT:
 
     async def store_entries(self, key: str, entries: dict[str, Entry], *, hot: bool = False) -> int:
         target = key_id(key)
-        bits = spread_bits(key) if hot and self._large() else 0
+        bits = 0
         if hot and self._large():
+            bits = spread_bits(key)
             targets = list(await self._hot_replicas(target, bits))
         else:
             targets = (await self.find_nodes(target)).closest_answered()[: self.config.replicas]
@@ -449,11 +449,12 @@ class DHT:
 
     async def _hot_get(self, key: str, merged: dict[str, Entry]) -> bool:
         """Read `key` whole (every page) from `HOT_READ_REPLICAS` of its holders at random
-        (`_hot_replicas`; those of its prefix first), into `merged`; a replica that fails is replaced by another of them. False if
-        none answered, or if they held fewer than half the entries of our last read of it: the
-        caller then reads the usual way, from every replica its lookup meets. (Replicas that
-        took the place of departed ones hold only what was written since, until every writer
-        has written again: two of them alone would hide the rest.)"""
+        (`_hot_replicas`; those of its prefix first), into `merged`; a replica that fails is
+        replaced by another of them. False if none answered, or if they held fewer than half
+        the entries of our last read of it: the caller then reads the usual way, from every
+        replica its lookup meets. (Replicas that took the place of departed ones hold only what
+        was written since, until every writer has written again: two of them alone would hide
+        the rest.)"""
         target, bits = key_id(key), spread_bits(key)
         replicas = await self._hot_replicas(target, bits)
         me = self.node.peer_id

@@ -63,7 +63,8 @@ def shard_index(peer_id: str, at_level: int) -> int:
     node id (`routing.node_id`), the prefix of the nodes that hold that shard
     (`shard_key`). Records and holders then fall alike: a shard's records are about as many
     as its holders, and no holder serves much more than the mean node (by placement alone,
-    at 300 peers: 3.0x with records placed by another hash, 1.x with its own)."""
+    at 300 and 1,000 peers: 2.3-4.7x with records placed by another hash, 1.0x by their own
+    node ids)."""
     if at_level == 0:
         return 0
     return _place(peer_id) >> (64 - at_level)
