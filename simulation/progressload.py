@@ -32,7 +32,15 @@ from libp2p.peer.id import ID
 
 from peer.config import PeerConfig
 from peer.dht.node import DHT, HOT_READ_REPLICAS, SPREAD_HOLDERS
-from peer.dht.routing import ID_BITS, Contact, hot_holders, key_id, node_id, spread_bits
+from peer.dht.routing import (
+    ID_BITS,
+    MIN_PREFIX_READ,
+    Contact,
+    hot_holders,
+    key_id,
+    node_id,
+    spread_bits,
+)
 from peer.training import shards
 from peer.training.progress import CollaborationView, ProgressRecord
 from peer.training.publisher import ProgressPublisher
@@ -176,7 +184,7 @@ def placed_load(peers: int, *, seed: int = 0, reachable: float = 1.0) -> tuple[f
     """The mean and the busiest node's share of the progress reads' reply bytes, from where the
     shards and their holders fall alone: records of one size, every peer a trainer, every
     table complete, every reader reading every shard from `HOT_READ_REPLICAS` of its holders
-    at random, those of its prefix first. What `run_load` measures without running a DHT, so
+    at random, those of its prefix first where they are enough. What `run_load` measures without running a DHT, so
     1,000 and 10,000 peers cost seconds; in units of one record read once. Only the
     `reachable` share of the peers is a DHT server (the others are behind NAT) and holds
     anything; the mean is over all peers, so it is at least 1 / `reachable` of the busiest."""
@@ -197,8 +205,8 @@ def placed_load(peers: int, *, seed: int = 0, reachable: float = 1.0) -> tuple[f
         contacts = [Contact(i, ()) for i in closest]
         holders = closest[: hot_holders(target, bits, contacts, replicas)]
         inside = [i for i in holders if node_id(i) >> (ID_BITS - bits) == index]
-        # Read from the holders of the prefix first (`DHT._hot_get`).
-        read = inside if len(inside) >= HOT_READ_REPLICAS else holders
+        # Read from the holders of the prefix first where they are enough (`hot_read_order`).
+        read = inside if len(inside) >= MIN_PREFIX_READ else holders
         for holder in read:
             load[holder] += peers * HOT_READ_REPLICAS / len(read) * records[index]
     return statistics.fmean(load.values()), max(load.values())

@@ -23,7 +23,7 @@ from peer.dht import protocol as dht
 from peer.dht import records
 from peer.dht.node import DHT, REJOIN_ATTEMPTS
 from peer.dht.records import Entry, make_entry
-from peer.dht.routing import ID_BITS, key_id, node_id, spread_key
+from peer.dht.routing import ID_BITS, Contact, key_id, node_id, spread_key
 from peer.errors import RpcError, Unreachable
 from peer.net.framing import encode_frame
 from peer.net.rpc import Request, RpcServer, protocol_id
@@ -592,6 +592,25 @@ async def test_a_spread_key_is_held_by_every_node_of_its_prefix():
         everyone = {d.node.peer_id.to_base58() for d in s.dhts}
         for reader in s.dhts:
             assert set(await reader.get(key, hot=True)) == everyone
+
+
+async def test_a_node_of_a_prefix_past_the_holders_a_lookup_finds_holds_nothing():
+    """Writers store to the `SPREAD_HOLDERS` x `replicas` nearest of a prefix: a farther node of
+    it holds only its own record, and must read from two holders, not from itself and one
+    (found in review)."""
+    async with swarm(2, CONFIG) as s:
+        node = s.dhts[0]
+        own = node.table.own
+        target = own ^ (1 << (ID_BITS - 2))  # our prefix of 1 bit, not of 2
+        rng = random.Random(0)
+        nearer: list[Contact] = []
+        while len(nearer) < dht_node.SPREAD_HOLDERS * CONFIG.replicas:
+            contact = Contact(ID(rng.randbytes(34)), ())
+            if contact.id ^ target < own ^ target:
+                nearer.append(contact)
+        assert not node._we_belong_among(target, nearer, 1)
+        assert node._we_belong_among(target, nearer[:-1], 1)  # fewer: the whole prefix holds it
+        assert not node._we_belong_among(target, nearer, 0)  # a hashed key: nearest alone
 
 
 async def test_a_hot_read_of_replicas_that_replaced_departed_ones_reads_every_replica():

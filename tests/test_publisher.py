@@ -291,6 +291,23 @@ async def test_a_probe_that_points_at_the_level_just_read_reads_it_once():
     assert len(alone.dht.gets) == 1 + (1 + shards.MAX_LEVEL)  # type: ignore[attr-defined]
 
 
+async def test_an_empty_read_of_a_level_is_read_again_when_the_probe_points_back_at_it():
+    """(Found in review.) The probe's level was the one just read, and that read came back
+    empty: reusing it raised "unreachable" where a second read finds everyone."""
+
+    class BlankFirst(ShardedDht):
+        blank = 2**4  # the first read of level 4 finds nothing
+
+        async def get(self, key, *, hot=False, strict=False) -> dict[str, Entry]:
+            entries = await super().get(key, hot=hot, strict=strict)
+            if self.blank:
+                self.blank -= 1
+                return {}
+            return entries
+
+    assert (await reader(BlankFirst((200, 200)), 200).read()).size == 200
+
+
 async def test_a_small_collaboration_is_read_from_its_one_key_after_the_first_read():
     dht = ShardedDht((10, 10))
     progress = reader(dht)

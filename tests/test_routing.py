@@ -9,11 +9,13 @@ from libp2p.peer.id import ID
 
 from peer.dht.routing import (
     ID_BITS,
+    MIN_PREFIX_READ,
     Contact,
     Lookup,
     RoutingTable,
     Unresponsive,
     hot_holders,
+    hot_read_order,
     key_id,
     spread_bits,
     spread_key,
@@ -205,3 +207,28 @@ def test_a_hot_key_is_held_by_its_prefix_or_its_closest_replicas():
     assert contacts[: len(in_prefix)] == in_prefix  # the nearest first: the prefix first
     assert hot_holders(target, 0, contacts, 8) == 8  # a hashed key: its closest
     assert hot_holders(target, 5, contacts, 8) == 8  # a prefix of few nodes: at least 8
+
+
+def test_a_hot_read_asks_the_prefix_first_only_where_it_holds_enough_holders():
+    """Two identities ground into a prefix with no honest node were every reader's only source
+    of that shard (found in review): the prefix goes first only from `MIN_PREFIX_READ`."""
+    target = key_id(spread_key("f", 2, 1))
+    rng = random.Random(1)
+    contacts = [Contact(ID(rng.randbytes(34)), ()) for _ in range(200)]
+    inside = [c for c in contacts if (c.id ^ target) >> (ID_BITS - 2) == 0]
+    outside = [c for c in contacts if c not in inside]
+    for count in (MIN_PREFIX_READ - 2, MIN_PREFIX_READ - 1, MIN_PREFIX_READ, 12):
+        holders = inside[:count] + outside[: max(0, 8 - count)]
+        firsts = set()
+        for seed in range(200):
+            order = hot_read_order(target, 2, holders, random.Random(seed).shuffle)
+            assert sorted(order, key=id) == sorted(holders, key=id)
+            firsts.update(order[:2])
+        if count >= MIN_PREFIX_READ:
+            assert firsts == set(inside[:count])  # the prefix alone, all of it in turn
+        else:
+            assert firsts == set(holders)  # anyone
+    # A hashed key: every holder, shuffled once (as before spread keys).
+    calls = []
+    hot_read_order(target, 0, contacts[:8], calls.append)
+    assert len(calls) == 1

@@ -57,6 +57,7 @@ from peer.dht.routing import (
     RoutingTable,
     Unresponsive,
     hot_holders,
+    hot_read_order,
     key_id,
     node_id,
     spread_bits,
@@ -351,8 +352,8 @@ class DHT:
         """Store (key, subkey) -> value until `expiration`; returns how many replicas kept it.
 
         A subkey equal to our own peer id is signed with our key (an owner-signed entry). A
-        `hot` key, written every few seconds, goes to its closest replicas as looked up at most
-        `HOT_REPLICAS_SECONDS` ago.
+        `hot` key, written every few seconds, goes to its holders as looked up at most
+        `HOT_REPLICAS_SECONDS` (`HOT_SPREAD_SECONDS`) ago (`_hot_replicas`).
         """
         signer = (
             self.node.identity.key_pair.private_key
@@ -462,15 +463,10 @@ class DHT:
         wanted = HOT_READ_REPLICAS - (
             self._replica() and self._we_belong_among(target, replicas, bits)
         )
-        # A spread key's holders of its prefix first: its records are about as many as they
-        # are (`peer.training.shards`). The nearest others hold it only because the prefix has
-        # fewer than `replicas` nodes, and hold their own prefix's key too; read from them
-        # alike, they served 1.9x the mean node (by placement, at 300 and 1,000 peers).
-        inside = [c for c in replicas if c.peer_id != me and _in_prefix(c.id, target, bits)]
-        outside = [c for c in replicas if c.peer_id != me and not _in_prefix(c.id, target, bits)]
-        for part in (inside, outside) if inside else (outside,):
-            self.rng.shuffle(part)
-        candidates = inside + outside
+        # A spread key's holders of its prefix first, where they are enough (read from the
+        # others alike, those served 1.9x the mean node by placement at 300 and 1,000 peers).
+        others = [c for c in replicas if c.peer_id != me]
+        candidates = hot_read_order(target, bits, others, self.rng.shuffle)
         request = p.Get(key, self._caller_addrs())
         answered = 0
 
@@ -829,8 +825,13 @@ class DHT:
 
     def _we_belong_among(self, target: int, contacts: list[Contact], bits: int = 0) -> bool:
         """Whether we hold the key at `target` beside `contacts` (the other holders): we share
-        its spread prefix, or are nearer than one of them."""
-        if _in_prefix(self.table.own, target, bits) or len(contacts) < self.config.replicas:
+        its spread prefix and its holders are fewer than a lookup finds, or we are nearer than
+        one of them. (Past `SPREAD_HOLDERS` x `replicas` of a prefix, writers store to the
+        nearest alone: a farther node of the prefix holds only its own record.)"""
+        if len(contacts) < self.config.replicas or (
+            _in_prefix(self.table.own, target, bits)
+            and len(contacts) < SPREAD_HOLDERS * self.config.replicas
+        ):
             return True
         return self.table.own ^ target < max(c.id ^ target for c in contacts)
 

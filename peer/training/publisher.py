@@ -134,8 +134,8 @@ class ProgressReader:
         self._probed_at = trio.current_time()
         found = await self._probe()
         at = shards.probe_level(found)
-        if current is not None and previous is not None and at == shards.level(previous):
-            read = current  # the level just read, a moment ago
+        if current is not None and current.records and at == shards.level(previous or 0):
+            read = current  # the level just read, a moment ago (an empty read is read again)
         else:
             read = await self._read_level(at)
         if not read.records and previous:
