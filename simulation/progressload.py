@@ -184,10 +184,11 @@ def placed_load(peers: int, *, seed: int = 0, reachable: float = 1.0) -> tuple[f
     """The mean and the busiest node's share of the progress reads' reply bytes, from where the
     shards and their holders fall alone: records of one size, every peer a trainer, every
     table complete, every reader reading every shard from `HOT_READ_REPLICAS` of its holders
-    at random, those of its prefix first where they are enough. What `run_load` measures without running a DHT, so
-    1,000 and 10,000 peers cost seconds; in units of one record read once. Only the
-    `reachable` share of the peers is a DHT server (the others are behind NAT) and holds
-    anything; the mean is over all peers, so it is at least 1 / `reachable` of the busiest."""
+    at random, those of its prefix first where they are enough (`hot_read_order`). What
+    `run_load` measures without running a DHT, so 1,000 and 10,000 peers cost seconds; in
+    units of one record read once. Only the `reachable` share of the peers is a DHT server
+    (the others are behind NAT) and holds anything; the mean is over all peers, so the
+    busiest serves at least 1 / `reachable` times the mean."""
     rng = random.Random(seed)
     replicas = PeerConfig().dht.replicas
     ids = [ID(rng.randbytes(34)) for _ in range(peers)]

@@ -50,9 +50,10 @@ def spread_bits(key: str) -> int:
 def hot_holders(target: int, bits: int, closest: list[Contact], replicas: int) -> int:
     """How many of `closest` (the nearest to `target` first, as many as a lookup found) hold a
     hot key: every one whose id shares the key's `bits`-bit prefix (`spread_bits`), and at
-    least the `replicas` closest. A spread family's keys then split the nodes between them, each node a holder of
-    one: with the `replicas` closest alone, 8 progress shards at 100 simulated peers left a
-    third of the nodes serving nothing, and the busiest sent 2.1x the mean node's replies."""
+    least the `replicas` closest. A spread family's keys then split the nodes between them,
+    each node a holder of one: with the `replicas` closest alone, 8 progress shards at 100
+    simulated peers left a third of the nodes serving nothing, and the busiest sent 2.1x the
+    mean node's replies."""
     in_prefix = sum(1 for c in closest if bits and (c.id ^ target) >> (ID_BITS - bits) == 0)
     return max(replicas, in_prefix)
 
