@@ -32,15 +32,7 @@ from libp2p.peer.id import ID
 
 from peer.config import PeerConfig
 from peer.dht.node import DHT, HOT_READ_REPLICAS, SPREAD_HOLDERS
-from peer.dht.routing import (
-    ID_BITS,
-    MIN_PREFIX_READ,
-    Contact,
-    hot_holders,
-    key_id,
-    node_id,
-    spread_bits,
-)
+from peer.dht.routing import Contact, first_readers, hot_holders, key_id, node_id, spread_bits
 from peer.training import shards
 from peer.training.progress import CollaborationView, ProgressRecord
 from peer.training.publisher import ProgressPublisher
@@ -204,12 +196,10 @@ def placed_load(peers: int, *, seed: int = 0, reachable: float = 1.0) -> tuple[f
             SPREAD_HOLDERS * replicas, servers, key=lambda i: node_id(i) ^ target
         )
         contacts = [Contact(i, ()) for i in closest]
-        holders = closest[: hot_holders(target, bits, contacts, replicas)]
-        inside = [i for i in holders if node_id(i) >> (ID_BITS - bits) == index]
-        # Read from the holders of the prefix first where they are enough (`hot_read_order`).
-        read = inside if len(inside) >= MIN_PREFIX_READ else holders
+        holders = contacts[: hot_holders(target, bits, contacts, replicas)]
+        read = first_readers(target, bits, holders)  # `hot_read_order`
         for holder in read:
-            load[holder] += peers * HOT_READ_REPLICAS / len(read) * records[index]
+            load[holder.peer_id] += peers * HOT_READ_REPLICAS / len(read) * records[index]
     return statistics.fmean(load.values()), max(load.values())
 
 

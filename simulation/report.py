@@ -48,10 +48,10 @@ class Summary:
     dht_bytes_per_peer: float
     """Bytes/s of DHT traffic (requests and replies) per trainer."""
     hottest_node_bytes: float
+    """Bytes/s of replies the busiest node sent."""
     mean_node_reply_bytes: float
     """Bytes/s of replies the mean node sent: all replies over the peers and backbones (a
     peer that left and the one that took its place count as one)."""
-    """Bytes/s of replies the busiest node sent."""
     view_coverage: float
     """The mean share of the live trainers whose progress records a read saw."""
     min_view_coverage: float

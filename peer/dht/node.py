@@ -51,13 +51,13 @@ from peer.dht.records import (
     validate_entry,
 )
 from peer.dht.routing import (
-    ID_BITS,
     Contact,
     Lookup,
     RoutingTable,
     Unresponsive,
     hot_holders,
     hot_read_order,
+    in_prefix,
     key_id,
     node_id,
     spread_bits,
@@ -104,8 +104,8 @@ HOT_REPLICAS_SECONDS = 10.0
 HOT_SPREAD_SECONDS = 30.0
 #: Holders of a spread key a lookup finds, at most, as a multiple of `dht.replicas`: its prefix
 #: holds a shard's ~8-16 nodes (`peer.training.shards.SHARD_RECORDS`), more by chance. With
-#: 2x, the 45 % of 1,000 peers' 64 shards whose prefix held over 16 nodes had 16 holders for
-#: their 17-27 records, the busiest 1.75x the mean node (by placement); with 3x, ~1.1x.
+#: 2x, a shard whose prefix held over 16 nodes had 16 holders for more records: the busiest
+#: node served 1.44-1.75x the mean at 1,000 peers (by placement, seeds 0-2); with 3x, 1.0-1.17x.
 SPREAD_HOLDERS = 3
 #: Hot keys whose replicas are remembered (the oldest go): every shard of the progress key a
 #: reader reads (`peer.training.shards.MAX_LEVEL`: 1,024) and the few a writer writes, and more.
@@ -381,7 +381,7 @@ class DHT:
             # We are one of the holders: keep a copy and, of `replicas` or more, drop the
             # farthest remote (unless the holders are the key's prefix, which we join), so the
             # record lives on exactly the nodes a reader's lookup will ask.
-            if not (targets and _in_prefix(targets[-1].id, target, bits)):
+            if not (targets and in_prefix(targets[-1].id, target, bits)):
                 targets = targets[: self.config.replicas - 1]
             me = self.node.peer_id.to_base58()
             try:
@@ -829,15 +829,11 @@ class DHT:
         one of them. (Past `SPREAD_HOLDERS` x `replicas` of a prefix, writers store to the
         nearest alone: a farther node of the prefix holds only its own record.)"""
         if len(contacts) < self.config.replicas or (
-            _in_prefix(self.table.own, target, bits)
+            in_prefix(self.table.own, target, bits)
             and len(contacts) < SPREAD_HOLDERS * self.config.replicas
         ):
             return True
         return self.table.own ^ target < max(c.id ^ target for c in contacts)
-
-
-def _in_prefix(node: int, target: int, bits: int) -> bool:
-    return bits > 0 and (node ^ target) >> (ID_BITS - bits) == 0
 
 
 def owned_entries(entries: Mapping[str, Entry]) -> int:

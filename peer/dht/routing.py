@@ -32,19 +32,30 @@ MAX_SPREAD_BITS = 16
 def key_id(key: str) -> int:
     """A key's place on the ring: its SHA-256, or for a key of a spread family
     (`spread_key`) its index as the top bits and its family's hash below."""
-    spread = _SPREAD.fullmatch(key)
-    if spread is not None and int(spread[3]) < 1 << int(spread[2]):
-        family, bits, index = spread[1], int(spread[2]), int(spread[3])
-        return (index << (ID_BITS - bits)) | (_sha256(f"{family}#spread/{bits}") >> bits)
-    return _sha256(key)
+    spread = _spread(key)
+    if spread is None:
+        return _sha256(key)
+    family, bits, index = spread
+    return (index << (ID_BITS - bits)) | (_sha256(f"{family}#spread/{bits}") >> bits)
 
 
 def spread_bits(key: str) -> int:
     """The prefix a spread key's id shares with no other key of its family (0: a hashed key)."""
-    spread = _SPREAD.fullmatch(key)
-    if spread is not None and int(spread[3]) < 1 << int(spread[2]):
-        return int(spread[2])
-    return 0
+    spread = _spread(key)
+    return 0 if spread is None else spread[1]
+
+
+def _spread(key: str) -> tuple[str, int, int] | None:
+    """(family, bits, index) of a well-formed spread key (`spread_key`), else None."""
+    match = _SPREAD.fullmatch(key)
+    if match is None or int(match[3]) >= 1 << int(match[2]):
+        return None
+    return match[1], int(match[2]), int(match[3])
+
+
+def in_prefix(node: int, target: int, bits: int) -> bool:
+    """Whether id `node` shares `target`'s top `bits` bits (never, for 0: a hashed key)."""
+    return bits > 0 and (node ^ target) >> (ID_BITS - bits) == 0
 
 
 def hot_holders(target: int, bits: int, closest: list[Contact], replicas: int) -> int:
@@ -54,8 +65,7 @@ def hot_holders(target: int, bits: int, closest: list[Contact], replicas: int) -
     each node a holder of one: with the `replicas` closest alone, 8 progress shards at 100
     simulated peers left a third of the nodes serving nothing, and the busiest sent 2.1x the
     mean node's replies."""
-    in_prefix = sum(1 for c in closest if bits and (c.id ^ target) >> (ID_BITS - bits) == 0)
-    return max(replicas, in_prefix)
+    return max(replicas, sum(in_prefix(c.id, target, bits) for c in closest))
 
 
 #: Holders of a spread key's prefix a hot read needs before it asks them alone (else it asks
@@ -72,15 +82,18 @@ def hot_read_order(
     they are at least `MIN_PREFIX_READ` (their records are about as many as they are:
     `peer.training.shards`; the others hold the key only because the prefix has fewer than
     `replicas` nodes, and hold their own prefix's key too); else all of them, shuffled."""
-    inside = [c for c in holders if bits and (c.id ^ target) >> (ID_BITS - bits) == 0]
-    if len(inside) < MIN_PREFIX_READ:
-        ordered = list(holders)
-        shuffle(ordered)
-        return ordered
-    outside = [c for c in holders if c not in inside]
-    shuffle(inside)
-    shuffle(outside)
-    return inside + outside
+    first = first_readers(target, bits, holders)
+    rest = [c for c in holders if c not in first]
+    for part in (first, rest) if rest else (first,):
+        shuffle(part)
+    return first + rest
+
+
+def first_readers(target: int, bits: int, holders: list[Contact]) -> list[Contact]:
+    """The holders a hot read asks first (`hot_read_order`): those of the key's prefix where
+    they are at least `MIN_PREFIX_READ`, else every one."""
+    inside = [c for c in holders if in_prefix(c.id, target, bits)]
+    return inside if len(inside) >= MIN_PREFIX_READ else list(holders)
 
 
 def _sha256(text: str) -> int:

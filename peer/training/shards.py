@@ -27,7 +27,7 @@ from collections.abc import Iterable
 
 from libp2p.peer.id import ID
 
-from peer.dht.routing import spread_key
+from peer.dht.routing import ID_BITS, node_id, spread_key
 from peer.training.progress import progress_key
 
 SHARD_RECORDS = 16
@@ -38,7 +38,8 @@ MAX_LEVEL = 10
 grow); each is a hot key whose holders a reader remembers (`peer.dht.node.HOT_KEYS`). At 6
 (64 shards), the holders of a shard's prefix, up to 24 (`peer.dht.node.SPREAD_HOLDERS`), served
 10,000 peers' shards of ~156 records: the busiest node 7.6x the mean (by placement,
-`python -m simulation.progressload --placed`); at 10, 1.1x. A read of 10,000 records then asks
+`python -m simulation.progressload --placed`); at 10, 1.1x (1.4x since thin prefixes are read
+from any holder: `routing.MIN_PREFIX_READ`). A read of 10,000 records then asks
 1,024 keys for the same bytes."""
 
 
@@ -63,8 +64,8 @@ def shard_index(peer_id: str, at_level: int) -> int:
     node id (`routing.node_id`), the prefix of the nodes that hold that shard
     (`shard_key`). Records and holders then fall alike: a shard's records are about as many
     as its holders, and no holder serves much more than the mean node (by placement alone,
-    at 300 and 1,000 peers: 2.3-4.7x with records placed by another hash, 1.0x by their own
-    node ids)."""
+    at 300 and 1,000 peers: 2.3-4.7x with records placed by another hash, 1.0-1.4x by their
+    own node ids)."""
     if at_level == 0:
         return 0
     return _place(peer_id) >> (64 - at_level)
@@ -75,10 +76,9 @@ def _place(peer_id: str) -> int:
     """The top 64 bits of `peer_id`'s node id; for a subkey that names no peer id (no
     owner-signed record is under one), of its text's hash."""
     try:
-        raw = ID.from_base58(peer_id).to_bytes()
+        return node_id(ID.from_base58(peer_id)) >> (ID_BITS - 64)
     except ValueError:
-        raw = peer_id.encode()
-    return int.from_bytes(hashlib.sha256(raw).digest()[:8], "big")
+        return int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:8], "big")
 
 
 def shard_key(collaboration: str, at_level: int, index: int) -> str:
