@@ -44,6 +44,12 @@ def voting(peer_id: str, choice: Candidate, electorate: Electorate = PLAN) -> Pr
     return other(peer_id, step=3, digest="d3", vote=vote)
 
 
+def rounds(peer_id: str, *choices: Candidate) -> ProgressRecord:
+    """A member's record with its votes of rounds 0, 1, ... (the latest as its vote)."""
+    cast = [VoteRecord.of(Vote(peer_id, c, PLAN, i)) for i, c in enumerate(choices)]
+    return other(peer_id, step=3, digest="d3", vote=cast[-1], earlier_votes=cast[:-1])
+
+
 BIG = candidate("big", MEMBERS)
 SMALL = candidate("small", [ME, "z0"])
 
@@ -51,50 +57,76 @@ SMALL = candidate("small", [ME, "z0"])
 def test_of_two_groups_that_averaged_a_step_apart_only_one_is_certified():
     """Before the rule, a group of a minority did not step (a majority of the trainers in
     view) and views differ, so both groups of a split could step (the simulation's safety
-    check caught two states of one step). Now both elections see the same votes: the
-    larger wins, the smaller loses and downloads it."""
+    check caught two states of one step). Now both elections see the same votes: 3 to 2 of
+    5 is no two thirds, and nothing else can be, so round 0 ends and both vote in round 1
+    for its leader, the larger; it wins, and the smaller group downloads it."""
     small, big = at_step_3(), at_step_3(me="z1")
     elect(small, SMALL, T0)
     elect(big, BIG, T0)
     records = [voting("z0", SMALL), voting("z2", BIG), voting("z3", BIG)]
     read(small, *records, voting("z1", BIG))
     read(big, *records, voting(ME, SMALL))
-    assert small.election(T0) == (Outcome.LOST, BIG)
-    assert big.election(T0) == (Outcome.WON, BIG)
+    later = T0 + small.election_patience()
+    assert small.election(later) == big.election(later) == (Outcome.WAITING, None)
+    assert small.last_vote == Vote(ME, BIG, PLAN, 1) and big.last_vote == Vote("z1", BIG, PLAN, 1)
+    assert small.own_record(Local(), later).earlier_votes == [VoteRecord.of(Vote(ME, SMALL, PLAN))]
+    records = [rounds("z0", SMALL, BIG), rounds("z2", BIG, BIG), voting("z3", BIG)]
+    read(small, *records, rounds("z1", BIG, BIG))
+    read(big, *records, rounds(ME, SMALL, BIG))
+    assert small.election(later) == (Outcome.LOST, BIG)
+    assert big.election(later) == (Outcome.WON, BIG)
 
 
 def test_a_candidate_waits_while_unseen_votes_could_still_beat_it():
-    """2 votes for ours, 1 against, 2 unseen: the unseen could go to the other (3 > 2)."""
+    """2 votes for ours, 1 against, 2 unseen: either could still reach 4 of 5 (two thirds)."""
     policy = at_step_3()
     elect(policy, BIG, T0)
     read(policy, voting("z0", BIG), voting("z1", SMALL))
     assert policy.election(T0 + 1) == (Outcome.WAITING, None)
     read(policy, voting("z0", BIG), voting("z1", SMALL), voting("z2", BIG))
-    assert policy.election(T0 + 2) == (Outcome.WON, BIG)  # 3 > 1 + 1 unseen
+    assert policy.election(T0 + 2) == (Outcome.WAITING, None)  # 3 of 5, 1 unseen
+    read(policy, voting("z0", BIG), voting("z1", SMALL), voting("z2", BIG), voting("z3", BIG))
+    assert policy.election(T0 + 3) == (Outcome.WON, BIG)  # 4 of 5
 
 
-def test_a_departed_members_missing_vote_stalls_only_a_close_count():
-    """z3 left without voting: 3 against 1 is certified (3 > 1 + 1); 2 against 2 never is,
-    and after `election_patience` the election is stalled: the step's next try is a genesis."""
-    won = at_step_3()
-    elect(won, BIG, T0)
-    read(won, voting("z0", BIG), voting("z1", BIG), voting("z2", SMALL))
-    assert won.election(T0)[0] is Outcome.WON
-    stalled = at_step_3()
-    elect(stalled, BIG, T0)
-    read(stalled, voting("z0", BIG), voting("z1", SMALL), voting("z2", SMALL))
-    patience = stalled.election_patience()
-    assert stalled.election(T0 + patience - 0.1)[0] is Outcome.WAITING
-    # Past settle_patience, still open: partial averages of our plan may still vote.
-    settle = stalled.timing.settle_patience(stalled.store_seconds)
-    assert patience > settle and stalled.election(T0 + settle)[0] is Outcome.WAITING
-    assert stalled.election(T0 + patience)[0] is Outcome.STALLED
-    stalled.elected(Outcome.STALLED)
-    retry = candidate("retry", MEMBERS[:4])
-    elect(stalled, retry, T0 + patience)
-    ballot = stalled.ballot
-    assert ballot is not None and ballot.genesis and ballot.electorate == retry.plan
-    assert ballot.vote is not None  # a new electorate: we vote in it
+def test_a_departed_members_missing_vote_costs_a_round_not_the_step():
+    """z3 left without voting. 3 for ours against 1: ours may still reach 4 of 5 in round 0,
+    nothing else can, so round 1 takes ours (forced); 2 against 2: nothing can reach 4, so
+    round 1 is free, and takes round 0's leader (the smaller digest on a tie). Either way
+    the 4 members left certify it in round 1. The old count waited for z3 on the 2 : 2, and the
+    step's next try was a genesis: two such plans took step 2 as two states at 100 simulated
+    peers."""
+    for split, forced in (([BIG, BIG, SMALL], True), ([BIG, SMALL, SMALL], False)):
+        policy = at_step_3()
+        elect(policy, BIG, T0)
+        records = [voting(f"z{i}", c) for i, c in enumerate(split)]
+        read(policy, *records)
+        assert policy.election(T0)[0] is Outcome.WAITING
+        turn = T0 + policy._vote_turn()
+        assert policy.election(turn) == (Outcome.WAITING, None)
+        assert policy.last_vote == Vote(ME, BIG, PLAN, 1), forced
+        read(policy, *(rounds(f"z{i}", c, BIG) for i, c in enumerate(split)))
+        assert policy.election(turn) == (Outcome.WON, BIG)
+
+
+def test_a_stalled_step_is_a_genesis_only_where_its_electorate_is_lost():
+    """An election that stalls (nothing certified in `election_patience`) leaves its next try
+    in the rounds of the same electorate while more than two thirds of its members are in our
+    reads; with z2 and z3 gone too (3 of 5 left: no round can reach 4), a genesis."""
+    for here, genesis in ((["z0", "z1", "z2"], False), (["z0", "z1"], True)):
+        policy = at_step_3()
+        elect(policy, BIG, T0)
+        # z0 and z1 voted in round 0 and hold: round 1 waits on the unseen.
+        read(policy, voting("z0", SMALL), *(other(p, step=3, digest="d3") for p in here[1:]))
+        patience = policy.election_patience()
+        assert policy.election(T0 + patience - 0.1)[0] is Outcome.WAITING
+        assert policy.election(T0 + patience)[0] is Outcome.STALLED
+        policy.elected(Outcome.STALLED)
+        retry = candidate("retry", MEMBERS[:4])
+        elect(policy, retry, T0 + patience)
+        ballot = policy.ballot
+        assert ballot is not None and ballot.genesis is genesis, here
+        assert ballot.electorate == (retry.plan if genesis else PLAN)
 
 
 def test_an_election_stays_open_while_members_are_still_averaging():
@@ -109,9 +141,10 @@ def test_an_election_stays_open_while_members_are_still_averaging():
         return other(peer_id, step=3, digest="d3", call_step=3, updated_at=at, **fields)
 
     def electing(ends_by: float, *records: ProgressRecord, at: float) -> StepPolicy:
+        # 1 vote for ours, 1 for another, 3 unseen: either could reach 4, no next round.
         policy = at_step_3()
         policy.elect(BIG, MEMBERS_OF[BIG], T0, gathering=gathering, others_until=ends_by)
-        read(policy, voting("z0", BIG), voting("z1", SMALL), *records, now=at)
+        read(policy, voting("z0", SMALL), *records, now=at)
         return policy
 
     patience = at_step_3().election_patience()
@@ -126,9 +159,16 @@ def test_an_election_stays_open_while_members_are_still_averaging():
     stale_at = T0 + patience + at_step_3().timing.stale_record + 1
     assert electing(far, averaging("z2", T0), at=stale_at).election(stale_at)[0] is Outcome.STALLED
     now = T0 + patience
+    assert electing(far, averaging("z2", now, gather_until=T0), at=now).election(now)[0] is (
+        Outcome.STALLED
+    )
+    # z2 voted: round 0 can only go to its and z0's candidate, so we vote for it in round 1
+    # (our patience starts again); z2 holds it open no longer.
     vote = VoteRecord.of(Vote("z2", SMALL, PLAN))
-    for record in (averaging("z2", now, vote=vote), averaging("z2", now, gather_until=T0)):
-        assert electing(far, record, at=now).election(now)[0] is Outcome.STALLED
+    policy = electing(far, averaging("z2", now, vote=vote), at=now)
+    assert policy.election(now)[0] is Outcome.WAITING
+    assert policy.last_vote == Vote(ME, SMALL, PLAN, 1)
+    assert policy.election(now + patience)[0] is Outcome.STALLED
 
 
 def test_a_member_votes_once_per_step_and_a_stranger_not_at_all():
@@ -197,8 +237,8 @@ def test_a_member_that_restarted_carries_the_vote_its_record_still_shows():
     elect(policy, BIG)  # another candidate of step 4, after the restart
     assert policy.last_vote == Vote(ME, first, PLAN)
     assert policy.own_record(Local(), T0).vote == VoteRecord.of(Vote(ME, first, PLAN))
-    read(policy, voting("z0", first), voting("z1", first))
-    assert policy.election(T0) == (Outcome.LOST, first)  # 3 : 0 with 2 unseen, ours counted
+    read(policy, voting("z0", first), voting("z1", first), voting("z2", first))
+    assert policy.election(T0) == (Outcome.LOST, first)  # 4 of 5, ours counted
 
 
 def test_a_strangers_vote_does_not_fill_a_missing_members_place():

@@ -4,10 +4,12 @@ mid-averaging."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from peer.training.steprule import Candidate, Electorate, StepRule, Vote
+from peer.training.steprule import MAX_ROUNDS, Candidate, Electorate, Entry, StepRule, Vote
 
 
 def candidates(step: int, count: int) -> list[Candidate]:
@@ -72,14 +74,14 @@ def chains(draw: st.DrawFn):
 
 
 def certified_chain(rule: StepRule, genesis: Electorate, votes: list[Vote]) -> list[Candidate]:
-    """What a reader certifies step by step: the first step in its own plan, then each step in
-    the electorate the step before names."""
+    """What a reader certifies step by step: the first step in its own plan (`genesis`), then
+    each step in the electorate the step before names (`certify`)."""
     chain: list[Candidate] = []
     for step in (1, 2, 3):
         if step == 1:
             found = rule.genesis(1, genesis, votes)
         else:
-            found = rule.tally(step, chain[-1].plan, votes)
+            found = rule.certify(step, chain[-1].plan, votes)
         if found is None:
             break
         chain.append(found)
@@ -155,3 +157,81 @@ def test_a_candidate_needs_the_published_minimum_of_votes():
     alone = [Vote("m0", a, electorate)]
     assert StepRule(min_votes=1).tally(1, electorate, alone) == a
     assert StepRule(min_votes=2).tally(1, electorate, alone) is None
+
+
+# ------------------------------------------------------------------ rounds (steps after the first)
+
+
+def a_read(draw: st.DrawFn, cast: list[list[Vote]]) -> list[Vote]:
+    """What one read shows: each member's record as of any moment, i.e. any prefix of the
+    votes it cast (its newest record, an older one, or none at all)."""
+    return [v for votes in cast for v in votes[: draw(st.integers(0, len(votes)))]]
+
+
+@settings(max_examples=3000, deadline=None)
+@given(st.data())
+def test_rounds_never_certify_two_candidates_whatever_each_reader_sees(data):
+    """Any interleaving: members vote in rounds that go up, each entering a round as its own
+    read at that moment allows (`StepRule.entry`), or leave (they never act again); a read
+    shows any prefix of each member's votes. At the end, over every vote ever cast (what any
+    reader's count is a part of), no two candidates reach the quorum in any rounds."""
+    draw = data.draw
+    n = draw(st.integers(1, 7))
+    electorate = Electorate("e", n)
+    options = candidates(2, draw(st.integers(1, 3)))
+    rule = StepRule(min_votes=draw(st.integers(1, 2)))
+    cast: list[list[Vote]] = [[] for _ in range(n)]
+    for _ in range(draw(st.integers(1, 30))):
+        member = draw(st.integers(0, n - 1))
+        last = cast[member][-1].round if cast[member] else -1
+        round_ = last + 1 + draw(st.integers(0, 1))  # mostly the next round, at times one more
+        if round_ >= MAX_ROUNDS:
+            continue
+        # Its read shows its own votes in full, the others' as any read does.
+        seen = [v for v in a_read(draw, cast) if v.voter != f"m{member}"] + cast[member]
+        entry, forced = rule.entry(2, electorate, seen, round_)
+        if entry is Entry.WAIT:
+            continue
+        choice = forced if entry is Entry.FORCED else draw(st.sampled_from(options))
+        assert choice is not None
+        cast[member].append(Vote(f"m{member}", choice, electorate, round_))
+    rounds = Counter((v.round, v.candidate) for votes in cast for v in votes)
+    winners = {c for (_, c), votes_for in rounds.items() if rule.reaches(votes_for, n)}
+    assert len(winners) <= 1
+
+
+def test_a_split_with_members_gone_dies_and_the_next_round_certifies_the_leader():
+    """A departure split 93 members 45 / 40, 8 gone for good: neither reaches two thirds (62)
+    nor can, so round 0 dies and round 1 is free; its voters join the leader and certify it.
+    The old tally waited on the 8 for ever (45 never led 40 by more than the 8 unseen)."""
+    electorate = Electorate("e", 93)
+    a, b = candidates(2, 2)
+    votes = [Vote(f"m{i}", a if i < 45 else b, electorate) for i in range(85)]
+    rule = StepRule(min_votes=2)
+    assert rule.certify(2, electorate, votes) is None
+    assert rule.tally(2, electorate, votes) is None
+    assert rule.entry(2, electorate, votes, 1) == (Entry.FREE, None)
+    votes += [Vote(f"m{i}", a, electorate, 1) for i in range(62)]
+    assert rule.certify(2, electorate, votes) is None  # 62 is not more than two thirds
+    votes.append(Vote("m62", a, electorate, 1))
+    assert rule.certify(2, electorate, votes) == a
+
+
+def test_a_round_that_may_still_certify_forces_its_candidate_or_holds_the_next():
+    electorate = Electorate("e", 9)
+    a, b = candidates(2, 2)
+    rule = StepRule()
+    # 5 for a, 1 for b, 3 unseen: a could reach 8 of 9, b only 4: the next round must take a.
+    votes = [Vote(f"m{i}", a, electorate) for i in range(5)] + [Vote("m5", b, electorate)]
+    assert rule.entry(2, electorate, votes, 1) == (Entry.FORCED, a)
+    # 3 for a, 3 for b, 3 unseen: either could reach 6 of 9 (not yet two thirds) ...
+    even = [Vote(f"m{i}", a if i < 3 else b, electorate) for i in range(6)]
+    assert rule.entry(2, electorate, even, 1) == (Entry.FREE, None)
+    # ... 2 for a, 2 for b, 5 unseen: either could reach 7: the next round waits.
+    assert rule.entry(2, electorate, even[1:3] + even[4:], 1) == (Entry.WAIT, None)
+    # A later round's votes settle its voters in the rounds below: the 3 unseen voted in round
+    # 1, so round 0 can no longer reach two thirds for b, nor for a past 8.
+    later = votes + [Vote(f"m{i}", a, electorate, 1) for i in range(6, 9)]
+    assert rule.entry(2, electorate, later, 2) == (Entry.FORCED, a)
+    # Two votes of one member in one round: not an honest count.
+    assert rule.certify(2, electorate, [*later, Vote("m0", b, electorate)]) is None

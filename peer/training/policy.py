@@ -61,7 +61,15 @@ from peer.training.progress import (
     company,
     should_call,
 )
-from peer.training.steprule import Candidate, Electorate, StepRule, Vote, plan_of
+from peer.training.steprule import (
+    MAX_ROUNDS,
+    Candidate,
+    Electorate,
+    Entry,
+    StepRule,
+    Vote,
+    plan_of,
+)
 from peer.training.timing import SLOW_BATCH, Timing
 
 log = logging.getLogger("peertrain.trainer")
@@ -304,7 +312,8 @@ class StepPolicy:
         self.last_vote: Vote | None = None
         """The last vote we cast: our record carries it until the next (slower readers count
         it after we moved on)."""
-        self._voted: set[tuple[int, Electorate]] = set()  # a member votes once per step
+        # Our votes on a (step, electorate), one per round, oldest first (a genesis: one).
+        self._cast_votes: dict[tuple[int, Electorate], list[Vote]] = {}
         # The recent plans we were in, with their members: whose votes count in them.
         self._plans: dict[Electorate, frozenset[str]] = {}
         self._genesis_at = 0  # a step whose election stalled for us: its next try is a genesis
@@ -525,7 +534,6 @@ class StepPolicy:
             raise ValueError("the candidate's plan is not its members'")
         electorate, genesis = self.electorate_for(candidate)
         self._remember_plan(candidate.plan, members)
-        key = (candidate.step, electorate)
         member = genesis or self.me in self._plans.get(electorate, ())
         self._carry_earlier_vote(candidate.step, electorate)
         self.ballot = Ballot(
@@ -537,7 +545,10 @@ class StepPolicy:
             gathering=gathering,
             others_until=others_until,
         )
-        if key not in self._voted and member:
+        # A member with a vote on the step already (an earlier gathering, a restart) moves on
+        # to a next round only from `election`, a vote turn after its ballot began.
+        voted = (candidate.step, electorate) in self._cast_votes
+        if member and not voted and self._open_round(self.ballot) is not None:
             lacking = len(members) - (len(members) if basis is None else basis)
             if lacking > 0:
                 self.ballot.vote_at = now + min(lacking, MAX_VOTE_TURNS) * self._vote_turn()
@@ -557,10 +568,13 @@ class StepPolicy:
         other way for others. We carry the first instead (review); checked again when a
         deferred vote is cast, on the newer read (review)."""
         key = (step, electorate)
-        earlier = next((v for v in self.view.votes(step) if v.voter == self.me), None)
-        if earlier is not None and earlier.electorate == electorate and key not in self._voted:
-            self._voted.add(key)
-            self.last_vote = earlier
+        earlier = sorted(
+            (v for v in self.view.votes(step) if v.voter == self.me and v.electorate == electorate),
+            key=lambda v: v.round,
+        )
+        if earlier and key not in self._cast_votes:
+            self._cast_votes[key] = earlier
+            self.last_vote = earlier[-1]
 
     def _vote_turn(self) -> float:
         """How long a vote takes to be seen by the others: it lands (a store), and a read up
@@ -569,39 +583,83 @@ class StepPolicy:
         return self.timing.fallback_turn(self.store_seconds) + extra_read
 
     def _cast(self, now: float) -> None:
-        """Cast our deferred or immediate vote: for the candidate of our plan that members'
-        votes lead with, by more than ours would have with our vote and by at least
-        `JOIN_SHARE` of the plan's members (a few colluding members cannot draw the honest
-        votes to a candidate they invented, which nobody could serve), else for ours."""
+        """Cast our deferred or immediate vote, or our vote in a next round, where a round is
+        open to us (`_open_round`): for the candidate the rounds below force, else as we
+        choose (`_free_choice`)."""
         ballot = self.ballot
         assert ballot is not None
         ours = ballot.candidate
         ballot.vote_at = None
         self._end_deferral(ballot)
         self._carry_earlier_vote(ours.step, ballot.electorate)
-        if (ours.step, ballot.electorate) in self._voted:
-            return  # our record already carries a vote on the step
+        opened = self._open_round(ballot)
+        if opened is None:
+            return  # we voted in every round open to us (our record carries it)
+        round_, forced = opened
         members = self._plans.get(ballot.electorate, frozenset())
-        counts = Counter(
-            v.candidate
+        votes = [
+            v
             for v in self.view.votes(ours.step)
-            if v.voter != self.me
-            and v.voter in members
-            and v.electorate == ballot.electorate
-            and v.candidate.plan == ours.plan
-        )
-        choice = ours
-        if counts:
-            leader, count = min(counts.items(), key=lambda item: (-item[1], item[0].average))
-            enough = count >= JOIN_SHARE * ours.plan.size
-            if leader != ours and count > counts[ours] + 1 and enough:
-                choice = leader
-        vote = Vote(self.me, choice, ballot.electorate)
-        self._voted.add((ours.step, ballot.electorate))
+            if v.voter != self.me and v.voter in members and v.electorate == ballot.electorate
+        ]
+        choice = forced or self._free_choice(ours, ballot.electorate, round_, votes)
+        vote = Vote(self.me, choice, ballot.electorate, round_)
+        self._cast_votes.setdefault((ours.step, ballot.electorate), []).append(vote)
+        while len(self._cast_votes) > 8:
+            del self._cast_votes[next(iter(self._cast_votes))]
         self.last_vote = vote
         ballot.vote = vote
         ballot.since = now
         self.changed = True
+
+    def _free_choice(
+        self, ours: Candidate, electorate: Electorate, round_: int, votes: list[Vote]
+    ) -> Candidate:
+        """Our vote in a round the rounds below leave free: the candidate of our plan that
+        members' votes in the round lead with, by more than ours would have with our vote and
+        by at least `JOIN_SHARE` of the plan's members (a few colluding members cannot draw
+        the honest votes to a candidate they invented, which nobody could serve); past the
+        first round, the last round's leader where `JOIN_SHARE` of the electorate voted for it
+        (every member that reads it joins it, so the round certifies it); else ours."""
+        if round_ > 0:
+            mine = self._cast_votes.get((ours.step, electorate), [])
+            before = Counter(v.candidate for v in [*votes, *mine] if v.round == round_ - 1)
+            if before:
+                leader, count = min(before.items(), key=lambda item: (-item[1], item[0].average))
+                if count >= JOIN_SHARE * electorate.size:
+                    return leader
+        counts = Counter(
+            v.candidate for v in votes if v.round == round_ and v.candidate.plan == ours.plan
+        )
+        if counts:
+            leader, count = min(counts.items(), key=lambda item: (-item[1], item[0].average))
+            enough = count >= JOIN_SHARE * ours.plan.size
+            if leader != ours and count > counts[ours] + 1 and enough:
+                return leader
+        return ours
+
+    def _open_round(self, ballot: Ballot) -> tuple[int, Candidate | None] | None:
+        """The round we may vote in now, and the candidate the rounds below force on us (None:
+        free), or None: none open to us. A genesis has one round (0). Past it, the round the
+        members have reached, or the next after ours where the votes seen let ours end
+        (`StepRule.entry`: it certifies nothing, or one candidate at most)."""
+        step = ballot.candidate.step
+        mine = self._cast_votes.get((step, ballot.electorate), [])
+        if ballot.genesis:
+            return None if mine else (0, None)
+        members = self._plans.get(ballot.electorate, frozenset())
+        votes = [
+            v
+            for v in self.view.votes(step)
+            if v.voter != self.me and v.voter in members and v.electorate == ballot.electorate
+        ] + mine
+        last = mine[-1].round if mine else -1
+        reached = max((v.round for v in votes), default=0)
+        round_ = reached if reached > last else last + 1
+        if round_ >= MAX_ROUNDS:
+            return None
+        entry, forced = self.rule.entry(step, ballot.electorate, votes, round_)
+        return None if entry is Entry.WAIT else (round_, forced)
 
     def _end_deferral(self, ballot: Ballot) -> None:
         """Our record no longer shows the gathering's call that `elect` kept for a deferred
@@ -662,12 +720,14 @@ class StepPolicy:
         members = self._plans.get(ballot.electorate, frozenset())
         if not members:
             return Outcome.LOST, None
+        if not ballot.genesis and not pending and now >= ballot.since + self._vote_turn():
+            # A next round, where the votes let our last one end: a vote turn after our vote
+            # or the ballot's start (the others' votes of our round come in meanwhile).
+            self._cast(now)
         votes = [v for v in self.view.votes(step) if v.voter != self.me and v.voter in members]
-        # Ours: this ballot's, or the one we cast on the step before (a second gathering of
-        # it, a restart), which our record carries and the others count.
-        own = self.last_vote
-        if own is not None and own.candidate.step == step and own.electorate == ballot.electorate:
-            votes.append(own)
+        # Ours: this ballot's, or those we cast on the step before (a second gathering of it,
+        # a restart), which our record carries and the others count.
+        votes += self._cast_votes.get((step, ballot.electorate), [])
         if ballot.genesis:
             certified = self.rule.genesis(step, ballot.electorate, votes)
             if certified is not None and not self._most_trainers_voted(certified, votes):
@@ -678,7 +738,7 @@ class StepPolicy:
                 # gathered in alternating halves, each stalling while the other gathered).
                 return self._stalled(votes), None
         else:
-            certified = self.rule.tally(step, ballot.electorate, votes)
+            certified = self.rule.certify(step, ballot.electorate, votes)
         if certified == ballot.candidate:
             return Outcome.WON, certified
         # (We may have voted for another candidate of our plan: LOST, and we download it.)
@@ -766,18 +826,38 @@ class StepPolicy:
         return set(self._around) | {self.me}
 
     def elected(self, outcome: Outcome) -> None:
-        """The election ended (`election`'s outcome). STALLED: our vote on the step is spent,
-        and maybe others' too, so its next try is a genesis election among that try's
-        plan, unless someone has moved past the step meanwhile (we download it then)."""
+        """The election ended (`election`'s outcome). STALLED: the step's next try votes in
+        the rounds its electorate has open (`_open_round`); a genesis election among that
+        try's plan only where the electorate is lost (`_electorate_lost`) or was a genesis's
+        own, unless someone has moved past the step meanwhile (we download it then)."""
         ballot = self.ballot
         assert ballot is not None and outcome is not Outcome.WAITING
         self._end_deferral(ballot)
         self.ballot = None
         self.changed = True
         # A stranger to the electorate (it cannot count) starts no genesis: members may still
-        # certify the step, and it downloads the step then.
-        if outcome is Outcome.STALLED and ballot.electorate in self._plans:
+        # certify the step, and it downloads the step then. Nor does a member of an
+        # electorate that can still certify it: its next round does (two retry plans that
+        # each won step 2 as a genesis took it as two states at 100 simulated peers).
+        if (
+            outcome is Outcome.STALLED
+            and ballot.electorate in self._plans
+            and (ballot.genesis or self._electorate_lost(ballot))
+        ):
             self._genesis_at = max(self._genesis_at, ballot.candidate.step)
+
+    def _electorate_lost(self, ballot: Ballot) -> bool:
+        """Our ballot's electorate can no longer certify its step as far as we can tell: no
+        more than two thirds of its members are in our recent reads (a round needs more), or
+        its rounds are spent. Then the step's next try is a genesis (the rule's stated
+        assumption: members gone from our reads are gone)."""
+        step, electorate = ballot.candidate.step, ballot.electorate
+        mine = self._cast_votes.get((step, electorate), [])
+        if mine and mine[-1].round >= MAX_ROUNDS - 1:
+            return True
+        here = {r.peer_id for r in self.view.records} | set(self._around) | {self.me}
+        alive = len(self._plans.get(electorate, frozenset()) & here)
+        return not self.rule.reaches(alive, electorate.size)
 
     def fetched(self, *, ok: bool, now: float) -> float:
         """A download ended (the new state came through `hold`); returns how long to wait
@@ -993,10 +1073,20 @@ class StepPolicy:
             holding=self.holding,
             signatures=list(self.held.signatures),
             vote=None if self.last_vote is None else VoteRecord.of(self.last_vote),
+            earlier_votes=self._earlier_votes(),
             electorate=self.held.electorate.digest if self.held.electorate else "",
             electorate_size=self.held.electorate.size if self.held.electorate else 0,
             min_votes=self.rule.min_votes,
         )
+
+    def _earlier_votes(self) -> list[VoteRecord]:
+        """Our votes in the earlier rounds of our last vote's election (our record carries
+        them with it: `ProgressRecord.earlier_votes`)."""
+        last = self.last_vote
+        if last is None:
+            return []
+        cast = self._cast_votes.get((last.candidate.step, last.electorate), [])
+        return [VoteRecord.of(v) for v in cast if v.round < last.round]
 
     def view_with(self, local: Local, now: float) -> CollaborationView:
         """The last read, with our own record as it is now."""

@@ -40,7 +40,7 @@ import msgspec
 from peer.dht.records import owner_key
 from peer.errors import DECODE_ERRORS
 from peer.training.certificate import MAX_SIGNATURES, StepSignature, valid_signatures
-from peer.training.steprule import Candidate, Electorate, Vote
+from peer.training.steprule import MAX_ROUNDS, Candidate, Electorate, Vote
 
 ProgressRole = Literal["trainer", "keeper"]
 _Step = Annotated[int, msgspec.Meta(ge=0, le=2**53)]
@@ -63,10 +63,13 @@ class VoteRecord(msgspec.Struct, frozen=True, array_like=True):
     electorate: _Digest
     """The electorate the vote is cast in (the step's, as the voter holds it)."""
     electorate_size: _Count
+    round: Annotated[int, msgspec.Meta(ge=0, lt=MAX_ROUNDS)] = 0
+    """The election's round (`Vote.round`)."""
 
     def vote(self, voter: str) -> Vote:
         candidate = Candidate(self.step, self.average, Electorate(self.plan, self.plan_size))
-        return Vote(voter, candidate, Electorate(self.electorate, self.electorate_size))
+        electorate = Electorate(self.electorate, self.electorate_size)
+        return Vote(voter, candidate, electorate, self.round)
 
     @classmethod
     def of(cls, vote: Vote) -> VoteRecord:
@@ -78,6 +81,7 @@ class VoteRecord(msgspec.Struct, frozen=True, array_like=True):
             candidate.plan.size,
             vote.electorate.digest,
             vote.electorate.size,
+            vote.round,
         )
 
 
@@ -130,7 +134,13 @@ class ProgressRecord(msgspec.Struct, frozen=True):
     """The fraction of the vector it reduced in its last averaging (its share as played, which
     `peer status` shows)."""
     vote: VoteRecord | None = None
-    """Its vote on the step after `step` (`peer.training.steprule`), once it cast one."""
+    """Its vote on the step after `step` (`peer.training.steprule`), once it cast one: of the
+    latest round it voted in."""
+    earlier_votes: Annotated[list[VoteRecord], msgspec.Meta(max_length=MAX_ROUNDS - 1)] = (
+        msgspec.field(default_factory=list)
+    )
+    """Its votes of the earlier rounds of that step's election, oldest first: a reader that
+    saw only its latest would count it as unseen there (`StepRule.entry`)."""
     electorate: _Digest = ""
     """Who votes on the step after `step`: the plan of the candidate it holds as `step` (""
     where it does not know: step 0, or a state restored from a checkpoint)."""
@@ -336,11 +346,14 @@ class CollaborationView:
         return sorted(holders, key=lambda r: (r.role == "keeper", r.peer_id))
 
     def votes(self, step: int) -> list[Vote]:
-        """The votes on `step` the records carry (one per record: its owner's)."""
+        """The votes on `step` the records carry (each record's are its owner's: one per
+        round it voted in)."""
         return [
-            r.vote.vote(r.peer_id)
+            v.vote(r.peer_id)
             for r in [*self.records, *self.farewells]
-            if r.vote is not None and r.vote.step == step
+            if r.vote is not None
+            for v in [*r.earlier_votes, r.vote]
+            if v.step == step
         ]
 
     def electorate(self, step: int, digest: str) -> Electorate | None:

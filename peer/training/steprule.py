@@ -39,22 +39,59 @@ every peer that applies a step applies the one certified candidate. A reader tha
 distinct voters than the electorate has (members who voted twice, or strangers) certifies
 nothing for that step: the count is not the one the rule reasons about.
 
+**Rounds** (every step after the first, `StepRule.certify`): the tally above needs every
+missing vote to be outvoted, so a member that left mid-averaging, or a split between two
+gatherings of the step, could hold a step open for ever; its old escape (the step's next try
+a genesis of its own plan) let two plans each win step 2 at 100 simulated peers. Instead an
+election runs in numbered rounds within the step's one electorate, after Fast Paxos (Lamport,
+2006) with the member's record as its acceptor state:
+- a member votes at most once per round, in rounds that only go up; its record carries its
+  votes of every round of the step (`Vote.round`);
+- a candidate is *certified in round r* by the votes of more than two thirds of the
+  electorate in round r (`QUORUM`), and at least `min_votes`;
+- a member *settled* round r if it voted in r or in a later round (it never votes in r after);
+  the others are *unseen* in r. A candidate is *possible* in round r (a reader's view) if its
+  round-r votes plus the unseen could reach the quorum; any candidate is, if the unseen alone
+  could (`Entry.WAIT`);
+- a member enters round m (`StepRule.entry`) only as the highest round below m whose possible
+  set is not empty allows: one possible candidate c: it must vote c (`FORCED`); two, or any
+  unseen one: it waits (`WAIT`); none in any round below m: it votes as it likes (`FREE`).
+
+Safety across rounds: if c is certified in round r, c is possible in r for every reader (its
+final count is at most its seen count plus the unseen), so whoever enters a round above r is
+forced to c or waits (by induction, every vote in the rounds between is for c, so their
+possible sets hold c alone); every later round certifies c or nothing. Two thirds make a
+round decidable with members gone: two candidates are both possible only while more than a
+third of the electorate is unseen, and a round dies (nothing possible, the next is free) once
+its leader plus the unseen stays within two thirds. Liveness needs more than two thirds of
+the electorate alive to vote; an electorate that lost more (a small plan, a mass departure)
+is left by a genesis among the trainers (`StepPolicy.elected`), the assumption below.
+Property-tested over any interleaving of votes, reads and departures in `tests/test_steprule.py`.
+
 What it assumes, and what happens otherwise (docs/SECURITY.md): the first step's electorate is
-its own plan, so two plans of the first step with disjoint views could each certify one (the
+its own plan, and so is the next try of a step whose electorate lost more than a third of its
+members, so two such plans with disjoint views could each certify one (the
 gathering's read grace makes views agree; the simulation counts any violation); identities are
 not scarce, so `min_votes` identities that agree are an electorate of their own (Sybil).
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import struct
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 from blake3 import blake3
+
+QUORUM = (2, 3)
+"""A round certifies a candidate with the votes of more than this share of the electorate."""
+MAX_ROUNDS = 8
+"""Rounds a step's election may take (a record carries a vote for each); past them it waits
+for the electorate's departures to make a genesis (`StepPolicy.elected`)."""
 
 
 @dataclass(frozen=True, order=True)
@@ -81,6 +118,16 @@ class Vote:
     candidate: Candidate
     electorate: Electorate
     """The electorate the vote is cast in: the step's, as the voter holds it."""
+    round: int = 0
+    """The election's round (`StepRule.certify`; a first step's has one round, 0)."""
+
+
+class Entry(enum.Enum):
+    """What the rounds below one allow a member entering it to vote (`StepRule.entry`)."""
+
+    FREE = "free"
+    FORCED = "forced"
+    WAIT = "wait"
 
 
 @dataclass(frozen=True)
@@ -93,11 +140,12 @@ class StepRule:
 
     def tally(self, step: int, electorate: Electorate, votes: Iterable[Vote]) -> Candidate | None:
         """The candidate the votes seen certify for `step` in `electorate` (module doc), or
-        None. Votes for other steps or cast in another electorate do not count; a voter's
-        second vote makes the count void (None)."""
+        None. Votes for other steps, of a later round or cast in another electorate do not
+        count; a voter's second vote makes the count void (None). The first step's rule (a
+        genesis: one round); the steps after it are counted in rounds (`certify`)."""
         counted: dict[str, Candidate] = {}
         for vote in votes:
-            if vote.electorate != electorate or vote.candidate.step != step:
+            if vote.electorate != electorate or vote.candidate.step != step or vote.round:
                 continue
             if counted.setdefault(vote.voter, vote.candidate) != vote.candidate:
                 return None  # two votes of one member: not an honest count
@@ -123,6 +171,77 @@ class StepRule:
         """A first step's certified candidate: its electorate is its own plan."""
         found = self.tally(step, plan, votes)
         return found if found is not None and found.plan == plan else None
+
+    def certify(self, step: int, electorate: Electorate, votes: Iterable[Vote]) -> Candidate | None:
+        """The candidate some round of `step`'s election certifies from the votes seen: more
+        than two thirds of `electorate` (and `min_votes`) voted for it in one round (module
+        doc: no two rounds certify different candidates). None: none yet, or a count that is
+        not honest (two votes of one member in a round, more voters than members)."""
+        rounds = _rounds(step, electorate, votes)
+        if rounds is None:
+            return None
+        for count in rounds.values():
+            for candidate, votes_for in count.items():
+                if self.reaches(votes_for, electorate.size):
+                    return candidate
+        return None
+
+    def entry(
+        self, step: int, electorate: Electorate, votes: Iterable[Vote], round: int
+    ) -> tuple[Entry, Candidate | None]:
+        """Whether a member may vote in `round` of `step`'s election, as the votes seen allow
+        (module doc): (FREE, None), (FORCED, the candidate it must vote for), or (WAIT, None).
+        The highest round below with a possible candidate decides."""
+        votes = list(votes)
+        rounds = _rounds(step, electorate, votes)
+        if rounds is None:
+            return Entry.WAIT, None
+        highest: dict[str, int] = {}  # each voter's highest round
+        for vote in votes:
+            if _counts(vote, step, electorate):
+                highest[vote.voter] = max(highest.get(vote.voter, 0), vote.round)
+        n = electorate.size
+        for below in range(round - 1, -1, -1):
+            # Settled in `below`: voted in it or in a later round (it never votes in it again).
+            unseen = n - sum(1 for r in highest.values() if r >= below)
+            possible = [
+                c
+                for c, votes_for in sorted(rounds.get(below, {}).items())
+                if self.reaches(votes_for + unseen, n)
+            ]
+            if self.reaches(unseen, n) or len(possible) > 1:
+                return Entry.WAIT, None  # an unseen candidate, or either of two, could win it
+            if possible:
+                return Entry.FORCED, possible[0]
+        return Entry.FREE, None
+
+    def reaches(self, votes: int, size: int) -> bool:
+        """`votes` of an electorate of `size` certify in a round."""
+        share, of = QUORUM
+        return votes * of > share * size and votes >= self.min_votes
+
+
+def _counts(vote: Vote, step: int, electorate: Electorate) -> bool:
+    return vote.electorate == electorate and vote.candidate.step == step
+
+
+def _rounds(
+    step: int, electorate: Electorate, votes: Iterable[Vote]
+) -> dict[int, Counter[Candidate]] | None:
+    """Each round's count of the votes seen on `step` in `electorate`; None where the count
+    is not honest: a member with two votes in one round, or more voters than members."""
+    cast: dict[tuple[str, int], Candidate] = {}
+    for vote in votes:
+        if not _counts(vote, step, electorate):
+            continue
+        if cast.setdefault((vote.voter, vote.round), vote.candidate) != vote.candidate:
+            return None
+    if len({voter for voter, _ in cast}) > electorate.size:
+        return None
+    rounds: dict[int, Counter[Candidate]] = defaultdict(Counter)
+    for (_, round_), candidate in cast.items():
+        rounds[round_][candidate] += 1
+    return dict(rounds)
 
 
 def plan_of(members: Iterable[str]) -> Electorate:
