@@ -19,7 +19,9 @@ The real code's paths
   from their listen ports). It makes a direct connection when the dialer is reachable (the
   listener's own dial goes straight in whatever its NAT: a connection reversal) or when both
   NATs are endpoint-independent; else (a symmetric NAT at one end, a NAT at the other) both
-  dials fail after `dial_seconds` and the connection stays relayed. When no relay holds a
+  dials fail after `dial_seconds` and the connection stays relayed, for
+  `HolePunchConfig.failed_relay_seconds` more (then it closes, and its circuit is the relay's
+  again; the next call opens another). When no relay holds a
   slot for the listener (every backbone down, or full) the dial fails: the relay refuses,
   then the direct dial's SYN is dropped by the listener's router, until the caller's deadline.
 - What goes where. A connection serves both ends, whoever dialed: a NATed peer that dialed a
@@ -122,7 +124,8 @@ class Connection:
     settled_at: float = 0.0
     """When its punch ended either way: a data plane waiting for it knows."""
     cut_at: float = math.inf
-    """When its relay closes the circuit (`circuit_seconds`; after a punch, its grace)."""
+    """When its relay closes the circuit (`circuit_seconds`; after a punch, its grace; after a
+    failed one, `failed_relay_seconds`)."""
     relayed_bytes: float = 0.0
 
     def relay_at(self, now: float) -> ID | None:
@@ -312,7 +315,10 @@ class NatBook:
                 relay,
                 ready_at=ready,
                 settled_at=exchanged + self.punch.dial_seconds,
-                cut_at=now + self.limits.circuit_seconds,
+                cut_at=min(
+                    now + self.limits.circuit_seconds,
+                    exchanged + self.punch.dial_seconds + self.punch.failed_relay_seconds,
+                ),
             )
         self._circuits[relay].append((frozenset((dialer, listener)), listener, connection))
         return connection

@@ -110,6 +110,30 @@ async def test_without_the_other_end_taking_part_the_connection_stays_relayed():
         assert reply.text == "relayed"
 
 
+async def test_a_relayed_connection_whose_punch_failed_closes_and_gives_back_its_circuit():
+    """A relayed connection carries control RPCs only and holds one of the relay's circuits
+    while open: `failed_relay_seconds` after its punch failed, it closes (at 100 simulated
+    peers, kept for the circuit's 600 s, they held every circuit of both relays). The next
+    call dials a new circuit."""
+    config = HolePunchConfig(relay_grace_seconds=0.2, failed_relay_seconds=0.3)
+    async with punched(dialer_punches=False, config=config) as (_r, nated, dialer, np, _dp, client):
+
+        def relayed() -> list[object]:
+            conns = dialer.host.get_network().connections.get(nated.peer_id, ())
+            return [c for c in conns if is_relayed(c.muxed_conn) and not c.muxed_conn.is_closed]
+
+        with trio.fail_after(WAIT):
+            await dial_via_relay(dialer, client.relayed_addrs()[0], timeout=WAIT)
+            assert await np.wait_outcome(dialer.peer_id) is False
+            while relayed():
+                await trio.sleep(0.05)
+            await dial_via_relay(dialer, client.relayed_addrs()[0], timeout=WAIT)
+            reply = await dialer.rpc.call(
+                nated.peer_id, "echo", "echo", Echo("again"), Echo, timeout=WAIT
+            )
+        assert reply.text == "again" and len(relayed()) == 1
+
+
 def test_only_plain_ip_tcp_addresses_a_peer_may_ask_for_are_dialed():
     sent = [
         "/ip4/198.51.100.7/tcp/4001",  # fine

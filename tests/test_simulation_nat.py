@@ -161,6 +161,21 @@ async def test_a_circuit_that_spent_its_bytes_is_replaced_by_a_new_one(autojump_
     assert network.nat.tally.connections == {Path.RELAYED: 2}
 
 
+async def test_a_relayed_connection_whose_punch_failed_gives_its_circuit_back(autojump_clock):
+    """As the real code (`HolePunchConfig.failed_relay_seconds`): a relayed connection whose
+    punch failed closes that long after, and its circuit is free for another."""
+    network, _ = with_relay()
+    network.nat.limits = RelayLimits(max_circuits=1)
+    caller, callee, third = (echo_peer(network, SYMMETRIC) for _ in range(3))
+    await call(caller, callee, "x")
+    assert network.nat.tally.connections == {Path.RELAYED: 1}
+    with pytest.raises((DeadlineExceeded, RemoteError, OSError)):
+        await call(third, callee, "x", timeout=5)  # the relay's one circuit is taken
+    await trio.sleep(network.nat.punch.dial_seconds + network.nat.punch.failed_relay_seconds)
+    await call(third, callee, "x")  # given back: a circuit for the third peer
+    assert network.nat.tally.connections[Path.RELAYED] == 2
+
+
 def nat_round(
     plane: SimDataPlane, network: SimNetwork, nats: list[Nat], shares: list[float]
 ) -> tuple[dict[str, Nat], RoundSpec]:

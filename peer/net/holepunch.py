@@ -104,6 +104,12 @@ class HolePunchConfig:
     """Seconds the accepting end waits beyond rtt/2, so that the other end's SYN leaves first."""
     relay_grace_seconds: float = 2.0
     """Seconds the relayed connection stays open after a direct one is made."""
+    failed_relay_seconds: float = 60.0
+    """Seconds the relayed connection stays open after its punch failed. It carries control
+    RPCs only (no tensors go through a relay), and holds one of the relay's `max_circuits`
+    while open: kept for the circuit's whole `circuit_seconds` (600), the relayed
+    connections that never punched held every circuit of both relays at 100 simulated peers,
+    and every new connection to a peer behind NAT failed. The next RPC dials a new circuit."""
     max_concurrent: int = 16
     """Attempts running at once (more relayed connections wait for a turn)."""
     peer_attempts: int = 3
@@ -304,6 +310,8 @@ class HolePuncher:
                 self._nursery.start_soon(self._close_relayed, peer_id)
         else:
             self._failed += 1
+            if self._nursery is not None:
+                self._nursery.start_soon(self._close_failed_relayed, peer_id)
         log.info(
             "hole punch with %s: %s", peer_id, "direct connection" if direct else "failed, relayed"
         )
@@ -458,9 +466,17 @@ class HolePuncher:
         """After the grace period, close the relayed connections to a peer we now reach
         directly (never the last way to it)."""
         await trio.sleep(self.config.relay_grace_seconds)
+        if direct_conn(self.node.host.get_network(), peer_id) is not None:
+            await self._close_relayed_now(peer_id)
+
+    async def _close_failed_relayed(self, peer_id: ID) -> None:
+        """`failed_relay_seconds` after a failed punch, close the relayed connections to the
+        peer, giving their circuits back to the relays (`failed_relay_seconds`)."""
+        await trio.sleep(self.config.failed_relay_seconds)
+        await self._close_relayed_now(peer_id)
+
+    async def _close_relayed_now(self, peer_id: ID) -> None:
         network: Any = self.node.host.get_network()
-        if direct_conn(network, peer_id) is None:
-            return
         for conn in list(network.connections.get(peer_id, ())):
             if is_relayed(conn.muxed_conn) and not conn.muxed_conn.is_closed:
                 with trio.move_on_after(1.0):
