@@ -481,7 +481,10 @@ class Collaboration:
                 raise RemoteError(f"no donor holds step {target}")
             donor_ids = [t.dht.node.peer_id for t in holding]
             await self.plane.download(
-                me, donor_ids, self.scenario.model_bytes * self.scenario.state_factor
+                me,
+                donor_ids,
+                self.scenario.model_bytes * self.scenario.state_factor,
+                parallel=self.config.state.parallel_donors,
             )
             for donor in holding:
                 if donor.step == target and donor.dht.node.peer_id not in self.network.gone:

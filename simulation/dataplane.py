@@ -230,14 +230,17 @@ class SimDataPlane:
             tuple((nat.kind(self.ids[m.peer_id]), m.share > 0) for m in spec.members)
         )
 
-    async def download(self, joiner: ID, donors: list[ID], size: float) -> None:
-        """Wait while `size` bytes come from `donors` (in parallel) to `joiner`; RemoteError
+    async def download(
+        self, joiner: ID, donors: list[ID], size: float, *, parallel: int = 3
+    ) -> None:
+        """Wait while `size` bytes come to `joiner` from the first `parallel` of `donors` (in
+        their order) it gets a direct connection to, as `StateDownload` asks them; RemoteError
         if every donor has left by then, or none has a direct connection to it (NAT)."""
         alive = [d for d in donors if d not in self.network.gone]
         if not alive:
             raise RemoteError("every donor has left")
         network = self.network
-        alive, setup = self._reach_donors(joiner, alive)
+        alive, setup = self._reach_donors(joiner, alive, parallel)
         if not alive:
             await trio.sleep(setup)
             raise RemoteError(f"no state donor reachable: {NO_PATH}")
@@ -250,13 +253,16 @@ class SimDataPlane:
         if all(d in self.network.gone for d in alive):
             raise RemoteError("the donors left during the download")
 
-    def _reach_donors(self, joiner: ID, donors: list[ID]) -> tuple[list[ID], float]:
-        """The donors `joiner` gets a direct connection to, and the seconds until the last
-        of them is up; with none, the seconds until it knows (its data address first, then
-        the punch, at most `PUNCH_SECONDS`)."""
+    def _reach_donors(self, joiner: ID, donors: list[ID], parallel: int) -> tuple[list[ID], float]:
+        """The first `parallel` donors, in order, that `joiner` gets a direct connection to
+        (those it tries before are dialed and fail), and the seconds until the last of them is
+        up; with none, the seconds until it knows (its data address first, then the punch, at
+        most `PUNCH_SECONDS`)."""
         nat, now = self.network.nat, trio.current_time()
         usable, waits, failing = [], [0.0], [0.0]
         for donor in donors:
+            if len(usable) == parallel:
+                break
             if nat.kind(donor) is Nat.PUBLIC:
                 usable.append(donor)
                 continue

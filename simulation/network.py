@@ -288,7 +288,13 @@ class SimNode:
         self.network_key_bytes: bytes | None = None
 
     def public_addrs(self) -> list[str]:
-        return [str(a) for a in self.announce]
+        """Its announced address and, behind NAT, a relayed one (a real peer that is not
+        reachable announces one while it holds relay slots: `Node.public_addrs`)."""
+        addrs = [str(a) for a in self.announce]
+        relays = self.network.nat.relays
+        if self.network.nat.kind(self.peer_id) is not Nat.PUBLIC and relays:
+            addrs.append(f"/ip4/192.0.2.1/tcp/4001/p2p/{relays[0]}/p2p-circuit/p2p/{self.peer_id}")
+        return addrs
 
     def remember_addrs(self, peer_id: ID, addrs: Sequence[Multiaddr]) -> None:
         pass

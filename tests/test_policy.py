@@ -983,3 +983,21 @@ def test_slow_reads_of_the_records_widen_a_call_s_window():
     slow = called(4.0)
     assert slow >= T0 + 0.2 + 4.0 + 1.0  # the call lands, a read starts and ends
     assert slow > called(0.2)
+
+
+def test_a_download_asks_reachable_donors_first_each_downloader_in_its_own_order():
+    """Donors behind NAT (a relayed address announced) come after the reachable ones, and
+    keepers last; within each class every downloader has an order of its own, so that
+    downloads spread over the holders rather than all asking the same few first."""
+    from peer.training.policy import donor_order
+
+    relayed = "/ip4/198.51.100.1/tcp/4001/p2p/12D3KooRelay/p2p-circuit/p2p/12D3KooNated"
+    direct = "/ip4/203.0.113.7/tcp/4001"
+    holders = [other(f"n{i}", addrs=[direct, relayed]) for i in range(10)]
+    holders += [other(f"p{i}", addrs=[direct]) for i in range(10)]
+    holders.append(msgspec.structs.replace(other("k0", addrs=[direct]), role="keeper"))
+    orders = [[r.peer_id for r in donor_order(holders, me)] for me in ("a", "b", "c")]
+    for order in orders:
+        assert {p[0] for p in order[:10]} == {"p"} and {p[0] for p in order[10:20]} == {"n"}
+        assert order[-1] == "k0"
+    assert len({tuple(order[:3]) for order in orders}) == 3  # each asks other donors first

@@ -37,6 +37,7 @@ One DeDLOC step, as `next_action` walks it every iteration:
 from __future__ import annotations
 
 import enum
+import hashlib
 import logging
 import math
 import statistics
@@ -1094,7 +1095,7 @@ class StepPolicy:
 
     def donors(self, view: CollaborationView, now: float) -> list[ProgressRecord]:
         """Holders of the state to fetch when we are behind, hold a minority digest, or are
-        stranded ahead (`stranded`)."""
+        stranded ahead (`stranded`), best first (`donor_order`)."""
         step = self.held.step
         target = view.global_step
         if target == step:
@@ -1103,7 +1104,7 @@ class StepPolicy:
                 return []
         elif target < step and not self.stranded(now):
             return []
-        return [r for r in view.donors(target) if r.peer_id != self.me]
+        return donor_order([r for r in view.donors(target) if r.peer_id != self.me], self.me)
 
     def stranded(self, now: float) -> bool:
         """We applied a step that fewer than `quorum` peers signed (the others' averaging
@@ -1359,3 +1360,20 @@ class StepPolicy:
         floor = 4 * averaging.join_timeout + 2 * averaging.timeout_floor
         bound = longest_averaging(self.vector_size, peers, bandwidth, averaging)
         return min(MAX_WAIT_FOR_OTHERS, max(floor, bound))
+
+
+def donor_order(donors: list[ProgressRecord], me: str) -> list[ProgressRecord]:
+    """The order a download of ours asks `donors` in (it asks the first few, and the next as
+    one fails: `StateDownload`): those that announce no relayed address first (reachable: a
+    peer behind NAT announces one while it holds relay slots, and tensors never go through a
+    relay, so it serves only where a punch works), keepers last (spared for those that find
+    no other), each class in an order of our own (a hash of our id and theirs): in one
+    order for everyone, every downloader asked the same few donors first (at 100 simulated
+    peers, 1,095 of 2,294 donor connections found no path to a donor behind NAT)."""
+
+    def rank(record: ProgressRecord) -> tuple[bool, bool, bytes]:
+        relayed = any("/p2p-circuit" in addr for addr in record.addrs)
+        mixed = hashlib.blake2b(f"{me}\n{record.peer_id}".encode(), digest_size=8).digest()
+        return record.role == "keeper", relayed, mixed
+
+    return sorted(donors, key=rank)
