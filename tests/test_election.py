@@ -91,7 +91,8 @@ def test_a_candidate_waits_while_unseen_votes_could_still_beat_it():
 
 def test_a_departed_members_missing_vote_costs_a_round_not_the_step():
     """z3 left without voting. 3 for ours against 1: ours may still reach 4 of 5 in round 0,
-    nothing else can, so round 1 takes ours (forced); 2 against 2: nothing can reach 4, so
+    nothing else can, so round 1 takes ours (forced: the one who voted against moves first,
+    then we join it); 2 against 2: nothing can reach 4, so
     round 1 is free, and takes round 0's leader (the smaller digest on a tie). Either way
     the 4 members left certify it in round 1. The old count waited for z3 on the 2 : 2, and the
     step's next try was a genesis: two such plans took step 2 as two states at 100 simulated
@@ -104,6 +105,10 @@ def test_a_departed_members_missing_vote_costs_a_round_not_the_step():
         assert policy.election(T0)[0] is Outcome.WAITING
         turn = T0 + policy._vote_turn()
         assert policy.election(turn) == (Outcome.WAITING, None)
+        if forced:  # we backed the forced candidate: we stay until others vote in round 1
+            assert policy.last_vote == Vote(ME, BIG, PLAN, 0)
+            read(policy, *records[:2], rounds("z2", SMALL, BIG))
+            assert policy.election(turn) == (Outcome.WAITING, None)
         assert policy.last_vote == Vote(ME, BIG, PLAN, 1), forced
         read(policy, *(rounds(f"z{i}", c, BIG) for i, c in enumerate(split)))
         assert policy.election(turn) == (Outcome.WON, BIG)
@@ -500,3 +505,32 @@ def test_a_deferred_vote_does_not_wait_once_the_count_is_decided():
     policy.elect(ours, MEMBERS_OF[ours], T0, basis=len(step4) - 2)
     read(policy, *(voting(p, larger) for p in ("z0", "z1", "z2", "z3")))
     assert policy.election(T0) == (Outcome.LOST, larger)  # 4 of 5: certified, at once
+
+
+def test_one_members_vote_in_a_high_round_holds_nobody_out_of_the_next():
+    """Review: entering the highest round voted in, one member's vote in round 7 made every
+    other member wait for ever (round 6's unseen could still reach two thirds). A member
+    enters the highest round the votes let it: here round 1, as round 0 died 2 : 2."""
+    policy = at_step_3()
+    elect(policy, BIG, T0)
+    high = VoteRecord.of(Vote("z3", SMALL, PLAN, 7))
+    records = [voting("z0", BIG), voting("z1", SMALL), voting("z2", SMALL)]
+    read(policy, *records, other("z3", step=3, digest="d3", vote=high))
+    assert policy.election(T0 + policy._vote_turn())[0] is Outcome.WAITING
+    assert policy.last_vote is not None and policy.last_vote.round == 1
+
+
+def test_a_downloader_that_is_no_member_never_votes_nor_counts_a_vote_of_its_own():
+    """Review: "s" knows the members of step 3's plan (its donor's list) but is none of them.
+    It cast a vote from its election loop and counted it: 3 members' votes and its own won
+    it a step that the members' count had not certified."""
+    joined = candidate("joined", [*MEMBERS, "s"])
+    policy = at_step_3(member=False, me="s")
+    assert policy.learn_members(MEMBERS)
+    elect(policy, joined)
+    read(policy, *(voting(p, joined) for p in MEMBERS[1:4]))
+    later = T0 + 2 * policy._vote_turn()
+    assert policy.election(later) == (Outcome.WAITING, None)
+    assert policy.last_vote is None
+    read(policy, *(voting(p, joined) for p in MEMBERS[1:5]))
+    assert policy.election(later) == (Outcome.WON, joined)  # 4 of 5 members

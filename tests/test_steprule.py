@@ -233,5 +233,10 @@ def test_a_round_that_may_still_certify_forces_its_candidate_or_holds_the_next()
     # 1, so round 0 can no longer reach two thirds for b, nor for a past 8.
     later = votes + [Vote(f"m{i}", a, electorate, 1) for i in range(6, 9)]
     assert rule.entry(2, electorate, later, 2) == (Entry.FORCED, a)
-    # Two votes of one member in one round: not an honest count.
-    assert rule.certify(2, electorate, [*later, Vote("m0", b, electorate)]) is None
+    # A member with two votes in one round counts as unseen, and voids no count (review: one
+    # member's second vote stalled every step): m0's are out, and 8 others certify a.
+    double = [*later, Vote("m0", b, electorate)]
+    assert rule.certify(2, electorate, double) is None  # 4 + 3 of round 0 and 1, no round 7
+    double += [Vote(f"m{i}", a, electorate, 1) for i in range(1, 6)]
+    assert rule.certify(2, electorate, double) == a  # round 1: 8 of 9, m0 not among them
+    assert rule.certify(2, electorate, double[:-2]) is None  # 6 of 9: not more than 2/3

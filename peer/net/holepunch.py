@@ -311,7 +311,11 @@ class HolePuncher:
         else:
             self._failed += 1
             if self._nursery is not None:
-                self._nursery.start_soon(self._close_failed_relayed, peer_id)
+                network: Any = self.node.host.get_network()
+                relayed = [
+                    c for c in network.connections.get(peer_id, ()) if is_relayed(c.muxed_conn)
+                ]
+                self._nursery.start_soon(self._close_failed_relayed, relayed)
         log.info(
             "hole punch with %s: %s", peer_id, "direct connection" if direct else "failed, relayed"
         )
@@ -469,18 +473,23 @@ class HolePuncher:
         if direct_conn(self.node.host.get_network(), peer_id) is not None:
             await self._close_relayed_now(peer_id)
 
-    async def _close_failed_relayed(self, peer_id: ID) -> None:
-        """`failed_relay_seconds` after a failed punch, close the relayed connections to the
-        peer, giving their circuits back to the relays (`failed_relay_seconds`)."""
+    async def _close_failed_relayed(self, relayed: list[Any]) -> None:
+        """`failed_relay_seconds` after a failed punch, close the relayed connections that
+        punch was about (not those made since), giving their circuits back to the relays."""
         await trio.sleep(self.config.failed_relay_seconds)
-        await self._close_relayed_now(peer_id)
+        await _close(relayed)
 
     async def _close_relayed_now(self, peer_id: ID) -> None:
         network: Any = self.node.host.get_network()
-        for conn in list(network.connections.get(peer_id, ())):
-            if is_relayed(conn.muxed_conn) and not conn.muxed_conn.is_closed:
-                with trio.move_on_after(1.0):
-                    try:
-                        await conn.close()
-                    except TRANSPORT_ERRORS as error:
-                        log.debug("closing the relayed connection to %s: %r", peer_id, error)
+        await _close([c for c in network.connections.get(peer_id, ()) if is_relayed(c.muxed_conn)])
+
+
+async def _close(connections: list[Any]) -> None:
+    """Close `connections` (relayed ones) that are still open."""
+    for conn in connections:
+        if not conn.muxed_conn.is_closed:
+            with trio.move_on_after(1.0):
+                try:
+                    await conn.close()
+                except TRANSPORT_ERRORS as error:
+                    log.debug("closing a relayed connection: %r", error)

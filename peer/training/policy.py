@@ -414,6 +414,11 @@ class StepPolicy:
         elif self._uncertified_since is None:
             self._uncertified_since = now
         self.highest_seen = max(self.highest_seen, view.global_step)
+        # Our own votes as our record (from before a restart) shows them: never a second
+        # vote in a round they hold (review: a restarted peer forgot its votes).
+        for vote in view.votes(held.step + 1):
+            if vote.voter == self.me:
+                self._carry_earlier_vote(vote.candidate.step, vote.electorate)
         if self._others_at is None or any(r.peer_id != self.me for r in view.records):
             self._others_at = now
         self._moves.note(view, now)
@@ -606,8 +611,11 @@ class StepPolicy:
         choice = forced or self._free_choice(ours, ballot.electorate, round_, votes)
         vote = Vote(self.me, choice, ballot.electorate, round_)
         self._cast_votes.setdefault((ours.step, ballot.electorate), []).append(vote)
-        while len(self._cast_votes) > 8:
-            del self._cast_votes[next(iter(self._cast_votes))]
+        # Forget only the votes of steps we hold: an election still running keeps its own
+        # (forgotten, a member could vote again in a round it voted in: review).
+        done = [key for key in self._cast_votes if key[0] <= self.held.step]
+        for key in done[: max(0, len(self._cast_votes) - 8)]:
+            del self._cast_votes[key]
         self.last_vote = vote
         ballot.vote = vote
         ballot.since = now
@@ -641,26 +649,36 @@ class StepPolicy:
 
     def _open_round(self, ballot: Ballot) -> tuple[int, Candidate | None] | None:
         """The round we may vote in now, and the candidate the rounds below force on us (None:
-        free), or None: none open to us. A genesis has one round (0). Past it, the round the
-        members have reached, or the next after ours where the votes seen let ours end
-        (`StepRule.entry`: it certifies nothing, or one candidate at most)."""
+        free), or None: none open to us. A genesis has one round (0). Past it, the highest
+        round above our last that `StepRule.entry` lets us enter: one the members' votes have
+        reached, or the next after ours where the votes seen let ours end (it certifies
+        nothing, or one candidate at most). Not simply the highest round voted in: one
+        member's vote in round 7 held every other member's entry there for ever (review)."""
         step = ballot.candidate.step
         mine = self._cast_votes.get((step, ballot.electorate), [])
         if ballot.genesis:
             return None if mine else (0, None)
         members = self._plans.get(ballot.electorate, frozenset())
+        if self.me not in members:
+            return None
         votes = [
             v
             for v in self.view.votes(step)
             if v.voter != self.me and v.voter in members and v.electorate == ballot.electorate
         ] + mine
         last = mine[-1].round if mine else -1
-        reached = max((v.round for v in votes), default=0)
-        round_ = reached if reached > last else last + 1
-        if round_ >= MAX_ROUNDS:
-            return None
-        entry, forced = self.rule.entry(step, ballot.electorate, votes, round_)
-        return None if entry is Entry.WAIT else (round_, forced)
+        voted = {v.round for v in votes if v.round > last}
+        for round_ in sorted((r for r in voted | {last + 1} if r < MAX_ROUNDS), reverse=True):
+            entry, forced = self.rule.entry(step, ballot.electorate, votes, round_)
+            if entry is Entry.WAIT:
+                continue
+            # Forced to the candidate we voted for in our last round, we stay there until
+            # others vote in the next: climbing alone, members spread over the rounds (one a
+            # vote turn) and none reached two thirds before they were spent (review).
+            if forced is not None and mine and mine[-1].candidate == forced and round_ not in voted:
+                continue
+            return round_, forced
+        return None
 
     def _end_deferral(self, ballot: Ballot) -> None:
         """Our record no longer shows the gathering's call that `elect` kept for a deferred
@@ -688,8 +706,10 @@ class StepPolicy:
     def _remember_plan(self, plan: Electorate, members: frozenset[str]) -> None:
         self._plans.pop(plan, None)  # the most recent last: the oldest go first
         self._plans[plan] = members
+        held = self.held.electorate  # kept: the next step's votes are counted in it (review)
         while len(self._plans) > 8:
-            del self._plans[next(iter(self._plans))]
+            oldest = next(p for p in self._plans if p != held)
+            del self._plans[oldest]
 
     def electorate_for(self, candidate: Candidate) -> tuple[Electorate, bool]:
         """The electorate of `candidate`'s step and whether it is a genesis (the candidate's
@@ -721,14 +741,21 @@ class StepPolicy:
         members = self._plans.get(ballot.electorate, frozenset())
         if not members:
             return Outcome.LOST, None
-        if not ballot.genesis and not pending and now >= ballot.since + self._vote_turn():
+        member = ballot.genesis or self.me in members
+        if (
+            member
+            and not ballot.genesis
+            and not pending
+            and now >= ballot.since + self._vote_turn()
+        ):
             # A next round, where the votes let our last one end: a vote turn after our vote
             # or the ballot's start (the others' votes of our round come in meanwhile).
             self._cast(now)
         votes = [v for v in self.view.votes(step) if v.voter != self.me and v.voter in members]
         # Ours: this ballot's, or those we cast on the step before (a second gathering of it,
         # a restart), which our record carries and the others count.
-        votes += self._cast_votes.get((step, ballot.electorate), [])
+        if member:  # a stranger's own vote is no member's (review: it won on 3 of 5)
+            votes += self._cast_votes.get((step, ballot.electorate), [])
         if ballot.genesis:
             certified = self.rule.genesis(step, ballot.electorate, votes)
             if certified is not None and not self._most_trainers_voted(certified, votes):
@@ -849,13 +876,12 @@ class StepPolicy:
 
     def _electorate_lost(self, ballot: Ballot) -> bool:
         """Our ballot's electorate can no longer certify its step as far as we can tell: no
-        more than two thirds of its members are in our recent reads (a round needs more), or
-        its rounds are spent. Then the step's next try is a genesis (the rule's stated
-        assumption: members gone from our reads are gone)."""
-        step, electorate = ballot.candidate.step, ballot.electorate
-        mine = self._cast_votes.get((step, electorate), [])
-        if mine and mine[-1].round >= MAX_ROUNDS - 1:
-            return True
+        more than two thirds of its members are in our recent reads (a round needs more).
+        Then the step's next try is a genesis (the rule's stated assumption: members gone
+        from our reads are gone). Not when its rounds are spent: a genesis of a plan with the
+        electorate's very members would count its round-0 votes by the first step's rule
+        (review)."""
+        electorate = ballot.electorate
         here = {r.peer_id for r in self.view.records} | set(self._around) | {self.me}
         alive = len(self._plans.get(electorate, frozenset()) & here)
         return not self.rule.reaches(alive, electorate.size)

@@ -65,7 +65,10 @@ round decidable with members gone: two candidates are both possible only while m
 third of the electorate is unseen, and a round dies (nothing possible, the next is free) once
 its leader plus the unseen stays within two thirds. Liveness needs more than two thirds of
 the electorate alive to vote; an electorate that lost more (a small plan, a mass departure)
-is left by a genesis among the trainers (`StepPolicy.elected`), the assumption below.
+is left by a genesis among the trainers (`StepPolicy.elected`), the assumption below. Not
+yet: a member that cannot vote in a round (no candidate) cannot say so, nor does a farewell
+record settle its rounds, so such members stay unseen, and with more than a third of them a
+round neither certifies nor dies.
 Property-tested over any interleaving of votes, reads and departures in `tests/test_steprule.py`.
 
 What it assumes, and what happens otherwise (docs/SECURITY.md): the first step's electorate is
@@ -196,9 +199,10 @@ class StepRule:
         rounds = _rounds(step, electorate, votes)
         if rounds is None:
             return Entry.WAIT, None
-        highest: dict[str, int] = {}  # each voter's highest round
+        highest: dict[str, int] = {}  # each counted voter's highest round
+        counted = _voters(step, electorate, votes)
         for vote in votes:
-            if _counts(vote, step, electorate):
+            if _counts(vote, step, electorate) and vote.voter in counted:
                 highest[vote.voter] = max(highest.get(vote.voter, 0), vote.round)
         n = electorate.size
         for below in range(round - 1, -1, -1):
@@ -225,19 +229,34 @@ def _counts(vote: Vote, step: int, electorate: Electorate) -> bool:
     return vote.electorate == electorate and vote.candidate.step == step
 
 
+def _voters(step: int, electorate: Electorate, votes: Iterable[Vote]) -> set[str]:
+    """The voters `_rounds` counts: those with one vote per round."""
+    seen: dict[tuple[str, int], Candidate] = {}
+    liars: set[str] = set()
+    for vote in votes:
+        if not _counts(vote, step, electorate):
+            continue
+        if seen.setdefault((vote.voter, vote.round), vote.candidate) != vote.candidate:
+            liars.add(vote.voter)
+    return {voter for voter, _ in seen} - liars
+
+
 def _rounds(
     step: int, electorate: Electorate, votes: Iterable[Vote]
 ) -> dict[int, Counter[Candidate]] | None:
     """Each round's count of the votes seen on `step` in `electorate`; None where the count
-    is not honest: a member with two votes in one round, or more voters than members."""
-    cast: dict[tuple[str, int], Candidate] = {}
-    for vote in votes:
-        if not _counts(vote, step, electorate):
-            continue
-        if cast.setdefault((vote.voter, vote.round), vote.candidate) != vote.candidate:
-            return None
-    if len({voter for voter, _ in cast}) > electorate.size:
+    is not honest: more voters than members. A member with two votes in one round counts as
+    unseen in every round (no vote of its counts; it settles no round): voiding the whole
+    count let one member stall every step (review)."""
+    votes = list(votes)
+    counted = _voters(step, electorate, votes)
+    if len(counted) > electorate.size:
         return None
+    cast = {
+        (v.voter, v.round): v.candidate
+        for v in votes
+        if _counts(v, step, electorate) and v.voter in counted
+    }
     rounds: dict[int, Counter[Candidate]] = defaultdict(Counter)
     for (_, round_), candidate in cast.items():
         rounds[round_][candidate] += 1
