@@ -133,12 +133,15 @@ def group_result(size: int, weight: float, *, complete: bool = True) -> Averagin
 
 
 def others_vote_for(trainer: Trainer, result: AveragingResult) -> None:
-    """The other members of the group hold our step and vote for the average we all got (the
-    step rule certifies it: `Trainer._elect`)."""
+    """The other members of the group, and of the step's electorate, hold our step and vote
+    for the average we all got (the step rule certifies it: `Trainer._elect`)."""
     plan = plan_of(result.plan)
     assert result.average is not None
     choice = Candidate(trainer.step + 1, average_digest(result.average, result.weight), plan)
     electorate, _ = trainer.policy.electorate_for(choice)
+    # Every other member of the step's electorate votes (from the second step a candidate
+    # needs more than two thirds of it): OTHERS, and a donor we downloaded from, say.
+    members = trainer.policy._plans.get(electorate, frozenset()) - {trainer.me}
     records = [
         ProgressRecord(
             peer_id=peer,
@@ -151,7 +154,7 @@ def others_vote_for(trainer: Trainer, result: AveragingResult) -> None:
             updated_at=trainer.clock(),
             vote=VoteRecord.of(Vote(peer, choice, electorate)),
         )
-        for peer in OTHERS
+        for peer in sorted(members | set(OTHERS))
     ]
     trainer.policy.observe(CollaborationView(records, trainer.policy.quorum), trainer.clock())
 
