@@ -17,10 +17,11 @@ Terms:
 - a *candidate* is one exact average of a step: the digest of its bits and the plan it came
   from;
 - a *vote* is one member's choice of a candidate for the step, cast among the electorate it
-  names. A member votes at most once per step (for the largest candidate it has seen: its own
-  basis, or a larger one another member published).
+  names. A member votes at most once per step in a first step's election, once per round in
+  the rounds of the steps after it (below): for the largest candidate it has seen (its own
+  basis, or a larger one another member published), or the one the rounds force.
 
-**Certified** (`tally`): a candidate is certified by a set of votes when it wins the final count
+**Certified** (`tally`, the first step's one round): a candidate is certified by a set of votes when it wins the final count
 whatever the missing votes turn out to be: it has at least `min_votes`, and for every other
 candidate, seen or not, its votes rank above that candidate's votes plus every vote not yet
 seen (n - votes seen), ranking by count and then by the smaller digest. With every vote in
