@@ -47,7 +47,8 @@ a genesis of its own plan) let two plans each win step 2 at 100 simulated peers.
 election runs in numbered rounds within the step's one electorate, after Fast Paxos (Lamport,
 2006) with the member's record as its acceptor state:
 - a member votes at most once per round, in rounds that only go up; its record carries its
-  votes of every round of the step (`Vote.round`);
+  votes of every round of the step (`Vote.round`); a member seen with two votes in one round
+  counts as unseen in every round (none of its votes count, and it voids nobody's count);
 - a candidate is *certified in round r* by the votes of more than two thirds of the
   electorate in round r (`QUORUM`), and at least `min_votes`;
 - a member *settled* round r if it voted in r or in a later round (it never votes in r after);
