@@ -70,6 +70,23 @@ def test_decode_rejects_negative_steps():
     assert decode_progress({PEERS[0]: entry(raw)}, collaboration=COLLAB) == []
 
 
+def test_decode_bounds_a_records_rounds_and_its_earlier_votes():
+    """A vote's round is below `MAX_ROUNDS` and a record carries at most `MAX_ROUNDS` - 1
+    earlier votes: a record past either is dropped, whatever else it says."""
+    from peer.training.progress import VoteRecord
+    from peer.training.steprule import MAX_ROUNDS
+
+    def vote(round_: int) -> VoteRecord:
+        return VoteRecord(4, "a", "p", 3, "e", 3, round_)
+
+    ok = rec(0, vote=vote(MAX_ROUNDS - 1), earlier_votes=[vote(r) for r in range(MAX_ROUNDS - 1)])
+    high = rec(1, vote=vote(MAX_ROUNDS))
+    many = rec(2, vote=vote(1), earlier_votes=[vote(0)] * MAX_ROUNDS)
+    entries = {PEERS[i]: entry(encode_progress(r)) for i, r in enumerate((ok, high, many))}
+    assert decode_progress(entries, collaboration=COLLAB) == [ok]
+    assert len(CollaborationView([ok]).votes(4)) == MAX_ROUNDS
+
+
 def test_global_step_samples_and_eta_count_only_trainers_at_the_step():
     view = CollaborationView(
         [
