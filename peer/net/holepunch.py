@@ -311,11 +311,7 @@ class HolePuncher:
         else:
             self._failed += 1
             if self._nursery is not None:
-                network: Any = self.node.host.get_network()
-                relayed = [
-                    c for c in network.connections.get(peer_id, ()) if is_relayed(c.muxed_conn)
-                ]
-                self._nursery.start_soon(self._close_failed_relayed, relayed)
+                self._nursery.start_soon(self._close_failed_relayed, self._relayed(peer_id))
         log.info(
             "hole punch with %s: %s", peer_id, "direct connection" if direct else "failed, relayed"
         )
@@ -480,8 +476,12 @@ class HolePuncher:
         await _close(relayed)
 
     async def _close_relayed_now(self, peer_id: ID) -> None:
+        await _close(self._relayed(peer_id))
+
+    def _relayed(self, peer_id: ID) -> list[Any]:
+        """Our relayed connections to `peer_id`, as they are now."""
         network: Any = self.node.host.get_network()
-        await _close([c for c in network.connections.get(peer_id, ()) if is_relayed(c.muxed_conn)])
+        return [c for c in network.connections.get(peer_id, ()) if is_relayed(c.muxed_conn)]
 
 
 async def _close(connections: list[Any]) -> None:

@@ -602,12 +602,7 @@ class StepPolicy:
         if opened is None:
             return  # we voted in every round open to us (our record carries it)
         round_, forced = opened
-        members = self._plans.get(ballot.electorate, frozenset())
-        votes = [
-            v
-            for v in self.view.votes(ours.step)
-            if v.voter != self.me and v.voter in members and v.electorate == ballot.electorate
-        ]
+        votes = self._members_votes(ours.step, ballot.electorate)
         choice = forced or self._free_choice(ours, ballot.electorate, round_, votes)
         vote = Vote(self.me, choice, ballot.electorate, round_)
         self._cast_votes.setdefault((ours.step, ballot.electorate), []).append(vote)
@@ -647,6 +642,15 @@ class StepPolicy:
                 return leader
         return ours
 
+    def _members_votes(self, step: int, electorate: Electorate) -> list[Vote]:
+        """The other members' votes on `step` in `electorate` that our last read shows."""
+        members = self._plans.get(electorate, frozenset())
+        return [
+            v
+            for v in self.view.votes(step)
+            if v.voter != self.me and v.voter in members and v.electorate == electorate
+        ]
+
     def _open_round(self, ballot: Ballot) -> tuple[int, Candidate | None] | None:
         """The round we may vote in now, and the candidate the rounds below force on us (None:
         free), or None: none open to us. A genesis has one round (0). Past it, the highest
@@ -658,14 +662,9 @@ class StepPolicy:
         mine = self._cast_votes.get((step, ballot.electorate), [])
         if ballot.genesis:
             return None if mine else (0, None)
-        members = self._plans.get(ballot.electorate, frozenset())
-        if self.me not in members:
+        if self.me not in self._plans.get(ballot.electorate, frozenset()):
             return None
-        votes = [
-            v
-            for v in self.view.votes(step)
-            if v.voter != self.me and v.voter in members and v.electorate == ballot.electorate
-        ] + mine
+        votes = self._members_votes(step, ballot.electorate) + mine
         last = mine[-1].round if mine else -1
         voted = {v.round for v in votes if v.round > last}
         for round_ in sorted((r for r in voted | {last + 1} if r < MAX_ROUNDS), reverse=True):
@@ -1394,8 +1393,7 @@ def donor_order(donors: list[ProgressRecord], me: str) -> list[ProgressRecord]:
     peer behind NAT announces one while it holds relay slots, and tensors never go through a
     relay, so it serves only where a punch works), keepers last (spared for those that find
     no other), each class in an order of our own (a hash of our id and theirs): in one
-    order for everyone, every downloader asked the same few donors first (at 100 simulated
-    peers, 1,095 of 2,294 donor connections found no path to a donor behind NAT)."""
+    order for everyone, every downloader would ask the same few donors first."""
 
     def rank(record: ProgressRecord) -> tuple[bool, bool, bytes]:
         relayed = any("/p2p-circuit" in addr for addr in record.addrs)

@@ -21,10 +21,11 @@ Terms:
   the rounds of the steps after it (below): for the largest candidate it has seen (its own
   basis, or a larger one another member published), or the one the rounds force.
 
-**Certified** (`tally`, the first step's one round): a candidate is certified by a set of votes when it wins the final count
-whatever the missing votes turn out to be: it has at least `min_votes`, and for every other
-candidate, seen or not, its votes rank above that candidate's votes plus every vote not yet
-seen (n - votes seen), ranking by count and then by the smaller digest. With every vote in
+**Certified** (`tally`, the first step's one round): a candidate is certified by a set of
+votes when it wins the final count whatever the missing votes turn out to be: it has at
+least `min_votes`, and for every other candidate, seen or not, its votes rank above that
+candidate's votes plus every vote not yet seen (n - votes seen), ranking by count and then by
+the smaller digest. With every vote in
 (nobody left), the candidate with the most votes is certified; with k votes missing (members
 that left mid-averaging), the leader is certified once it leads by more than k.
 
@@ -180,12 +181,12 @@ class StepRule:
     def certify(self, step: int, electorate: Electorate, votes: Iterable[Vote]) -> Candidate | None:
         """The candidate some round of `step`'s election certifies from the votes seen: more
         than two thirds of `electorate` (and `min_votes`) voted for it in one round (module
-        doc: no two rounds certify different candidates). None: none yet, or a count that is
-        not honest (two votes of one member in a round, more voters than members)."""
-        rounds = _rounds(step, electorate, votes)
-        if rounds is None:
+        doc: no two rounds certify different candidates). None: none yet, or more voters than
+        members (a member with two votes in a round is left out: `_ballots`)."""
+        ballots = _ballots(step, electorate, votes)
+        if ballots is None:
             return None
-        for count in rounds.values():
+        for count in _rounds(ballots).values():
             for candidate, votes_for in count.items():
                 if self.reaches(votes_for, electorate.size):
                     return candidate
@@ -197,19 +198,15 @@ class StepRule:
         """Whether a member may vote in `round` of `step`'s election, as the votes seen allow
         (module doc): (FREE, None), (FORCED, the candidate it must vote for), or (WAIT, None).
         The highest round below with a possible candidate decides."""
-        votes = list(votes)
-        rounds = _rounds(step, electorate, votes)
-        if rounds is None:
+        ballots = _ballots(step, electorate, votes)
+        if ballots is None:
             return Entry.WAIT, None
-        highest: dict[str, int] = {}  # each counted voter's highest round
-        counted = _voters(step, electorate, votes)
-        for vote in votes:
-            if _counts(vote, step, electorate) and vote.voter in counted:
-                highest[vote.voter] = max(highest.get(vote.voter, 0), vote.round)
+        rounds = _rounds(ballots)
+        highest = [max(cast) for cast in ballots.values()]  # each voter's highest round
         n = electorate.size
         for below in range(round - 1, -1, -1):
             # Settled in `below`: voted in it or in a later round (it never votes in it again).
-            unseen = n - sum(1 for r in highest.values() if r >= below)
+            unseen = n - sum(1 for r in highest if r >= below)
             possible = [
                 c
                 for c, votes_for in sorted(rounds.get(below, {}).items())
@@ -227,42 +224,31 @@ class StepRule:
         return votes * of > share * size and votes >= self.min_votes
 
 
-def _counts(vote: Vote, step: int, electorate: Electorate) -> bool:
-    return vote.electorate == electorate and vote.candidate.step == step
-
-
-def _voters(step: int, electorate: Electorate, votes: Iterable[Vote]) -> set[str]:
-    """The voters `_rounds` counts: those with one vote per round."""
-    seen: dict[tuple[str, int], Candidate] = {}
+def _ballots(
+    step: int, electorate: Electorate, votes: Iterable[Vote]
+) -> dict[str, dict[int, Candidate]] | None:
+    """Each counted voter's votes on `step` in `electorate`, by round; None where the count is
+    not honest: more voters than members. A member with two votes in one round is left out
+    (unseen in every round: no vote of its counts, and it settles no round): voiding the
+    whole count let one member stall every step (review)."""
+    ballots: dict[str, dict[int, Candidate]] = defaultdict(dict)
     liars: set[str] = set()
     for vote in votes:
-        if not _counts(vote, step, electorate):
+        if vote.electorate != electorate or vote.candidate.step != step:
             continue
-        if seen.setdefault((vote.voter, vote.round), vote.candidate) != vote.candidate:
+        if ballots[vote.voter].setdefault(vote.round, vote.candidate) != vote.candidate:
             liars.add(vote.voter)
-    return {voter for voter, _ in seen} - liars
+    honest = {voter: cast for voter, cast in ballots.items() if voter not in liars}
+    return honest if len(honest) <= electorate.size else None
 
 
-def _rounds(
-    step: int, electorate: Electorate, votes: Iterable[Vote]
-) -> dict[int, Counter[Candidate]] | None:
-    """Each round's count of the votes seen on `step` in `electorate`; None where the count
-    is not honest: more voters than members. A member with two votes in one round counts as
-    unseen in every round (no vote of its counts; it settles no round): voiding the whole
-    count let one member stall every step (review)."""
-    votes = list(votes)
-    counted = _voters(step, electorate, votes)
-    if len(counted) > electorate.size:
-        return None
-    cast = {
-        (v.voter, v.round): v.candidate
-        for v in votes
-        if _counts(v, step, electorate) and v.voter in counted
-    }
+def _rounds(ballots: dict[str, dict[int, Candidate]]) -> dict[int, Counter[Candidate]]:
+    """Each round's count of the ballots' votes."""
     rounds: dict[int, Counter[Candidate]] = defaultdict(Counter)
-    for (_, round_), candidate in cast.items():
-        rounds[round_][candidate] += 1
-    return dict(rounds)
+    for cast in ballots.values():
+        for round_, candidate in cast.items():
+            rounds[round_][candidate] += 1
+    return rounds
 
 
 def plan_of(members: Iterable[str]) -> Electorate:
