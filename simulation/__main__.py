@@ -39,6 +39,12 @@ def main() -> None:
         default=Scenario(peers=1).partial_from,
         help="averaging.partial_from: plans of this many peers take partial averages",
     )
+    parser.add_argument(
+        "--group-size",
+        type=int,
+        default=Scenario(peers=1).group_size,
+        help="averaging.group_size: Moshpit's m (at least the peers: one group)",
+    )
     parser.add_argument("--log-level", default="error")
     args = parser.parse_args()
     if os.environ.get("PYTHONHASHSEED") != "0":
@@ -63,6 +69,7 @@ def main() -> None:
             nat_share=args.nat,
             symmetric_share=args.symmetric,
             partial_from=args.partial_from,
+            group_size=args.group_size,
         )
         report = run_collaboration(scenario)
         summary = summarize(report)

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import msgspec
 
+from peer.averaging.averager import AveragingResult
 from peer.training.policy import MAX_WAIT_FOR_OTHERS, Local, Outcome, StepPolicy
-from peer.training.progress import ProgressRecord, VoteRecord
-from peer.training.steprule import Candidate, Electorate, Vote, plan_of
+from peer.training.progress import ProgressRecord, VoteRecord, encode_progress
+from peer.training.steprule import Candidate, Electorate, Vote, abstention, plan_of
 from tests.test_policy import ME, T0, make_policy, other, own_signature, read
 
 MEMBERS = [ME, "z0", "z1", "z2", "z3"]
@@ -534,3 +535,46 @@ def test_a_downloader_that_is_no_member_never_votes_nor_counts_a_vote_of_its_own
     assert policy.last_vote is None
     read(policy, *(voting(p, joined) for p in MEMBERS[1:5]))
     assert policy.election(later) == (Outcome.WON, joined)  # 4 of 5 members
+
+
+def test_a_member_without_a_candidate_abstains_where_others_voted_and_follows_the_rounds():
+    """A member of the step's electorate whose averaging failed (or that missed the
+    gathering) cast no vote and stayed unseen: 39 of 95 at 100 simulated peers, and no round
+    could certify or die. Now it abstains in a round where a member voted for a candidate
+    (not before: all members without one would spend the rounds), then follows: the next
+    round, once open, it votes for the last round's leader where a third of the electorate
+    voted for it."""
+    policy = at_step_3()
+    failed = policy.averaged(
+        AveragingResult(peers_seen=5, skipped=["round 0: incomplete"]), 8, T0, T0
+    )
+    assert not failed.step and (4, PLAN) not in policy._cast_votes  # nobody voted: no abstention
+    # z0 and z1 vote BIG, z2 SMALL; z3 unseen. A vote turn on, we abstain in round 0.
+    records = [voting("z0", BIG), voting("z1", BIG), voting("z2", SMALL)]
+    read(policy, *records)
+    turn = policy._vote_turn()
+    policy.next_action(Local(samples=8, samples_per_second=10.0), T0 + turn / 2)
+    assert (4, PLAN) not in policy._cast_votes  # a vote turn after the last try, not before
+    policy.next_action(Local(samples=8, samples_per_second=10.0), T0 + turn)
+    assert policy.last_vote == Vote(ME, abstention(4, PLAN), PLAN, 0)
+    record = policy.own_record(Local(), T0 + turn)  # on the wire and back, as others read it
+    decoded = msgspec.msgpack.decode(encode_progress(record), type=ProgressRecord)
+    assert decoded.vote is not None and decoded.vote.vote(ME) == policy.last_vote
+    # Round 0: BIG 2, SMALL 1, 1 abstained, z3 unseen: BIG could reach 3 of 5, not 4: dead.
+    # Round 1 is free; BIG led round 0 with 2 of 5 (a third or more): we join it.
+    policy.next_action(Local(samples=8, samples_per_second=10.0), T0 + 2 * turn)
+    assert policy.last_vote == Vote(ME, BIG, PLAN, 1)
+    assert [v.round for v in policy._cast_votes[(4, PLAN)]] == [0, 1]
+
+
+def test_without_a_candidate_nobody_spends_a_round_that_no_member_voted_in():
+    """Every member's averaging failed: each would abstain in round 0, it would die, and the
+    next, and so on: all eight rounds spent, one a vote turn, before a retry brings one
+    candidate. No abstention where no member voted for a candidate."""
+    policy = at_step_3()
+    policy.averaged(AveragingResult(peers_seen=5, skipped=["round 0: incomplete"]), 8, T0, T0)
+    none = abstention(4, PLAN)
+    read(policy, *(rounds(f"z{i}", none) for i in range(4)))
+    for turn in range(1, 4):
+        policy.next_action(Local(samples=8, samples_per_second=10.0), T0 + turn * 10.0)
+    assert (4, PLAN) not in policy._cast_votes

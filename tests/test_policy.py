@@ -737,6 +737,55 @@ def test_a_peer_one_step_behind_that_missed_our_step_holds_no_call():
     assert isinstance(member.next_action(ours, T0), Wait)
 
 
+def test_a_peer_downloading_our_step_holds_the_call_for_a_grace_at_most():
+    """At 100 simulated peers, 30 of every gathering "missed the gathering" right after a
+    download of the step before: a peer that misses a step downloads it while the next is
+    called, for ever. A fresh record downloading our step holds our call (one behind, or at
+    our step on another digest), at most `download_grace` from the first time it did; a stale
+    one (a paused machine) holds nothing."""
+    ours = Local(samples=32, samples_per_second=10.0)
+    done = other("z1", step=1, digest="d1", samples=16, holding=True)
+
+    def policy_reading(*records: ProgressRecord, now: float = T0) -> StepPolicy:
+        policy = make_policy()
+        policy.hold(1, "d1", own_signature(1))
+        read(policy, *records, now=now)
+        return policy
+
+    assert isinstance(policy_reading(done).next_action(ours, T0), Call)
+    for downloader in (
+        other("z2", downloading=True),  # one behind
+        other("z2", step=1, digest="dx", downloading=True),  # at our step, on another digest
+    ):
+        policy = policy_reading(done, downloader)
+        assert isinstance(policy.next_action(ours, T0), Wait)
+        grace = policy.timing.download_grace(policy.store_seconds)
+        later = T0 + grace - 0.1
+        fresh = msgspec.structs.replace(downloader, updated_at=later)
+        read(policy, done, fresh, now=later)
+        assert isinstance(policy.next_action(ours, later), Wait)
+        # Its download done, it holds our step: we call at once.
+        arrived = msgspec.structs.replace(
+            fresh, step=1, digest="d1", downloading=False, holding=True
+        )
+        read(policy, done, arrived, now=later)
+        assert isinstance(policy.next_action(ours, later), Call)
+    # However long its record goes on saying it downloads: one grace from our first wait.
+    stuck = policy_reading(done, other("z2", downloading=True))
+    assert isinstance(stuck.next_action(ours, T0), Wait)
+    grace = stuck.timing.download_grace(stuck.store_seconds)
+    read(stuck, done, other("z2", downloading=True, updated_at=T0 + grace), now=T0 + grace)
+    assert isinstance(stuck.next_action(ours, T0 + grace), Call)
+    # A stale record (its machine paused), or a joiner downloading from far behind: no wait.
+    stale_at = T0 + stuck.timing.stale_record + 1
+    paused = policy_reading(done, other("z2", downloading=True), now=stale_at)
+    assert isinstance(paused.next_action(ours, stale_at), Call)
+    joiner = policy_reading(done, other("z2", step=0, downloading=True))
+    joiner.hold(3, "d3", own_signature(3))
+    read(joiner, msgspec.structs.replace(done, step=3, digest="d3"), other("z2", downloading=True))
+    assert isinstance(joiner.next_action(ours, T0), Call)
+
+
 def test_after_a_failed_averaging_nobody_calls_while_others_are_still_in_it():
     """A call of ours while others are still in an averaging we missed (or that failed for
     us) would close before they are free: they would miss it and the step would split."""

@@ -53,7 +53,9 @@ election runs in numbered rounds within the step's one electorate, after Fast Pa
 - a candidate is *certified in round r* by the votes of more than two thirds of the
   electorate in round r (`QUORUM`), and at least `min_votes`;
 - a member *settled* round r if it voted in r or in a later round (it never votes in r after);
-  the others are *unseen* in r. A candidate is *possible* in round r (a reader's view) if its
+  the others are *unseen* in r. A member without a candidate for r (its averaging failed, it
+  missed the gathering) votes an *abstention* (`abstention`): it settles r and counts for no
+  candidate, so a round whose members failed to average can die rather than wait on them. A candidate is *possible* in round r (a reader's view) if its
   round-r votes plus the unseen could reach the quorum; any candidate is, if the unseen alone
   could (`Entry.WAIT`);
 - a member enters round m (`StepRule.entry`) only as the highest round below m whose possible
@@ -69,9 +71,10 @@ third of the electorate is unseen, and a round dies (nothing possible, the next 
 its leader plus the unseen stays within two thirds. Liveness needs more than two thirds of
 the electorate alive to vote; an electorate that lost more (a small plan, a mass departure)
 is left by a genesis among the trainers (`StepPolicy.elected`), the assumption below. Not
-yet: a member that cannot vote in a round (no candidate) cannot say so, nor does a farewell
-record settle its rounds, so such members stay unseen, and with more than a third of them a
-round neither certifies nor dies.
+yet: a farewell record settles no round, so members that left stay unseen, and with more
+than a third of them gone a round neither certifies nor dies (the genesis above leaves it).
+An abstention is a vote like any other (once per round, rounds that go up): safety's proof
+holds with it as a candidate that is never certified nor possible.
 Property-tested over any interleaving of votes, reads and departures in `tests/test_steprule.py`.
 
 What it assumes, and what happens otherwise (docs/SECURITY.md): the first step's electorate is
@@ -98,6 +101,9 @@ QUORUM = (2, 3)
 MAX_ROUNDS = 8
 """Rounds a step's election may take (a record carries a vote for each); past them it waits
 for the electorate's departures to make a genesis (`StepPolicy.elected`)."""
+ABSTAIN = ""
+"""The average a member without a candidate votes for (`abstention`): it settles the round
+for the member and counts for nothing."""
 
 
 @dataclass(frozen=True, order=True)
@@ -116,6 +122,19 @@ class Candidate:
     step: int
     average: str
     plan: Electorate
+
+    @property
+    def abstains(self) -> bool:
+        """No average: the vote of a member that has none to vote for (`abstention`)."""
+        return self.average == ABSTAIN
+
+
+def abstention(step: int, electorate: Electorate) -> Candidate:
+    """What a member of `electorate` votes for in a round of `step` where it has no candidate
+    and none is forced on it (its averaging failed, it missed the gathering): unvoted, it
+    stays unseen, and with more than a third of such members a round neither certifies nor
+    dies (100 simulated peers: "votes 56 of 95 members, 39 unseen", for good)."""
+    return Candidate(step, ABSTAIN, electorate)
 
 
 @dataclass(frozen=True)
@@ -151,7 +170,12 @@ class StepRule:
         genesis: one round); the steps after it are counted in rounds (`certify`)."""
         counted: dict[str, Candidate] = {}
         for vote in votes:
-            if vote.electorate != electorate or vote.candidate.step != step or vote.round:
+            if (
+                vote.electorate != electorate
+                or vote.candidate.step != step
+                or vote.round
+                or vote.candidate.abstains  # a first step's count has no abstentions: unseen
+            ):
                 continue
             if counted.setdefault(vote.voter, vote.candidate) != vote.candidate:
                 return None  # two votes of one member: not an honest count
@@ -188,7 +212,7 @@ class StepRule:
             return None
         for count in _rounds(ballots).values():
             for candidate, votes_for in count.items():
-                if self.reaches(votes_for, electorate.size):
+                if not candidate.abstains and self.reaches(votes_for, electorate.size):
                     return candidate
         return None
 
@@ -210,7 +234,7 @@ class StepRule:
             possible = [
                 c
                 for c, votes_for in sorted(rounds.get(below, {}).items())
-                if self.reaches(votes_for + unseen, n)
+                if not c.abstains and self.reaches(votes_for + unseen, n)
             ]
             if self.reaches(unseen, n) or len(possible) > 1:
                 return Entry.WAIT, None  # an unseen candidate, or either of two, could win it

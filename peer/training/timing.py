@@ -142,6 +142,12 @@ class Timing:
         in a read up to `reading` old."""
         return 2 * self.progress_interval + self.reading
 
+    def download_grace(self, store_seconds: float) -> float:
+        """How long a caller holds a step for peers downloading it (`StepPolicy`): the read
+        that shows them the certified step, a download, and their record's store, counted as
+        one gathering window and a read (the window a call gives the others to join)."""
+        return self.window(store_seconds) + self.reading
+
     def fallback_caller_wait(self, store_seconds: float) -> float:
         """How long a peer other than the designated caller waits before calling a step (the
         next lowest; the others a `fallback_turn` more per live peer below them)."""
