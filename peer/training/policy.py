@@ -849,17 +849,21 @@ class StepPolicy:
         return Outcome.WAITING, None
 
     def _stalled(self, votes: list[Vote]) -> Outcome:
-        """STALLED, with the count as we saw it (`stall_count`, for the log: why no step)."""
+        """STALLED, with the count as we saw it (`stall_count`, for the log: why no step):
+        the highest round anyone voted in (counted over every round, 98 members showed "-550
+        unseen")."""
         ballot = self.ballot
         assert ballot is not None
-        counts = Counter(
-            v.candidate for v in votes if v.electorate == ballot.electorate
-        ).most_common()
+        ours = [v for v in votes if v.electorate == ballot.electorate]
+        last = max((v.round for v in ours), default=0)
+        counts = Counter(v.candidate for v in ours if v.round == last).most_common()
         seen = sum(count for _, count in counts)
         abstained = sum(count for c, count in counts if c.abstains)
         split = " / ".join(str(count) for c, count in counts if not c.abstains) or "none"
         self.stall_count = (
-            f"votes {split} of {ballot.electorate.size} members, "
+            f"votes {split} of {ballot.electorate.size} members"
+            + (f" in round {last}" if last else "")
+            + ", "
             + (f"{abstained} abstained, " if abstained else "")
             + f"{ballot.electorate.size - seen} unseen"
         )
