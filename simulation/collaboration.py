@@ -129,6 +129,8 @@ class Attempt:
     average: bytes
     """A digest of its average's bits (b"": none): peers with equal ones apply one step."""
     why: str
+    ended: float = 0.0
+    """When the call returned (virtual seconds)."""
 
     @property
     def complete(self) -> bool:
@@ -464,6 +466,7 @@ class Collaboration:
                         else b""
                     ),
                     why="; ".join(result.skipped or result.setbacks)[:200],
+                    ended=trio.current_time(),
                 )
             )
             return result

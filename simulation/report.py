@@ -65,6 +65,8 @@ class Summary:
     failure_reasons: list[tuple[str, int]]
     elections: dict[str, int]
     election_seconds: float
+    step_phases: tuple[float, float, float]
+    """A step's median seconds: to its call, its averaging, its election (`step_phases`)."""
     volunteers: int
     """Volunteers that took part (the first ones and those that joined later)."""
     behind_nat: int
@@ -90,6 +92,7 @@ def summarize(report: Report) -> Summary:
     on_the_step = [r.on_the_step for r in rounds]
     ops = sum(len(times) for times in report.dht_seconds.values())
     coverage = [seen / alive for seen, alive in report.views if alive]
+    phases = step_phases(rounds, report.taken_at)
     reasons: dict[str, int] = defaultdict(int)
     for attempt in report.attempts:
         if not attempt.complete and attempt.why:
@@ -131,6 +134,7 @@ def summarize(report: Report) -> Summary:
         failure_reasons=sorted(reasons.items(), key=lambda kv: -kv[1])[:5],
         elections=dict(report.elections),
         election_seconds=report.election_seconds,
+        step_phases=phases,
         volunteers=len(report.volunteers),
         behind_nat=sum(v.nat is not Nat.PUBLIC for v in report.volunteers),
         symmetric=sum(v.nat is Nat.SYMMETRIC for v in report.volunteers),
@@ -165,6 +169,25 @@ class Round:
     def on_the_step(self) -> float:
         """The share of its calls on its most common average."""
         return _most_common_average(self.calls) / len(self.calls)
+
+
+def step_phases(rounds: list[Round], taken_at: dict[int, float]) -> tuple[float, float, float]:
+    """Where a step's time goes, the median over the steps taken after another (virtual
+    seconds): from the step before to its yielding round's first call (computing, the call's
+    window, waits for others), that round's calls (the median call: gathering, averaging),
+    and from then to the step (the election, and its reads)."""
+    to_call, averaging, to_step = [], [], []
+    for r in rounds:
+        before, taken = taken_at.get(r.step - 1), taken_at.get(r.step)
+        if not r.yielded or before is None or taken is None:
+            continue
+        ended = statistics.median(a.ended for a in r.calls)
+        to_call.append(r.opened - before)
+        averaging.append(statistics.median(a.ended - a.started for a in r.calls))
+        to_step.append(taken - ended)
+    if not to_call:
+        return (math.nan, math.nan, math.nan)
+    return (statistics.median(to_call), statistics.median(averaging), statistics.median(to_step))
 
 
 def rounds_of(attempts: Iterable[Attempt], taken_at: dict[int, float]) -> list[Round]:
@@ -250,6 +273,10 @@ def rows(summary: Summary) -> list[tuple[str, str]]:
             f" ({s.cut_rounds} cut by the end)",
         ),
         ("peers on their round's step (mean)", f"{s.peers_on_the_step:.1%}"),
+        (
+            "a step's seconds: to its call / averaging / election (median)",
+            " / ".join(f"{x:.1f}" if math.isfinite(x) else "-" for x in s.step_phases),
+        ),
         ("gatherings of a step already taken (those who missed it)", str(s.late_gatherings)),
         ("DHT stores+gets per trainer per step", f"{s.dht_ops_per_step:.0f}"),
         ("DHT store p50 / p99", f"{s.store_p50 * 1000:.0f} / {s.store_p99 * 1000:.0f} ms"),

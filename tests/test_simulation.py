@@ -3,6 +3,8 @@ rules, and small collaborations on it train as real ones do. The 300-peer runs a
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import random
 from collections import Counter
 from types import SimpleNamespace
@@ -37,7 +39,7 @@ from simulation.links import SharedLink, carry
 from simulation.nat import NatTally
 from simulation.network import MBIT, Link, SimNetwork, Traffic
 from simulation.progressload import placed_load, run_load
-from simulation.report import rounds_of, summarize
+from simulation.report import rounds_of, step_phases, summarize
 from simulation.safety import SafetyCheck
 from simulation.worker import QUIET, ComputeNoise, Variation
 
@@ -267,6 +269,21 @@ def test_a_round_is_a_steps_try_and_calls_split_at_once_are_one_round():
     (taken,) = rounds_of([*apart, again], {2: 51.0})  # the retry missed it: a late gathering
     assert taken.yielded and taken.late_gatherings == 1
     assert [r.yielded for r in rounds_of([*apart, again], {2: 71.0})] == [False, True]
+
+
+def test_a_steps_time_splits_into_the_wait_for_its_call_its_averaging_and_its_election():
+    """From the step before to the yielding round's first call, that round's median call,
+    and from its median end to the step: the medians over the steps taken after another."""
+    step_1 = [call(p, 1, close=10, started=8) for p in "ab"]
+    step_2 = [
+        dataclasses.replace(call(p, 2, close=30, started=started), ended=ended)
+        for p, started, ended in (("a", 28.0, 40.0), ("b", 29.0, 43.0), ("c", 30.0, 44.0))
+    ]
+    never = [call("a", 3, close=80, started=78)]  # step 3 was not taken: no figures
+    rounds = rounds_of([*step_1, *step_2, *never], {1: 20.0, 2: 50.0})
+    # Step 2: first call at 28 (8 s after step 1), calls of 12, 14 and 14 s, median end 43.
+    assert step_phases(rounds, {1: 20.0, 2: 50.0}) == (8.0, 14.0, 7.0)
+    assert all(math.isnan(x) for x in step_phases(rounds_of(step_1, {1: 20.0}), {1: 20.0}))
 
 
 def test_rounds_cut_by_the_end_count_neither_way():
