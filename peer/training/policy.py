@@ -656,6 +656,12 @@ class StepPolicy:
                 return
             choice = abstention(step, electorate)
         self._record_vote(Vote(self.me, choice, electorate, round_))
+        log.info(
+            "no candidate of ours for step %d: voted %s in round %d",
+            step,
+            "an abstention" if choice.abstains else f"for {choice.average[:12]}",
+            round_,
+        )
 
     def _follow_rounds(self, now: float) -> None:
         """Without a candidate for the next step (`abstain`), a vote turn after our last try:
