@@ -8,7 +8,7 @@ import msgspec
 
 from peer.averaging.averager import AveragingResult
 from peer.training.policy import MAX_WAIT_FOR_OTHERS, Local, Outcome, StepPolicy
-from peer.training.progress import ProgressRecord, VoteRecord, encode_progress
+from peer.training.progress import CollaborationView, ProgressRecord, VoteRecord, encode_progress
 from peer.training.steprule import Candidate, Electorate, Vote, abstention, plan_of
 from tests.test_policy import ME, T0, make_policy, other, own_signature, read
 
@@ -540,31 +540,39 @@ def test_a_downloader_that_is_no_member_never_votes_nor_counts_a_vote_of_its_own
 def test_a_member_without_a_candidate_abstains_where_others_voted_and_follows_the_rounds():
     """A member of the step's electorate whose averaging failed (or that missed the
     gathering) cast no vote and stayed unseen: 39 of 95 at 100 simulated peers, and no round
-    could certify or die. Now it abstains in a round where a member voted for a candidate
-    (not before: all members without one would spend the rounds), then follows: the next
-    round, once open, it votes for the last round's leader where a third of the electorate
-    voted for it."""
+    could certify or die. Now it abstains in a round where a third of the electorate voted
+    for candidates (not before: a few votes, or none, and it would only spend the round),
+    once; then it votes only a candidate the rounds force, in the round above the highest."""
     policy = at_step_3()
+    local = Local(samples=8, samples_per_second=10.0)
     failed = policy.averaged(
         AveragingResult(peers_seen=5, skipped=["round 0: incomplete"]), 8, T0, T0
     )
     assert not failed.step and (4, PLAN) not in policy._cast_votes  # nobody voted: no abstention
+    turn = policy._vote_turn()
+    read(policy, voting("z0", BIG))  # 1 of 5 voted: less than a third
+    policy.next_action(local, T0 + turn)
+    assert (4, PLAN) not in policy._cast_votes
     # z0 and z1 vote BIG, z2 SMALL; z3 unseen. A vote turn on, we abstain in round 0.
     records = [voting("z0", BIG), voting("z1", BIG), voting("z2", SMALL)]
     read(policy, *records)
-    turn = policy._vote_turn()
-    policy.next_action(Local(samples=8, samples_per_second=10.0), T0 + turn / 2)
+    policy.next_action(local, T0 + 1.5 * turn)
     assert (4, PLAN) not in policy._cast_votes  # a vote turn after the last try, not before
-    policy.next_action(Local(samples=8, samples_per_second=10.0), T0 + turn)
+    policy.next_action(local, T0 + 2 * turn)
     assert policy.last_vote == Vote(ME, abstention(4, PLAN), PLAN, 0)
-    record = policy.own_record(Local(), T0 + turn)  # on the wire and back, as others read it
+    record = policy.own_record(local, T0 + 2 * turn)  # on the wire and back, as others read it
     decoded = msgspec.msgpack.decode(encode_progress(record), type=ProgressRecord)
     assert decoded.vote is not None and decoded.vote.vote(ME) == policy.last_vote
     # Round 0: BIG 2, SMALL 1, 1 abstained, z3 unseen: BIG could reach 3 of 5, not 4: dead.
-    # Round 1 is free; BIG led round 0 with 2 of 5 (a third or more): we join it.
-    policy.next_action(Local(samples=8, samples_per_second=10.0), T0 + 2 * turn)
-    assert policy.last_vote == Vote(ME, BIG, PLAN, 1)
-    assert [v.round for v in policy._cast_votes[(4, PLAN)]] == [0, 1]
+    # Round 1 is free: no vote of ours there (a leader we cannot check, or a second
+    # abstention that would spend it).
+    policy.next_action(local, T0 + 3 * turn)
+    assert [v.round for v in policy._cast_votes[(4, PLAN)]] == [0]
+    # The three vote BIG in round 1: with us and z3 unseen there, BIG is the one candidate
+    # that could win it, so round 2 is forced to BIG: we vote it there.
+    read(policy, *(rounds(p, c, BIG) for p, c in (("z0", BIG), ("z1", BIG), ("z2", SMALL))))
+    policy.next_action(local, T0 + 4 * turn)
+    assert policy.last_vote == Vote(ME, BIG, PLAN, 2)
 
 
 def test_without_a_candidate_nobody_spends_a_round_that_no_member_voted_in():
@@ -595,3 +603,78 @@ def test_a_stalled_count_is_the_highest_round_s():
     ]
     assert policy._stalled(votes) is Outcome.STALLED
     assert policy.stall_count == "votes 1 / 1 of 5 members in round 1, 1 abstained, 2 unseen"
+
+
+def test_rounds_are_left_for_a_retry_when_a_lone_candidate_meets_members_without_one():
+    """A review's case, five honest policies on one clock: z0 holds candidate A (a partial
+    average), the four others' averaging failed. Before, z0 voted A a round higher every vote
+    turn and the four abstained after it, so all eight rounds were spent in 30 s, and the
+    retry that gave all five candidate B had no round left: the step never moved. Now z0
+    waits (no leader to join, the same vote a round higher), the four abstain at most once
+    and only beside a third of the electorate's votes, and the retry certifies B for all."""
+    policies = {m: at_step_3(me=m) for m in MEMBERS}
+    lone = Candidate(4, "a-lone", PLAN)
+    policies["z0"].elect(lone, frozenset(MEMBERS), T0)
+    failed = AveragingResult(peers_seen=5, skipped=["round 0: incomplete"])
+    for peer_id, policy in policies.items():
+        if peer_id != "z0":
+            policy.averaged(failed, 8, T0, T0)
+    local = Local(samples=8, samples_per_second=10.0)
+
+    def tick(now: float) -> None:
+        records = [p.own_record(local, now) for p in policies.values()]
+        for p in policies.values():
+            p.observe(CollaborationView(records, 2), now)
+
+    now = T0
+    while now < T0 + 60:
+        now += 1.0
+        tick(now)
+        holder = policies["z0"]
+        if holder.ballot is not None:
+            outcome, _ = holder.election(now)
+            if outcome is not Outcome.WAITING:
+                holder.elected(outcome)
+        for peer_id, policy in policies.items():
+            if peer_id != "z0":
+                policy.next_action(local, now)
+    spent = max(v.round for p in policies.values() for v in p._cast_votes.get((4, PLAN), []))
+    assert spent <= 1
+    retry = Candidate(4, "b-retry", PLAN)
+    for policy in policies.values():
+        policy.elect(retry, frozenset(MEMBERS), now)
+    outcomes: dict[str, tuple[Outcome, Candidate | None]] = {}
+    start = now
+    while now < start + 60 and len(outcomes) < len(policies):
+        now += 1.0
+        tick(now)
+        for peer_id, policy in policies.items():
+            if peer_id not in outcomes:
+                outcome, certified = policy.election(now)
+                if outcome is not Outcome.WAITING:
+                    policy.elected(outcome)
+                    outcomes[peer_id] = (outcome, certified)
+    assert outcomes == dict.fromkeys(MEMBERS, (Outcome.WON, retry))
+
+
+def test_a_member_does_not_carry_its_own_candidate_up_a_round_with_no_leader_to_join():
+    """Round 0 split A / B / C, two abstained: it died, and no candidate had a third of the
+    electorate. Our own candidate again, a round higher, would repeat the split and spend a
+    round (a review: one member's candidate climbed all eight rounds alone); we wait for a
+    leader, a forced candidate, or a retry's candidate."""
+    policy = at_step_3()
+    ours = candidate("a-ours", MEMBERS)
+    elect(policy, ours, T0)
+    assert policy.last_vote == Vote(ME, ours, PLAN, 0)
+    none = abstention(4, PLAN)
+    b, c = candidate("b", MEMBERS), candidate("c", MEMBERS)
+    read(policy, voting("z0", b), voting("z1", c), voting("z2", none), voting("z3", none))
+    for turn in (1, 2, 3):
+        assert policy.election(T0 + turn * policy._vote_turn())[0] is Outcome.WAITING
+    assert [v.round for v in policy._cast_votes[(4, PLAN)]] == [0]
+    # A retry's candidate of ours: a new vote, in round 1 (free).
+    retry = candidate("d-retry", MEMBERS)
+    policy.elected(Outcome.STALLED)
+    elect(policy, retry, T0 + 10)
+    policy.election(T0 + 10 + policy._vote_turn())
+    assert policy.last_vote == Vote(ME, retry, PLAN, 1)

@@ -737,18 +737,21 @@ def test_a_peer_one_step_behind_that_missed_our_step_holds_no_call():
     assert isinstance(member.next_action(ours, T0), Wait)
 
 
-def test_a_peer_downloading_our_step_holds_the_call_for_a_grace_at_most():
+def test_a_member_downloading_our_step_holds_the_call_for_a_grace_at_most():
     """At 100 simulated peers, 30 of every gathering "missed the gathering" right after a
     download of the step before: a peer that misses a step downloads it while the next is
-    called, for ever. A fresh record downloading our step holds our call (one behind, or at
-    our step on another digest), at most `download_grace` from the first time it did; a stale
-    one (a paused machine) holds nothing."""
+    called, for ever. A fresh record of a member of our step's electorate downloading our
+    step holds our call (one behind, or at our step on another digest), at most
+    `download_grace` from the first time it did; a stranger's, or a stale one (a paused
+    machine), holds nothing."""
     ours = Local(samples=32, samples_per_second=10.0)
     done = other("z1", step=1, digest="d1", samples=16, holding=True)
+    plan = plan_of([ME, "z1", "z2"])
 
     def policy_reading(*records: ProgressRecord, now: float = T0) -> StepPolicy:
         policy = make_policy()
-        policy.hold(1, "d1", own_signature(1))
+        policy.hold(1, "d1", own_signature(1), electorate=plan)
+        assert policy.learn_members([ME, "z1", "z2"])
         read(policy, *records, now=now)
         return policy
 
@@ -776,12 +779,16 @@ def test_a_peer_downloading_our_step_holds_the_call_for_a_grace_at_most():
     grace = stuck.timing.download_grace(stuck.store_seconds)
     read(stuck, done, other("z2", downloading=True, updated_at=T0 + grace), now=T0 + grace)
     assert isinstance(stuck.next_action(ours, T0 + grace), Call)
-    # A stale record (its machine paused), or a joiner downloading from far behind: no wait.
+    # A stranger to the electorate, a stale record (its machine paused), or a joiner
+    # downloading from far behind: no wait.
+    assert isinstance(
+        policy_reading(done, other("y9", downloading=True)).next_action(ours, T0), Call
+    )
     stale_at = T0 + stuck.timing.stale_record + 1
     paused = policy_reading(done, other("z2", downloading=True), now=stale_at)
     assert isinstance(paused.next_action(ours, stale_at), Call)
     joiner = policy_reading(done, other("z2", step=0, downloading=True))
-    joiner.hold(3, "d3", own_signature(3))
+    joiner.hold(3, "d3", own_signature(3), electorate=plan)
     read(joiner, msgspec.structs.replace(done, step=3, digest="d3"), other("z2", downloading=True))
     assert isinstance(joiner.next_action(ours, T0), Call)
 

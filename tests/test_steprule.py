@@ -285,3 +285,7 @@ def test_members_without_a_candidate_abstain_and_the_round_dies_rather_than_wait
     ]
     assert rule.tally(1, first, blank_first) == c  # 2 lead the 1 unseen
     assert rule.tally(1, first, blank_first[::2]) is None
+    # Counted as a candidate, "" would win a tie on the smaller digest (review).
+    pair = Electorate("q", 2)
+    tie = [Vote("m0", Candidate(1, "avg", pair), pair), Vote("m1", abstention(1, pair), pair)]
+    assert StepRule(min_votes=1).tally(1, pair, tie) is None

@@ -473,6 +473,7 @@ class StepPolicy:
             return False
         self.call = (self.held.step, gather_until)  # our record shows the call we are in
         self.changed = True
+        self._without_candidate = -1  # this gathering may give us one
         self._move(Event.DECLARE_IN_BACKGROUND if in_background else Event.DECLARE)
         return True
 
@@ -549,6 +550,7 @@ class StepPolicy:
             raise ValueError("the candidate's plan is not its members'")
         electorate, genesis = self.electorate_for(candidate)
         self._remember_plan(candidate.plan, members)
+        self._without_candidate = -1  # we have one now: `_cast` votes it
         member = genesis or self.me in self._plans.get(electorate, ())
         self._carry_earlier_vote(candidate.step, electorate)
         self.ballot = Ballot(
@@ -613,6 +615,14 @@ class StepPolicy:
         round_, forced = opened
         votes = self._members_votes(ours.step, ballot.electorate)
         choice = forced or self._free_choice(ours, ballot.electorate, round_, votes)
+        mine = self._cast_votes.get((ours.step, ballot.electorate), [])
+        leader = self._last_round_leader(ours.step, ballot.electorate, round_, votes)
+        if forced is None and leader is None and mine and mine[-1].candidate == choice:
+            # The vote we cast below, a round higher, with no leader to join: it would
+            # repeat the split that ended the round below, and spend a round (a review: one
+            # member's candidate climbed all eight rounds alone, one a vote turn). We wait
+            # for a leader, or for a candidate of a retry.
+            return
         ballot.vote = self._record_vote(Vote(self.me, choice, ballot.electorate, round_))
         ballot.since = now
 
@@ -631,28 +641,46 @@ class StepPolicy:
     def abstain(self, now: float) -> None:
         """We have no candidate for the next step (our averaging of it failed, or we missed
         its gathering): as a member of its electorate, vote in the highest round open to us
-        for what the rounds below force, else for the last round's leader where enough
-        joined it (`_last_round_leader`), else an abstention (`steprule.abstention`), but
-        only in a round where some member voted for a candidate: there it lets the round
-        certify or die; elsewhere it would only spend the round (all members without one,
-        rounds died one a vote turn). Unvoted, such members stayed unseen: 39 of 95 at 100
-        simulated peers, and no round of the step could certify or die. Again every vote
-        turn while we hold the step (`_follow_rounds`). Not while an election of ours runs
-        (its ballot votes), nor in a first step's (a genesis: its electorate is its plan)."""
+        for the candidate the rounds below force, or, for our first vote on the step, an
+        abstention (`steprule.abstention`) where members' votes for candidates in that round
+        are `JOIN_SHARE` of the electorate: it lets a split round die rather than wait on us
+        (39 of 95 members at 100 simulated peers had no candidate, and no round of the step
+        could certify or die). Never a leader the rounds do not force (we cannot tell one a
+        few members invented from a real one), nor a second abstention, nor one beside a few
+        votes: each would spend a round (a review: one member's votes in rounds 0-7 drew the
+        four without a candidate through all eight, and the retry that came had none left).
+        Again every vote turn while we hold the step (`_follow_rounds`). Not while an
+        election of ours runs (its ballot votes), nor in a first step's (a genesis)."""
         self._without_candidate = self.held.step + 1
         self._abstained_at = now
         electorate = self.held.electorate
         if self.ballot is not None or electorate is None:
             return
         step = self.held.step + 1
+        self._carry_earlier_vote(step, electorate)  # a restart's vote is ours (review)
         opened = self._open_round_in(step, electorate)
         if opened is None:
             return
         round_, forced = opened
-        votes = self._members_votes(step, electorate)
-        choice = forced or self._last_round_leader(step, electorate, round_, votes)
+        choice = forced
+        if choice is None and (step, electorate) in self._cast_votes:
+            # We voted on the step already: only a candidate the rounds force, in the round
+            # above the highest voted in (the members that back it there wait for ours).
+            votes = self._members_votes(step, electorate) + self._cast_votes[(step, electorate)]
+            top = max(v.round for v in votes) + 1
+            if top >= MAX_ROUNDS:
+                return
+            entry, forced = self.rule.entry(step, electorate, votes, top)
+            if entry is not Entry.FORCED or forced is None:
+                return
+            round_, choice = top, forced
         if choice is None:
-            if not any(v.round == round_ and not v.candidate.abstains for v in votes):
+            members = {
+                v.voter
+                for v in self._members_votes(step, electorate)
+                if v.round == round_ and not v.candidate.abstains
+            }
+            if len(members) < JOIN_SHARE * electorate.size:
                 return
             choice = abstention(step, electorate)
         self._record_vote(Vote(self.me, choice, electorate, round_))
@@ -663,13 +691,18 @@ class StepPolicy:
             round_,
         )
 
-    def _follow_rounds(self, now: float) -> None:
+    def _follow_rounds(self, local: Local, now: float) -> None:
         """Without a candidate for the next step (`abstain`), a vote turn after our last try:
-        a round may be open to us now (others voted in it, the one we voted in died, or one
-        forces the leader). Unvoted there, the members without a candidate (a third of the
-        electorate or more) would leave every round short of two thirds."""
-        if self._without_candidate == self.held.step + 1 and now >= (
-            self._abstained_at + self._vote_turn()
+        a round may be open to us now (others voted in it, or one forces a candidate).
+        Unvoted there, the members without a candidate (a third of the electorate or more)
+        would leave every round short of two thirds. Not while we are in a gathering of the
+        step: it may give us a candidate (review: a background averaging's member abstained,
+        then had nothing left to vote its average in)."""
+        if (
+            self._without_candidate == self.held.step + 1
+            and self.call is None
+            and not local.averaging
+            and now >= self._abstained_at + self._vote_turn()
         ):
             self.abstain(now)
 
@@ -1011,7 +1044,7 @@ class StepPolicy:
             return self._settling(local, now)
         if not local.averaging and (donors := self.donors(view, now)):
             return self._catch_up(donors, view.global_step, None)
-        self._follow_rounds(now)
+        self._follow_rounds(local, now)
         if local.torn:  # no state to compute on, call a step with or declare in
             return Wait(self.training.progress_interval)
         # With delayed updates too: the micro-batches computed while our averaging runs are our
@@ -1026,10 +1059,13 @@ class StepPolicy:
             # half-way through (a test that set the phase HOLDING by hand hid it).
             view = self.view_with(local, now)
         call = self._current_call(view, now)
-        free = (
-            call is None and not local.averaging and not self._waiting_for_others(view, local, now)
-        )
-        if free and self._ready(view, local, now):
+        free = call is None and not local.averaging
+        # Whether others would miss a call only once we could make one (its clocks start then).
+        if (
+            free
+            and self._ready(view, local, now)
+            and not self._waiting_for_others(view, local, now)
+        ):
             if self._ready_since is None:  # the fallback caller's wait starts now
                 self._ready_since = now
         else:
@@ -1435,17 +1471,22 @@ class StepPolicy:
         return self._others_still_averaging(view, local, now) or self._others_downloading(view, now)
 
     def _others_downloading(self, view: CollaborationView, now: float) -> bool:
-        """Trainers downloading our step (one behind, or at it on another digest) would miss a
-        call made now: they declare only once they hold it, and a peer that misses a step
-        downloads it again, while the next is called, and so on for ever (at 100 simulated
-        peers, 30 of every gathering: each "missed the gathering" came right after a download
-        of the step before). Wait for them, at most `Timing.download_grace` from the first
-        time we did at this step: a record that goes on saying it downloads, or a slow link,
-        holds each step only that long. Only fresh records (a paused machine's goes stale)."""
+        """Members of our step's electorate downloading our step (one behind, or at it on
+        another digest) would miss a call made now: they declare only once they hold it, and
+        a peer that misses a step downloads it again, while the next is called, and so on for
+        ever (at 100 simulated peers, 30 of every gathering: each "missed the gathering" came
+        right after a download of the step before). Wait for them, at most
+        `Timing.download_grace` from the first time we were ready to call and did: a record
+        that goes on saying it downloads, or a slow link, holds each step only that long. Only
+        members (they averaged in the plan of the step we hold, so a stranger's record holds
+        nothing: review), and only fresh records (a paused machine's goes stale)."""
         step = self.held.step
+        electorate = self.held.electorate
+        members = self._plans.get(electorate, frozenset()) if electorate else frozenset()
         downloading = any(
             r.role == "trainer"
             and r.peer_id != self.me
+            and r.peer_id in members
             and r.downloading
             and r.step in (step - 1, step)
             and self._fresh(r, now)
