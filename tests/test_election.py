@@ -678,3 +678,10 @@ def test_a_member_does_not_carry_its_own_candidate_up_a_round_with_no_leader_to_
     elect(policy, retry, T0 + 10)
     policy.election(T0 + 10 + policy._vote_turn())
     assert policy.last_vote == Vote(ME, retry, PLAN, 1)
+    # Others voting in a round, with no leader: we vote there too, our own (our vote settles
+    # the round, as every member's must).
+    joined = at_step_3()
+    elect(joined, ours, T0)
+    read(joined, rounds("z0", b, b), rounds("z1", c, c), voting("z2", none), voting("z3", none))
+    joined.election(T0 + joined._vote_turn())
+    assert joined.last_vote == Vote(ME, ours, PLAN, 1)

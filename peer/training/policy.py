@@ -617,11 +617,19 @@ class StepPolicy:
         choice = forced or self._free_choice(ours, ballot.electorate, round_, votes)
         mine = self._cast_votes.get((ours.step, ballot.electorate), [])
         leader = self._last_round_leader(ours.step, ballot.electorate, round_, votes)
-        if forced is None and leader is None and mine and mine[-1].candidate == choice:
-            # The vote we cast below, a round higher, with no leader to join: it would
-            # repeat the split that ended the round below, and spend a round (a review: one
-            # member's candidate climbed all eight rounds alone, one a vote turn). We wait
-            # for a leader, or for a candidate of a retry.
+        opened_by_others = any(v.round == round_ for v in votes)
+        if (
+            forced is None
+            and leader is None
+            and mine
+            and mine[-1].candidate == choice
+            and not opened_by_others
+        ):
+            # The vote we cast below, in a round nobody else has voted in, with no leader to
+            # join: it would repeat the split that ended the round below, and spend a round
+            # (a review: one member's candidate climbed all eight rounds alone, one a vote
+            # turn). We wait for a leader, a retry's candidate, or others in the round (there
+            # our vote settles it, as every member's must).
             return
         ballot.vote = self._record_vote(Vote(self.me, choice, ballot.electorate, round_))
         ballot.since = now
