@@ -55,9 +55,9 @@ election runs in numbered rounds within the step's one electorate, after Fast Pa
 - a member *settled* round r if it voted in r or in a later round (it never votes in r after);
   the others are *unseen* in r. A member without a candidate for r (its averaging failed, it
   missed the gathering) votes an *abstention* (`abstention`): it settles r and counts for no
-  candidate, so a round whose members failed to average can die rather than wait on them. A candidate is *possible* in round r (a reader's view) if its
-  round-r votes plus the unseen could reach the quorum; any candidate is, if the unseen alone
-  could (`Entry.WAIT`);
+  candidate, so a round whose members failed to average can die rather than wait on them.
+  A candidate is *possible* in round r (a reader's view) if its round-r votes plus the
+  unseen could reach the quorum; any candidate is, if the unseen alone could (`Entry.WAIT`);
 - a member enters round m (`StepRule.entry`) only as the highest round below m whose possible
   set is not empty allows: one possible candidate c: it must vote c (`FORCED`); two, or any
   unseen one: it waits (`WAIT`); none in any round below m: it votes as it likes (`FREE`).
