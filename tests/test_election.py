@@ -685,3 +685,14 @@ def test_a_member_does_not_carry_its_own_candidate_up_a_round_with_no_leader_to_
     read(joined, rounds("z0", b, b), rounds("z1", c, c), voting("z2", none), voting("z3", none))
     joined.election(T0 + joined._vote_turn())
     assert joined.last_vote == Vote(ME, ours, PLAN, 1)
+
+
+def test_a_member_that_missed_the_gathering_abstains():
+    """A member of the step's electorate that sees its gathering close before it could
+    declare (it was downloading, or its read came late) has no candidate: it abstains beside
+    the members' votes, at once, rather than stay unseen."""
+    policy = at_step_3()
+    call = other("z3", step=3, digest="d3", call_step=3, gather_until=T0 + 0.1, holding=True)
+    read(policy, voting("z0", BIG), voting("z1", BIG), call)
+    policy.next_action(Local(samples=8, samples_per_second=10.0), T0)
+    assert policy.last_vote == Vote(ME, abstention(4, PLAN), PLAN, 0)
