@@ -614,9 +614,9 @@ class StepPolicy:
             return  # we voted in every round open to us (our record carries it)
         round_, forced = opened
         votes = self._members_votes(ours.step, ballot.electorate)
-        choice = forced or self._free_choice(ours, ballot.electorate, round_, votes)
-        mine = self._cast_votes.get((ours.step, ballot.electorate), [])
         leader = self._last_round_leader(ours.step, ballot.electorate, round_, votes)
+        choice = forced or leader or self._free_choice(ours, round_, votes)
+        mine = self._cast_votes.get((ours.step, ballot.electorate), [])
         opened_by_others = any(v.round == round_ for v in votes)
         if (
             forced is None
@@ -671,23 +671,20 @@ class StepPolicy:
             return
         round_, forced = opened
         choice = forced
+        votes = self._members_votes(step, electorate)
         if choice is None and (step, electorate) in self._cast_votes:
             # We voted on the step already: only a candidate the rounds force, in the round
             # above the highest voted in (the members that back it there wait for ours).
-            votes = self._members_votes(step, electorate) + self._cast_votes[(step, electorate)]
-            top = max(v.round for v in votes) + 1
+            ours = votes + self._cast_votes[(step, electorate)]
+            top = max(v.round for v in ours) + 1
             if top >= MAX_ROUNDS:
                 return
-            entry, forced = self.rule.entry(step, electorate, votes, top)
+            entry, forced = self.rule.entry(step, electorate, ours, top)
             if entry is not Entry.FORCED or forced is None:
                 return
             round_, choice = top, forced
         if choice is None:
-            members = {
-                v.voter
-                for v in self._members_votes(step, electorate)
-                if v.round == round_ and not v.candidate.abstains
-            }
+            members = {v.voter for v in votes if v.round == round_ and not v.candidate.abstains}
             if len(members) < JOIN_SHARE * electorate.size:
                 return
             choice = abstention(step, electorate)
@@ -714,18 +711,13 @@ class StepPolicy:
         ):
             self.abstain(now)
 
-    def _free_choice(
-        self, ours: Candidate, electorate: Electorate, round_: int, votes: list[Vote]
-    ) -> Candidate:
-        """Our vote in a round the rounds below leave free: the candidate of our plan that
-        members' votes in the round lead with, by more than ours would have with our vote and
-        by at least `JOIN_SHARE` of the plan's members (a few colluding members cannot draw
-        the honest votes to a candidate they invented, which nobody could serve); past the
-        first round, the last round's leader where `JOIN_SHARE` of the electorate voted for it
-        (every member that reads it joins it, so the round certifies it); else ours."""
-        leader = self._last_round_leader(ours.step, electorate, round_, votes)
-        if leader is not None:
-            return leader
+    def _free_choice(self, ours: Candidate, round_: int, votes: list[Vote]) -> Candidate:
+        """Our vote in a round the rounds below leave free and no last round's leader claims
+        (`_last_round_leader`, which `_cast` takes first: every member that reads it joins it,
+        so the round certifies it): the candidate of our plan that members' votes in the round
+        lead with, by more than ours would have with our vote and by at least `JOIN_SHARE` of
+        the plan's members (a few colluding members cannot draw the honest votes to a
+        candidate they invented, which nobody could serve); else ours."""
         counts = Counter(
             v.candidate for v in votes if v.round == round_ and v.candidate.plan == ours.plan
         )
