@@ -32,7 +32,6 @@ from typing import Any
 
 import torch
 import trio
-import trio.testing
 from libp2p.peer.id import ID
 
 from peer.averaging.averager import Averager, AveragingResult
@@ -53,6 +52,7 @@ from peer.training.progress import CollaborationView, ProgressRecord
 from peer.training.statesync import Snapshot
 from peer.training.trainer import Trainer
 from simulation import cpu
+from simulation.clock import VirtualClock
 from simulation.dataplane import SimDataPlane, SimDataServer, SimIdentity, simulated
 from simulation.determinism import deterministic_trio
 from simulation.nat import Nat, NatDraw, NatTally
@@ -607,7 +607,7 @@ def run_collaboration(scenario: Scenario) -> Report:
     collaboration = Collaboration(scenario)
     started = time.perf_counter()
     with simulated(collaboration.plane), deterministic_trio(scenario.seed), cpu.charged():
-        trio.run(collaboration.run, clock=trio.testing.MockClock(autojump_threshold=0))
+        trio.run(collaboration.run, clock=VirtualClock())
     agree, newest = collaboration.final
     everyone = [v.trainer for v in collaboration.volunteers]
     return Report(

@@ -15,8 +15,8 @@ time):
 
 The rest was already deterministic: the peers' keys, links and speeds come from the scenario's
 `random.Random(seed)`, the DHT's refresh targets from the seeded module `random`, worker
-threads run inline (`dataplane.simulated`) and the clock is trio's `MockClock`, which jumps
-only when every task waits.
+threads run inline (`dataplane.simulated`) and the clock (`simulation.clock`) is virtual: it
+jumps only when no task can run.
 """
 
 from __future__ import annotations

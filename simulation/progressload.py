@@ -27,7 +27,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import trio
-import trio.testing
 from libp2p.peer.id import ID
 
 from peer.config import PeerConfig
@@ -37,6 +36,7 @@ from peer.training import shards
 from peer.training.progress import CollaborationView, ProgressRecord
 from peer.training.publisher import ProgressPublisher
 from simulation import cpu
+from simulation.clock import VirtualClock
 from simulation.collaboration import EPOCH
 from simulation.determinism import deterministic_trio
 from simulation.network import MBIT, Link, LinkDistribution, SimNetwork
@@ -167,7 +167,7 @@ def run_load(peers: int, *, seconds: float = 60.0, warmup: float = 20.0, seed: i
     started = time.perf_counter()
     with deterministic_trio(seed), cpu.charged():
         served, coverage, calls, replies = trio.run(
-            _run, peers, seconds, warmup, seed, clock=trio.testing.MockClock(autojump_threshold=0)
+            _run, peers, seconds, warmup, seed, clock=VirtualClock()
         )
     return Load(peers, seconds, served, coverage, calls, replies, time.perf_counter() - started)
 

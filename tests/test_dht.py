@@ -657,6 +657,28 @@ async def test_hot_stores_go_to_the_replicas_looked_up_last_until_they_are_old()
         assert (await s.dhts[9].get("hot"))[me].value == b"3"
 
 
+async def test_the_holders_of_a_level_of_many_spread_keys_are_reused_longer():
+    """A reader looks up every shard of its level: past `SPREAD_KEYS_PER_REFRESH` shards a
+    shard's holders are reused longer in proportion, so its lookups a second stay the same."""
+    clock = FakeClock()
+    async with swarm(N, CONFIG, clock=clock) as s:
+        reader = s.dhts[0]
+        few, many = spread_key("f", 3, 0), spread_key("f", 6, 0)
+        assert dht_node.spread_refresh_seconds(3) == dht_node.HOT_SPREAD_SECONDS
+        for key in (few, many):
+            await reader.get(key, hot=True)
+        await trio.sleep(dht_node.HOT_SPREAD_SECONDS)
+        finds = calls_of(reader, "find_node")
+        await reader.get(many, hot=True)
+        assert calls_of(reader, "find_node") == finds  # 64 shards: still fresh
+        await reader.get(few, hot=True)
+        assert calls_of(reader, "find_node") > finds  # 8 shards: looked up again
+        await trio.sleep(dht_node.spread_refresh_seconds(6) - dht_node.HOT_SPREAD_SECONDS)
+        finds = calls_of(reader, "find_node")
+        await reader.get(many, hot=True)
+        assert calls_of(reader, "find_node") > finds
+
+
 async def test_a_node_that_stops_announcing_itself_is_added_to_no_table():
     """A peer the backbones could not dial (behind NAT) stops announcing its addresses in its
     calls: nobody adds it, so no lookup waits out a dial to it (a home router drops the SYN)."""

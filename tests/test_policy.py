@@ -668,6 +668,12 @@ def test_fallback_callers_take_turns_from_the_lowest_up():
     after_gone, _ = dedloc(silent, gone)
     assert isinstance(after_gone.next_action(ours, T0), Wait)
     assert isinstance(after_gone.next_action(ours, T0 + fallback + 0.1), Call)
+    # A record dated far ahead of our clock (its peer's claim) looks no more alive than one
+    # long stale: it adds no turn either.
+    ahead = other("a", samples=20, holding=True, updated_at=T0 + 3600)
+    after_ahead, _ = dedloc(silent, ahead)
+    assert isinstance(after_ahead.next_action(ours, T0), Wait)
+    assert isinstance(after_ahead.next_action(ours, T0 + fallback + 0.1), Call)
 
     # Ids ground below ours hold our fallback call back by MAX_FALLBACK_TURNS turns at most.
     def crowd(now: float) -> list[ProgressRecord]:  # 20 fresh records between "0" and us

@@ -46,6 +46,28 @@ def test_nearest_is_sorted_by_xor_distance_and_excludes():
     assert got == everyone[:5]
 
 
+def test_nearest_follows_the_buckets_through_adds_replacements_and_removals():
+    """`nearest` scans its own index of the buckets' contacts: after any mix of adds (a known
+    contact at new addresses), full buckets, replacements moving in and removals, it gives what
+    a sort of the buckets gives."""
+    rng = random.Random(3)
+    table = RoutingTable(new_id(rng), bucket_size=3, replacements=2)
+    pool = [contact(rng) for _ in range(40)]
+    for _ in range(400):
+        c = rng.choice(pool)
+        if rng.random() < 0.3:
+            table.remove(c.peer_id)
+        else:
+            table.add(Contact(c.peer_id, (f"/ip4/127.0.0.1/tcp/{rng.randrange(1, 9)}",)))
+        target = rng.getrandbits(256)
+        exclude = [p.peer_id for p in rng.sample(pool, 3)]
+        everyone = sorted(
+            (x for x in table.contacts() if x.peer_id not in exclude), key=lambda x: x.id ^ target
+        )
+        assert table.nearest(target, 4, exclude=exclude) == everyone[:4]
+        assert len(table) == len(table.contacts())
+
+
 def test_full_bucket_keeps_old_contacts_and_replacement_fills_on_removal():
     own = new_id()
     table = RoutingTable(own, bucket_size=2, replacements=2)

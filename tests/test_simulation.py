@@ -13,6 +13,7 @@ import msgspec
 import numpy as np
 import pytest
 import trio
+import trio.testing
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
@@ -24,6 +25,7 @@ from peer.dht.records import Limits, make_entry
 from peer.errors import DeadlineExceeded, RpcError, Unreachable
 from peer.net.rpc import RpcServer
 from peer.training.publisher import ProgressPublisher
+from simulation import collaboration
 from simulation.collaboration import (
     EPOCH,
     VECTOR,
@@ -356,6 +358,17 @@ def test_the_same_seed_gives_the_same_run_to_the_byte_and_another_seed_another()
     first, again, other = (fingerprint(r) for r in runs)
     assert first == again
     assert first != other
+
+
+def test_the_virtual_clock_gives_the_run_trio_s_mock_clock_gives(monkeypatch):
+    """`simulation.clock.VirtualClock` reads the time and jumps without the real clock: the
+    same run, to the nanosecond and the byte, as trio's `MockClock` at rate 0."""
+    scenario = small(peers=5, minutes=1.5, churn_per_hour=12.0, seed=7)
+    fast = run_collaboration(scenario)
+    monkeypatch.setattr(
+        collaboration, "VirtualClock", lambda: trio.testing.MockClock(autojump_threshold=0)
+    )
+    assert fingerprint(run_collaboration(scenario)) == fingerprint(fast)
 
 
 def test_a_step_taken_as_another_state_by_anyone_at_any_time_is_a_violation():

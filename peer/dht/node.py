@@ -102,6 +102,16 @@ HOT_REPLICAS_SECONDS = 10.0
 #: since is no holder until then, for writers and readers alike; one that left fails its call
 #: and the key is looked up again (`_forget`).
 HOT_SPREAD_SECONDS = 30.0
+#: Spread keys of one level whose holders are looked up every `HOT_SPREAD_SECONDS`; a level of
+#: more keys reuses them longer, in proportion (`spread_refresh_seconds`). A reader looks up
+#: every shard of its level, each ~30 find_node calls 24 deep: in the first 30 s of 300
+#: simulated peers (32 shards) every node made 58 find_node calls a second (1 GB of them in
+#: all, 70 % of the calls), for holders that change with churn alone (one that left fails a call and its key is
+#: looked up again; one that joined is read and written to from the next lookup).
+SPREAD_KEYS_PER_REFRESH = 8
+#: Seconds a spread key's holders are reused, at most: a joiner of the prefix waits at most
+#: this long to be written to.
+HOT_SPREAD_MAX_SECONDS = 300.0
 #: Holders of a spread key a lookup finds, at most, as a multiple of `dht.replicas`: its prefix
 #: holds a shard's ~8-16 nodes (`peer.training.shards.SHARD_RECORDS`), more by chance. With
 #: 2x, a shard whose prefix held over 16 nodes had 16 holders for more records: the busiest
@@ -353,7 +363,7 @@ class DHT:
 
         A subkey equal to our own peer id is signed with our key (an owner-signed entry). A
         `hot` key, written every few seconds, goes to its holders as looked up at most
-        `HOT_REPLICAS_SECONDS` (`HOT_SPREAD_SECONDS`) ago (`_hot_replicas`).
+        `HOT_REPLICAS_SECONDS` (`spread_refresh_seconds`) ago (`_hot_replicas`).
         """
         signer = (
             self.node.identity.key_pair.private_key
@@ -520,7 +530,7 @@ class DHT:
     async def _hot_replicas(self, target: int, bits: int = 0) -> list[Contact]:
         """The live nodes that hold a hot key (`routing.hot_holders`: the `replicas` closest
         to `target`, or every node of a spread key's prefix), looked up at most
-        `HOT_REPLICAS_SECONDS` (`HOT_SPREAD_SECONDS`) ago, or again after one of them failed a
+        `HOT_REPLICAS_SECONDS` (`spread_refresh_seconds`) ago, or again after one of them failed a
         call (`_forget`)."""
         now = trio.current_time()
         cached = self._hot.get(target)
@@ -534,7 +544,7 @@ class DHT:
         # to be found; looked up at every use.
         if len(contacts) >= self.config.replicas:
             self._hot[target] = (
-                now + (HOT_SPREAD_SECONDS if bits else HOT_REPLICAS_SECONDS),
+                now + (spread_refresh_seconds(bits) if bits else HOT_REPLICAS_SECONDS),
                 contacts,
             )
             self._hot.move_to_end(target)
@@ -836,6 +846,15 @@ class DHT:
         return self.table.own ^ target < max(c.id ^ target for c in contacts)
 
 
+def spread_refresh_seconds(bits: int) -> float:
+    """Seconds the holders of a spread key of `bits` bits are reused: `HOT_SPREAD_SECONDS`
+    while its level has at most `SPREAD_KEYS_PER_REFRESH` keys, longer in proportion beyond, so
+    that a reader of every key of a level makes as many lookups a second at any level (at most
+    `HOT_SPREAD_MAX_SECONDS`)."""
+    scale = max(1.0, 2**bits / SPREAD_KEYS_PER_REFRESH)
+    return min(HOT_SPREAD_MAX_SECONDS, HOT_SPREAD_SECONDS * scale)
+
+
 def owned_entries(entries: Mapping[str, Entry]) -> int:
     """Entries under a peer's own (signed) subkey: what a hot read is judged by. Open subkeys
     cost a writer nothing to add, so a replica could otherwise inflate our count and keep every
@@ -848,7 +867,7 @@ def direct_addrs(texts: Sequence[str]) -> list[Multiaddr]:
     only: in a reply the replier names the contact, and could route our dials to anyone
     through a relay of its choosing (or to a backbone through itself, a dial that waits on
     itself). DHT servers are reachable inbound, so they need none."""
-    return [addr for addr in parse_addrs(texts) if not is_circuit(addr)]
+    return parse_addrs([text for text in texts if not is_circuit(text)])
 
 
 def _outcome(error: RemoteError) -> str:

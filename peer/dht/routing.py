@@ -139,12 +139,16 @@ class RoutingTable:
         self.replacements = replacements
         self._buckets: list[OrderedDict[ID, Contact]] = [OrderedDict() for _ in range(ID_BITS)]
         self._spare: list[OrderedDict[ID, Contact]] = [OrderedDict() for _ in range(ID_BITS)]
+        self._everyone: dict[int, Contact] = {}
+        """Every bucket's contacts by node id: what `nearest` scans (a lookup's every step and
+        every find_node we answer; the buckets' 256 dicts and a key function per contact were
+        7 % of a 100-peer simulation's CPU)."""
 
     def _bucket_index(self, other: int) -> int:
         return max((self.own ^ other).bit_length() - 1, 0)
 
     def __len__(self) -> int:
-        return sum(len(bucket) for bucket in self._buckets)
+        return len(self._everyone)
 
     def __contains__(self, peer_id: ID) -> bool:
         return peer_id in self._buckets[self._bucket_index(node_id(peer_id))]
@@ -165,6 +169,7 @@ class RoutingTable:
         if contact.peer_id in bucket or len(bucket) < self.bucket_size:
             bucket[contact.peer_id] = contact
             bucket.move_to_end(contact.peer_id)
+            self._everyone[contact.id] = contact
             return
         spare = self._spare[index]
         spare[contact.peer_id] = contact
@@ -176,16 +181,19 @@ class RoutingTable:
         """Forget a contact that failed; the freshest replacement takes its place."""
         index = self._bucket_index(node_id(peer_id))
         self._spare[index].pop(peer_id, None)
-        if self._buckets[index].pop(peer_id, None) is not None and self._spare[index]:
+        if self._buckets[index].pop(peer_id, None) is None:
+            return
+        del self._everyone[node_id(peer_id)]
+        if self._spare[index]:
             _, replacement = self._spare[index].popitem(last=True)
             self._buckets[index][replacement.peer_id] = replacement
+            self._everyone[replacement.id] = replacement
 
     def nearest(self, target: int, count: int, *, exclude: Iterable[ID] = ()) -> list[Contact]:
-        excluded = set(exclude)
-        contacts = (c for b in self._buckets for c in b.values())
-        if excluded:
-            contacts = (c for c in contacts if c.peer_id not in excluded)
-        return heapq.nsmallest(count, contacts, key=lambda c: c.id ^ target)
+        everyone = self._everyone
+        excluded = {node_id(peer_id) for peer_id in exclude}
+        ids = heapq.nsmallest(count + len(excluded), everyone, key=target.__xor__)
+        return [everyone[i] for i in ids if i not in excluded][:count]
 
     def contacts(self) -> list[Contact]:
         return [c for bucket in self._buckets for c in bucket.values()]

@@ -1462,8 +1462,10 @@ class StepPolicy:
         )
 
     def _fresh(self, record: ProgressRecord, now: float) -> bool:
-        """`record` was published recently enough that its peer looks alive (`stale_record`)."""
-        return now - record.updated_at <= self.timing.stale_record
+        """`record` was published recently enough that its peer looks alive (`stale_record`),
+        and not later than that ahead of our clock: a record dated in the future (a peer's
+        claim) would look alive for ever, while its entry lives."""
+        return abs(now - record.updated_at) <= self.timing.stale_record
 
     def _waiting_for_others(self, view: CollaborationView, local: Local, now: float) -> bool:
         """We hold our call for peers that would miss it: still in an averaging of our step,
