@@ -65,6 +65,18 @@ def test_decode_keeps_only_owner_subkeys_naming_themselves_with_finite_figures()
     assert decode_progress(entries, collaboration=COLLAB) == [good]
 
 
+def test_bytes_decoded_before_are_judged_again_for_each_read():
+    """Decoding is remembered by the record's bytes, its checks are not: the same bytes read
+    under another peer's subkey, or in another collaboration, are judged as the first time."""
+    record = rec(0, cosigners=(1,))
+    raw = encode_progress(record)
+    assert decode_progress({PEERS[0]: entry(raw)}, collaboration=COLLAB) == [record]
+    assert decode_progress({PEERS[1]: entry(raw)}, collaboration=COLLAB) == []
+    [elsewhere] = decode_progress({PEERS[0]: entry(raw)}, collaboration="elsewhere")
+    assert elsewhere.signatures == []
+    assert decode_progress({PEERS[0]: entry(raw)}, collaboration=COLLAB) == [record]
+
+
 def test_decode_rejects_negative_steps():
     raw = msgspec.msgpack.encode({**msgspec.structs.asdict(rec(0)), "step": -1})
     assert decode_progress({PEERS[0]: entry(raw)}, collaboration=COLLAB) == []
