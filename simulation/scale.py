@@ -141,7 +141,7 @@ def main() -> None:
         f"{started:%Y-%m-%d}, at {at}: `{command.strip()}` (seed {args.seed}; "
         f"{args.minutes:g} virtual minutes measured after {args.warmup:g} of warm-up; "
         f"{NAT_SHARE:.0%} of the peers behind NAT, {SYMMETRIC_SHARE:.0%} of those symmetric; "
-        f"{args.jobs} runs at a time on {os.cpu_count()} cores).",
+        f"{args.jobs} run{'s' if args.jobs != 1 else ''} at a time on {os.cpu_count()} cores).",
         "",
         *table(columns, summaries),
     ]
