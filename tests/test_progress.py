@@ -77,6 +77,22 @@ def test_bytes_decoded_before_are_judged_again_for_each_read():
     assert decode_progress({PEERS[0]: entry(raw)}, collaboration=COLLAB) == [record]
 
 
+def test_only_records_of_a_records_size_are_remembered():
+    """What strangers write is remembered only up to `DECODED_RECORD_BYTES` a record: a few MB
+    in all, however large the values they sign."""
+    from peer.training import progress
+
+    large = rec(0, addrs=["/ip4/127.0.0.1/tcp/1/" + "x" * 230] * 16)
+    raw = encode_progress(large)
+    assert len(raw) > progress.DECODED_RECORD_BYTES
+    before = progress._decoded.cache_info().currsize
+    assert decode_progress({PEERS[0]: entry(raw)}, collaboration=COLLAB) == [large]
+    assert progress._decoded.cache_info().currsize == before
+    small = encode_progress(rec(0, samples=7))
+    decode_progress({PEERS[0]: entry(small)}, collaboration=COLLAB)
+    assert progress._decoded.cache_info().currsize == before + 1
+
+
 def test_decode_rejects_negative_steps():
     raw = msgspec.msgpack.encode({**msgspec.structs.asdict(rec(0)), "step": -1})
     assert decode_progress({PEERS[0]: entry(raw)}, collaboration=COLLAB) == []

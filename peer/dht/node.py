@@ -106,8 +106,9 @@ HOT_SPREAD_SECONDS = 30.0
 #: more keys reuses them longer, in proportion (`spread_refresh_seconds`). A reader looks up
 #: every shard of its level, each ~30 find_node calls 24 deep: in the first 30 s of 300
 #: simulated peers (32 shards) every node made 58 find_node calls a second (1 GB of them in
-#: all, 70 % of the calls), for holders that change with churn alone (one that left fails a call and its key is
-#: looked up again; one that joined is read and written to from the next lookup).
+#: all, 70 % of the calls), for holders that change with churn alone (one that left fails a
+#: call and its key is looked up again; one that joined is read and written to from the next
+#: lookup).
 SPREAD_KEYS_PER_REFRESH = 8
 #: Seconds a spread key's holders are reused, at most: a joiner of the prefix waits at most
 #: this long to be written to.

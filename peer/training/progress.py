@@ -182,13 +182,14 @@ def encode_progress(record: ProgressRecord) -> bytes:
     return msgspec.msgpack.encode(record)
 
 
-@lru_cache(maxsize=4096)
-def _decoded(value: bytes | None) -> ProgressRecord | None:
-    """A record's bytes decoded, None where they do not decode or hold non-finite figures.
-    Cached by the bytes (records are frozen, and their lists never changed in place): a peer
-    that reads the same record again, or a simulation whose peers all read it, decodes it
-    once (300 simulated peers each read every record every ~1.6 s). The step
-    signatures are checked by every reader (`decode_progress`), each paying its own checks."""
+#: Records of at most this many bytes are decoded once (ours are ~0.7 KB), at most
+#: `DECODED_RECORDS` of them remembered: a few MB, whatever records strangers write.
+DECODED_RECORD_BYTES = 4096
+DECODED_RECORDS = 2048
+
+
+def _decode(value: bytes | None) -> ProgressRecord | None:
+    """A record's bytes decoded, None where they do not decode or hold non-finite figures."""
     if value is None:
         return None
     try:
@@ -198,6 +199,13 @@ def _decoded(value: bytes | None) -> ProgressRecord | None:
     return record if record.problem() is None else None
 
 
+_decoded = lru_cache(maxsize=DECODED_RECORDS)(_decode)
+"""`_decode` remembered by the bytes (records are frozen, and their lists never changed in
+place): a peer that reads the same record again, or a simulation whose peers all read it,
+decodes it once (300 simulated peers each read every record every ~1.6 s). The step
+signatures are checked by every reader (`decode_progress`), each paying its own checks."""
+
+
 def decode_progress(entries: dict[str, object], *, collaboration: str) -> list[ProgressRecord]:
     """Records from a progress get: only owner-signed entries naming their own subkey, each
     with only the step signatures that are valid for its (step, digest) in `collaboration`."""
@@ -205,7 +213,9 @@ def decode_progress(entries: dict[str, object], *, collaboration: str) -> list[P
     for subkey, entry in entries.items():
         if owner_key(subkey) is None:
             continue
-        record = _decoded(entry.value)  # type: ignore[attr-defined]
+        value = entry.value  # type: ignore[attr-defined]
+        small = value is not None and len(value) <= DECODED_RECORD_BYTES
+        record = _decoded(value) if small else _decode(value)
         if record is not None and record.peer_id == subkey:
             valid = valid_signatures(record.signatures, collaboration, record.step, record.digest)
             if len(valid) != len(record.signatures):
