@@ -679,6 +679,24 @@ async def test_the_holders_of_a_level_of_many_spread_keys_are_reused_longer():
         assert calls_of(reader, "find_node") > finds
 
 
+async def test_a_hot_read_that_falls_back_looks_its_holders_up_again():
+    """Holders that showed fewer than half the records of the last read are not reused (for
+    up to `HOT_SPREAD_MAX_SECONDS`): the next read looks them up again (found in review)."""
+    clock = FakeClock()
+    async with swarm(N, CONFIG, clock=clock) as s:
+        reader = s.dhts[0]
+        for writer in s.dhts[1:]:
+            me = writer.node.peer_id.to_base58()
+            await writer.store("hot", me, b"x", expiration=clock.now + 60, hot=True)
+        await reader.get("hot", hot=True)
+        target = dht_node.key_id("hot")
+        reader._hot_read[target] = 10 * N  # the last read saw far more: these holders hid some
+        assert len(await reader.get("hot", hot=True)) == N - 1  # read the usual way
+        finds = calls_of(reader, "find_node")
+        await reader.get("hot", hot=True)
+        assert calls_of(reader, "find_node") > finds
+
+
 async def test_a_node_that_stops_announcing_itself_is_added_to_no_table():
     """A peer the backbones could not dial (behind NAT) stops announcing its addresses in its
     calls: nobody adds it, so no lookup waits out a dial to it (a home router drops the SYN)."""

@@ -17,6 +17,7 @@ its own budget, checks each entry once, and drops a reply (and that replica) wit
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import random
@@ -501,6 +502,9 @@ class DHT:
                     nursery.start_soon(read, contact)
         owned = owned_entries(merged)
         if (answered == 0 and wanted > 0) or 2 * owned < self._hot_read.get(target, 0):
+            # Holders that hid records (or joined since and hold few yet) are looked up again
+            # at the next use, not reused for up to `HOT_SPREAD_MAX_SECONDS` (review).
+            self._hot.pop(target, None)
             return False
         self._note_hot_read(target, owned)
         return True
@@ -868,7 +872,16 @@ def direct_addrs(texts: Sequence[str]) -> list[Multiaddr]:
     only: in a reply the replier names the contact, and could route our dials to anyone
     through a relay of its choosing (or to a backbone through itself, a dial that waits on
     itself). DHT servers are reachable inbound, so they need none."""
-    return parse_addrs([text for text in texts if not is_circuit(text)])
+    return [addr for addr in map(_direct_addr, texts) if addr is not None]
+
+
+@functools.lru_cache(maxsize=8192)
+def _direct_addr(text: str) -> Multiaddr | None:
+    """One text of `direct_addrs`, None where it does not parse or goes through a relay (as
+    written or as parsed: `/unix/%2Fp2p-circuit` reads as one). Cached: replies name the same
+    contacts over and over (`host._parse_addr`)."""
+    parsed = parse_addrs([text])
+    return parsed[0] if parsed and not is_circuit(parsed[0]) else None
 
 
 def _outcome(error: RemoteError) -> str:

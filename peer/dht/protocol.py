@@ -53,7 +53,7 @@ class WireContact(msgspec.Struct, frozen=True):
         return _wire_contact(contact.peer_id, contact.addrs)
 
 
-@functools.lru_cache(maxsize=8192)
+@functools.lru_cache(maxsize=2048)
 def _wire_contact(peer_id: ID, addrs: tuple[str, ...]) -> WireContact:
     """Cached: every find_node reply names 20 contacts, the same ones over and over (3 % of
     a 300-peer simulation's CPU went to building them)."""
