@@ -5,16 +5,25 @@ transfers on it at a moment share its capacity equally, as TCP flows through one
 roughly do. A message, an all-reduce round's parts or a state download is carried on the
 sender's uplink and the receiver's downlink at once (`carry`) and ends when both have carried
 all its bytes; so a node whose replicas serve a hot DHT key slows its own replies, its
-averaging and its downloads, and they slow each other.
+averaging and its downloads, and they slow each other. A message's bytes start after its
+latency (`carry(..., after=)`).
 
 How, cheaply (a thousand nodes, millions of messages): a link keeps a virtual clock, the bytes
 each transfer on it has been served since it started (it advances at capacity / transfers);
 a transfer of b bytes that starts at virtual time v ends when the virtual clock reaches v + b.
-Only the transfer that ends first on a link holds a timer (`_arm`); each start or end moves it.
+A link is brought up to date only when something looks at it (`_advance`: the starts and ends
+since, in time order), so nothing on it needs a timer of its own. A task that carries bytes
+sleeps until its transfers would all end if nothing else started on their links (`_Waiter`):
+a lower bound, since a start only slows the others. Waking, it brings its links up to date and
+sleeps again if one of its transfers has not ended (something started meanwhile); a transfer
+that stops early (its task cancelled) speeds the others on its link, which then sleep again
+from the new bound. A message is then one wait, not a sleep for its latency and a wait for its
+bytes on each link (trio's wake-ups were most of the simulator's CPU).
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from heapq import heappop, heappush
@@ -24,43 +33,49 @@ import trio
 _order = itertools.count()
 
 
-MAX_WAKEUPS = 1000
-"""Timer wakeups of one transfer that does not end: more is a livelock of the simulator's
-own (a clock that cannot resolve what is left), raised instead of spinning for ever."""
+MAX_WAKEUPS = 10_000
+"""Wake-ups of one task whose transfers do not end: more is a livelock of the simulator's own
+(a clock that cannot resolve what is left), raised instead of spinning for ever. A wake-up
+comes early only when something started on its links since it slept, and each brings its
+bound closer by what started: a few for a message, tens for a long transfer on a busy link."""
+
+
+def _slack(now: float) -> float:
+    """How far past `now` an end still counts as now: a sliver of bytes left at a time too large
+    for the sliver's seconds to move the clock would otherwise be woken for ever (a simulation
+    froze at 142 virtual seconds that way)."""
+    return 1e-9 * max(1.0, abs(now))
 
 
 class _Transfer:
-    __slots__ = ("done", "ends_at", "tag", "waiter", "wakeups")
+    __slots__ = ("done", "key", "size", "starts_at", "waiter")
 
-    def __init__(self, tag: float, waiter: _Waiter) -> None:
-        self.tag = tag
+    def __init__(self, size: float, starts_at: float, waiter: _Waiter) -> None:
+        self.size = size
+        self.starts_at = starts_at
         self.waiter = waiter
         self.done = False
-        self.wakeups = 0
-        self.ends_at = math.inf  # armed only while it is its link's next to end
+        self.key: tuple[float, int] | None = None
+        """(its end on the link's virtual clock, order) once started."""
 
 
 class _Waiter:
     """One task waiting for its transfers (one per link they cross) to end."""
 
-    __slots__ = ("event", "scope", "transfers")
+    __slots__ = ("scope", "transfers")
 
     def __init__(self) -> None:
         self.transfers: list[tuple[SharedLink, _Transfer]] = []
-        self.event = trio.Event()
         self.scope: trio.CancelScope | None = None
 
-    def rearm(self) -> None:
-        if self.scope is not None:
-            self.scope.deadline = min(
-                (t.ends_at for _, t in self.transfers if not t.done), default=-math.inf
-            )
+    def deadline(self, now: float) -> float:
+        """When its transfers would all have ended if nothing else started (-inf: they have)."""
+        ends = [link._projected_end(t, now) for link, t in self.transfers if not t.done]
+        return max(ends, default=-math.inf)
 
-    def ended(self) -> None:
-        if all(t.done for _, t in self.transfers):
-            self.event.set()
-        else:
-            self.rearm()
+    def rearm(self, now: float) -> None:
+        if self.scope is not None:
+            self.scope.deadline = self.deadline(now)
 
 
 class SharedLink:
@@ -72,98 +87,127 @@ class SharedLink:
         """Bytes carried in all (what `Traffic` reads per node)."""
         self._virtual = 0.0
         self._at = 0.0
-        self._active = 0
-        self._heap: list[tuple[float, int, _Transfer]] = []
+        self._running: list[tuple[float, int, _Transfer]] = []
+        """Started transfers by the virtual time they end at."""
+        self._pending: list[tuple[float, int, _Transfer]] = []
+        """Transfers to start later (a message's latency), by start time."""
 
     def _advance(self, now: float) -> None:
-        if self._active:
-            self._virtual += (now - self._at) * self.capacity / self._active
-        self._at = now
+        """Bring the link to `now`: its starts and ends since the last look, in time order."""
+        pending = self._pending
+        while pending and pending[0][0] <= now:
+            at, _, transfer = heappop(pending)
+            if not transfer.done:  # else cancelled before it started
+                self._run_to(at)
+                self._begin(transfer)
+        self._run_to(now)
 
-    def _start(self, size: float, waiter: _Waiter) -> _Transfer:
-        self._advance(trio.current_time())
-        transfer = _Transfer(self._virtual + size, waiter)
-        heappush(self._heap, (transfer.tag, next(_order), transfer))
-        self._active += 1
+    def _begin(self, transfer: _Transfer) -> None:
+        transfer.key = (self._virtual + transfer.size, next(_order))
+        bisect.insort(self._running, (*transfer.key, transfer))
+
+    def _run_to(self, now: float) -> None:
+        running = self._running
+        while running:
+            tag, _, transfer = running[0]
+            ends = self._at + (tag - self._virtual) * len(running) / self.capacity
+            if ends > now + _slack(now):
+                break
+            self._virtual = max(self._virtual, tag)
+            self._at = max(self._at, min(ends, now))
+            del running[0]
+            transfer.done = True
+        if running and now > self._at:
+            self._virtual += (now - self._at) * self.capacity / len(running)
+        self._at = max(self._at, now)
+
+    def _start(self, size: float, waiter: _Waiter, after: float) -> _Transfer:
+        now = trio.current_time()
+        transfer = _Transfer(size, now + after, waiter)
         self.carried += size
-        self._arm()
+        if after > 0:
+            heappush(self._pending, (now + after, next(_order), transfer))
+        else:
+            self._advance(now)
+            self._begin(transfer)
         return transfer
 
     def _cancel(self, transfer: _Transfer) -> None:
-        """A transfer whose task was cancelled (a caller's deadline): it stops sharing."""
-        if not transfer.done:
-            self._advance(trio.current_time())
-            transfer.done = True  # left in the heap, skipped when it comes up
-            self._active -= 1
-            self._finish()
+        """A transfer whose task was cancelled (a caller's deadline): it stops sharing, and the
+        others on the link, sped up, sleep again from their new bounds."""
+        if transfer.done:
+            return
+        now = trio.current_time()
+        self._advance(now)
+        if transfer.done:
+            return
+        transfer.done = True  # pending: skipped when it comes up
+        if transfer.key is not None:
+            index = bisect.bisect_left(self._running, transfer.key, key=lambda e: e[:2])
+            del self._running[index]
+            for _, _, other in list(self._running):
+                other.waiter.rearm(now)
+            for _, _, other in list(self._pending):
+                if not other.done:
+                    other.waiter.rearm(now)
 
-    def _finish(self) -> None:
-        """End every transfer the virtual clock has reached, then arm the next."""
-        heap = self._heap
-        while heap:
-            tag, _, transfer = heap[0]
-            if transfer.done:  # cancelled: already uncounted
-                heappop(heap)
-                continue
-            if tag > self._virtual + 1e-9 * max(1.0, tag):
-                break
-            heappop(heap)
-            transfer.done = True
-            transfer.ends_at = math.inf
-            self._active -= 1
-            transfer.waiter.ended()
-        self._arm()
-
-    def _arm(self) -> None:
-        heap = self._heap
-        while heap and heap[0][2].done:
-            heappop(heap)
-        if heap:
-            tag, _, transfer = heap[0]
-            transfer.ends_at = self._at + (tag - self._virtual) * self._active / self.capacity
-            transfer.waiter.rearm()
-
-    def _woken(self, transfer: _Transfer) -> None:
-        """Its timer fired: bring the clock to now and end what it reached. The next to end
-        ends now whatever the rounding says: a sliver of bytes left at a time too large for
-        the sliver's seconds to move the clock would wake it for ever (a simulation froze at
-        142 virtual seconds that way)."""
-        transfer.ends_at = math.inf
-        transfer.wakeups += 1
-        if transfer.wakeups > MAX_WAKEUPS:
-            raise RuntimeError(f"a transfer on a link was woken {MAX_WAKEUPS} times: livelock")
-        self._advance(trio.current_time())
-        self._arm()  # drops cancelled ones off the top
-        if self._heap and self._heap[0][2] is transfer:
-            self._virtual = max(self._virtual, transfer.tag)
-        self._finish()
-
-
-async def carry(size: float, *links: SharedLink) -> None:
-    """Carry `size` bytes over `links` at once (a sender's uplink, a receiver's downlink):
-    return when every one of them has."""
-    await carry_parts([(link, size) for link in links])
+    def _projected_end(self, transfer: _Transfer, now: float) -> float:
+        """When `transfer` ends if nothing else starts on this link (-inf: it has ended)."""
+        self._advance(now)
+        if transfer.done:
+            return -math.inf
+        at, virtual, share = self._at, self._virtual, len(self._running)
+        if transfer.key is None:  # starts later: play the link to its start first
+            rest = iter(self._running)
+            for tag, _, _ in rest:
+                ends = at + (tag - virtual) * share / self.capacity
+                if ends > transfer.starts_at:
+                    rest = itertools.chain([(tag, 0, transfer)], rest)
+                    break
+                at, virtual, share = ends, tag, share - 1
+            if share:
+                virtual += (transfer.starts_at - at) * self.capacity / share
+            at, share, own = transfer.starts_at, share + 1, virtual + transfer.size
+            for tag, _, _ in rest:
+                if tag >= own:
+                    break
+                at, virtual, share = at + (tag - virtual) * share / self.capacity, tag, share - 1
+            return at + (own - virtual) * share / self.capacity
+        for tag, _, other in self._running:
+            at, virtual = at + (tag - virtual) * share / self.capacity, tag
+            if other is transfer:
+                return at
+            share -= 1
+        raise AssertionError("a running transfer is not on its link")
 
 
-async def carry_parts(parts: list[tuple[SharedLink, float]]) -> None:
+async def carry(size: float, *links: SharedLink, after: float = 0.0) -> None:
+    """Carry `size` bytes over `links` at once (a sender's uplink, a receiver's downlink),
+    starting `after` seconds from now (a message's latency): return when every one of them
+    has."""
+    await carry_parts([(link, size) for link in links], after=after)
+
+
+async def carry_parts(parts: list[tuple[SharedLink, float]], *, after: float = 0.0) -> None:
     """Carry each (link, bytes) at once (a state download: the joiner's downlink carries it
-    all, each donor's uplink its part); return when all have ended."""
+    all, each donor's uplink its part), starting `after` seconds from now; return when all
+    have ended."""
     parts = [(link, size) for link, size in parts if size > 0]
     if not parts:
-        await trio.lowlevel.checkpoint()
+        await trio.sleep(after)
         return
     waiter = _Waiter()
     try:
         for link, size in parts:
-            waiter.transfers.append((link, link._start(size, waiter)))
-        while not waiter.event.is_set():
-            with trio.CancelScope() as waiter.scope:
-                waiter.rearm()
-                await waiter.event.wait()
+            waiter.transfers.append((link, link._start(size, waiter, after)))
+        for _ in range(MAX_WAKEUPS):
+            deadline = waiter.deadline(trio.current_time())
+            if deadline == -math.inf:
+                return
+            with trio.CancelScope(deadline=deadline) as waiter.scope:
+                await trio.sleep_forever()
             waiter.scope = None
-            for link, transfer in waiter.transfers:
-                if not transfer.done and transfer.ends_at <= trio.current_time():
-                    link._woken(transfer)
+        raise RuntimeError(f"a transfer on a link was woken {MAX_WAKEUPS} times: livelock")
     finally:
         waiter.scope = None
         for link, transfer in waiter.transfers:

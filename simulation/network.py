@@ -10,9 +10,10 @@ object is ever shared between two peers); a handler's `RpcError`, `RemoteError` 
 becomes the caller's `RpcError` as the real client sees it.
 
 Time: a message from peer a to peer b takes the one-way latency (half of the mean of the two
-peers' round-trip times) plus its bytes carried on a's uplink and b's downlink at once, each
-shared equally with everything else on it at that moment (`links`: DHT requests and replies,
-tickets, progress records, and the bulk transfers `dataplane` times on the same links).
+peers' round-trip times) and then its bytes carried on a's uplink and b's downlink at once,
+each shared equally with everything else on it at that moment (`links`: DHT requests and
+replies, tickets, progress records, and the bulk transfers `dataplane` times on the same
+links); one wait of the sender's task (`carry(after=latency)`).
 
 A peer that left (`leave`) answers nothing: a call to it fails after the latency if it left
 gracefully (its connections closed, as a stopped daemon's do) or at the caller's deadline if it
@@ -169,15 +170,18 @@ class SimNetwork:
         connection = self.nat.live(a, b, trio.current_time())
         relay = connection.relay_at(trio.current_time()) if connection is not None else None
         if relay is None:
-            await trio.sleep(self.latency(a, b))
-            await carry(size, self.uplinks[a], self.downlinks[b])
+            await carry(size, self.uplinks[a], self.downlinks[b], after=self.latency(a, b))
             return
         assert connection is not None
         connection.relayed_bytes += size
         self.nat.tally.relayed_bytes += size
-        await trio.sleep(self.latency(a, relay) + self.latency(relay, b))
         await carry(
-            size, self.uplinks[a], self.downlinks[relay], self.uplinks[relay], self.downlinks[b]
+            size,
+            self.uplinks[a],
+            self.downlinks[relay],
+            self.uplinks[relay],
+            self.downlinks[b],
+            after=self.latency(a, relay) + self.latency(relay, b),
         )
 
 

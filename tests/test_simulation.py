@@ -104,6 +104,24 @@ async def test_a_link_is_shared_equally_by_what_it_carries_at_once(autojump_cloc
     assert up.carried == pytest.approx(210 + 1e9)
 
 
+async def test_a_message_s_bytes_share_the_link_only_from_the_end_of_its_latency(autojump_clock):
+    up = SharedLink(100.0)
+    ends: dict[str, float] = {}
+
+    async def transfer(name: str, size: float, after: float, timeout: float = 100) -> None:
+        with trio.move_on_after(timeout):
+            await carry(size, up, after=after)
+            ends[name] = trio.current_time()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(transfer, "bulk", 100, 0)
+        nursery.start_soon(transfer, "message", 10, 0.5)
+        nursery.start_soon(transfer, "cut before it starts", 1e6, 2.0, 1.0)
+    # The bulk has 50 B by 0.5 s; the message's 10 B then take 0.2 s at 50 B/s, and the
+    # bulk's last 40 B 0.4 s alone; the cut one never shares.
+    assert ends == {"message": pytest.approx(0.7), "bulk": pytest.approx(1.1)}
+
+
 async def test_a_reply_waits_its_share_behind_a_bulk_transfer_on_the_same_uplink(autojump_clock):
     network = SimNetwork(random.Random(0))
     caller = network.node(FAST_LINK)
