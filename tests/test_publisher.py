@@ -98,10 +98,11 @@ def test_reads_are_stretched_to_the_byte_budget_and_capped():
 
 
 @pytest.mark.parametrize(
-    ("records", "junk", "reads"), [(30, 0, (50, 61)), (1000, 0, (8, 13)), (30, 100, (50, 61))]
+    ("records", "junk", "reads", "stored"),
+    [(30, 0, (50, 61), (50, 61)), (1000, 0, (8, 13), (12, 22)), (30, 100, (50, 61), (50, 61))],
 )
-async def test_a_large_collaboration_is_read_less_often_while_our_record_goes_out_as_often(
-    autojump_clock, records: int, junk: int, reads: tuple[int, int]
+async def test_a_large_collaboration_is_read_less_often_and_our_record_goes_out_twice_a_read(
+    autojump_clock, records: int, junk: int, reads: tuple[int, int], stored: tuple[int, int]
 ):
     """(A replica's junk under open subkeys, 6 MiB a read, stretches nothing: were it
     counted, its readers would read every 7.5 s and miss the others' 2 s gatherings.)"""
@@ -122,12 +123,14 @@ async def test_a_large_collaboration_is_read_less_often_while_our_record_goes_ou
         nursery.cancel_scope.cancel()
     # The last store is our farewell (`ProgressRecord.leaving`): our vote stays, we go.
     assert msgspec.msgpack.decode(dht.last, type=ProgressRecord).leaving
-    # Our record goes to each shard of our levels (`shards.write_levels`) every second.
+    # Our record goes to each shard of our levels (`shards.write_levels`) every second, or
+    # at the first exchange past half a read interval where reads are stretched
+    # (`Timing.publishing`: 2.7 s at 1,000; exchanges are a second and a store apart).
     keys = [shards.record_key("default", "me", at) for at in shards.write_levels(records)]
     assert set(dht.stores) == set(keys)
     stores = dht.stores[keys[0]] - 1
     assert all(count == stores + 1 for count in dht.stores.values())
-    assert 50 <= stores <= 61  # every second, and each store takes 0.1 s
+    assert stored[0] <= stores <= stored[1]  # each store takes 0.1 s
     assert reads[0] <= len(seen) <= reads[1], len(seen)
     assert stores - len(seen) <= 1 or records > 180  # the last read was cut short
     # Every view shows every record, read from every shard of the level of their number, once
@@ -140,6 +143,34 @@ async def test_a_large_collaboration_is_read_less_often_while_our_record_goes_ou
     assert dht.hot == {True}
 
 
+async def test_a_record_that_changed_goes_out_at_once_however_stretched_the_stores(
+    autojump_clock,
+):
+    dht = CountingDht(1000, 0)
+    publisher = ProgressPublisher(
+        dht,
+        PeerConfig(),
+        record=lambda: rec(0),
+        on_read=lambda view: None,
+        interval=1.0,
+        longest_read_interval=7.5,
+        ttl=30.0,
+    )
+    key = shards.record_key("default", "me", shards.write_levels(1000)[0])
+    async with trio.open_nursery() as nursery:
+        await nursery.start(publisher.run)
+        await trio.sleep(10.0)
+        before = dht.stores[key]
+        while dht.stores[key] == before:  # a routine store...
+            await trio.sleep(0.01)
+        await trio.sleep(1.5)  # ...the exchanges after it store nothing (due in ~2.7 s)...
+        assert dht.stores[key] == before + 1
+        publisher.publish_now()  # ...but a call, a vote or a step goes out at once
+        await trio.sleep(0.2)
+        assert dht.stores[key] == before + 2
+        nursery.cancel_scope.cancel()
+
+
 def test_what_counts_on_a_read_counts_on_one_as_old_as_the_reads_are_apart():
     timing = Timing(
         gather_window=2.0, progress_interval=1.0, solo_after=10.0, presence_ttl=30.0,
@@ -148,9 +179,11 @@ def test_what_counts_on_a_read_counts_on_one_as_old_as_the_reads_are_apart():
     stretched = timing.reading_every(5.6)
     assert timing.reading == 1.0 and stretched.reading == 5.6
     assert timing.reading_every(0.2).reading == 1.0
-    # A record published every second, read every 5.6 s, is up to ~6.6 s old and not silent.
-    assert timing.stale_record == 3.0 and stretched.stale_record >= 5.6 + 1.0
-    assert stretched.projection_horizon >= 5.6
+    # A record published every second, read every 5.6 s, is up to ~6.6 s old and not silent;
+    # published every half read interval (2.8 s), up to ~8.4 s.
+    assert timing.publishing == 1.0 and stretched.publishing == pytest.approx(2.8)
+    assert timing.stale_record == 3.0 and stretched.stale_record >= 5.6 + 2.8
+    assert stretched.projection_horizon >= 5.6 + 2.8
     # A caller's window leaves the others a read to see its call.
     assert stretched.window(0.5) - timing.window(0.5) == pytest.approx(4.6)
     assert stretched.latest_call(0.0) - timing.latest_call(0.0) == pytest.approx(4.6)

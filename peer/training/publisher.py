@@ -20,7 +20,10 @@ hot DHT key (`DHT.get(hot=True)`: two of its replicas, no lookup), and a
 read is due every `read_interval`: the configured interval while the records are small, longer
 once reading them all would cost more than `READ_BYTES_PER_SECOND` (at 300 simulated trainers
 every trainer read 11 Mbit/s of records, and the busiest replica sent 765 Mbit/s). The
-windows and waits that count on a read count on one that old (`Timing.reading`).
+windows and waits that count on a read count on one that old (`Timing.reading`). Our record
+then goes out every half read interval (`Timing.publishing`), and at once when something others
+act on changed (`publish_now`: a call, a vote, holding, downloading); the waits that count on a
+record's age count on that (`Timing.stale_record`, `projection_horizon`).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from peer.training.progress import (
     decode_progress,
     encode_progress,
 )
+from peer.training.timing import publishing_interval
 
 if TYPE_CHECKING:
     from peer.training.statesync import Snapshot
@@ -223,6 +227,7 @@ class ProgressPublisher:
         self.read_interval = interval
         """Seconds between two of our reads (`read_interval`), after the last read."""
         self._next_read = -math.inf
+        self._next_store = -math.inf
         self._now = trio.Event()
         self._stored = False
 
@@ -246,11 +251,12 @@ class ProgressPublisher:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         try:
+            asked = True
             while True:
-                await self._exchange()
+                await self._exchange(asked)
                 with trio.move_on_after(self.interval):
                     await self._now.wait()
-                self._now = trio.Event()
+                asked, self._now = self._now.is_set(), trio.Event()
         finally:
             if self._stored:
                 with (
@@ -296,12 +302,16 @@ class ProgressPublisher:
                     )
                 )
 
-    async def _exchange(self) -> None:
+    async def _exchange(self, asked: bool) -> None:
+        """Store our record where one is due (`asked`: at once) and read where a read is."""
         record = self.record()
-        started, timed, read, skipped = trio.current_time(), record is None, False, 0.0
+        now = trio.current_time()
+        store = record is not None and (asked or now >= self._next_store)
+        started, timed, read, skipped = now, not store, False, 0.0
         try:
             with trio.move_on_after(self.deadline):
-                if record is not None:
+                if store:
+                    assert record is not None
                     if self.reader.size is None:  # where our record goes depends on a read
                         await self.read()
                         started, read = trio.current_time(), True
@@ -311,6 +321,9 @@ class ProgressPublisher:
                     # landed after the close).
                     key = self._keys()[0]
                     skipped = 0.0 if self.dht.looks_up(key) else self.dht.lookup_seconds
+                    self._next_store = started + publishing_interval(
+                        self.interval, self.read_interval
+                    )
                     await self._store(record, expiration=record.updated_at + self.ttl)
                     self._stored = timed = True
                     self.on_store_time(trio.current_time() - started + skipped)
