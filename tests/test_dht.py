@@ -679,39 +679,6 @@ async def test_the_holders_of_a_level_of_many_spread_keys_are_reused_longer():
         assert calls_of(reader, "find_node") > finds
 
 
-async def test_a_hot_read_of_a_spread_key_asks_a_few_holders_near_a_random_point_of_it():
-    """A reader of 2^L shards needs two holders of each, not all of them: its lookup asks for
-    `replicas` near a point of the prefix drawn at random (at 1,000 simulated peers a joiner's
-    first read looked up 64 shards 24 deep, ~1,800 find_node calls), and every reader draws its
-    own point, so reads still spread over the whole prefix. Writers look them all up."""
-    clock = FakeClock()
-    async with swarm(N, CONFIG, clock=clock) as s:
-        key = spread_key("f", 1, 0)
-        target = key_id(key)
-        for writer in s.dhts:
-            me = writer.node.peer_id.to_base58()
-            assert await writer.store(key, me, b"x", expiration=clock.now + 60, hot=True)
-        holders = {d.node.peer_id for d in s.dhts if d.records.get(key, now=clock.now)}
-        everyone = {d.node.peer_id.to_base58() for d in s.dhts}
-        assert len(holders) > CONFIG.replicas
-        read_from: set[ID] = set()
-        for seed, reader in enumerate(s.dhts):
-            reader.rng = random.Random(seed)
-            finds = calls_of(reader, "find_node")
-            assert set(await reader.get(key, hot=True)) == everyone
-            read_lookup = calls_of(reader, "find_node") - finds
-            asked = reader._hot[(target, True)][1]
-            assert len(asked) == CONFIG.replicas and {c.peer_id for c in asked} <= holders
-            written = reader._hot[(target, False)][1]
-            assert {c.peer_id for c in written} >= holders - {reader.node.peer_id}
-            read_from |= {c.peer_id for c in asked}
-            reader._hot.pop((target, False))
-            finds = calls_of(reader, "find_node")
-            await reader._hot_replicas(target, 1)
-            assert read_lookup < calls_of(reader, "find_node") - finds  # a writer's lookup
-        assert read_from == holders  # the readers' points cover the prefix
-
-
 async def test_a_hot_read_that_falls_back_looks_its_holders_up_again():
     """Holders that showed fewer than half the records of the last read are not reused (for
     up to `HOT_SPREAD_MAX_SECONDS`): the next read looks them up again (found in review)."""

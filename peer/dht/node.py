@@ -52,7 +52,6 @@ from peer.dht.records import (
     validate_entry,
 )
 from peer.dht.routing import (
-    ID_BITS,
     Contact,
     Lookup,
     RoutingTable,
@@ -195,8 +194,8 @@ class DHT:
         # The table's contacts we dropped last (bounded), each with the attempts left to join
         # again through it if we lose them all.
         self._forgotten: OrderedDict[ID, tuple[Contact, int]] = OrderedDict()
-        # Hot keys' holders ((key id, for a read) -> (fresh until, contacts)): `_hot_replicas`.
-        self._hot: OrderedDict[tuple[int, bool], tuple[float, list[Contact]]] = OrderedDict()
+        # Hot keys' holders (key id -> (fresh until, contacts)): `_hot_replicas`.
+        self._hot: OrderedDict[int, tuple[float, list[Contact]]] = OrderedDict()
         # Hot keys' entries at their last read (key id -> count): see `_hot_get`.
         self._hot_read: OrderedDict[int, int] = OrderedDict()
         self._probes: trio.Nursery | None = None  # `run`'s: where `_probe` calls go on
@@ -470,12 +469,11 @@ class DHT:
         was written since, until every writer has written again: two of them alone would hide
         the rest.)"""
         target, bits = key_id(key), spread_bits(key)
-        replicas = await self._hot_replicas(target, bits, reading=True)
+        replicas = await self._hot_replicas(target, bits)
         me = self.node.peer_id
-        # We are a replica ourselves (our copy is merged already): one remote read fewer. (Of
-        # a spread key, the few holders a read looks up cannot tell: we read two others.)
+        # We are a replica ourselves (our copy is merged already): one remote read fewer.
         wanted = HOT_READ_REPLICAS - (
-            not bits and self._replica() and self._we_belong_among(target, replicas, bits)
+            self._replica() and self._we_belong_among(target, replicas, bits)
         )
         # A spread key's holders of its prefix first, where they are enough (read from the
         # others alike, those served 1.9x the mean node by placement at 300 and 1,000 peers).
@@ -506,8 +504,7 @@ class DHT:
         if (answered == 0 and wanted > 0) or 2 * owned < self._hot_read.get(target, 0):
             # Holders that hid records (or joined since and hold few yet) are looked up again
             # at the next use, not reused for up to `HOT_SPREAD_MAX_SECONDS` (review).
-            self._hot.pop((target, True), None)
-            self._hot.pop((target, False), None)
+            self._hot.pop(target, None)
             return False
         self._note_hot_read(target, owned)
         return True
@@ -525,7 +522,7 @@ class DHT:
 
     def looks_up(self, key: str) -> bool:
         """Whether a hot store of `key` would look its replicas up now."""
-        cached = self._hot.get((key_id(key), False))
+        cached = self._hot.get(key_id(key))
         fresh = cached is not None and trio.current_time() < cached[0]
         return not (self._large() and fresh)
 
@@ -535,40 +532,27 @@ class DHT:
         holds every key)."""
         return len(self.table) >= self.config.replicas
 
-    async def _hot_replicas(
-        self, target: int, bits: int = 0, *, reading: bool = False
-    ) -> list[Contact]:
+    async def _hot_replicas(self, target: int, bits: int = 0) -> list[Contact]:
         """The live nodes that hold a hot key (`routing.hot_holders`: the `replicas` closest
         to `target`, or every node of a spread key's prefix), looked up at most
         `HOT_REPLICAS_SECONDS` (`spread_refresh_seconds`) ago, or again after one of them failed a
-        call (`_forget`).
-
-        `reading` a spread key: `replicas` of its holders are enough, the nearest to a point of
-        its prefix drawn at random (a third of the lookup's calls; every reader its own few, so
-        the reads still spread over the whole prefix). Writers find them all."""
+        call (`_forget`)."""
         now = trio.current_time()
-        reading = reading and bits > 0
-        cached = self._hot.get((target, reading))
+        cached = self._hot.get(target)
         if cached is not None and now < cached[0]:
-            self._hot.move_to_end((target, reading))
+            self._hot.move_to_end(target)
             return cached[1]
-        if reading:
-            suffix = ID_BITS - bits
-            point = target >> suffix << suffix | self.rng.getrandbits(suffix)
-            closest = (await self.find_nodes(point, k=self.config.replicas)).closest_answered()
-            contacts = closest[: self.config.replicas]
-        else:
-            k = SPREAD_HOLDERS * self.config.replicas if bits else self.config.replicas
-            closest = (await self.find_nodes(target, k=k)).closest_answered()
-            contacts = closest[: hot_holders(target, bits, closest, self.config.replicas)]
+        k = SPREAD_HOLDERS * self.config.replicas if bits else self.config.replicas
+        closest = (await self.find_nodes(target, k=k)).closest_answered()
+        contacts = closest[: hot_holders(target, bits, closest, self.config.replicas)]
         # Fewer than `replicas` answered: our table is filling, the closest nodes are still
         # to be found; looked up at every use.
         if len(contacts) >= self.config.replicas:
-            self._hot[(target, reading)] = (
+            self._hot[target] = (
                 now + (spread_refresh_seconds(bits) if bits else HOT_REPLICAS_SECONDS),
                 contacts,
             )
-            self._hot.move_to_end((target, reading))
+            self._hot.move_to_end(target)
             while len(self._hot) > HOT_KEYS:
                 self._hot.popitem(last=False)
         return contacts
@@ -850,9 +834,9 @@ class DHT:
                 self._forgotten.popitem(last=False)
         self.table.remove(contact.peer_id)
         self.node.rpc.forget(contact.peer_id)
-        for held, (_, contacts) in list(self._hot.items()):
+        for target, (_, contacts) in list(self._hot.items()):
             if any(c.peer_id == contact.peer_id for c in contacts):
-                del self._hot[held]  # looked up again at its next use
+                del self._hot[target]  # looked up again at its next use
 
     def _we_belong_among(self, target: int, contacts: list[Contact], bits: int = 0) -> bool:
         """Whether we hold the key at `target` beside `contacts` (the other holders): we share
