@@ -300,10 +300,12 @@ def test_a_peer_left_behind_when_the_collaboration_finished_stops_instead_of_ste
 
 
 def finished(policy: StepPolicy, now: float) -> None:
-    """At max_steps (3): the next action settles."""
+    """At max_steps (3): the next action settles, and our record says so at once."""
     policy.hold(3, "d3", own_signature(3))
+    policy.take_changed()
     policy.next_action(Local(), now)
     assert policy.phase in (Phase.SETTLING, Phase.STOPPED)
+    assert policy.take_changed()
 
 
 def stored(step: int, *cosigners: str) -> ProgressRecord:

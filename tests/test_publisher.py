@@ -171,6 +171,27 @@ async def test_a_record_that_changed_goes_out_at_once_however_stretched_the_stor
         nursery.cancel_scope.cancel()
 
 
+async def test_a_short_lived_record_goes_out_within_a_third_of_its_life(autojump_clock):
+    """The keeper's record lives 3 s: stores stretched to half a read interval (~2.7 s at
+    1,000 records, landing up to ~4.6 s apart) left it absent a third of the time (review)."""
+    dht = CountingDht(1000, 0)
+    publisher = ProgressPublisher(
+        dht,
+        PeerConfig(),
+        record=lambda: rec(0),
+        on_read=lambda view: None,
+        interval=1.0,
+        longest_read_interval=7.5,
+        ttl=3.0,
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(publisher.run)
+        await trio.sleep(59.5)
+        nursery.cancel_scope.cancel()
+    key = shards.record_key("default", "me", shards.write_levels(1000)[0])
+    assert dht.stores[key] >= 45  # every exchange, as at the configured interval
+
+
 def test_what_counts_on_a_read_counts_on_one_as_old_as_the_reads_are_apart():
     timing = Timing(
         gather_window=2.0, progress_interval=1.0, solo_after=10.0, presence_ttl=30.0,

@@ -122,6 +122,35 @@ async def test_a_message_s_bytes_share_the_link_only_from_the_end_of_its_latency
     assert ends == {"message": pytest.approx(0.7), "bulk": pytest.approx(1.1)}
 
 
+async def test_a_busy_link_ends_each_of_hundreds_of_transfers_at_its_exact_time(autojump_clock):
+    """Past `links.EXACT_PROJECTION` transfers ahead, a transfer sleeps on a cheaper bound: it
+    may wake early, never late."""
+    link, sizes = SharedLink(1000.0), [float(size) for size in range(1, 201)]
+    ends: dict[float, float] = {}
+
+    async def transfer(size: float) -> None:
+        await carry(size, link)
+        ends[size] = trio.current_time()
+
+    async with trio.open_nursery() as nursery:
+        for size in sizes:
+            nursery.start_soon(transfer, size)
+    expected, at, done = {}, 0.0, 0.0
+    for index, size in enumerate(sizes):  # processor sharing: the smallest first
+        at += (size - done) * (len(sizes) - index) / link.capacity
+        expected[size], done = at, size
+    assert ends == pytest.approx(expected, rel=1e-9)
+
+
+async def test_a_carry_that_ends_at_once_is_still_a_checkpoint(autojump_clock):
+    link = SharedLink(1.0)
+    await trio.sleep(5000)  # a sliver ends within the clock's slack at once
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await carry(1e-13, link)
+        pytest.fail("a cancelled carry went on")
+
+
 async def test_a_reply_waits_its_share_behind_a_bulk_transfer_on_the_same_uplink(autojump_clock):
     network = SimNetwork(random.Random(0))
     caller = network.node(FAST_LINK)

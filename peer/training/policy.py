@@ -1032,6 +1032,7 @@ class StepPolicy:
         if self._done(local, now):
             self._move(Event.DONE)
             self.call = None  # the trainer cancels an averaging of ours: no call in our record
+            self.changed = True  # ...which goes out at once (records are stored less often)
             self._settle_patience = now + self.timing.settle_patience(self.store_seconds)
             self._settle_deadline = self._settle_patience + self.timing.download_timeout
             if self.left_behind(now):
