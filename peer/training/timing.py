@@ -71,8 +71,9 @@ class Timing:
     def publishing(self) -> float:
         """Seconds between two stores of a record that nothing urgent changed: the configured
         interval, or half the reads' interval where reads are stretched (nobody reads a
-        collaboration that large more often; at 1,000 simulated peers a store a second to
-        each of a shard's ~16 holders was a third of every node's DHT calls)."""
+        collaboration that large more often; at 100 simulated peers the stores of records were
+        a quarter of every node's DHT calls, to each of a shard's holders every second). The
+        publisher also stores within a third of a record's life (`ProgressPublisher`)."""
         return publishing_interval(self.progress_interval, self.read_interval)
 
     @property
