@@ -41,9 +41,10 @@ bound closer by what started: a few for a message, tens for a long transfer on a
 
 
 EXACT_PROJECTION = 32
-"""Transfers ahead of one on its link past which its projected end is the cheap lower bound
-(as if those ahead ended at once): the exact walk is O(transfers), and a hot holder's uplink
-carries hundreds at once (review: 2x the messages on one link cost 4x the CPU)."""
+"""Transfers ahead of one on its link past which its projected end is a cheap lower bound (as
+if those ahead had ended at once; one yet to start, as if it were alone): the exact walk is
+O(transfers), and a hot holder's uplink carries hundreds at once (review: 2x the messages on
+one link cost 4x the CPU)."""
 
 
 def _slack(now: float) -> float:
@@ -163,6 +164,8 @@ class SharedLink:
         if transfer.done:
             return -math.inf
         at, virtual, share = self._at, self._virtual, len(self._running)
+        if transfer.key is None and share > EXACT_PROJECTION:  # a busy link: as if alone
+            return transfer.starts_at + transfer.size / self.capacity
         if transfer.key is None:  # starts later: play the link to its start first
             rest = iter(self._running)
             for tag, _, _ in rest:
@@ -180,7 +183,7 @@ class SharedLink:
                 at, virtual, share = at + (tag - virtual) * share / self.capacity, tag, share - 1
             return at + (own - virtual) * share / self.capacity
         index = bisect.bisect_left(self._running, transfer.key, key=lambda e: e[:2])
-        if index > EXACT_PROJECTION:  # a busy link: those ahead of it can only speed it up
+        if index > EXACT_PROJECTION:  # a busy link: a lower bound, as if those ahead had ended
             tag = transfer.key[0]
             return at + (tag - virtual) * (share - index) / self.capacity
         for tag, _, _ in itertools.islice(self._running, index + 1):
