@@ -21,9 +21,10 @@ read is due every `read_interval`: the configured interval while the records are
 once reading them all would cost more than `READ_BYTES_PER_SECOND` (at 300 simulated trainers
 every trainer read 11 Mbit/s of records, and the busiest replica sent 765 Mbit/s). The
 windows and waits that count on a read count on one that old (`Timing.reading`). Our record
-then goes out every half read interval (`Timing.publishing`), and at once when something others
-act on changed (`publish_now`: a call, a vote, holding, downloading); the waits that count on a
-record's age count on that (`Timing.stale_record`, `projection_horizon`).
+then goes out every half read interval (`Timing.publishing`), within a third of its life in any
+case, and at once when something others act on changed (`publish_now`: a call, a vote,
+holding, downloading); the waits that count on a record's age count on that
+(`Timing.stale_record`, `projection_horizon`).
 """
 
 from __future__ import annotations
@@ -310,8 +311,7 @@ class ProgressPublisher:
         started, timed, read, skipped = now, not store, False, 0.0
         try:
             with trio.move_on_after(self.deadline):
-                if store:
-                    assert record is not None
+                if store and record is not None:
                     if self.reader.size is None:  # where our record goes depends on a read
                         await self.read()
                         started, read = trio.current_time(), True
