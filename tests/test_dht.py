@@ -613,15 +613,20 @@ async def test_a_node_of_a_prefix_past_the_holders_a_lookup_finds_holds_nothing(
         assert not node._we_belong_among(target, nearer, 0)  # a hashed key: nearest alone
 
 
+async def every_record_but_the_readers(s, clock: FakeClock) -> None:
+    """Every node but the first (the reader) stores its own record under the hot key "hot"."""
+    for writer in s.dhts[1:]:
+        me = writer.node.peer_id.to_base58()
+        await writer.store("hot", me, b"x", expiration=clock.now + 60, hot=True)
+
+
 async def test_a_hot_read_of_replicas_that_replaced_departed_ones_reads_every_replica():
     """Nodes that took departed replicas' place hold nothing of the key until its writers write
     again: a hot read from two of them alone would see nobody's record."""
     clock = FakeClock()
     async with swarm(N, CONFIG, clock=clock) as s:
         reader = s.dhts[0]
-        for writer in s.dhts[1:]:
-            me = writer.node.peer_id.to_base58()
-            await writer.store("hot", me, b"x", expiration=clock.now + 60, hot=True)
+        await every_record_but_the_readers(s, clock)
         assert len(await reader.get("hot", hot=True)) == N - 1
         original = await reader._hot_replicas(dht_node.key_id("hot"))
         dead = {c.peer_id for c in original[:3]}
@@ -685,9 +690,7 @@ async def test_a_hot_read_that_falls_back_looks_its_holders_up_again():
     clock = FakeClock()
     async with swarm(N, CONFIG, clock=clock) as s:
         reader = s.dhts[0]
-        for writer in s.dhts[1:]:
-            me = writer.node.peer_id.to_base58()
-            await writer.store("hot", me, b"x", expiration=clock.now + 60, hot=True)
+        await every_record_but_the_readers(s, clock)
         await reader.get("hot", hot=True)
         target = dht_node.key_id("hot")
         reader._hot_read[target] = 10 * N  # the last read saw far more: these holders hid some

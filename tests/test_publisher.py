@@ -143,19 +143,24 @@ async def test_a_large_collaboration_is_read_less_often_and_our_record_goes_out_
     assert dht.hot == {True}
 
 
-async def test_a_record_that_changed_goes_out_at_once_however_stretched_the_stores(
-    autojump_clock,
-):
-    dht = CountingDht(1000, 0)
-    publisher = ProgressPublisher(
+def stretched_publisher(dht: CountingDht, *, ttl: float) -> ProgressPublisher:
+    """A publisher of a record living `ttl` seconds, among records its reads stretch."""
+    return ProgressPublisher(
         dht,
         PeerConfig(),
         record=lambda: rec(0),
         on_read=lambda view: None,
         interval=1.0,
         longest_read_interval=7.5,
-        ttl=30.0,
+        ttl=ttl,
     )
+
+
+async def test_a_record_that_changed_goes_out_at_once_however_stretched_the_stores(
+    autojump_clock,
+):
+    dht = CountingDht(1000, 0)
+    publisher = stretched_publisher(dht, ttl=30.0)
     key = shards.record_key("default", "me", shards.write_levels(1000)[0])
     async with trio.open_nursery() as nursery:
         await nursery.start(publisher.run)
@@ -175,15 +180,7 @@ async def test_a_short_lived_record_goes_out_within_a_third_of_its_life(autojump
     """The keeper's record lives 3 s: stores stretched to half a read interval (~2.7 s at
     1,000 records, landing up to ~4.6 s apart) left it absent a third of the time (review)."""
     dht = CountingDht(1000, 0)
-    publisher = ProgressPublisher(
-        dht,
-        PeerConfig(),
-        record=lambda: rec(0),
-        on_read=lambda view: None,
-        interval=1.0,
-        longest_read_interval=7.5,
-        ttl=3.0,
-    )
+    publisher = stretched_publisher(dht, ttl=3.0)
     async with trio.open_nursery() as nursery:
         await nursery.start(publisher.run)
         await trio.sleep(59.5)

@@ -307,11 +307,11 @@ class ProgressPublisher:
         """Store our record where one is due (`asked`: at once) and read where a read is."""
         record = self.record()
         now = trio.current_time()
-        store = record is not None and (asked or now >= self._next_store)
-        started, timed, read, skipped = now, not store, False, 0.0
+        store_due = asked or now >= self._next_store
+        started, timed, read, skipped = now, record is None or not store_due, False, 0.0
         try:
             with trio.move_on_after(self.deadline):
-                if store and record is not None:
+                if record is not None and store_due:
                     if self.reader.size is None:  # where our record goes depends on a read
                         await self.read()
                         started, read = trio.current_time(), True
