@@ -570,7 +570,8 @@ async def test_a_catch_up_logs_the_seconds_of_its_phases(tmp_path, caplog):
     phases = done[0].catch_up  # type: ignore[attr-defined]
     assert set(phases) == {"step", "fetch_and_check_s", "load_s", "total_s"}
     assert phases["step"] == 2
-    assert 0 <= phases["fetch_and_check_s"] + phases["load_s"] <= phases["total_s"]
+    # Each is rounded to the millisecond, so the parts may pass the whole by 1.5 ms.
+    assert 0 <= phases["fetch_and_check_s"] + phases["load_s"] <= phases["total_s"] + 0.0015
 
 
 async def test_a_diloco_peer_holds_its_anchor_and_outer_optimizer_not_a_copy(tmp_path):
