@@ -52,6 +52,11 @@ class Summary:
     mean_node_reply_bytes: float
     """Bytes/s of replies the mean node sent: all replies over the peers and backbones (a
     peer that left and the one that took its place count as one)."""
+    mean_server_reply_bytes: float
+    """The same over the DHT servers alone: the backbones and the volunteers not behind NAT.
+    A NATed peer is a DHT client (nobody adds it to a routing table: `DHT.announcing`), so it
+    holds no records and answers no lookup; with half the peers behind NAT the busiest node
+    is about 2x the mean node's even where every server carries the same load."""
     view_coverage: float
     """The mean share of the live trainers whose progress records a read saw."""
     min_view_coverage: float
@@ -93,6 +98,9 @@ def summarize(report: Report) -> Summary:
     ops = sum(len(times) for times in report.dht_seconds.values())
     coverage = [seen / alive for seen, alive in report.views if alive]
     phases = step_phases(rounds, report.taken_at)
+    replies = sum(report.traffic.served.values()) / seconds
+    public = _share(v.nat is Nat.PUBLIC for v in report.volunteers)
+    servers = max(1.0, BACKBONES + scenario.peers * public)  # a replacement counts as one
     reasons: dict[str, int] = defaultdict(int)
     for attempt in report.attempts:
         if not attempt.complete and attempt.why:
@@ -120,9 +128,8 @@ def summarize(report: Report) -> Summary:
         get_p99=_quantile(report.dht_seconds["get"], 0.99),
         dht_bytes_per_peer=sum(report.traffic.bytes.values()) / seconds / scenario.peers,
         hottest_node_bytes=max(report.traffic.served.values(), default=0) / seconds,
-        mean_node_reply_bytes=sum(report.traffic.served.values())
-        / seconds
-        / (scenario.peers + BACKBONES),
+        mean_node_reply_bytes=replies / (scenario.peers + BACKBONES),
+        mean_server_reply_bytes=replies / servers,
         view_coverage=statistics.fmean(coverage) if coverage else 0.0,
         min_view_coverage=min(coverage, default=0.0),
         departures=report.departures,
@@ -283,9 +290,10 @@ def rows(summary: Summary) -> list[tuple[str, str]]:
         ("DHT get p50 / p99", f"{s.get_p50 * 1000:.0f} / {s.get_p99 * 1000:.0f} ms"),
         ("DHT traffic per trainer", f"{s.dht_bytes_per_peer * 8 / 1e6:.2f} Mbit/s"),
         (
-            "busiest node's DHT replies (x the mean node's)",
+            "busiest node's DHT replies (x the mean node's / the mean DHT server's)",
             f"{s.hottest_node_bytes * 8 / 1e6:.1f} Mbit/s"
-            f" ({s.hottest_node_bytes / max(s.mean_node_reply_bytes, 1e-9):.1f}x)",
+            f" ({s.hottest_node_bytes / max(s.mean_node_reply_bytes, 1e-9):.1f}x"
+            f" / {s.hottest_node_bytes / max(s.mean_server_reply_bytes, 1e-9):.1f}x)",
         ),
         (
             "progress read coverage (mean / min)",

@@ -8,6 +8,7 @@ import math
 import random
 from collections import Counter
 from types import SimpleNamespace
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -38,10 +39,10 @@ from simulation.collaboration import (
 from simulation.cpu import VERIFY_SECONDS, charged
 from simulation.dataplane import SimDataPlane, SimDataServer, SimIdentity
 from simulation.links import SharedLink, carry
-from simulation.nat import NatTally
+from simulation.nat import Nat, NatTally
 from simulation.network import MBIT, Link, SimNetwork, Traffic
 from simulation.progressload import placed_load, run_load
-from simulation.report import rounds_of, step_phases, summarize
+from simulation.report import rounds_of, rows, step_phases, summarize
 from simulation.safety import SafetyCheck
 from simulation.worker import QUIET, ComputeNoise, Variation
 
@@ -335,23 +336,46 @@ def test_a_steps_time_splits_into_the_wait_for_its_call_its_averaging_and_its_el
     assert all(math.isnan(x) for x in step_phases(rounds_of(step_1, {1: 20.0}), {1: 20.0}))
 
 
+def a_report(**fields: Any) -> SimpleNamespace:
+    """The `Report` fields `summarize` reads: 3 peers for a minute, nothing happened."""
+    return SimpleNamespace(**{
+        "scenario": small(peers=3, minutes=1), "attempts": [], "cut": frozenset(),
+        "dht_seconds": {"store": [], "get": []}, "views": [], "traffic": Traffic(),
+        "wall_seconds": 1.0, "steps": 1, "ideal_step_seconds": 1.0, "departures": 0,
+        "arrivals": 0, "downloads": 0, "digests_agree": True, "violations": [],
+        "backbone_failures": 0, "elections": Counter(), "election_seconds": 0.0,
+        "volunteers": [], "nat": NatTally(), "taken_at": {}, **fields,
+    })  # fmt: skip
+
+
 def test_rounds_cut_by_the_end_count_neither_way():
     agreed = [call(p, 1, close=10, started=8) for p in "abc"]
     split = [call(p, 2, close=40, started=38, average=p.encode()) for p in "abc"]
 
-    def report(cut: frozenset[int]) -> SimpleNamespace:  # the Report fields summarize reads
-        return SimpleNamespace(
-            scenario=small(peers=3, minutes=1), attempts=[*agreed, *split], cut=cut,
-            dht_seconds={"store": [], "get": []}, views=[], traffic=Traffic(), wall_seconds=1.0,
-            steps=1, ideal_step_seconds=1.0, departures=0, arrivals=0, downloads=0,
-            digests_agree=True, violations=[], backbone_failures=0, elections=Counter(),
-            election_seconds=0.0, volunteers=[], nat=NatTally(), taken_at={1: 10.5},
-        )  # fmt: skip
+    def report(cut: frozenset[int]) -> SimpleNamespace:
+        return a_report(attempts=[*agreed, *split], cut=cut, taken_at={1: 10.5})
 
     summary = summarize(report(frozenset()))  # type: ignore[arg-type]
     assert (summary.rounds, summary.agreed_rounds, summary.cut_rounds) == (2, 0.5, 0)
     summary = summarize(report(frozenset({split[0].epoch})))  # type: ignore[arg-type]
     assert (summary.rounds, summary.agreed_rounds, summary.cut_rounds) == (1, 1.0, 1)
+
+
+def test_the_busiest_node_is_measured_against_the_dht_servers_too():
+    """NATed peers are DHT clients and serve no records: against the mean over every node the
+    busiest is ~2x where every server serves alike (half the peers behind NAT). The mean over
+    the servers (backbones and public peers) shows the imbalance the shards leave."""
+    traffic = Traffic()
+    traffic.served.update({"backbone": 600, "public-a": 600, "public-b": 1200})  # in 60 s
+    kinds = [Nat.PUBLIC, Nat.PUBLIC, Nat.CONE, Nat.SYMMETRIC]
+    volunteers = [SimpleNamespace(nat=kind) for kind in kinds]
+    summary = summarize(a_report(scenario=small(peers=4, minutes=1), traffic=traffic,
+                                 volunteers=volunteers))  # type: ignore[arg-type]  # fmt: skip
+    assert summary.hottest_node_bytes == 20
+    assert summary.mean_node_reply_bytes == pytest.approx(40 / 6)  # 4 peers, 2 backbones
+    assert summary.mean_server_reply_bytes == pytest.approx(40 / 4)  # 2 backbones, 2 public
+    busiest = next(value for name, value in rows(summary) if name.startswith("busiest node"))
+    assert busiest.endswith("(3.0x / 2.0x)")
 
 
 def small(**fields) -> Scenario:
