@@ -185,6 +185,8 @@ class Report:
     """States taken as a step other than the first taken as that step (`simulation.safety`)."""
     taken_at: dict[int, float]
     """Step -> virtual seconds: when the first peer took it."""
+    taken_by: dict[int, str]
+    """Step -> the first peer that took it (the round that yielded it: `report.rounds_of`)."""
     elections: Counter[str]
     """How the trainers' candidates fared (`Trainer._elect`: won, lost, stalled)."""
     election_seconds: float
@@ -631,6 +633,7 @@ def run_collaboration(scenario: Scenario) -> Report:
         ideal_step_seconds=collaboration.ideal,
         violations=collaboration.safety.violations,
         taken_at=collaboration.safety.taken_at,
+        taken_by={step: peer for step, (_, peer) in collaboration.safety.first.items()},
         elections=sum((t.tally.elections for t in everyone), Counter()),
         election_seconds=sum(t.tally.election_seconds for t in everyone)
         / max(1, sum(sum(t.tally.elections.values()) for t in everyone)),

@@ -31,12 +31,12 @@ class Summary:
     cut_rounds: int
     """Rounds still averaging when the run ended: not counted as either."""
     agreed_rounds: float
-    """Rounds that yielded their step: the last try of a step before a peer first took it
-    (the step rule certified one of its candidates; the others download it)."""
+    """Rounds that yielded their step: the try whose call gave the step's first holder the
+    step (the step rule certified one of its candidates; the others download it)."""
     complete_rounds: float
     """Rounds in which every peer that took part got the average over its whole view."""
     late_gatherings: int
-    """Gatherings of a step opened after a round had taken it (`Round.late_gatherings`)."""
+    """Gatherings of a step opened after the round that took it (`Round.late_gatherings`)."""
     peers_on_the_step: float
     """Per round, the share of its peers on its most common average; the mean."""
     dht_ops_per_step: float
@@ -92,7 +92,7 @@ def summarize(report: Report) -> Summary:
     scenario = report.scenario
     seconds = scenario.minutes * 60
     hours = seconds / 3600
-    everyone = rounds_of(report.attempts, report.taken_at)
+    everyone = rounds_of(report.attempts, report.taken_at, report.taken_by)
     rounds = [r for r in everyone if not report.cut & r.epochs]
     on_the_step = [r.on_the_step for r in rounds]
     ops = sum(len(times) for times in report.dht_seconds.values())
@@ -162,11 +162,11 @@ class Round:
     opened: float
     """Virtual seconds: its first call."""
     late_gatherings: int = 0
-    """Gatherings of the step opened after a peer took it: peers that missed it, averaging
-    apart (they are not on the step, and download it)."""
+    """Gatherings of the step opened after this round took it (during its election, or once
+    a peer held the step): peers that missed it, averaging apart (they are not on the step,
+    and download it)."""
     yielded: bool = False
-    """The step was taken from this try: it is the last try opened before a peer first took
-    the step."""
+    """The step was taken from this try (`rounds_of`)."""
 
     @property
     def epochs(self) -> set[int]:
@@ -197,16 +197,27 @@ def step_phases(rounds: list[Round], taken_at: dict[int, float]) -> tuple[float,
     return (statistics.median(to_call), statistics.median(averaging), statistics.median(to_step))
 
 
-def rounds_of(attempts: Iterable[Attempt], taken_at: dict[int, float]) -> list[Round]:
+def rounds_of(
+    attempts: Iterable[Attempt],
+    taken_at: dict[int, float],
+    taken_by: dict[int, str] | None = None,
+) -> list[Round]:
     """The averaging calls by round: the collaboration's try at one step, i.e. the calls of
     that step in one gathering (one epoch), or in several gatherings open at once (calls of
     the step made at nearly the same moment split its peers: one round). A gathering that
     opened after the last one closed (its calls started later) is the next try, unless a peer
     had taken the step by then (`taken_at`, virtual seconds: the safety check's first holder):
-    then its peers missed the step and count in the last round, off the step. The round that
-    yields a step is the last one opened before it was taken (the step rule certified one of
-    its candidates, whatever the split of their averages). Calls made too late for their
-    gathering (an empty view) are in none."""
+    then its peers missed the step and count in the last round, off the step.
+
+    The round that yields a step is the one whose call gave its first holder the step
+    (`taken_by`: that peer's last call of the step before it took it; the step rule certified
+    one of the round's candidates, whatever the split of their averages); a gathering opened
+    after it while its election ran missed the step as well (at 100 simulated peers, 7 peers
+    and then 1 called step 4 again during the 41 s a round of 83 took to elect it, and the
+    last of them was counted as the try that yielded it). Without the holder's call, the last
+    round opened before the step was taken. Calls made too late for their gathering (an
+    empty view) are in none."""
+    attempts = list(attempts)
     by_step: dict[int, dict[int, list[Attempt]]] = defaultdict(lambda: defaultdict(list))
     for attempt in attempts:
         if attempt.peers_seen > 0:
@@ -226,9 +237,26 @@ def rounds_of(attempts: Iterable[Attempt], taken_at: dict[int, float]) -> list[R
             closes = max(closes, epoch / 1000 - EPOCH)
         tries = [r for r in ours if r.opened < taken]
         if tries and taken < math.inf:
-            tries[-1].yielded = True
+            yielding = _yielding(tries, step, taken, (taken_by or {}).get(step))
+            for missed in tries[tries.index(yielding) + 1 :]:  # opened during its election
+                yielding.calls.extend(missed.calls)
+                yielding.late_gatherings += len(missed.epochs)  # its own and its late ones
+                ours.remove(missed)
+            yielding.yielded = True
         rounds.extend(ours)
     return rounds
+
+
+def _yielding(tries: list[Round], step: int, taken: float, holder: str | None) -> Round:
+    """Of a step's tries opened before it was taken, the one whose call gave `holder` (its
+    first holder) the step: that peer's last call of it started before then."""
+    calls = [
+        (a.started, r_index)
+        for r_index, r in enumerate(tries)
+        for a in r.calls
+        if a.peer == holder and a.step == step and a.started < taken
+    ]
+    return tries[max(calls)[1]] if calls else tries[-1]
 
 
 def _most_common_average(calls: list[Attempt]) -> int:
@@ -284,7 +312,7 @@ def rows(summary: Summary) -> list[tuple[str, str]]:
             "a step's seconds: to its call / averaging / election (median)",
             " / ".join(f"{x:.1f}" if math.isfinite(x) else "-" for x in s.step_phases),
         ),
-        ("gatherings of a step already taken (those who missed it)", str(s.late_gatherings)),
+        ("gatherings that missed the round taking their step", str(s.late_gatherings)),
         ("DHT stores+gets per trainer per step", f"{s.dht_ops_per_step:.0f}"),
         ("DHT store p50 / p99", f"{s.store_p50 * 1000:.0f} / {s.store_p99 * 1000:.0f} ms"),
         ("DHT get p50 / p99", f"{s.get_p50 * 1000:.0f} / {s.get_p99 * 1000:.0f} ms"),

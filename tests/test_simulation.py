@@ -321,6 +321,26 @@ def test_a_round_is_a_steps_try_and_calls_split_at_once_are_one_round():
     assert [r.yielded for r in rounds_of([*apart, again], {2: 71.0})] == [False, True]
 
 
+def test_the_round_that_yields_a_step_is_its_first_holders():
+    """A gathering opened while a round's election ran (peers that missed its gathering) is no
+    try of its own: the round whose call gave the step's first holder the step yielded it, and
+    the gathering after it missed it. Without the holder's call, the last try before the step."""
+    elected = [call(p, 4, close=40, started=37) for p in "abc"]
+    straggler = call("d", 4, close=45, started=43)  # its window opens once the round's closed
+    taken_at = {4: 60.0}  # the round's election ended at 60
+    (round_,) = rounds_of([*elected, straggler], taken_at, {4: "b"})
+    assert (round_.yielded, round_.late_gatherings, len(round_.calls)) == (True, 1, 4)
+    # The straggler's gathering gave the step (its holder called there): the round before failed.
+    tries = rounds_of([*elected, straggler], taken_at, {4: "d"})
+    assert [(r.yielded, len(r.calls)) for r in tries] == [(False, 3), (True, 1)]
+    # A holder's call after it took the step (its next gathering) is not where it took it.
+    after = call("b", 4, close=70, started=65)
+    (round_,) = rounds_of([*elected, straggler, after], taken_at, {4: "b"})
+    assert round_.yielded and round_.late_gatherings == 2
+    tries = rounds_of([*elected, straggler], taken_at)  # no holder known: the last try
+    assert [r.yielded for r in tries] == [False, True]
+
+
 def test_a_steps_time_splits_into_the_wait_for_its_call_its_averaging_and_its_election():
     """From the step before to the yielding round's first call, that round's median call,
     and from its median end to the step: the medians over the steps taken after another."""
@@ -344,7 +364,7 @@ def a_report(**fields: Any) -> SimpleNamespace:
         "wall_seconds": 1.0, "steps": 1, "ideal_step_seconds": 1.0, "departures": 0,
         "arrivals": 0, "downloads": 0, "digests_agree": True, "violations": [],
         "backbone_failures": 0, "elections": Counter(), "election_seconds": 0.0,
-        "volunteers": [], "nat": NatTally(), "taken_at": {}, **fields,
+        "volunteers": [], "nat": NatTally(), "taken_at": {}, "taken_by": {}, **fields,
     })  # fmt: skip
 
 
