@@ -217,7 +217,6 @@ def rounds_of(
     last of them was counted as the try that yielded it). Without the holder's call, the last
     round opened before the step was taken. Calls made too late for their gathering (an
     empty view) are in none."""
-    attempts = list(attempts)
     by_step: dict[int, dict[int, list[Attempt]]] = defaultdict(lambda: defaultdict(list))
     for attempt in attempts:
         if attempt.peers_seen > 0:
