@@ -213,8 +213,8 @@ def rounds_of(
     (`taken_by`: that peer's last call of the step before it took it; the step rule certified
     one of the round's candidates, whatever the split of their averages); a gathering opened
     after it while its election ran missed the step as well (at 100 simulated peers, 7 peers
-    and then 1 called step 4 again during the 41 s a round of 83 took to elect it, and the
-    last of them was counted as the try that yielded it). Without the holder's call, the last
+    and then 1 called step 4 again in the 41 s between a round of 83 opening and the step,
+    and the last of them was counted as the try that yielded it). Without the holder's call, the last
     round opened before the step was taken. Calls made too late for their gathering (an
     empty view) are in none."""
     by_step: dict[int, dict[int, list[Attempt]]] = defaultdict(lambda: defaultdict(list))
