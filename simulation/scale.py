@@ -1,14 +1,17 @@
 """Regenerate docs/scale.md's figures from the code as it is, with one command:
 
     .venv/bin/python -m simulation.scale [--peers 100 300 1000] [--minutes 10] [--jobs 2]
+        [--seed 0] [--seeds 1]
 
 It runs the scale matrix of issue 46 (`MATRIX`: 100 and 300 peers at 50 %/hour churn, 1,000
 at 10 %/hour; a 4 MB and DeDLOC's 70.8 MB gradient; half the peers behind NAT, a third of
 those symmetric; DeDLOC's volunteer links, the simulator's defaults), each run in a process of
 its own, and writes the table between the markers of docs/scale.md (`BEGIN`, `END`), headed
 by the commit it ran at (with "+changes" where the simulated code differs from it), the date,
-the command and each run's wall time. A run that breaks safety (two states of one step) is
-printed and makes the command exit non-zero; the table is written all the same.
+the command and each run's wall time; with `--seeds N`, rows of N seeds' steps, rounds and
+safety violations side by side (the columns are the first seed's). A run that breaks safety
+(two states of one step) is printed and makes the command exit non-zero; the table is written
+all the same.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import multiprocessing
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,7 +90,12 @@ def commit() -> str:
     return f"{head or 'unknown'}{'+changes' if dirty else ''}"
 
 
-def table(columns: list[Column], summaries: list[Summary]) -> list[str]:
+def table(
+    columns: list[Column], summaries: list[Summary], seeds: list[list[Summary]] | None = None
+) -> list[str]:
+    """A column per run (`summaries`); with `seeds` (each column's runs at every seed, the
+    first the column's own), rows of their figures side by side: one seed's dynamics are
+    chaotic (a change moves every later event), several show what a figure's spread is."""
     names = [name for name, _ in rows(summaries[0])]
     lines = [
         "| | " + " | ".join(c.title for c in columns) + " |",
@@ -95,7 +104,26 @@ def table(columns: list[Column], summaries: list[Summary]) -> list[str]:
     by_column = [dict(rows(s)) for s in summaries]
     for name in names:
         lines.append(f"| {name} | " + " | ".join(v.get(name, "") for v in by_column) + " |")
+    if seeds and len(seeds[0]) > 1:
+        for name, cell in SEED_ROWS:
+            cells = [" / ".join(cell(s) for s in runs) for runs in seeds]
+            lines.append(f"| {name}, seed by seed | " + " | ".join(cells) + " |")
+        pooled = [_pooled_rounds(runs) for runs in seeds]
+        lines.append("| rounds that yield a step, all seeds | " + " | ".join(pooled) + " |")
     return lines
+
+
+SEED_ROWS: list[tuple[str, Callable[[Summary], str]]] = [
+    ("steps", lambda s: str(s.steps)),
+    ("rounds that yield a step", lambda s: f"{s.agreed_rounds:.0%} of {s.rounds}"),
+    ("safety violations", lambda s: str(s.safety_violations)),
+]
+
+
+def _pooled_rounds(runs: list[Summary]) -> str:
+    rounds = sum(s.rounds for s in runs)
+    yielded = sum(round(s.agreed_rounds * s.rounds) for s in runs)
+    return f"{yielded / rounds:.1%} of {rounds}" if rounds else "-"
 
 
 def write(doc: Path, section: list[str]) -> None:
@@ -118,6 +146,9 @@ def main() -> None:
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--warmup", type=float, default=3.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seeds", type=int, default=1, help="runs per column, at seeds --seed, --seed + 1, ..."
+    )
     parser.add_argument("--jobs", type=int, default=max(1, (os.cpu_count() or 1)))
     parser.add_argument("--doc", type=Path, default=DOC)
     args = parser.parse_args()
@@ -131,24 +162,38 @@ def main() -> None:
     if not columns:
         sys.exit(f"no column of the matrix has --peers {args.peers} and --models {args.models}")
     at, started = commit(), datetime.datetime.now(datetime.UTC)
-    jobs = [scenario(c, minutes=args.minutes, warmup=args.warmup, seed=args.seed) for c in columns]
+    if args.seeds < 1:
+        sys.exit(f"--seeds {args.seeds}: give 1 or more runs per column")
+    seeds = list(range(args.seed, args.seed + args.seeds))
+    jobs = [
+        scenario(c, minutes=args.minutes, warmup=args.warmup, seed=seed)
+        for c in columns
+        for seed in seeds
+    ]
     context = multiprocessing.get_context("fork")
     with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=context) as pool:
         results = list(pool.map(_run, jobs))
-    summaries = [s for s, _ in results]
+    by_column = [results[i : i + len(seeds)] for i in range(0, len(results), len(seeds))]
+    summaries = [runs[0][0] for runs in by_column]
     command = "python -m simulation.scale " + " ".join(sys.argv[1:])
+    seeded = f"seed {args.seed}" + (
+        f"; seeds {seeds[0]}-{seeds[-1]} in the last rows" if len(seeds) > 1 else ""
+    )
     section = [
-        f"{started:%Y-%m-%d}, at {at}: `{command.strip()}` (seed {args.seed}; "
+        f"{started:%Y-%m-%d}, at {at}: `{command.strip()}` ({seeded}; "
         f"{args.minutes:g} virtual minutes measured after {args.warmup:g} of warm-up; "
         f"{NAT_SHARE:.0%} of the peers behind NAT, {SYMMETRIC_SHARE:.0%} of those symmetric; "
         f"{args.jobs} run{'s' if args.jobs != 1 else ''} at a time on {os.cpu_count()} cores).",
         "",
-        *table(columns, summaries),
+        *table(columns, summaries, [[s for s, _ in runs] for runs in by_column]),
     ]
     write(args.doc, section)
     print("\n".join(section))
     broken = [
-        (c, v) for c, (_, violations) in zip(columns, results, strict=True) for v in violations
+        (c, v)
+        for c, runs in zip(columns, by_column, strict=True)
+        for _, violations in runs
+        for v in violations
     ]
     for column, violation in broken:
         print(f"SAFETY VIOLATION ({column.title}): {violation}")

@@ -3,6 +3,8 @@ it is, between their markers, under the commit they ran at."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 from pathlib import Path
 
 from simulation import scale
@@ -38,6 +40,47 @@ def test_a_runs_figures_become_a_column_of_the_table():
     steps = next(line for line in lines if line.startswith("| steps (per hour / ideal)"))
     assert steps.count(f"{summary.steps} (") == 2
     assert any(line.startswith("| safety violations") and "| 0 | 0 |" in line for line in lines)
+
+
+def test_runs_at_several_seeds_show_their_figures_side_by_side_and_pooled():
+    summary, _ = scale._run(small(peers=3, minutes=0.5, churn_per_hour=0, seed=2))
+    column = Column(3, 0.0, 4.0)
+    failing = dataclasses.replace(summary, rounds=3, agreed_rounds=1 / 3, safety_violations=1)
+    lines = table([column], [summary], [[summary, failing]])
+    single = table([column], [summary], [[summary]])
+    assert lines[: len(single)] == single  # the columns are the first seed's
+    by_name = dict(line.strip("| ").split(" | ") for line in lines[len(single) :])
+    assert by_name["steps, seed by seed"] == f"{summary.steps} / {summary.steps}"
+    assert by_name["safety violations, seed by seed"] == "0 / 1"
+    assert by_name["rounds that yield a step, seed by seed"].endswith(" / 33% of 3")
+    yielded = round(summary.agreed_rounds * summary.rounds) + 1
+    pooled = f"{yielded / (summary.rounds + 3):.1%} of {summary.rounds + 3}"
+    assert by_name["rounds that yield a step, all seeds"] == pooled
+
+
+def test_the_command_runs_each_column_at_each_seed(monkeypatch, tmp_path):
+    """`--seeds 2` runs every column at two seeds; the columns are the first seed's."""
+    summary, _ = scale._run(small(peers=3, minutes=0.5, churn_per_hour=0, seed=2))
+
+    def run(job):  # a run's steps name its column and seed
+        return dataclasses.replace(summary, steps=job.peers + job.seed), []
+
+    class Inline(concurrent.futures.ThreadPoolExecutor):
+        def __init__(self, jobs: int, mp_context: object) -> None:
+            super().__init__(jobs)
+
+    monkeypatch.setattr(scale, "_run", run)
+    monkeypatch.setattr(scale.concurrent.futures, "ProcessPoolExecutor", Inline)
+    monkeypatch.setattr(scale, "commit", lambda: "abc1234")
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    doc = tmp_path / "scale.md"
+    argv = ["scale", "--peers", "100", "300", "--models", "4", "--seed", "5", "--seeds", "2"]
+    monkeypatch.setattr(scale.sys, "argv", [*argv, "--doc", str(doc)])
+    scale.main()
+    text = doc.read_text()
+    assert "(seed 5; seeds 5-6 in the last rows;" in text
+    assert "| steps (per hour / ideal) | 105 (" in text and "| 305 (" in text
+    assert "| steps, seed by seed | 105 / 106 | 305 / 306 |" in text
 
 
 def test_the_commit_names_uncommitted_changes_to_the_simulated_code(monkeypatch, tmp_path):
