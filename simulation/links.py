@@ -150,13 +150,16 @@ class SharedLink:
             return
         transfer.done = True  # pending: skipped when it comes up
         if transfer.key is not None:
-            index = bisect.bisect_left(self._running, transfer.key, key=lambda e: e[:2])
-            del self._running[index]
+            del self._running[self._index(transfer)]
             for _, _, other in list(self._running):
                 other.waiter.rearm(now)
             for _, _, other in list(self._pending):
                 if not other.done:
                     other.waiter.rearm(now)
+
+    def _index(self, transfer: _Transfer) -> int:
+        """Where a started transfer is among the running (by its end tag and order)."""
+        return bisect.bisect_left(self._running, transfer.key, key=lambda e: e[:2])
 
     def _projected_end(self, transfer: _Transfer, now: float) -> float:
         """When `transfer` ends if nothing else starts on this link (-inf: it has ended)."""
@@ -182,7 +185,7 @@ class SharedLink:
                     break
                 at, virtual, share = at + (tag - virtual) * share / self.capacity, tag, share - 1
             return at + (own - virtual) * share / self.capacity
-        index = bisect.bisect_left(self._running, transfer.key, key=lambda e: e[:2])
+        index = self._index(transfer)
         if index > EXACT_PROJECTION:  # a busy link: a lower bound, as if those ahead had ended
             tag = transfer.key[0]
             return at + (tag - virtual) * (share - index) / self.capacity

@@ -236,7 +236,7 @@ def rounds_of(
             closes = max(closes, epoch / 1000 - EPOCH)
         tries = [r for r in ours if r.opened < taken]
         if tries and taken < math.inf:
-            yielding = _yielding(tries, step, taken, (taken_by or {}).get(step))
+            yielding = _yielding(tries, taken, (taken_by or {}).get(step))
             for missed in tries[tries.index(yielding) + 1 :]:  # opened during its election
                 yielding.calls.extend(missed.calls)
                 yielding.late_gatherings += len(missed.epochs)  # its own and its late ones
@@ -246,14 +246,14 @@ def rounds_of(
     return rounds
 
 
-def _yielding(tries: list[Round], step: int, taken: float, holder: str | None) -> Round:
+def _yielding(tries: list[Round], taken: float, holder: str | None) -> Round:
     """Of a step's tries opened before it was taken, the one whose call gave `holder` (its
     first holder) the step: that peer's last call of it started before then."""
     calls = [
         (a.started, r_index)
         for r_index, r in enumerate(tries)
         for a in r.calls
-        if a.peer == holder and a.step == step and a.started < taken
+        if a.peer == holder and a.started < taken
     ]
     return tries[max(calls)[1]] if calls else tries[-1]
 
