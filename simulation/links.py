@@ -202,6 +202,42 @@ async def carry(size: float, *links: SharedLink, after: float = 0.0) -> None:
     await carry_parts([(link, size) for link in links], after=after)
 
 
+async def carry_groups(
+    groups: list[tuple[float, list[tuple[SharedLink, float]]]], *, deadline: float = math.inf
+) -> list[bool]:
+    """Several messages at once (a fan-out's requests or its replies: `SimRpc.call_each`),
+    each (after, parts) carrying its parts (link, bytes) from `after` seconds from now; one
+    wait until every one has ended, or until `deadline`: which of them ended (those that had
+    not stop sharing their links)."""
+    waiter = _Waiter()
+    owned: list[list[_Transfer]] = []
+    try:
+        for after, parts in groups:
+            started = []
+            for link, size in parts:
+                if size > 0:
+                    started.append(link._start(size, waiter, after))
+                    waiter.transfers.append((link, started[-1]))
+            owned.append(started)
+        for wakeups in range(MAX_WAKEUPS):
+            now = trio.current_time()
+            ends = waiter.deadline(now)
+            if ends == -math.inf or now >= deadline:
+                if not wakeups:  # nothing to wait for: still a checkpoint
+                    await trio.lowlevel.checkpoint()
+                break
+            with trio.CancelScope(deadline=min(ends, deadline)) as waiter.scope:
+                await trio.sleep_forever()
+            waiter.scope = None
+        else:
+            raise RuntimeError(f"a transfer on a link was woken {MAX_WAKEUPS} times: livelock")
+        return [all(t.done for t in transfers) for transfers in owned]
+    finally:
+        waiter.scope = None
+        for link, transfer in waiter.transfers:
+            link._cancel(transfer)
+
+
 async def carry_parts(parts: list[tuple[SharedLink, float]], *, after: float = 0.0) -> None:
     """Carry each (link, bytes) at once (a state download: the joiner's downlink carries it
     all, each donor's uplink its part), starting `after` seconds from now; return when all

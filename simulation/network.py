@@ -13,7 +13,10 @@ Time: a message from peer a to peer b takes the one-way latency (half of the mea
 peers' round-trip times) and then its bytes carried on a's uplink and b's downlink at once,
 each shared equally with everything else on it at that moment (`links`: DHT requests and
 replies, tickets, progress records, and the bulk transfers `dataplane` times on the same
-links); one wait of the sender's task (`carry(after=latency)`).
+links); one wait of the sender's task (`carry(after=latency)`). A fan-out
+(`SimRpc.call_each`: a DHT store to a key's holders, a progress read of every shard) is one
+wait for all its requests and one for all its replies, each message on its own links: a task
+and two waits a call were most of the simulator's time.
 
 A peer that left (`leave`) answers nothing: a call to it fails after the latency if it left
 gracefully (its connections closed, as a stopped daemon's do) or at the caller's deadline if it
@@ -46,7 +49,7 @@ from peer.net.identity import Identity
 from peer.net.rpc import RpcServer, protocol_id
 from simulation import cpu as cpu_module
 from simulation.cpu import SimCpu
-from simulation.links import SharedLink, carry
+from simulation.links import SharedLink, carry_groups, carry_parts
 from simulation.nat import Nat, NatBook, Path
 
 T = TypeVar("T")
@@ -167,22 +170,23 @@ class SimNetwork:
         """A message of `size` bytes from `a` to `b`: the delay, then its bytes on `a`'s
         uplink and `b`'s downlink, shared with whatever else they carry; through a relay
         while their connection runs through one (`nat`), on the relay's links too."""
-        connection = self.nat.live(a, b, trio.current_time())
-        relay = connection.relay_at(trio.current_time()) if connection is not None else None
+        after, parts = self.message(a, b, size, trio.current_time())
+        await carry_parts(parts, after=after)
+
+    def message(
+        self, a: ID, b: ID, size: int, at: float
+    ) -> tuple[float, list[tuple[SharedLink, float]]]:
+        """What a message of `size` bytes from `a` to `b` sent at `at` crosses: (its delay,
+        the links that carry its bytes)."""
+        connection = self.nat.live(a, b, at)
+        relay = connection.relay_at(at) if connection is not None else None
         if relay is None:
-            await carry(size, self.uplinks[a], self.downlinks[b], after=self.latency(a, b))
-            return
+            return self.latency(a, b), [(self.uplinks[a], size), (self.downlinks[b], size)]
         assert connection is not None
         connection.relayed_bytes += size
         self.nat.tally.relayed_bytes += size
-        await carry(
-            size,
-            self.uplinks[a],
-            self.downlinks[relay],
-            self.uplinks[relay],
-            self.downlinks[b],
-            after=self.latency(a, relay) + self.latency(relay, b),
-        )
+        links = [self.uplinks[a], self.downlinks[relay], self.uplinks[relay], self.downlinks[b]]
+        return self.latency(a, relay) + self.latency(relay, b), [(link, size) for link in links]
 
 
 class SimHost:
@@ -241,22 +245,119 @@ class SimRpc:
         await network.cpus[caller].pay()  # what our checks cost goes before what we send
         await network.reach(caller, callee)
         await network.send(caller, callee, len(body))
-        server = network.servers.get((callee, protocol_id(service)))
+        server = self._server(callee, key)
         if server is None:
-            if network.gone.get(callee):
-                await trio.sleep_forever()  # until the caller's deadline
-            raise Unreachable(f"{service}.{method} to {callee}: connection refused")
+            await trio.sleep_forever()  # a silent departure: until the caller's deadline
+        reply = await self._serve(server, callee, key, body)
+        await network.cpus[callee].pay()
+        await network.send(callee, caller, len(reply))
+        if callee in network.gone:
+            raise Unreachable(f"{service}.{method} to {callee}: connection closed")
+        return msgspec.msgpack.decode(reply, type=reply_type)
+
+    async def call_each(
+        self,
+        calls: Sequence[tuple[ID, Any]],
+        service: str,
+        method: str,
+        reply_type: type[T],
+        *,
+        timeout: float,
+    ) -> list[T | RemoteError]:
+        """`RpcClient.call_each` over the simulated network, as one wait for the requests and
+        one for the replies instead of a task and two waits a call (a progress read of 64
+        shards is 128 calls): each message still crosses its own links at its own delay,
+        shared with everything else on them, and each call fails at `timeout` as alone. What
+        differs: every callee serves its request once all the requests have arrived, and the
+        callee's checks run beside its reply instead of before it."""
+        network, caller = self.network, self.peer_id
+        key = (service, method)
+        traffic = network.traffic
+        traffic.calls[key] += len(calls)
+        deadline = trio.current_time() + timeout
+        outcomes: list[T | RemoteError | None] = [None] * len(calls)
+        await network.cpus[caller].pay()
+        now = trio.current_time()
+        bodies: dict[int, bytes] = {}
+        requests: list[tuple[float, list[tuple[SharedLink, float]]]] = []
+        for index, (callee, request) in enumerate(calls):
+            body = msgspec.msgpack.encode(request)
+            traffic.bytes[key] += len(body)
+            if callee not in network.links:
+                outcomes[index] = Unreachable(f"{service}.{method} to {callee}: no such peer")
+                continue
+            connection = network.nat.connection(caller, callee, now)
+            if connection.path is Path.FAILED:
+                continue  # no way in: fails at the deadline
+            ready = max(now, connection.ready_at)
+            after, parts = network.message(caller, callee, len(body), ready)
+            bodies[index] = body
+            requests.append((ready - now + after, parts))
+        arrived = await carry_groups(requests, deadline=deadline)
+        replies: dict[int, bytes] = {}
+        answers: list[tuple[float, list[tuple[SharedLink, float]]]] = []
+        now = trio.current_time()
+        for (index, body), landed in zip(list(bodies.items()), arrived, strict=True):
+            callee = calls[index][0]
+            try:
+                server = self._server(callee, key) if landed else None
+                if server is None:
+                    continue  # not there by the deadline, or a silent departure
+                reply = await self._serve(server, callee, key, body)
+            except RemoteError as error:
+                outcomes[index] = error
+                continue
+            replies[index] = reply
+            cpu = network.cpus[callee]
+            owed, cpu.owed = cpu.owed, 0.0
+            after, parts = network.message(callee, caller, len(reply), now)
+            answers.append((after, [*parts, (cpu.core, owed)]))
+        back = await carry_groups(answers, deadline=deadline)
+        for (index, reply), landed in zip(list(replies.items()), back, strict=True):
+            callee = calls[index][0]
+            if not landed:
+                continue
+            if callee in network.gone:
+                outcomes[index] = Unreachable(f"{service}.{method} to {callee}: connection closed")
+                continue
+            outcomes[index] = msgspec.msgpack.decode(reply, type=reply_type)
+        if trio.current_time() < deadline and any(o is None for o in outcomes):
+            await trio.sleep_until(deadline)  # calls nobody answers fail at their deadline
+        return [self._outcome(o, key, calls[i][0], timeout) for i, o in enumerate(outcomes)]
+
+    def _outcome(
+        self, outcome: T | RemoteError | None, key: tuple[str, str], callee: ID, timeout: float
+    ) -> T | RemoteError:
+        if outcome is None:
+            outcome = DeadlineExceeded(f"{key[0]}.{key[1]} to {callee} took over {timeout:.3g}s")
+        if isinstance(outcome, RemoteError):
+            self.network.traffic.failed[key] += 1
+        return outcome
+
+    def _server(self, callee: ID, key: tuple[str, str]) -> RpcServer | None:
+        """The callee's server of `key`'s service (None: it left silently, so nothing answers);
+        Unreachable where it refuses the connection (left gracefully, or never served it)."""
+        server = self.network.servers.get((callee, protocol_id(key[0])))
+        if server is None and not self.network.gone.get(callee):
+            raise Unreachable(f"{key[0]}.{key[1]} to {callee}: connection refused")
+        return server
+
+    async def _serve(
+        self, server: RpcServer, callee: ID, key: tuple[str, str], body: bytes
+    ) -> bytes:
+        """The callee's handler on `body`, as its real server runs it: the reply's bytes, or
+        the RpcError its caller gets; what its checks cost is owed to its CPU."""
+        network, method = self.network, key[1]
         handler = server._methods.get(method)
         if handler is None:
-            raise RpcError("unknown_method", f"{service} has no method {method!r}")
+            raise RpcError("unknown_method", f"{key[0]} has no method {method!r}")
         try:
             decoded = msgspec.msgpack.decode(body, type=handler.request_type)
         except (msgspec.DecodeError, msgspec.ValidationError) as error:
             raise RpcError("bad_request", f"{method}: {error}") from None
-        cpu = network.cpus[callee]
-        running = cpu_module.CURRENT.set(cpu)  # the handler's checks are the callee's
+        running = cpu_module.CURRENT.set(network.cpus[callee])  # the checks are the callee's
         try:
-            result = await handler.handler(caller, decoded)  # type: ignore[misc]
+            result = await handler.handler(self.peer_id, decoded)  # type: ignore[misc]
         except RpcError:
             raise
         except (RemoteError, UserError) as error:
@@ -265,14 +366,10 @@ class SimRpc:
             raise RpcError("internal", f"the handler failed: {error!r}") from None
         finally:
             cpu_module.CURRENT.reset(running)
-        await cpu.pay()
         reply = msgspec.msgpack.encode(result)
         network.traffic.bytes[key] += len(reply)
         network.traffic.served[callee] += len(reply)
-        await network.send(callee, caller, len(reply))
-        if callee in network.gone:
-            raise Unreachable(f"{service}.{method} to {callee}: connection closed")
-        return msgspec.msgpack.decode(reply, type=reply_type)
+        return reply
 
     def forget(self, peer_id: ID) -> None:
         pass

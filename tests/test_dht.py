@@ -555,6 +555,40 @@ async def test_a_hot_key_is_read_from_two_replicas_without_a_lookup_each_time():
         assert calls_of(reader, "get") - gets >= CONFIG.replicas - 1
 
 
+async def test_a_hot_read_of_many_keys_asks_all_their_replicas_in_one_fan_out():
+    """A progress read takes every shard of its level (64 at 1,000 peers), each from two
+    replicas: asked at once, in one `call_each` (on the simulated network one wait, not a
+    task and two waits a call: most of the simulator's time went to those)."""
+    clock = FakeClock()
+    async with swarm(N, CONFIG, clock=clock) as s:
+        keys = [f"hot/{i}" for i in range(6)]
+        for writer in s.dhts:
+            me = writer.node.peer_id.to_base58()
+            for key in keys:
+                await writer.store(key, me, key.encode(), expiration=clock.now + 60, hot=True)
+        reader = s.dhts[0]
+        await reader.get_many(keys, hot=True)  # the replicas looked up
+        fan_outs: list[int] = []
+        call_each = reader.node.rpc.call_each
+
+        async def counted(calls, *args, **kwargs):
+            fan_outs.append(len(calls))
+            assert not any(request.contacts for _, request in calls)  # known holders: no hops
+            return await call_each(calls, *args, **kwargs)
+
+        reader.node.rpc.call_each = counted  # type: ignore[method-assign]
+        everyone = {d.node.peer_id.to_base58() for d in s.dhts}
+        read = await reader.get_many(keys, hot=True, strict=True)
+        assert {key: set(entries) for key, entries in read.items()} == dict.fromkeys(keys, everyone)
+        assert len(fan_outs) == 1
+        assert len(keys) <= fan_outs[0] <= len(keys) * dht_node.HOT_READ_REPLICAS
+        # A reply to a read that asks no contacts names none (a lookup's hop: 20 of them).
+        replica, caller = s.dhts[1], reader.node.peer_id
+        hop = await replica._on_get(caller, dht.Get(keys[0]))
+        held = await replica._on_get(caller, dht.Get(keys[0], contacts=False))
+        assert hop.nodes and not held.nodes and held.entries == hop.entries
+
+
 async def test_in_a_dht_smaller_than_the_replicas_every_node_holds_a_store():
     """Fewer nodes than `replicas`: the writer keeps a copy and every other node gets one (a
     change that dropped the farthest of them whatever their number left a ticket of a 2-node

@@ -46,6 +46,19 @@ def progress_entries(count: int) -> dict[str, Entry]:
     return entries
 
 
+async def get_each(
+    dht: CountingDht | ShardedDht, keys: list[str], *, hot: bool = False, strict: bool = False
+) -> dict[str, dict[str, Entry] | RemoteError]:
+    """`DHT.get_many` of a fake: its `get` of each key in turn."""
+    found: dict[str, dict[str, Entry] | RemoteError] = {}
+    for key in keys:
+        try:
+            found[key] = await dht.get(key, hot=hot, strict=strict)
+        except RemoteError as error:
+            found[key] = error
+    return found
+
+
 class CountingDht:
     """The DHT as the publisher sees it: `records` records of about a real one's size, each in
     its shard at every level (`peer.training.shards`), and `junk` values of 64 KiB under open
@@ -85,6 +98,8 @@ class CountingDht:
             if shards.shard_index(peer_id, int(level)) == int(index)
         }
         return shard | self.junk
+
+    get_many = get_each
 
 
 def test_reads_are_stretched_to_the_byte_budget_and_capped():
@@ -258,6 +273,8 @@ class ShardedDht:
         if key in self.failing:
             raise RemoteError(f"no replica of {key} answered")
         return dict(self.keys.get(key, {}))
+
+    get_many = get_each
 
 
 def reader(dht: ShardedDht, size: int | None = None, me: str | None = None) -> ProgressReader:

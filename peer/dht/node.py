@@ -404,19 +404,12 @@ class DHT:
             except ProtocolError as error:
                 log.debug("local store refused %s: %s", key, error)
         request = p.Store(key, entries, self._caller_addrs())
-
-        async def send(contact: Contact) -> None:
-            nonlocal accepted
-            try:
-                reply = await self._call(contact.peer_id, "store", request, p.StoreReply)
-            except RemoteError as error:
-                self._forget(contact, error)
-                return
-            accepted += any(v in ("stored", "kept-newer") for v in reply.verdicts.values())
-
-        async with trio.open_nursery() as nursery:
-            for contact in targets:
-                nursery.start_soon(send, contact)
+        replies = await self._call_each([(c, request) for c in targets], "store", p.StoreReply)
+        for contact, reply in zip(targets, replies, strict=True):
+            if isinstance(reply, RemoteError):
+                self._forget(contact, reply)
+            else:
+                accepted += any(v in ("stored", "kept-newer") for v in reply.verdicts.values())
         return accepted
 
     async def get(self, key: str, *, hot: bool = False, strict: bool = False) -> dict[str, Entry]:
@@ -433,12 +426,45 @@ class DHT:
 
         `strict`: Unreachable where no node answered the read and we hold no copy of the key
         as a replica: an empty answer, not an empty key (a reader counting what it read)."""
+        entries = (await self.get_many([key], hot=hot, strict=strict))[key]
+        if isinstance(entries, RemoteError):
+            raise entries
+        return entries
+
+    async def get_many(
+        self, keys: Sequence[str], *, hot: bool = False, strict: bool = False
+    ) -> dict[str, dict[str, Entry] | RemoteError]:
+        """`get` of every key at once: each key's entries, or the RemoteError its read met
+        (`strict`: Unreachable where nobody answered). Hot keys' replicas are asked in one fan-out (`_hot_get`: a progress read of
+        2^L shards is one `call_each`, not 2^L reads)."""
         started = self.clock()
-        merged: dict[str, Entry] = {}
+        keys = list(dict.fromkeys(keys))
+        merged: dict[str, dict[str, Entry]] = {key: {} for key in keys}
         if self.server:
-            merge(merged, self.records.get(key, now=started))
-        if hot and self._large() and await self._hot_get(key, merged):
-            return live(merged, now=started)
+            for key in keys:
+                merge(merged[key], self.records.get(key, now=started))
+        done = await self._hot_get(keys, merged) if hot and self._large() else set()
+        failed: dict[str, RemoteError] = {}
+
+        async def read(key: str) -> None:
+            try:
+                await self._lookup_get(key, merged[key], hot=hot, strict=strict)
+            except RemoteError as error:
+                failed[key] = error
+
+        rest = [key for key in keys if key not in done]
+        if len(rest) == 1:
+            await read(rest[0])
+        else:
+            async with trio.open_nursery() as nursery:
+                for key in rest:
+                    nursery.start_soon(read, key)
+        return {key: failed.get(key) or live(merged[key], now=started) for key in keys}
+
+    async def _lookup_get(
+        self, key: str, merged: dict[str, Entry], *, hot: bool, strict: bool
+    ) -> None:
+        """`key`'s entries from every replica a lookup meets, into `merged`."""
         request = p.Get(key, self._caller_addrs())
         paged: list[Contact] = []  # replicas we read page by page
         answered = 0
@@ -458,56 +484,90 @@ class DHT:
             raise Unreachable(f"no DHT node answered a read of {key!r}")
         if hot:
             self._note_hot_read(key_id(key), owned_entries(merged))
-        return live(merged, now=started)
 
-    async def _hot_get(self, key: str, merged: dict[str, Entry]) -> bool:
-        """Read `key` whole (every page) from `HOT_READ_REPLICAS` of its holders at random
-        (`_hot_replicas`; those of its prefix first), into `merged`; a replica that fails is
-        replaced by another of them. False if none answered, or if they held fewer than half
-        the entries of our last read of it: the caller then reads the usual way, from every
+    async def _hot_get(self, keys: list[str], merged: dict[str, dict[str, Entry]]) -> set[str]:
+        """Read each key whole (every page) from `HOT_READ_REPLICAS` of its holders at random
+        (`_hot_replicas`; those of its prefix first), into `merged`, all keys' calls at once; a
+        replica that fails is replaced by another of them. The keys read this way: not one
+        none of whose replicas answered, nor one whose replicas held fewer than half the
+        entries of our last read of it: the caller reads those the usual way, from every
         replica its lookup meets. (Replicas that took the place of departed ones hold only what
         was written since, until every writer has written again: two of them alone would hide
         the rest.)"""
-        target, bits = key_id(key), spread_bits(key)
-        replicas = await self._hot_replicas(target, bits)
+        replicas = await self._hot_replicas_of(keys)
         me = self.node.peer_id
-        # We are a replica ourselves (our copy is merged already): one remote read fewer.
-        wanted = HOT_READ_REPLICAS - (
-            self._replica() and self._we_belong_among(target, replicas, bits)
-        )
-        # A spread key's holders of its prefix first, where they are enough (read from the
-        # others alike, those served 1.9x the mean node by placement at 300 and 1,000 peers).
-        others = [c for c in replicas if c.peer_id != me]
-        candidates = hot_read_order(target, bits, others, self.rng.shuffle)
-        request = p.Get(key, self._caller_addrs())
-        answered = 0
-
-        async def read(contact: Contact) -> None:
-            nonlocal answered
-            try:
-                reply = await self._call(contact.peer_id, "get", request, p.GetReply)
-                merge(merged, await self._checked(key, reply.entries, known=merged))
-            except RemoteError as error:
-                self._forget(contact, error)
-                return
-            answered += 1
-            if reply.pages > 1:
-                await self._read_pages(contact, key, reply.pages, merged)
-
-        while answered < wanted and candidates:
-            batch = candidates[: wanted - answered]
-            del candidates[: len(batch)]
+        wanted: dict[str, int] = {}
+        candidates: dict[str, list[Contact]] = {}
+        for key in keys:
+            target, bits = key_id(key), spread_bits(key)
+            # We are a replica ourselves (our copy is merged already): one remote read fewer.
+            wanted[key] = HOT_READ_REPLICAS - (
+                self._replica() and self._we_belong_among(target, replicas[key], bits)
+            )
+            # A spread key's holders of its prefix first, where they are enough (read from the
+            # others alike, those served 1.9x the mean node by placement at 300 and 1,000).
+            others = [c for c in replicas[key] if c.peer_id != me]
+            candidates[key] = hot_read_order(target, bits, others, self.rng.shuffle)
+        answered = dict.fromkeys(keys, 0)
+        addrs = self._caller_addrs()
+        while True:
+            batch: list[tuple[str, Contact]] = []
+            for key in keys:
+                take = candidates[key][: max(0, wanted[key] - answered[key])]
+                del candidates[key][: len(take)]
+                batch += [(key, contact) for contact in take]
+            if not batch:
+                break
+            replies = await self._call_each(
+                [(contact, p.Get(key, addrs, contacts=False)) for key, contact in batch],
+                "get",
+                p.GetReply,
+            )
+            paged: list[tuple[Contact, str, int]] = []
+            for (key, contact), reply in zip(batch, replies, strict=True):
+                try:
+                    if isinstance(reply, RemoteError):
+                        raise reply
+                    merge(merged[key], await self._checked(key, reply.entries, known=merged[key]))
+                except RemoteError as error:
+                    self._forget(contact, error)
+                    continue
+                answered[key] += 1
+                if reply.pages > 1:
+                    paged.append((contact, key, reply.pages))
             async with trio.open_nursery() as nursery:
-                for contact in batch:
-                    nursery.start_soon(read, contact)
-        owned = owned_entries(merged)
-        if (answered == 0 and wanted > 0) or 2 * owned < self._hot_read.get(target, 0):
-            # Holders that hid records (or joined since and hold few yet) are looked up again
-            # at the next use, not reused for up to `HOT_SPREAD_MAX_SECONDS` (review).
-            self._hot.pop(target, None)
-            return False
-        self._note_hot_read(target, owned)
-        return True
+                for contact, key, pages in paged:
+                    nursery.start_soon(self._read_pages, contact, key, pages, merged[key])
+        done: set[str] = set()
+        for key in keys:
+            target, owned = key_id(key), owned_entries(merged[key])
+            if (answered[key] == 0 and wanted[key] > 0) or 2 * owned < self._hot_read.get(
+                target, 0
+            ):
+                # Holders that hid records (or joined since and hold few yet) are looked up
+                # again at the next use, not reused for up to `HOT_SPREAD_MAX_SECONDS` (review).
+                self._hot.pop(target, None)
+                continue
+            self._note_hot_read(target, owned)
+            done.add(key)
+        return done
+
+    async def _hot_replicas_of(self, keys: list[str]) -> dict[str, list[Contact]]:
+        """`_hot_replicas` of every key: those remembered at once, the rest looked up together."""
+        found: dict[str, list[Contact]] = {}
+        for key in keys:
+            cached = self._fresh_hot(key_id(key))
+            if cached is not None:
+                found[key] = cached
+
+        async def look_up(key: str) -> None:
+            found[key] = await self._hot_replicas(key_id(key), spread_bits(key))
+
+        async with trio.open_nursery() as nursery:
+            for key in keys:
+                if key not in found:
+                    nursery.start_soon(look_up, key)
+        return found
 
     def _note_hot_read(self, target: int, entries: int) -> None:
         self._hot_read.pop(target, None)
@@ -532,16 +592,23 @@ class DHT:
         holds every key)."""
         return len(self.table) >= self.config.replicas
 
+    def _fresh_hot(self, target: int) -> list[Contact] | None:
+        """A hot key's holders as looked up last, while they are fresh."""
+        cached = self._hot.get(target)
+        if cached is None or trio.current_time() >= cached[0]:
+            return None
+        self._hot.move_to_end(target)
+        return cached[1]
+
     async def _hot_replicas(self, target: int, bits: int = 0) -> list[Contact]:
         """The live nodes that hold a hot key (`routing.hot_holders`: the `replicas` closest
         to `target`, or every node of a spread key's prefix), looked up at most
         `HOT_REPLICAS_SECONDS` (`spread_refresh_seconds`) ago, or again after one of them failed a
         call (`_forget`)."""
+        cached = self._fresh_hot(target)
+        if cached is not None:
+            return cached
         now = trio.current_time()
-        cached = self._hot.get(target)
-        if cached is not None and now < cached[0]:
-            self._hot.move_to_end(target)
-            return cached[1]
         k = SPREAD_HOLDERS * self.config.replicas if bits else self.config.replicas
         closest = (await self.find_nodes(target, k=k)).closest_answered()
         contacts = closest[: hot_holders(target, bits, closest, self.config.replicas)]
@@ -565,7 +632,7 @@ class DHT:
         and the replica's first reply still counts."""
 
         async def page(index: int) -> None:
-            request = p.Get(key, self._caller_addrs(), page=index, pages=pages)
+            request = p.Get(key, self._caller_addrs(), page=index, pages=pages, contacts=False)
             try:
                 reply = await self._call(contact.peer_id, "get", request, p.GetReply)
                 merge(merged, await self._checked(key, reply.entries, known=merged))
@@ -728,7 +795,11 @@ class DHT:
         target = key_id(request.key)
         # More contacts than the caller keeps: some may be dead, and the caller must still
         # find the `replicas` closest live ones.
-        nearest = self.table.nearest(target, self.config.bucket_size, exclude=[caller])
+        nearest = (
+            self.table.nearest(target, self.config.bucket_size, exclude=[caller])
+            if request.contacts
+            else []
+        )
         nodes = [p.WireContact.of(c) for c in nearest]
         # Contacts first (at most bucket_size x 16 addresses), entries in what is left.
         budget = self.reply_bytes - len(msgspec.msgpack.encode(nodes))
@@ -787,6 +858,24 @@ class DHT:
             raise
         self._calls[method, "ok"] += 1
         return reply
+
+    async def _call_each(
+        self, calls: list[tuple[Contact, object]], method: str, reply_type: type
+    ) -> list:
+        """`method` on each (contact, request) at once: each reply or RemoteError, in order."""
+        outcomes = await self.node.rpc.call_each(
+            [(contact.peer_id, request) for contact, request in calls],
+            p.SERVICE,
+            method,
+            reply_type,
+            timeout=self.rpc_timeout,
+        )
+        for (contact, _), outcome in zip(calls, outcomes, strict=True):
+            failed = isinstance(outcome, RemoteError)
+            self._calls[method, _outcome(outcome) if failed else "ok"] += 1
+            if isinstance(outcome, DeadlineExceeded):  # it may be a connection the network cut
+                await self.node.disconnect(contact.peer_id)
+        return outcomes
 
     def _caller_addrs(self) -> list[str] | None:
         if not self._replica():

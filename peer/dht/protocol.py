@@ -86,6 +86,9 @@ class Get(msgspec.Struct, frozen=True):
     page: Annotated[int, msgspec.Meta(ge=0, lt=MAX_PAGES)] = 0
     pages: Annotated[int, msgspec.Meta(ge=1, le=MAX_PAGES)] = 1
     """Read the entries whose subkeys fall in page `page` of `pages` (`records.page_of`)."""
+    contacts: bool = True
+    """Whether the reply names the nodes nearest the key (a lookup's next hops); a hot read
+    asks holders it knows and needs none (20 contacts: ~2 KB of each reply)."""
 
 
 class GetReply(msgspec.Struct, frozen=True):

@@ -472,6 +472,33 @@ class RpcClient:
                 f"{service}.{method} to {peer_id} took over {timeout:.3g}s"
             ) from None
 
+    async def call_each(
+        self,
+        calls: Sequence[tuple[ID, Any]],
+        service: str,
+        method: str,
+        response_type: type[T],
+        *,
+        timeout: float,
+    ) -> list[T | RemoteError]:
+        """`method` on several peers at once, each (peer, request) a call under `timeout`:
+        each call's reply or the RemoteError it raised, in the order of `calls` (a fan-out
+        that waits for all: a DHT store to a key's holders, a read of many keys)."""
+        outcomes: list[T | RemoteError] = [Unreachable("not called")] * len(calls)
+
+        async def one(index: int, peer_id: ID, request: Any) -> None:
+            try:
+                outcomes[index] = await self.call(
+                    peer_id, service, method, request, response_type, timeout=timeout
+                )
+            except RemoteError as error:
+                outcomes[index] = error
+
+        async with trio.open_nursery() as nursery:
+            for index, (peer_id, request) in enumerate(calls):
+                nursery.start_soon(one, index, peer_id, request)
+        return outcomes
+
     async def _call(
         self, peer_id: ID, service: str, method: str, request: Any, response_type: type[T]
     ) -> T:

@@ -113,9 +113,10 @@ class ProgressReader:
     nothing after one that found records raises RemoteError (the last view and size stay): an
     unreachable DHT is no empty collaboration. Entries are taken only from the shard their peer
     id names (`shards.record_key`): one identity writing into every shard would count once per
-    shard in a probe. Every shard is read strictly (`DHT.get(strict=True)`): a shard no replica of
-    which answered fails the read, since a view with a shard missing counts part of the
-    trainers (a first step's election counts them)."""
+    shard in a probe. Every shard is read strictly, all of them in one fan-out
+    (`DHT.get_many(strict=True)`): a shard no replica of which answered fails the read, since a
+    view with a shard missing counts part of the trainers (a first step's election counts
+    them)."""
 
     def __init__(
         self, dht: DHT, collaboration: str, *, me: str | None = None, hot: bool = True
@@ -154,44 +155,39 @@ class ProgressReader:
     async def _read_level(self, at: int) -> ProgressRead:
         """Every shard of level `at`, at once; RemoteError if one could not be read."""
         entries: dict[str, Entry] = {}
-        failures: list[RemoteError] = []
-
-        async def read(key: str) -> None:
-            try:
-                merge(entries, await self._get(key, at))
-            except RemoteError as error:
-                failures.append(error)
-
-        async with trio.open_nursery() as nursery:
-            for key in shards.level_keys(self.collaboration, at):
-                nursery.start_soon(read, key)
-        if failures:
-            raise failures[0]
+        keys = shards.level_keys(self.collaboration, at)
+        for found in (await self._get(dict.fromkeys(keys, at))).values():
+            if isinstance(found, RemoteError):
+                raise found
+            merge(entries, found)
         return ProgressRead(entries, decode_progress(entries, collaboration=self.collaboration))
 
-    async def _get(self, key: str, at: int) -> dict[str, Entry]:
-        """`key`'s entries under the subkeys whose shard it is."""
-        entries = await self.dht.get(key, hot=self.hot, strict=True)
+    async def _get(self, levels: dict[str, int]) -> dict[str, dict[str, Entry] | RemoteError]:
+        """Shard keys (key -> its level) read at once: each one's entries under the subkeys
+        whose shard it is, or the RemoteError its read met."""
+        read = await self.dht.get_many(list(levels), hot=self.hot, strict=True)
         return {
-            subkey: entry
-            for subkey, entry in entries.items()
-            if shards.record_key(self.collaboration, subkey, at) == key
+            key: found
+            if isinstance(found, RemoteError)
+            else {
+                subkey: entry
+                for subkey, entry in found.items()
+                if shards.record_key(self.collaboration, subkey, levels[key]) == key
+            }
+            for key, found in read.items()
         }
 
     async def _probe(self) -> list[tuple[int, int]]:
         """(level, records) of one shard of every level, chosen at random."""
-        found: list[tuple[int, int]] = []
-
-        async def probe(at: int) -> None:
-            key = shards.shard_key(self.collaboration, at, self.dht.rng.randrange(2**at))
-            with contextlib.suppress(RemoteError):
-                entries = await self._get(key, at)
-                found.append((at, len(decode_progress(entries, collaboration=self.collaboration))))
-
-        async with trio.open_nursery() as nursery:
-            for at in range(shards.MAX_LEVEL + 1):
-                nursery.start_soon(probe, at)
-        return found
+        levels = {
+            shards.shard_key(self.collaboration, at, self.dht.rng.randrange(2**at)): at
+            for at in range(shards.MAX_LEVEL + 1)
+        }
+        return [
+            (levels[key], len(decode_progress(entries, collaboration=self.collaboration)))
+            for key, entries in (await self._get(levels)).items()
+            if not isinstance(entries, RemoteError)
+        ]
 
 
 class ProgressPublisher:
