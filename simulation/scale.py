@@ -171,8 +171,12 @@ def main() -> None:
         for seed in seeds
     ]
     context = multiprocessing.get_context("fork")
+    # The largest first, so that the last to start is a short one (its worker would else run
+    # a 300-peer column alone while the other idles).
+    order = sorted(range(len(jobs)), key=lambda i: -jobs[i].peers)
     with concurrent.futures.ProcessPoolExecutor(args.jobs, mp_context=context) as pool:
-        results = list(pool.map(_run, jobs))
+        done = dict(zip(order, pool.map(_run, [jobs[i] for i in order]), strict=True))
+    results = [done[i] for i in range(len(jobs))]
     by_column = [results[i : i + len(seeds)] for i in range(0, len(results), len(seeds))]
     summaries = [runs[0][0] for runs in by_column]
     command = "python -m simulation.scale " + " ".join(sys.argv[1:])
