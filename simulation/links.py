@@ -34,7 +34,8 @@ _order = itertools.count()
 
 
 MAX_WAKEUPS = 10_000
-"""Wake-ups of one task whose transfers do not end: more is a livelock of the simulator's own
+"""Wake-ups of one task whose transfers do not end (of a fan-out, this many for each of its
+transfers: `carry_groups`): more is a livelock of the simulator's own
 (a clock that cannot resolve what is left), raised instead of spinning for ever. A wake-up
 comes early only when something started on its links since it slept, and each brings its
 bound closer by what started: a few for a message, tens for a long transfer on a busy link."""
@@ -69,11 +70,13 @@ class _Transfer:
 class _Waiter:
     """One task waiting for its transfers (one per link they cross) to end."""
 
-    __slots__ = ("scope", "transfers")
+    __slots__ = ("cap", "scope", "transfers")
 
-    def __init__(self) -> None:
+    def __init__(self, cap: float = math.inf) -> None:
         self.transfers: list[tuple[SharedLink, _Transfer]] = []
         self.scope: trio.CancelScope | None = None
+        self.cap = cap
+        """When it wakes at the latest, whatever its transfers (a fan-out's deadline)."""
 
     def deadline(self, now: float) -> float:
         """When its transfers would all have ended if nothing else started (-inf: they have)."""
@@ -82,7 +85,7 @@ class _Waiter:
 
     def rearm(self, now: float) -> None:
         if self.scope is not None:
-            self.scope.deadline = self.deadline(now)
+            self.scope.deadline = min(self.deadline(now), self.cap)
 
 
 class SharedLink:
@@ -209,7 +212,7 @@ async def carry_groups(
     each (after, parts) carrying its parts (link, bytes) from `after` seconds from now; one
     wait until every one has ended, or until `deadline`: which of them ended (those that had
     not stop sharing their links)."""
-    waiter = _Waiter()
+    waiter = _Waiter(cap=deadline)
     owned: list[list[_Transfer]] = []
     try:
         for after, parts in groups:
@@ -219,7 +222,7 @@ async def carry_groups(
                     started.append(link._start(size, waiter, after))
                     waiter.transfers.append((link, started[-1]))
             owned.append(started)
-        for wakeups in range(MAX_WAKEUPS):
+        for wakeups in range(MAX_WAKEUPS * max(1, len(waiter.transfers))):
             now = trio.current_time()
             ends = waiter.deadline(now)
             if ends == -math.inf or now >= deadline:
@@ -230,7 +233,7 @@ async def carry_groups(
                 await trio.sleep_forever()
             waiter.scope = None
         else:
-            raise RuntimeError(f"a transfer on a link was woken {MAX_WAKEUPS} times: livelock")
+            raise RuntimeError(f"a fan-out on links was woken {wakeups + 1} times: livelock")
         return [all(t.done for t in transfers) for transfers in owned]
     finally:
         waiter.scope = None

@@ -250,6 +250,7 @@ class SimRpc:
             await trio.sleep_forever()  # a silent departure: until the caller's deadline
         reply = await self._serve(server, callee, key, body)
         await network.cpus[callee].pay()
+        self._count_reply(key, callee, reply)
         await network.send(callee, caller, len(reply))
         if callee in network.gone:
             raise Unreachable(f"{service}.{method} to {callee}: connection closed")
@@ -267,16 +268,19 @@ class SimRpc:
         """`RpcClient.call_each` over the simulated network, as one wait for the requests and
         one for the replies instead of a task and two waits a call (a progress read of 64
         shards is 128 calls): each message still crosses its own links at its own delay,
-        shared with everything else on them, and each call fails at `timeout` as alone. What
-        differs: every callee serves its request once all the requests have arrived, and the
-        callee's checks run beside its reply instead of before it."""
+        shared with everything else on them, and no call outlives `timeout`. What differs
+        from calls of their own: every callee serves its request once all the requests have
+        arrived (or the deadline came: a request that had not arrived by then fails, and the
+        others' replies are late by what the slowest request took over theirs), and the
+        callee's checks run beside its reply, from when it starts, instead of before it."""
         network, caller = self.network, self.peer_id
         key = (service, method)
         traffic = network.traffic
         traffic.calls[key] += len(calls)
         deadline = trio.current_time() + timeout
         outcomes: list[T | RemoteError | None] = [None] * len(calls)
-        await network.cpus[caller].pay()
+        with trio.move_on_at(deadline):  # as each call's own deadline cuts `_call`'s payment
+            await network.cpus[caller].pay()
         now = trio.current_time()
         bodies: dict[int, bytes] = {}
         requests: list[tuple[float, list[tuple[SharedLink, float]]]] = []
@@ -308,6 +312,7 @@ class SimRpc:
                 outcomes[index] = error
                 continue
             replies[index] = reply
+            self._count_reply(key, callee, reply)
             cpu = network.cpus[callee]
             owed, cpu.owed = cpu.owed, 0.0
             after, parts = network.message(callee, caller, len(reply), now)
@@ -333,6 +338,10 @@ class SimRpc:
         if isinstance(outcome, RemoteError):
             self.network.traffic.failed[key] += 1
         return outcome
+
+    def _count_reply(self, key: tuple[str, str], callee: ID, reply: bytes) -> None:
+        self.network.traffic.bytes[key] += len(reply)
+        self.network.traffic.served[callee] += len(reply)
 
     def _server(self, callee: ID, key: tuple[str, str]) -> RpcServer | None:
         """The callee's server of `key`'s service (None: it left silently, so nothing answers);
@@ -366,10 +375,7 @@ class SimRpc:
             raise RpcError("internal", f"the handler failed: {error!r}") from None
         finally:
             cpu_module.CURRENT.reset(running)
-        reply = msgspec.msgpack.encode(result)
-        network.traffic.bytes[key] += len(reply)
-        network.traffic.served[callee] += len(reply)
-        return reply
+        return msgspec.msgpack.encode(result)
 
     def forget(self, peer_id: ID) -> None:
         pass

@@ -12,6 +12,7 @@ import trio
 
 from peer.errors import DeadlineExceeded, Unreachable
 from peer.net.rpc import RpcServer
+from simulation.links import SharedLink, carry, carry_groups
 from simulation.network import MBIT, Link, SimNetwork, SimNode
 
 LINK = Link(upload=10 * MBIT, download=20 * MBIT, rtt=0.06)
@@ -96,3 +97,20 @@ async def test_the_messages_of_a_fan_out_share_the_caller_s_uplink(autojump_cloc
     replies = 4 * reply / LINK.download  # the caller's downlink (each callee's uplink: faster)
     assert reply / LINK.upload < replies
     assert abs(took - (2 * one_way + requests + replies)) < 1e-9
+
+
+async def test_a_fan_out_wakes_at_its_deadline_whatever_else_its_links_carry(autojump_clock):
+    """(Found in review.) A transfer cut short on a link re-arms every waiter on it: a
+    fan-out's deadline was dropped then, and its calls ended late, as successes."""
+    link = SharedLink(1000.0)
+    started = trio.current_time()
+
+    async def cut_short() -> None:
+        with trio.move_on_after(0.1):
+            await carry(1000.0, link)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(cut_short)
+        landed = await carry_groups([(0.0, [(link, 1000.0)])], deadline=started + 0.5)
+    assert landed == [False]
+    assert trio.current_time() - started == pytest.approx(0.5)

@@ -510,34 +510,11 @@ class DHT:
             candidates[key] = hot_read_order(target, bits, others, self.rng.shuffle)
         answered = dict.fromkeys(keys, 0)
         addrs = self._caller_addrs()
-        while True:
-            batch: list[tuple[str, Contact]] = []
-            for key in keys:
-                take = candidates[key][: max(0, wanted[key] - answered[key])]
-                del candidates[key][: len(take)]
-                batch += [(key, contact) for contact in take]
-            if not batch:
-                break
-            replies = await self._call_each(
-                [(contact, p.Get(key, addrs, contacts=False)) for key, contact in batch],
-                "get",
-                p.GetReply,
-            )
-            paged: list[tuple[Contact, str, int]] = []
-            for (key, contact), reply in zip(batch, replies, strict=True):
-                try:
-                    if isinstance(reply, RemoteError):
-                        raise reply
-                    merge(merged[key], await self._checked(key, reply.entries, known=merged[key]))
-                except RemoteError as error:
-                    self._forget(contact, error)
-                    continue
-                answered[key] += 1
-                if reply.pages > 1:
-                    paged.append((contact, key, reply.pages))
-            async with trio.open_nursery() as nursery:
-                for contact, key, pages in paged:
-                    nursery.start_soon(self._read_pages, contact, key, pages, merged[key])
+        # A replica's further pages are read beside the next batch, not before it: a replica
+        # that stalls its pages must not hold every other key's replacement reads.
+        async with trio.open_nursery() as pages:
+            while batch := self._next_hot_batch(keys, wanted, answered, candidates):
+                await self._hot_batch(batch, addrs, merged, answered, pages)
         done: set[str] = set()
         for key in keys:
             target, owned = key_id(key), owned_entries(merged[key])
@@ -551,6 +528,48 @@ class DHT:
             self._note_hot_read(target, owned)
             done.add(key)
         return done
+
+    @staticmethod
+    def _next_hot_batch(
+        keys: list[str],
+        wanted: dict[str, int],
+        answered: dict[str, int],
+        candidates: dict[str, list[Contact]],
+    ) -> list[tuple[str, Contact]]:
+        """The (key, replica) reads due now: each key's next candidates, as many as it lacks."""
+        batch: list[tuple[str, Contact]] = []
+        for key in keys:
+            take = candidates[key][: max(0, wanted[key] - answered[key])]
+            del candidates[key][: len(take)]
+            batch += [(key, contact) for contact in take]
+        return batch
+
+    async def _hot_batch(
+        self,
+        batch: list[tuple[str, Contact]],
+        addrs: list[str] | None,
+        merged: dict[str, dict[str, Entry]],
+        answered: dict[str, int],
+        pages: trio.Nursery,
+    ) -> None:
+        """One fan-out of hot reads, into `merged`; a replica that fails is forgotten, one
+        whose key fills more than a reply is read page by page in `pages`."""
+        replies = await self._call_each(
+            [(contact, p.Get(key, addrs, contacts=False)) for key, contact in batch],
+            "get",
+            p.GetReply,
+        )
+        for (key, contact), reply in zip(batch, replies, strict=True):
+            try:
+                if isinstance(reply, RemoteError):
+                    raise reply
+                merge(merged[key], await self._checked(key, reply.entries, known=merged[key]))
+            except RemoteError as error:
+                self._forget(contact, error)
+                continue
+            answered[key] += 1
+            if reply.pages > 1:
+                pages.start_soon(self._read_pages, contact, key, reply.pages, merged[key])
 
     async def _hot_replicas_of(self, keys: list[str]) -> dict[str, list[Contact]]:
         """`_hot_replicas` of every key: those remembered at once, the rest looked up together."""
@@ -870,11 +889,15 @@ class DHT:
             reply_type,
             timeout=self.rpc_timeout,
         )
+        cut: set[ID] = set()  # timed out: it may be a connection the network cut
         for (contact, _), outcome in zip(calls, outcomes, strict=True):
             failed = isinstance(outcome, RemoteError)
             self._calls[method, _outcome(outcome) if failed else "ok"] += 1
-            if isinstance(outcome, DeadlineExceeded):  # it may be a connection the network cut
-                await self.node.disconnect(contact.peer_id)
+            if isinstance(outcome, DeadlineExceeded):
+                cut.add(contact.peer_id)
+        async with trio.open_nursery() as nursery:  # each may take a second: at once
+            for peer_id in cut:
+                nursery.start_soon(self.node.disconnect, peer_id)
         return outcomes
 
     def _caller_addrs(self) -> list[str] | None:
