@@ -435,8 +435,8 @@ class DHT:
         self, keys: Sequence[str], *, hot: bool = False, strict: bool = False
     ) -> dict[str, dict[str, Entry] | RemoteError]:
         """`get` of every key at once: each key's entries, or the RemoteError its read met
-        (`strict`: Unreachable where nobody answered). Hot keys' replicas are asked in one fan-out (`_hot_get`: a progress read of
-        2^L shards is one `call_each`, not 2^L reads)."""
+        (`strict`: Unreachable where nobody answered). Hot keys' replicas are asked in one
+        fan-out (`_hot_get`: a progress read of 2^L shards is one `call_each`, not 2^L reads)."""
         started = self.clock()
         keys = list(dict.fromkeys(keys))
         merged: dict[str, dict[str, Entry]] = {key: {} for key in keys}
@@ -889,12 +889,12 @@ class DHT:
             reply_type,
             timeout=self.rpc_timeout,
         )
-        cut: set[ID] = set()  # timed out: it may be a connection the network cut
+        cut: dict[ID, None] = {}  # timed out: it may be a connection the network cut
         for (contact, _), outcome in zip(calls, outcomes, strict=True):
             failed = isinstance(outcome, RemoteError)
             self._calls[method, _outcome(outcome) if failed else "ok"] += 1
             if isinstance(outcome, DeadlineExceeded):
-                cut.add(contact.peer_id)
+                cut[contact.peer_id] = None
         async with trio.open_nursery() as nursery:  # each may take a second: at once
             for peer_id in cut:
                 nursery.start_soon(self.node.disconnect, peer_id)
