@@ -35,7 +35,7 @@ _order = itertools.count()
 
 MAX_WAKEUPS = 10_000
 """Wake-ups of one task whose transfers do not end (of a fan-out, this many for each of its
-transfers: `carry_groups`): more is a livelock of the simulator's own
+messages: `carry_groups`): more is a livelock of the simulator's own
 (a clock that cannot resolve what is left), raised instead of spinning for ever. A wake-up
 comes early only when something started on its links since it slept, and each brings its
 bound closer by what started: a few for a message, tens for a long transfer on a busy link."""
@@ -222,7 +222,7 @@ async def carry_groups(
                     started.append(link._start(size, waiter, after))
                     waiter.transfers.append((link, started[-1]))
             owned.append(started)
-        for wakeups in range(MAX_WAKEUPS * max(1, len(waiter.transfers))):
+        for wakeups in range(MAX_WAKEUPS * max(1, len(groups))):
             now = trio.current_time()
             ends = waiter.deadline(now)
             if ends == -math.inf or now >= deadline:
@@ -233,7 +233,7 @@ async def carry_groups(
                 await trio.sleep_forever()
             waiter.scope = None
         else:
-            raise RuntimeError(f"a fan-out on links was woken {wakeups + 1} times: livelock")
+            raise RuntimeError(f"a transfer on a link was woken {wakeups + 1} times: livelock")
         return [all(t.done for t in transfers) for transfers in owned]
     finally:
         waiter.scope = None
@@ -245,25 +245,7 @@ async def carry_parts(parts: list[tuple[SharedLink, float]], *, after: float = 0
     """Carry each (link, bytes) at once (a state download: the joiner's downlink carries it
     all, each donor's uplink its part), starting `after` seconds from now; return when all
     have ended."""
-    parts = [(link, size) for link, size in parts if size > 0]
-    if not parts:
+    if not any(size > 0 for _, size in parts):
         await trio.sleep(after)
         return
-    waiter = _Waiter()
-    try:
-        for link, size in parts:
-            waiter.transfers.append((link, link._start(size, waiter, after)))
-        for wakeups in range(MAX_WAKEUPS):
-            deadline = waiter.deadline(trio.current_time())
-            if deadline == -math.inf:
-                if not wakeups:  # ended within the slack at once: still a checkpoint
-                    await trio.lowlevel.checkpoint()
-                return
-            with trio.CancelScope(deadline=deadline) as waiter.scope:
-                await trio.sleep_forever()
-            waiter.scope = None
-        raise RuntimeError(f"a transfer on a link was woken {MAX_WAKEUPS} times: livelock")
-    finally:
-        waiter.scope = None
-        for link, transfer in waiter.transfers:
-            link._cancel(transfer)
+    await carry_groups([(after, parts)])

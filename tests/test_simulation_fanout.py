@@ -119,8 +119,8 @@ async def test_a_fan_out_wakes_at_its_deadline_whatever_else_its_links_carry(aut
 
 async def test_every_dht_read_of_a_simulated_peer_is_timed_once(autojump_clock):
     """(Found regenerating the figures.) Progress reads go through `DHT.get_many`, which was
-    not timed: the report's DHT get row showed ticket reads alone (5 s: a lookup waits for
-    every query). A read of many keys counts as one get; a plain get, once."""
+    not timed: the report's DHT get row showed ticket reads alone (~5 s each at 100 peers). A
+    read of many keys counts as one get; a plain get, once."""
     collaboration = Collaboration(Scenario(peers=2))
     dht = collaboration._dht(collaboration.network.node(LINK))
     await dht.get("a")

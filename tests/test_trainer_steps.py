@@ -3,6 +3,7 @@ state, a checkpoint and its progress records. Its decisions are `tests/test_poli
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import math
@@ -45,6 +46,7 @@ from peer.training.task import TinyTask
 from peer.training.timing import STORES_PER_WINDOW
 from peer.training.trainer import Trainer
 from peer.training.worker import data_seed
+from tests.test_publisher import get_each
 
 INNER_STEPS = 2
 
@@ -92,11 +94,7 @@ async def make_trainer(
         get=no_records,
         rng=random.Random(0),
     )
-
-    async def get_many(keys, **kwargs):  # `DHT.get_many`: its `get` (a test may swap it)
-        return {key: await dht.get(key, **kwargs) for key in keys}
-
-    dht.get_many = get_many
+    dht.get_many = functools.partial(get_each, dht)  # through its `get`, which a test may swap
     trainer = Trainer(
         dht=dht,  # type: ignore[arg-type]
         averager=None,  # type: ignore[arg-type]
