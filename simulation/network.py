@@ -284,8 +284,11 @@ class SimRpc:
         now = trio.current_time()
         bodies: dict[int, bytes] = {}
         requests: list[tuple[float, list[tuple[SharedLink, float]]]] = []
+        encoded: dict[int, bytes] = {}  # a store sends one request to every holder: encoded once
         for index, (callee, request) in enumerate(calls):
-            body = msgspec.msgpack.encode(request)
+            body = encoded.get(id(request)) or encoded.setdefault(
+                id(request), msgspec.msgpack.encode(request)
+            )
             traffic.bytes[key] += len(body)
             if callee not in network.links:
                 outcomes[index] = Unreachable(f"{service}.{method} to {callee}: no such peer")
