@@ -796,3 +796,27 @@ def test_a_member_that_cannot_be_dialled_never_leads_and_asks_every_reachable_on
     view = {t.peer_id: t for t in punched}
     assert leader_candidates(both, both[1], view) == both
     assert leader_candidates(both, both[0], view) == [both[0]]
+
+
+async def test_every_member_reads_the_tickets_from_two_replicas_not_every_one_a_lookup_meets():
+    """All members read a gathering's tickets at its close: from every replica a lookup met,
+    each replica sent each of 264 readers a full reply at once at 300 simulated peers (reads
+    took 14 s, median). Read as a hot key: two of its replicas, every ticket still in view."""
+    from peer.dht.node import HOT_READ_REPLICAS
+
+    async with averaging_swarm(10, AveragingConfig()) as (_, averagers):
+        assert DHT_CONFIG.replicas < len(averagers)  # a lookup would meet more than two
+        namespace = f"test/avg/{MODEL}/3"
+        for averager in averagers:
+            await averager.matchmaker.declare(
+                namespace, _ticket(averager), expiration=time.time() + 60
+            )
+        reader = averagers[-1].dht
+
+        def gets() -> int:
+            return sum(n for (m, _), n in reader.statistics().calls.items() if m == "get")
+
+        before = gets()
+        view = await averagers[-1].matchmaker.read_tickets(namespace)
+        assert [t.peer_id for t in view] == sorted(a.me for a in averagers)
+        assert gets() - before <= HOT_READ_REPLICAS
