@@ -656,6 +656,8 @@ class TorchWorker:
         `gives_way()` (a periodic save at a stop); the old checkpoints stand. The step saved;
         None if nothing new was saved."""
         late = threading.Event()
+        if within <= 0:  # no time at all: a deadline task could lose the race to the thread
+            late.set()
         async with trio.open_nursery() as nursery:
 
             async def deadline() -> None:
