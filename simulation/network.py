@@ -286,9 +286,9 @@ class SimRpc:
         requests: list[tuple[float, list[tuple[SharedLink, float]]]] = []
         encoded: dict[int, bytes] = {}  # a store sends one request to every holder: encoded once
         for index, (callee, request) in enumerate(calls):
-            body = encoded.get(id(request)) or encoded.setdefault(
-                id(request), msgspec.msgpack.encode(request)
-            )
+            if id(request) not in encoded:
+                encoded[id(request)] = msgspec.msgpack.encode(request)
+            body = encoded[id(request)]
             traffic.bytes[key] += len(body)
             if callee not in network.links:
                 outcomes[index] = Unreachable(f"{service}.{method} to {callee}: no such peer")

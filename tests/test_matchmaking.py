@@ -805,6 +805,7 @@ async def test_every_member_reads_the_tickets_from_two_replicas_not_every_one_a_
     every ticket still in view."""
     from peer.averaging.matchmaking import ticket_key
     from peer.dht.node import HOT_READ_REPLICAS
+    from tests.test_dht import calls_of
 
     async with averaging_swarm(10, AveragingConfig()) as (_, averagers):
         assert DHT_CONFIG.replicas < len(averagers)  # a lookup would meet more than two
@@ -818,11 +819,7 @@ async def test_every_member_reads_the_tickets_from_two_replicas_not_every_one_a_
         holders = [a for a in averagers if a.dht.records.get(key, now=a.dht.clock())]
         assert len(holders) > DHT_CONFIG.replicas
         reader = averagers[-1].dht
-
-        def gets() -> int:
-            return sum(n for (m, _), n in reader.statistics().calls.items() if m == "get")
-
-        before = gets()
+        before = calls_of(reader, "get")
         view = await averagers[-1].matchmaker.read_tickets(namespace)
         assert [t.peer_id for t in view] == sorted(a.me for a in averagers)
-        assert gets() - before <= HOT_READ_REPLICAS
+        assert calls_of(reader, "get") - before <= HOT_READ_REPLICAS
