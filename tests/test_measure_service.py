@@ -19,6 +19,7 @@ from peer.measure.reachability import BUSY, DialBackResult
 from peer.measure.service import (
     NO_BACKBONE_MEASUREMENTS,
     TRAINED_MICRO_BATCHES,
+    TRAINED_WAIT,
     TRAINING_WAIT,
     Measurements,
     best_link,
@@ -372,6 +373,30 @@ async def test_a_trainer_s_compute_is_measured_from_its_own_micro_batches(
     assert m.compute is not None and m.compute.samples_per_s == pytest.approx(8.0)
     assert m.compute.gradient_bytes == 4000
     assert trio.current_time() < TRAINING_WAIT
+
+
+async def test_a_trainer_with_short_micro_batches_is_measured_from_them_after_a_while(
+    monkeypatch, autojump_clock
+):
+    """A trainer whose share of each step is small spends most of it averaging: it added up
+    `measure.compute_seconds` of micro-batches in 60 s of the tiny task's 3 s steps, and its
+    links, measured after its compute, were unknown all that time (CI: status showed it
+    client-only "?" after 90 s). After TRAINED_WAIT, the micro-batches it has count."""
+    calls = Benchmarked(monkeypatch)
+    m = peer_measurements()
+    m.observe_model(gradient_bytes=4000)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(m.run)
+        m.observe_training(4, 30.0)  # warm-up: not counted
+        for _ in range(TRAINED_MICRO_BATCHES):
+            m.observe_training(2, 0.01)  # 0.03 s in all, far below compute_seconds
+        await trio.sleep(TRAINED_WAIT - 1)
+        assert m.compute is None
+        await m.wait_changed()
+        nursery.cancel_scope.cancel()
+    assert calls.tasks() == []  # measured from training, no benchmark
+    assert m.compute is not None and m.compute.samples_per_s == pytest.approx(200.0)
+    assert TRAINED_WAIT <= trio.current_time() < TRAINING_WAIT
 
 
 async def test_a_peer_that_never_trains_is_measured_after_a_while(monkeypatch, autojump_clock):

@@ -1,11 +1,12 @@
 """The node's measurements, kept current: what its presence record advertises.
 
 A peer measures its compute once at start: a trainer from its own first micro-batches (after
-torch's warm-up, `TRAINED_MICRO_BATCHES` and at least `measure.compute_seconds`), otherwise by a
-benchmark of the task's model in a worker thread (torch must not block the trio loop); then its
-links and reachability against up to `measure.max_backbones` backbones, again
-every `measure.interval` seconds (sooner after a failure). Figures from several backbones are
-combined by taking the best, because a probe measures the slower end of the path. Between
+torch's warm-up, `TRAINED_MICRO_BATCHES` and `measure.compute_seconds` of them, or as many as
+`TRAINED_WAIT` gave), otherwise by a benchmark of the task's model in a worker thread (torch
+must not block the trio loop); then its links and reachability against up to
+`measure.max_backbones` backbones, again every `measure.interval` seconds (sooner after a
+failure). Figures from several backbones are combined by taking the best, because a probe
+measures the slower end of the path. Between
 measurements, real work refines the figures: training throughput (`observe_training`) and the
 transfer rates of averaging rounds (`observe_transfer`), as time-weighted moving averages.
 Those figures are our claims; what the backbones measured of us they sign, and we carry the
@@ -67,6 +68,11 @@ STOP_WAIT = 10.0
 TRAINING_WAIT = 120.0
 #: Real micro-batches (after the first: torch's warm-up) that measure a trainer's compute.
 TRAINED_MICRO_BATCHES = 3
+#: Seconds after its first micro-batch after which a trainer's TRAINED_MICRO_BATCHES count
+#: without `measure.compute_seconds` of them: a trainer whose share of each step is small
+#: (most of a step averaging) added up 1 s of micro-batches in 60 s of 3 s steps (tiny task),
+#: and its links, measured after, were unknown that long (status: client-only "?").
+TRAINED_WAIT = 10.0
 LINK_HALF_LIFE = 300.0
 #: Measurements in a row in which every backbone we know answered as a peer does (it serves
 #: no probe) after which a peer stops with a one-line error: with no backbone anywhere, no
@@ -127,7 +133,8 @@ class Measurements:
         self._training = trio.Event()  # the first micro-batch of training is done
         self._gradient_bytes: int | None = None  # the trainer's model (`observe_model`)
         self._trained = (0, 0, 0.0)  # micro-batches, samples and seconds after the first
-        self._trained_enough = trio.Event()
+        self._trained_some = trio.Event()  # TRAINED_MICRO_BATCHES of them
+        self._trained_enough = trio.Event()  # ...and `measure.compute_seconds` of them
         self._peers_as_backbones = 0  # measurements in a row: `_check_some_backbone`
 
     async def wait_changed(self) -> None:
@@ -149,9 +156,10 @@ class Measurements:
         if self._training.is_set():  # the first micro-batch is torch's warm-up
             count, total, spent = self._trained
             self._trained = count + 1, total + samples, spent + seconds
-            enough = count + 1 >= TRAINED_MICRO_BATCHES
-            if enough and spent + seconds >= self.config.measure.compute_seconds:
-                self._trained_enough.set()
+            if count + 1 >= TRAINED_MICRO_BATCHES and spent + seconds > 0:
+                self._trained_some.set()
+                if spent + seconds >= self.config.measure.compute_seconds:
+                    self._trained_enough.set()
         self._training.set()
         if self.speed is not None:
             self.speed.observe(samples, seconds)
@@ -208,8 +216,10 @@ class Measurements:
             with trio.move_on_after(TRAINING_WAIT if self.benchmark else math.inf):
                 await self._training.wait()
                 if self._gradient_bytes is not None:
-                    await self._trained_enough.wait()
-            if self._trained_enough.is_set():
+                    with trio.move_on_after(TRAINED_WAIT):
+                        await self._trained_enough.wait()
+                    await self._trained_some.wait()
+            if self._trained_some.is_set() and self._gradient_bytes is not None:
                 self._measured_from_training(self.workload[1])
             else:
                 await self._measure_compute(*self.workload)
