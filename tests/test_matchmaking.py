@@ -123,6 +123,30 @@ async def test_eight_peers_in_pairs_reach_the_exact_average_in_three_rounds():
         assert all((v == o).all() for v, o in zip(vectors, originals, strict=True))
 
 
+async def test_a_member_that_reads_the_tickets_late_is_waited_for_in_the_first_round():
+    """Members start their first round when their reads of the tickets end: 1.5 s after the
+    close (median) and up to 10 s at 300 simulated peers. A first round's leader waited one
+    join_timeout from its own start and left 38 of 263 members in groups of one; it waits a
+    join_timeout more while they say they are in the averaging."""
+    config = AveragingConfig(group_size=2, join_timeout=2.0, timeout_floor=5.0)
+    async with averaging_swarm(8, config) as (_, averagers):
+        # The highest id leads no pair: its first round's partner waits for it.
+        late = max(averagers, key=lambda a: a.me)
+        read = late.matchmaker.read_tickets
+
+        async def slow_read(namespace: str) -> list:
+            await trio.sleep(1.5 * config.join_timeout)
+            return await read(namespace)
+
+        late.matchmaker.read_tickets = slow_read  # type: ignore[method-assign]
+        vectors = [np.full(SIZE, float(i), np.float32) for i in range(8)]
+        results = await average_all(averagers, vectors)
+        for r in results:
+            assert r is not None and not r.setbacks and not r.skipped
+            assert r.weight == 8.0
+            np.testing.assert_allclose(r.average, 3.5, atol=1e-6)
+
+
 async def test_a_lone_peer_averages_nothing_and_a_group_too_small_is_told_so():
     async with averaging_swarm(2, AveragingConfig(join_timeout=0.5)) as (s, averagers):
         vector = np.ones(SIZE, np.float32)
@@ -247,6 +271,37 @@ async def test_joins_for_other_epochs_and_abandoned_joins_leave_no_trace():
         with trio.fail_after(5):
             while leader.matchmaker._gatherings[(namespace, 0)].joined:
                 await trio.sleep(0.05)
+
+
+async def test_a_member_that_planned_from_another_view_is_neither_waited_for_nor_joined():
+    """A member that read a partial view plans other groups, and never joins ours: at 300
+    simulated peers 4 of 263 did, and every planned group of theirs waited its whole patience
+    for them, round after round, while they said they were in the averaging."""
+    from peer.averaging.group import Joined
+    from peer.averaging.matchmaking import SERVICE, Join, JoinReply, Redirect
+
+    async with averaging_swarm(2, AveragingConfig(join_timeout=2.0)) as (_, (other, asker)):
+        namespace = f"test/avg/{MODEL}/9"
+        ours, theirs = b"o" * 32, b"t" * 32
+        await other.matchmaker.declare(namespace, _ticket(other), expiration=time.time() + 60)
+
+        async def gone(view: bytes) -> list[str]:
+            return await asker.matchmaker._unanswered([other.me], {}, namespace, view)
+
+        assert await gone(ours) == []  # still reading the tickets: it may come
+        other.matchmaker.expect_rounds(namespace, 10.0, view=theirs)
+        assert await gone(theirs) == []
+        assert await gone(b"") == []  # one group, no plan: no view to compare
+        assert await gone(ours) == [other.me]
+        # Its join is turned away at once, not held until a decision that never seats it.
+        me = Joined(_ticket(asker), asker.data_server.identity.certificate)
+        with trio.fail_after(30):
+            reply = await asker.dht.node.rpc.call(
+                other.dht.node.peer_id, SERVICE, "join", Join(namespace, 1, me, ours), JoinReply,
+                timeout=30,
+            )  # fmt: skip
+        assert isinstance(reply, Redirect) and "another view" in reply.reason
+        assert (namespace, 1) not in other.matchmaker._gatherings  # nothing kept of it
 
 
 @pytest.mark.parametrize(
