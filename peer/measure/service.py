@@ -6,9 +6,9 @@ torch's warm-up, `TRAINED_MICRO_BATCHES` and `measure.compute_seconds` of them, 
 must not block the trio loop); then its links and reachability against up to
 `measure.max_backbones` backbones, again every `measure.interval` seconds (sooner after a
 failure). Figures from several backbones are combined by taking the best, because a probe
-measures the slower end of the path. Between
-measurements, real work refines the figures: training throughput (`observe_training`) and the
-transfer rates of averaging rounds (`observe_transfer`), as time-weighted moving averages.
+measures the slower end of the path. Between measurements, real work refines the figures:
+training throughput (`observe_training`) and the transfer rates of averaging rounds
+(`observe_transfer`), as time-weighted moving averages.
 Those figures are our claims; what the backbones measured of us they sign, and we carry the
 newest attestation of each in our capabilities (`peer.measure.attestation`): only those count
 for others' shares and deadlines.
