@@ -128,14 +128,15 @@ async def test_a_member_that_reads_the_tickets_late_is_waited_for_in_the_first_r
     close (median) and up to 10 s at 300 simulated peers. A first round's leader waited one
     join_timeout from its own start and left 38 of 263 members in groups of one; it waits a
     join_timeout more while they say they are in the averaging."""
-    config = AveragingConfig(group_size=2, join_timeout=2.0, timeout_floor=5.0)
+    config = AveragingConfig(group_size=2, join_timeout=3.0, timeout_floor=5.0)
     async with averaging_swarm(8, config) as (_, averagers):
         # The highest id leads no pair: its first round's partner waits for it.
         late = max(averagers, key=lambda a: a.me)
         read = late.matchmaker.read_tickets
 
         async def slow_read(namespace: str) -> list:
-            await trio.sleep(1.5 * config.join_timeout)
+            # Past one join_timeout, with another one's margin for the join itself.
+            await trio.sleep(config.join_timeout + 1.0)
             return await read(namespace)
 
         late.matchmaker.read_tickets = slow_read  # type: ignore[method-assign]
