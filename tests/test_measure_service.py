@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -350,6 +352,21 @@ async def test_a_peer_benchmarks_its_compute_once_training_computes(monkeypatch,
     assert trio.current_time() < TRAINING_WAIT
 
 
+@asynccontextmanager
+async def training(monkeypatch) -> AsyncIterator[tuple[Benchmarked, Measurements]]:
+    """A trainer's measurements running, its model named and its first micro-batch (torch's
+    warm-up, not counted) done; stopped on exit, once it measured its compute."""
+    calls = Benchmarked(monkeypatch)
+    m = peer_measurements()
+    m.observe_model(gradient_bytes=4000)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(m.run)
+        m.observe_training(4, 30.0)  # warm-up: not counted
+        yield calls, m
+        await m.wait_changed()
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_trainer_s_compute_is_measured_from_its_own_micro_batches(
     monkeypatch, autojump_clock
 ):
@@ -357,18 +374,11 @@ async def test_a_trainer_s_compute_is_measured_from_its_own_micro_batches(
     optimizer state: its peak. A peer that names its model measures its real micro-batches
     instead, after the first (torch's warm-up), TRAINED_MICRO_BATCHES of them and at least
     `measure.compute_seconds` (1 s)."""
-    calls = Benchmarked(monkeypatch)
-    m = peer_measurements()
-    m.observe_model(gradient_bytes=4000)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(m.run)
-        m.observe_training(4, 30.0)  # warm-up: not counted
+    async with training(monkeypatch) as (calls, m):
         for _ in range(TRAINED_MICRO_BATCHES):
             await trio.sleep(1)
             assert m.compute is None
             m.observe_training(4, 0.5)
-        await m.wait_changed()
-        nursery.cancel_scope.cancel()
     assert calls.tasks() == []  # no benchmark
     assert m.compute is not None and m.compute.samples_per_s == pytest.approx(8.0)
     assert m.compute.gradient_bytes == 4000
@@ -382,18 +392,11 @@ async def test_a_trainer_with_short_micro_batches_is_measured_from_them_after_a_
     `measure.compute_seconds` of micro-batches in 60 s of the tiny task's 3 s steps, and its
     links, measured after its compute, were unknown all that time (CI: status showed it
     client-only "?" after 90 s). After TRAINED_WAIT, the micro-batches it has count."""
-    calls = Benchmarked(monkeypatch)
-    m = peer_measurements()
-    m.observe_model(gradient_bytes=4000)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(m.run)
-        m.observe_training(4, 30.0)  # warm-up: not counted
+    async with training(monkeypatch) as (calls, m):
         for _ in range(TRAINED_MICRO_BATCHES):
             m.observe_training(2, 0.01)  # 0.03 s in all, far below compute_seconds
         await trio.sleep(TRAINED_WAIT - 1)
         assert m.compute is None
-        await m.wait_changed()
-        nursery.cancel_scope.cancel()
     assert calls.tasks() == []  # measured from training, no benchmark
     assert m.compute is not None and m.compute.samples_per_s == pytest.approx(200.0)
     assert TRAINED_WAIT <= trio.current_time() < TRAINING_WAIT

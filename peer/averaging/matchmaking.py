@@ -431,10 +431,15 @@ class Matchmaker:
         if request.namespace and request.namespace not in self._namespaces:
             # Not in that averaging (never, or it ended for us): don't wait for us.
             raise RpcError("unavailable", "not in that averaging")
-        ours = self._views.get(request.namespace, b"")
-        if request.view and ours and request.view != ours:
+        if self._other_view(request.namespace, request.view):
             raise RpcError("unavailable", "planned from another view of that averaging")
         return request
+
+    def _other_view(self, namespace: str, view: bytes) -> bool:
+        """A joiner's or asker's `view` digest differs from the one we planned `namespace`
+        from (neither may be known yet: a single group, or we are still reading tickets)."""
+        ours = self._views.get(namespace, b"")
+        return bool(view and ours and view != ours)
 
     def ban(self, peer_id: str, reason: str) -> None:
         """Leave `peer_id` out of our groups for BAN_SECONDS: as our leader and as our member."""
@@ -461,8 +466,7 @@ class Matchmaker:
             return Redirect("not gathering for that epoch")
         if who in self._sitting_out.get(request.namespace, ()):
             return Redirect("sitting out: members of this averaging saw you send nothing")
-        ours = self._views.get(request.namespace, b"")
-        if request.view and ours and request.view != ours:
+        if self._other_view(request.namespace, request.view):
             return Redirect("planned from another view: not in our group")
         # What we list, our members check: a joiner they cannot use would make them refuse our
         # spec (and ban us), so it is refused here.
