@@ -344,33 +344,44 @@ def test_a_genesis_needs_most_of_the_trainers_in_view():
     assert most.election(T0 + patience)[0] is Outcome.STALLED
     every = candidate("every", [ME, *(f"z{i}" for i in range(5))], step=1)
     elect(policy, every, T0 + patience)
-    votes = [voting(f"z{i}", every, electorate=every.plan) for i in range(3)]
-    read(policy, *votes, *others[2:])
-    assert policy.election(T0 + patience) == (Outcome.WON, every)  # 4 of 6
+    votes = [voting(f"z{i}", every, electorate=every.plan) for i in range(4)]
+    read(policy, *votes, *others[3:])
+    assert policy.election(T0 + patience) == (Outcome.WON, every)  # 5 of 6
 
 
 def test_a_genesis_split_by_a_departure_counts_the_whole_plans_votes():
     """A member that leaves mid-averaging ends a plan's peers on several averages (40
-    simulated peers, 70.8 MB: five bases of one first step), and each votes for its own. The
-    count within the plan certifies the leader (it leads by more than the votes unseen); the
-    majority of the trainers a genesis needs is the plan's voters, not the leader's alone:
-    counting the leader's, such a first step stalled."""
+    simulated peers, 70.8 MB: five bases of one first step), and each votes for its own.
+    Round 0 dies, and round 1 certifies its leader with every voter; the majority of the
+    trainers a genesis needs is the plan's voters, not the leader's alone: counting the
+    leader's, such a first step stalled."""
     members = [ME, *(f"z{i}" for i in range(6))]  # 7 trainers, all in the plan
     split = [candidate(name, members, step=1) for name in ("a-leader", "b-second", "c-third")]
     leader, second, third = split
+    plan = leader.plan
     policy = make_policy()
     elect(policy, leader, T0)
     choices = [leader, leader, second, second, third]  # z0..z4; z5 left (its vote never comes)
-    votes = [  # at step 0, as we are: trainers around our step
-        msgspec.structs.replace(voting(f"z{i}", c, leader.plan), step=0, digest="d0")
-        for i, c in enumerate(choices)
-    ]
+
+    def cast(peer_id: str, *votes: Candidate) -> ProgressRecord:  # at step 0, as we are
+        records = [VoteRecord.of(Vote(peer_id, c, plan, i)) for i, c in enumerate(votes)]
+        record = other(peer_id, vote=records[-1], earlier_votes=records[:-1])
+        return msgspec.structs.replace(record, step=0, digest="d0")
+
+    votes = [cast(f"z{i}", c) for i, c in enumerate(choices)]
     leaving = msgspec.structs.replace(other("z5"), leaving=True)
     read(policy, *votes, leaving)
-    # 3 for the leader (ours too), 2 and 1 for the others, 1 unseen: the second could reach
-    # 3, a tie that the smaller digest ("a-leader") wins, so the leader is certified; its 3
-    # voters are no majority of the 7 trainers, the plan's 6 voters are.
-    assert policy.election(T0) == (Outcome.WON, leader)
+    # 3 for the leader (ours too), 2 and 1 for the others, 1 unseen: none can reach two
+    # thirds (5 of 7): round 0 dies, and a vote turn on we vote its leader in round 1.
+    assert policy.election(T0) == (Outcome.WAITING, None)
+    turn = T0 + policy._vote_turn()
+    assert policy.election(turn) == (Outcome.WAITING, None)
+    assert policy.last_vote == Vote(ME, leader, plan, 1)
+    # The others that read round 0 as we did vote its leader too; 5 of 7 certify it. Its
+    # round-1 voters (5) are a majority of the 7 trainers; its round-0 voters (3) were not.
+    joined = [cast(f"z{i}", c, leader) for i, c in enumerate(choices[:4])]
+    read(policy, *joined, votes[4], leaving)
+    assert policy.election(turn) == (Outcome.WON, leader)
     # A reader whose view holds more trainers than the plan's voters and half: no genesis.
     crowded = make_policy()
     elect(crowded, leader, T0)

@@ -45,14 +45,14 @@ def elections(draw: st.DrawFn) -> tuple[StepRule, Electorate, list[Vote], list[l
 
 @settings(max_examples=2000, deadline=None)
 @given(elections())
-def test_no_two_readers_ever_certify_two_candidates_and_each_certifies_the_final_winner(
+def test_in_one_round_no_two_readers_certify_two_candidates_and_each_certifies_the_final_count(
     election,
 ):
     rule, electorate, votes, readers = election
-    final = rule.tally(1, electorate, votes)
+    final = rule.certify(1, electorate, votes)
     seen = set()
     for picks in [*readers, list(range(len(votes)))]:
-        certified = rule.tally(1, electorate, [votes[i] for i in picks if i < len(votes)])
+        certified = rule.certify(1, electorate, [votes[i] for i in picks if i < len(votes)])
         if certified is not None:
             seen.add(certified)
             # What a reader applies is what everyone's complete count certifies.
@@ -129,45 +129,101 @@ def test_a_member_that_left_mid_averaging_costs_the_groups_it_reached_not_the_st
     votes = [Vote(f"m{i}", c, electorate) for i, c in enumerate(basis)]
     assert len(votes) == 79
     rule = StepRule(min_votes=2)
-    # Members vote for their own basis: 32 leads 24 by 8, more than the 1 vote missing.
-    assert rule.tally(1, electorate, votes) == split[0]
-    # Half the votes in: 32 of 40 seen lead by less than the 40 unseen: nothing yet.
-    assert rule.tally(1, electorate, votes[::2]) is None
+    # Members vote for their own basis: none has two thirds, nor can: round 0 dies.
+    assert rule.genesis(1, electorate, votes) is None
+    assert rule.entry(1, electorate, votes, 1) == (Entry.FREE, None)
+    # Round 1: every member that read round 0 votes its leader, the largest basis.
+    assert rule.lead(1, electorate, votes, 1) == split[0]
+    votes += [Vote(f"m{i}", split[0], electorate, 1) for i in range(79)]
+    assert rule.certify(1, electorate, votes) == split[0]
+    # A quarter of round 0 read: its 60 unseen alone could reach two thirds: wait.
+    assert rule.entry(1, electorate, votes[:79:4], 1) == (Entry.WAIT, None)
 
 
-def test_with_every_vote_in_the_most_voted_is_the_step_and_a_tie_goes_to_the_smaller_digest():
+def test_a_first_step_split_48_ways_at_300_peers_certifies_in_the_next_round():
+    """300 simulated peers (seed 0): 263 planned step 1, 205 voted for 48 candidates (the two
+    largest 19 and 18 votes), 58 never voted. The first step's old count (the most votes, by
+    more than the votes unseen) waited on the 58 for ever; in rounds, round 0 dies and round 1,
+    where the 205 vote its leader, certifies it (more than two thirds: 176)."""
+    plan = Electorate("p", 263)
+    split = [Candidate(1, f"avg-{i}", plan) for i in range(48)]
+    sizes = [19, 18] + [4] * 30 + [3] * 16
+    basis = [c for c, n in zip(split, sizes, strict=True) for _ in range(n)]
+    votes = [Vote(f"m{i}", c, plan) for i, c in enumerate(basis)]
+    assert len(votes) == 205
+    rule = StepRule(min_votes=2)
+    assert rule.genesis(1, plan, votes) is None
+    assert rule.entry(1, plan, votes, 1) == (Entry.FREE, None)
+    assert rule.lead(1, plan, votes, 1) == split[0]
+    round_1 = [Vote(f"m{i}", split[0], plan, 1) for i in range(205)]
+    assert rule.genesis(1, plan, votes + round_1[:175]) is None  # 175 is not above 2/3
+    assert rule.genesis(1, plan, votes + round_1[:176]) == split[0]
+
+
+@settings(max_examples=1000, deadline=None)
+@given(st.data())
+def test_a_round_read_in_full_by_its_members_certifies_the_next_whatever_its_split(data):
+    """Liveness: any split of round 0 among any number of candidates and abstentions, with
+    fewer than a third of the members unseen: the next round is open (never a wait), and if
+    its voters all vote what `entry` forces or else `lead` picks, it certifies (where
+    `min_votes` allows)."""
+    draw = data.draw
+    n = draw(st.integers(1, 40))
+    electorate = Electorate("e", n)
+    options = [*candidates(2, draw(st.integers(1, 12))), abstention(2, electorate)]
+    voters = draw(st.integers(n - (n - 1) // 3, n))  # more than two thirds vote
+    votes = [Vote(f"m{i}", draw(st.sampled_from(options)), electorate) for i in range(voters)]
+    rule = StepRule(min_votes=draw(st.integers(1, 3)))
+    if rule.certify(2, electorate, votes) is not None:
+        return  # round 0 decided it
+    entry, forced = rule.entry(2, electorate, votes, 1)
+    assert entry is not Entry.WAIT
+    choice = forced or rule.lead(2, electorate, votes, 1)
+    if choice is None:
+        return  # no candidate with min_votes votes: a retry's candidate must come
+    votes += [Vote(f"m{i}", choice, electorate, 1) for i in range(voters)]
+    assert rule.certify(2, electorate, votes) == choice
+
+
+def test_with_every_vote_in_a_tie_goes_to_the_smaller_digest_in_the_next_round():
     electorate = Electorate("e", 4)
     a, b = candidates(1, 2)
     rule = StepRule()
     votes = [Vote("m0", a, electorate), Vote("m1", b, electorate), Vote("m2", b, electorate)]
-    assert rule.tally(1, electorate, votes) is None  # m3 could tie it for a
+    assert rule.entry(1, electorate, votes, 1) == (Entry.FORCED, b)  # with m3, b has 3 of 4
     votes.append(Vote("m3", a, electorate))
-    assert rule.tally(1, electorate, votes) == min(a, b, key=lambda c: c.average)
+    assert rule.certify(1, electorate, votes) is None
+    assert rule.entry(1, electorate, votes, 1) == (Entry.FREE, None)
+    assert rule.lead(1, electorate, votes, 1) == min(a, b, key=lambda c: c.average)
 
 
-def test_votes_of_another_step_or_electorate_count_for_nothing_and_a_double_vote_voids_the_count():
+def test_votes_of_another_step_or_electorate_count_for_nothing_and_a_double_voter_is_unseen():
     electorate = Electorate("e", 3)
     a, b = candidates(2, 2)
     rule = StepRule()
     stale = Electorate("old", 3)
-    assert rule.tally(2, electorate, [Vote(f"m{i}", a, stale) for i in range(3)]) is None
-    assert rule.tally(3, electorate, [Vote(f"m{i}", a, electorate) for i in range(3)]) is None
+    assert rule.certify(2, electorate, [Vote(f"m{i}", a, stale) for i in range(3)]) is None
+    assert rule.certify(3, electorate, [Vote(f"m{i}", a, electorate) for i in range(3)]) is None
     votes = [Vote(f"m{i}", a, electorate) for i in range(3)]
-    assert rule.tally(2, electorate, votes) == a
-    assert rule.tally(2, electorate, [*votes, Vote("m0", b, electorate)]) is None
+    assert rule.certify(2, electorate, votes) == a
+    assert rule.certify(2, electorate, [*votes, Vote("m0", b, electorate)]) is None  # 2 of 3
     strangers = [*votes, Vote("x", a, electorate)]
-    assert rule.tally(2, electorate, strangers) is None
+    assert rule.certify(2, electorate, strangers) is None
 
 
 def test_a_candidate_needs_the_published_minimum_of_votes():
     electorate = Electorate("e", 1)
     (a,) = candidates(1, 1)
     alone = [Vote("m0", a, electorate)]
-    assert StepRule(min_votes=1).tally(1, electorate, alone) == a
-    assert StepRule(min_votes=2).tally(1, electorate, alone) is None
+    assert StepRule(min_votes=1).certify(1, electorate, alone) == a
+    assert StepRule(min_votes=2).certify(1, electorate, alone) is None
+    pair = Electorate("p", 4)
+    few = [Vote("m0", a, pair), Vote("m1", abstention(1, pair), pair)]
+    assert StepRule(min_votes=1).lead(1, pair, few, 1) == a
+    assert StepRule(min_votes=2).lead(1, pair, few, 1) is None  # nor leads a round
 
 
-# ------------------------------------------------------------------ rounds (steps after the first)
+# ------------------------------------------------------------------ rounds in any order
 
 
 def a_read(draw: st.DrawFn, cast: list[list[Vote]]) -> list[Vote]:
@@ -215,13 +271,12 @@ def test_rounds_never_certify_two_candidates_whatever_each_reader_sees(data):
 def test_a_split_with_members_gone_dies_and_the_next_round_certifies_the_leader():
     """A departure split 93 members 45 / 40, 8 gone for good: neither reaches two thirds (62)
     nor can, so round 0 dies and round 1 is free; its voters join the leader and certify it.
-    The old tally waited on the 8 for ever (45 never led 40 by more than the 8 unseen)."""
+    A count by the most votes, by more than the votes unseen, waited on the 8 for ever."""
     electorate = Electorate("e", 93)
     a, b = candidates(2, 2)
     votes = [Vote(f"m{i}", a if i < 45 else b, electorate) for i in range(85)]
     rule = StepRule(min_votes=2)
     assert rule.certify(2, electorate, votes) is None
-    assert rule.tally(2, electorate, votes) is None
     assert rule.entry(2, electorate, votes, 1) == (Entry.FREE, None)
     votes += [Vote(f"m{i}", a, electorate, 1) for i in range(62)]
     assert rule.certify(2, electorate, votes) is None  # 62 is not more than two thirds
@@ -275,17 +330,9 @@ def test_members_without_a_candidate_abstain_and_the_round_dies_rather_than_wait
     blank = [Vote(f"m{i}", none, electorate) for i in range(95)]
     assert rule.certify(2, electorate, blank) is None
     assert rule.entry(2, electorate, blank, 1) == (Entry.FREE, None)
-    # A first step's count takes abstentions for unseen: they never help a genesis.
-    first = Electorate("p", 3)
-    c = Candidate(1, "avg", first)
-    blank_first = [
-        Vote("m0", c, first),
-        Vote("m1", c, first),
-        Vote("m2", abstention(1, first), first),
-    ]
-    assert rule.tally(1, first, blank_first) == c  # 2 lead the 1 unseen
-    assert rule.tally(1, first, blank_first[::2]) is None
-    # Counted as a candidate, "" would win a tie on the smaller digest (review).
+    # Counted as a candidate, "" would win a tie on the smaller digest (review): it never
+    # leads a round either.
     pair = Electorate("q", 2)
     tie = [Vote("m0", Candidate(1, "avg", pair), pair), Vote("m1", abstention(1, pair), pair)]
-    assert StepRule(min_votes=1).tally(1, pair, tie) is None
+    assert StepRule(min_votes=1).lead(1, pair, tie, 1) == Candidate(1, "avg", pair)
+

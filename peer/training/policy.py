@@ -315,7 +315,7 @@ class StepPolicy:
         self.last_vote: Vote | None = None
         """The last vote we cast: our record carries it until the next (slower readers count
         it after we moved on)."""
-        # Our votes on a (step, electorate), one per round, oldest first (a genesis: one).
+        # Our votes on a (step, electorate), one per round, oldest first.
         self._cast_votes: dict[tuple[int, Electorate], list[Vote]] = {}
         # The recent plans we were in, with their members: whose votes count in them.
         self._plans: dict[Electorate, frozenset[str]] = {}
@@ -731,20 +731,10 @@ class StepPolicy:
     def _last_round_leader(
         self, step: int, electorate: Electorate, round_: int, votes: list[Vote]
     ) -> Candidate | None:
-        """The candidate that led the round before `round_`, where `JOIN_SHARE` of the
-        electorate voted for it (abstentions lead nothing)."""
-        if round_ == 0:
-            return None
+        """The candidate that led the round before `round_` in our read, ours counted
+        (`StepRule.lead`)."""
         mine = self._cast_votes.get((step, electorate), [])
-        before = Counter(
-            v.candidate
-            for v in [*votes, *mine]
-            if v.round == round_ - 1 and not v.candidate.abstains
-        )
-        if not before:
-            return None
-        leader, count = min(before.items(), key=lambda item: (-item[1], item[0].average))
-        return leader if count >= JOIN_SHARE * electorate.size else None
+        return self.rule.lead(step, electorate, [*votes, *mine], round_)
 
     def _members_votes(self, step: int, electorate: Electorate) -> list[Vote]:
         """The other members' votes on `step` in `electorate` that our last read shows."""
@@ -757,20 +747,17 @@ class StepPolicy:
 
     def _open_round(self, ballot: Ballot) -> tuple[int, Candidate | None] | None:
         """The round we may vote in now, and the candidate the rounds below force on us (None:
-        free), or None: none open to us. A genesis has one round (0). Past it, the highest
-        round above our last that `StepRule.entry` lets us enter: one the members' votes have
-        reached, or the next after ours where the votes seen let ours end (it certifies
-        nothing, or one candidate at most). Not simply the highest round voted in: one
-        member's vote in round 7 held every other member's entry there for ever (review)."""
-        step = ballot.candidate.step
-        if ballot.genesis:
-            return None if self._cast_votes.get((step, ballot.electorate)) else (0, None)
-        return self._open_round_in(step, ballot.electorate)
+        free), or None: none open to us: the highest round above our last that
+        `StepRule.entry` lets us enter: one the members' votes have reached, or the next after
+        ours where the votes seen let ours end (it certifies nothing, or one candidate at
+        most). Not simply the highest round voted in: one member's vote in round 7 held every
+        other member's entry there for ever (review)."""
+        return self._open_round_in(ballot.candidate.step, ballot.electorate)
 
     def _open_round_in(
         self, step: int, electorate: Electorate
     ) -> tuple[int, Candidate | None] | None:
-        """`_open_round` in the rounds of `electorate` (not a genesis)."""
+        """`_open_round` in the rounds of `electorate`."""
         mine = self._cast_votes.get((step, electorate), [])
         if self.me not in self._plans.get(electorate, frozenset()):
             return None
@@ -851,12 +838,7 @@ class StepPolicy:
         if not members:
             return Outcome.LOST, None
         member = ballot.genesis or self.me in members
-        if (
-            member
-            and not ballot.genesis
-            and not pending
-            and now >= ballot.since + self._vote_turn()
-        ):
+        if member and not pending and now >= ballot.since + self._vote_turn():
             # A next round, where the votes let our last one end: a vote turn after our vote
             # or the ballot's start (the others' votes of our round come in meanwhile).
             self._cast(now)
@@ -994,8 +976,7 @@ class StepPolicy:
         more than two thirds of its members are in our recent reads (a round needs more).
         Then the step's next try is a genesis (the rule's stated assumption: members gone
         from our reads are gone). Not when its rounds are spent: a genesis of a plan with the
-        electorate's very members would count its round-0 votes by the first step's rule
-        (review)."""
+        electorate's very members is that electorate, its rounds spent too."""
         electorate = ballot.electorate
         here = {r.peer_id for r in self.view.records} | set(self._around) | {self.me}
         alive = len(self._plans.get(electorate, frozenset()) & here)

@@ -17,36 +17,12 @@ Terms:
 - a *candidate* is one exact average of a step: the digest of its bits and the plan it came
   from;
 - a *vote* is one member's choice of a candidate for the step, cast among the electorate it
-  names. A member votes at most once per step in a first step's election, once per round in
-  the rounds of the steps after it (below): for the largest candidate it has seen (its own
-  basis, or a larger one another member published), or the one the rounds force.
+  names, once per round of the step's election (below): its own candidate, the one the rounds
+  force, or the leader of the round before (`StepRule.lead`).
 
-**Certified** (`tally`, the first step's one round): a candidate is certified by a set of
-votes when it wins the final count whatever the missing votes turn out to be: it has at
-least `min_votes`, and for every other candidate, seen or not, its votes rank above that
-candidate's votes plus every vote not yet seen (n - votes seen), ranking by count and then by
-the smaller digest. With every vote in
-(nobody left), the candidate with the most votes is certified; with k votes missing (members
-that left mid-averaging), the leader is certified once it leads by more than k.
-
-**Safety** (property-tested with hypothesis in `tests/test_steprule.py`): for one step and
-electorate, no two different candidates are ever certified, by any two readers, each from any
-subset of the votes cast (partial reads, late votes, votes that never come), provided each
-member votes at most once and readers agree on the electorate. Proof: if a reader certifies A
-from seen votes V, then for any B, B's final count <= its seen count + the unseen votes < A's
-seen count <= A's final count (ties going to the smaller digest all along), so A outranks B in
-the final count; two certified candidates would each outrank the other. By induction on the
-step the electorates agree (each is named by the unique certified candidate before it), so
-every peer that applies a step applies the one certified candidate. A reader that sees more
-distinct voters than the electorate has (members who voted twice, or strangers) certifies
-nothing for that step: the count is not the one the rule reasons about.
-
-**Rounds** (every step after the first, `StepRule.certify`): the tally above needs every
-missing vote to be outvoted, so a member that left mid-averaging, or a split between two
-gatherings of the step, could hold a step open for ever; its old escape (the step's next try
-a genesis of its own plan) let two plans each win step 2 at 100 simulated peers. Instead an
-election runs in numbered rounds within the step's one electorate, after Fast Paxos (Lamport,
-2006) with the member's record as its acceptor state:
+**Rounds** (every step, the first included: `StepRule.certify`; `genesis` counts a first step
+in its own plan): an election runs in numbered rounds within the step's one electorate, after
+Fast Paxos (Lamport, 2006) with the member's record as its acceptor state:
 - a member votes at most once per round, in rounds that only go up; its record carries its
   votes of every round of the step (`Vote.round`); a member seen with two votes in one round
   counts as unseen in every round (none of its votes count, and it voids nobody's count);
@@ -60,22 +36,36 @@ election runs in numbered rounds within the step's one electorate, after Fast Pa
   unseen could reach the quorum; any candidate is, if the unseen alone could (`Entry.WAIT`);
 - a member enters round m (`StepRule.entry`) only as the highest round below m whose possible
   set is not empty allows: one possible candidate c: it must vote c (`FORCED`); two, or any
-  unseen one: it waits (`WAIT`); none in any round below m: it votes as it likes (`FREE`).
+  unseen one: it waits (`WAIT`); none in any round below m: it votes as it likes (`FREE`), and
+  the policy votes the leader of round m - 1 (`StepRule.lead`: the most votes, at least
+  `min_votes`), so that members that read the same round vote alike.
 
-Safety across rounds: if c is certified in round r, c is possible in r for every reader (its
-final count is at most its seen count plus the unseen), so whoever enters a round above r is
-forced to c or waits (by induction, every vote in the rounds between is for c, so their
-possible sets hold c alone); every later round certifies c or nothing. Two thirds make a
-round decidable with members gone: two candidates are both possible only while more than a
-third of the electorate is unseen, and a round dies (nothing possible, the next is free) once
-its leader plus the unseen stays within two thirds. Liveness needs more than two thirds of
-the electorate alive to vote; an electorate that lost more (a small plan, a mass departure)
-is left by a genesis among the trainers (`StepPolicy.elected`), the assumption below. Not
-yet: a farewell record settles no round, so members that left stay unseen, and with more
-than a third of them gone a round neither certifies nor dies (the genesis above leaves it).
-An abstention is a vote like any other (once per round, rounds that go up): safety's proof
-holds with it as a candidate that is never certified nor possible.
-Property-tested over any interleaving of votes, reads and departures in `tests/test_steprule.py`.
+**Safety** (property-tested with hypothesis in `tests/test_steprule.py`): for one step and
+electorate, no two different candidates are ever certified, by any two readers, each from any
+subset of the votes cast (partial reads, late votes, votes that never come), provided each
+member votes at most once per round and readers agree on the electorate. Proof: if c is
+certified in round r, c is possible in r for every reader (its final count is at most its
+seen count plus the unseen), so whoever enters a round above r is forced to c or waits (by
+induction, every vote in the rounds between is for c, so their possible sets hold c alone);
+every later round certifies c or nothing; two certified rounds, each seen this way from the
+lower one, certify one candidate. By induction on the step the electorates
+agree (each is named by the unique certified candidate before it), so every peer that
+applies a step applies the one certified candidate. A reader that sees more distinct voters
+than the electorate has (strangers) certifies nothing for that step. An abstention is a vote
+like any other (once per round, rounds that go up): the proof holds with it as a candidate
+that is never certified nor possible.
+
+**Liveness**: two thirds make a round decidable with members gone: two candidates are both
+possible only while more than a third of the electorate is unseen, and a round dies (nothing
+possible, the next is free) once its leader plus the unseen stays within two thirds. A round
+split many ways by departures (the largest of 48 candidates held 19 of 205 votes, at 300
+simulated peers: the old first-step rule, a plurality that must lead by more than the votes
+unseen, waited for ever on 58 members without a vote) dies, and the next, where its voters
+all vote its leader, certifies. Liveness needs more than two thirds of the electorate alive
+to vote; an electorate that lost more (a small plan, a mass departure) is left by a genesis
+among the trainers (`StepPolicy.elected`), the assumption below. Not yet: a farewell record
+settles no round, so members that left stay unseen, and with more than a third of them gone a
+round neither certifies nor dies (the genesis above leaves it).
 
 What it assumes, and what happens otherwise (docs/SECURITY.md): the first step's electorate is
 its own plan, and so is the next try of a step whose electorate lost more than a third of its
@@ -144,7 +134,7 @@ class Vote:
     electorate: Electorate
     """The electorate the vote is cast in: the step's, as the voter holds it."""
     round: int = 0
-    """The election's round (`StepRule.certify`; a first step's has one round, 0)."""
+    """The election's round (`StepRule.certify`)."""
 
 
 class Entry(enum.Enum):
@@ -163,43 +153,10 @@ class StepRule:
     """Votes a candidate needs at least, whatever the electorate's size
     (`averaging.min_group_size`: a step of one peer certifies nothing unless it says 1)."""
 
-    def tally(self, step: int, electorate: Electorate, votes: Iterable[Vote]) -> Candidate | None:
-        """The candidate the votes seen certify for `step` in `electorate` (module doc), or
-        None. Votes for other steps, of a later round or cast in another electorate do not
-        count; a voter's second vote makes the count void (None). The first step's rule (a
-        genesis: one round); the steps after it are counted in rounds (`certify`)."""
-        counted: dict[str, Candidate] = {}
-        for vote in votes:
-            if (
-                vote.electorate != electorate
-                or vote.candidate.step != step
-                or vote.round
-                or vote.candidate.abstains  # a first step's count has no abstentions: unseen
-            ):
-                continue
-            if counted.setdefault(vote.voter, vote.candidate) != vote.candidate:
-                return None  # two votes of one member: not an honest count
-        if len(counted) > electorate.size:
-            return None  # more voters than members: strangers voted
-        counts = Counter(counted.values())
-        if not counts:
-            return None
-        unseen = electorate.size - len(counted)
-        leader, votes_for = min(counts.items(), key=lambda item: (-item[1], item[0].average))
-        if votes_for < self.min_votes:
-            return None
-        if unseen > 0 and votes_for <= unseen:
-            return None  # a candidate nobody has voted for yet could still tie or pass it
-        for other, count in counts.items():
-            if other != leader and not _outranks(
-                (votes_for, leader.average), (count + unseen, other.average)
-            ):
-                return None
-        return leader
-
     def genesis(self, step: int, plan: Electorate, votes: Iterable[Vote]) -> Candidate | None:
-        """A first step's certified candidate: its electorate is its own plan."""
-        found = self.tally(step, plan, votes)
+        """A first step's certified candidate: its electorate is its own plan, and it is
+        counted in rounds like every step after it (`certify`)."""
+        found = self.certify(step, plan, votes)
         return found if found is not None and found.plan == plan else None
 
     def certify(self, step: int, electorate: Electorate, votes: Iterable[Vote]) -> Candidate | None:
@@ -241,6 +198,28 @@ class StepRule:
             if possible:
                 return Entry.FORCED, possible[0]
         return Entry.FREE, None
+
+    def lead(
+        self, step: int, electorate: Electorate, votes: Iterable[Vote], round: int
+    ) -> Candidate | None:
+        """The candidate a member votes for in `round` where the rounds below leave it free
+        (`entry`): the one most members voted for in the round before (ties to the smaller
+        digest), with `min_votes` at least; None in round 0, or where no candidate has them.
+        Members that read the same round vote alike, so a round split many ways (a
+        departure's partial averages: 48 candidates among 205 votes at 300 simulated peers)
+        is followed by one that certifies; a member that reads part of it may choose another,
+        and the round after forces the leader or chooses again. The most votes are the
+        largest basis that members vouch for: each holds the average it votes for, or joined
+        it in an earlier round."""
+        if round == 0:
+            return None
+        ballots = _ballots(step, electorate, votes) or {}
+        before = _rounds(ballots).get(round - 1, Counter())
+        counted = [(c, n) for c, n in before.items() if not c.abstains and n >= self.min_votes]
+        if not counted:
+            return None
+        leader, _ = min(counted, key=lambda item: (-item[1], item[0].average))
+        return leader
 
     def reaches(self, votes: int, size: int) -> bool:
         """`votes` of an electorate of `size` certify in a round."""
@@ -290,7 +269,3 @@ def average_digest(values: np.ndarray, weight: float) -> str:
     hasher.update(np.ascontiguousarray(values).view(np.uint8).data)
     return hasher.hexdigest(length=16)
 
-
-def _outranks(a: tuple[int, str], b: tuple[int, str]) -> bool:
-    """More votes first; between equal counts, the smaller digest."""
-    return a[0] > b[0] or (a[0] == b[0] and a[1] < b[1])
