@@ -335,4 +335,3 @@ def test_members_without_a_candidate_abstain_and_the_round_dies_rather_than_wait
     pair = Electorate("q", 2)
     tie = [Vote("m0", Candidate(1, "avg", pair), pair), Vote("m1", abstention(1, pair), pair)]
     assert StepRule(min_votes=1).lead(1, pair, tie, 1) == Candidate(1, "avg", pair)
-

@@ -268,4 +268,3 @@ def average_digest(values: np.ndarray, weight: float) -> str:
     hasher = blake3(struct.pack("<d", weight))
     hasher.update(np.ascontiguousarray(values).view(np.uint8).data)
     return hasher.hexdigest(length=16)
-
