@@ -392,6 +392,51 @@ def test_a_genesis_split_by_a_departure_counts_the_whole_plans_votes():
     )
 
 
+def genesis_votes(plan: Electorate, *choices: tuple[str, Candidate]) -> list[ProgressRecord]:
+    """Round-0 votes of a first step in `plan`, at step 0 as we are."""
+    return [
+        msgspec.structs.replace(
+            other(peer_id, vote=VoteRecord.of(Vote(peer_id, choice, plan))), step=0, digest="d0"
+        )
+        for peer_id, choice in choices
+    ]
+
+
+def test_after_a_split_a_member_votes_the_round_s_leader_however_few_voted_for_it():
+    """300 simulated peers split a first step 48 ways, the largest 19 of 205 votes: a free
+    round's leader that needed a third of the electorate left every member on its own
+    candidate. Now the round's leader (3 of 10 here) draws the next round's votes."""
+    members = [ME, *(f"z{i}" for i in range(9))]
+    leader, b, c, d, e = (candidate(name, members, step=1) for name in ("l", "b", "c", "d", "e"))
+    policy = make_policy()
+    elect(policy, b, T0)  # ours: b, 2 votes with ours
+    choices = [leader, leader, leader, b, c, c, d, e]  # z0..z7; z8 left
+    read(
+        policy,
+        *genesis_votes(leader.plan, *((f"z{i}", x) for i, x in enumerate(choices))),
+        msgspec.structs.replace(other("z8"), leaving=True),
+    )
+    assert policy.election(T0) == (Outcome.WAITING, None)  # 3 + 1 unseen: no two thirds
+    assert policy.election(T0 + policy._vote_turn())[0] is Outcome.WAITING
+    assert policy.last_vote == Vote(ME, leader, leader.plan, 1)
+
+
+def test_a_few_votes_for_a_candidate_of_another_plan_draw_nobody():
+    """Review: members that vote a candidate of a plan of their own lead a split round with a
+    plurality; certified, that plan would be the next step's electorate. A member follows
+    another plan's leader only with a third of the electorate behind it, else the leader
+    among its own plan's candidates."""
+    members = [ME, *(f"z{i}" for i in range(9))]
+    ours, b, c, d = (candidate(name, members, step=1) for name in ("a", "b", "c", "d"))
+    theirs = candidate("x", ["z0", "z1", "z2"], step=1)
+    policy = make_policy()
+    elect(policy, ours, T0)
+    choices = [theirs, theirs, theirs, ours, b, b, c, c, d]  # z0..z8: 3 for theirs
+    read(policy, *genesis_votes(ours.plan, *((f"z{i}", x) for i, x in enumerate(choices))))
+    assert policy.election(T0 + policy._vote_turn())[0] is Outcome.WAITING
+    assert policy.last_vote == Vote(ME, ours, ours.plan, 1)  # 2 each: a, b, c; "a" first
+
+
 def test_a_genesis_counts_the_trainers_of_recent_reads_not_of_the_last_alone():
     """A read can show part of the collaboration (a progress shard level some writers had
     left): 100 simulated peers with sharded records took step 1 as two states, each won by a

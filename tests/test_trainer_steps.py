@@ -37,7 +37,7 @@ from peer.training import checkpoint as checkpoints
 from peer.training import state as states
 from peer.training import trainer as trainer_module
 from peer.training import worker as worker_module
-from peer.training.policy import CatchUp, Compute
+from peer.training.policy import CatchUp, Compute, Outcome
 from peer.training.progress import CollaborationView, ProgressRecord, VoteRecord
 from peer.training.state import StateMismatch
 from peer.training.statesync import Snapshot
@@ -242,6 +242,42 @@ async def test_a_step_applies_the_average_and_a_failure_gives_our_work_back(
         sums = trainer.worker.strategy.gradient_sums()  # type: ignore[attr-defined]
         kept = torch.cat([t.reshape(-1) for t in sums]) / max(samples, 1)
         assert torch.equal(kept, torch.from_numpy(vector)) or samples == 0
+
+
+async def test_a_candidate_whose_election_stalled_is_applied_if_a_retry_certifies_it(
+    tmp_path, monkeypatch
+):
+    """Review: a step's rounds carry on across its tries, so a retry's election can certify
+    the candidate of a try whose election had stalled; its holders had dropped it, and every
+    peer tried to download a state nobody held. We keep it, and apply it then."""
+    trainer = await make_trainer(tmp_path)
+    size = size_of(trainer)
+    first = group_result(size, 24)
+    stalled_average = first.average
+    assert stalled_average is not None
+    first.plan = (trainer.me, *OTHERS)
+    kept = Candidate(1, average_digest(stalled_average, 24), plan_of(first.plan))
+    outcomes = iter([(Outcome.STALLED, None), (Outcome.LOST, kept)])
+
+    async def elect(*_args, **_kwargs):
+        return next(outcomes)
+
+    monkeypatch.setattr(trainer, "_elect", elect)
+    await trainer._finish(np.full(size, 0.5, dtype=np.float32), 8, first, 1.0)
+    assert trainer.step == 0 and trainer.worker.samples == 8  # our work back for the retry
+    retry = group_result(size, 30)
+    retry.average = np.full(size, 0.75, dtype=np.float32)
+    retry.plan = (trainer.me, *OTHERS)
+    vector, samples = await trainer.worker.take()
+    await trainer._finish(vector, samples, retry, 2.0)
+    assert trainer.step == 1  # applied the kept average: nothing to download
+    expected = TinyTask().build_model()
+    optimizer = TinyTask().make_optimizer(expected.parameters())
+    for p in expected.parameters():
+        p.grad = torch.full_like(p, 0.25)  # the stalled try's average, not the retry's
+    optimizer.step()
+    assert parameters(trainer) == states.parameters_digest(expected)
+    assert trainer._stalled is None and trainer.status().steps_applied == 1
 
 
 async def test_failed_averagings_are_counted_and_warn_only_once_they_persist(tmp_path, caplog):

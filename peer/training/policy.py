@@ -614,7 +614,7 @@ class StepPolicy:
             return  # we voted in every round open to us (our record carries it)
         round_, forced = opened
         votes = self._members_votes(ours.step, ballot.electorate)
-        leader = self._last_round_leader(ours.step, ballot.electorate, round_, votes)
+        leader = self._last_round_leader(ours, ballot.electorate, round_, votes)
         choice = forced or leader or self._free_choice(ours, round_, votes)
         mine = self._cast_votes.get((ours.step, ballot.electorate), [])
         opened_by_others = any(v.round == round_ for v in votes)
@@ -714,10 +714,11 @@ class StepPolicy:
     def _free_choice(self, ours: Candidate, round_: int, votes: list[Vote]) -> Candidate:
         """Our vote in a round the rounds below leave free and no last round's leader claims
         (`_last_round_leader`, which `_cast` takes first: every member that reads it joins it,
-        so the round certifies it): the candidate of our plan that members' votes in the round
-        lead with, by more than ours would have with our vote and by at least `JOIN_SHARE` of
-        the plan's members (a few colluding members cannot draw the honest votes to a
-        candidate they invented, which nobody could serve); else ours."""
+        so the round certifies it), i.e. round 0: the candidate of our plan that members'
+        votes in the round lead with, by more than ours would have with our vote and by at
+        least `JOIN_SHARE` of the plan's members (a few colluding members cannot draw a
+        deferred vote to a candidate they invented, which nobody could serve; in the rounds
+        after a split they can, with a plurality: docs/SECURITY.md); else ours."""
         counts = Counter(
             v.candidate for v in votes if v.round == round_ and v.candidate.plan == ours.plan
         )
@@ -729,12 +730,24 @@ class StepPolicy:
         return ours
 
     def _last_round_leader(
-        self, step: int, electorate: Electorate, round_: int, votes: list[Vote]
+        self, ours: Candidate, electorate: Electorate, round_: int, votes: list[Vote]
     ) -> Candidate | None:
         """The candidate that led the round before `round_` in our read, ours counted
-        (`StepRule.lead`)."""
-        mine = self._cast_votes.get((step, electorate), [])
-        return self.rule.lead(step, electorate, [*votes, *mine], round_)
+        (`StepRule.lead`): one of our own plan's (the gathering we averaged in, whose members
+        colluders must be), or another plan's only with `JOIN_SHARE` of the electorate behind
+        it; else the leader among our plan's candidates. A few members that vote a candidate
+        of a plan of their own cannot draw the electorate to it: certified, its plan would be
+        the next step's electorate (review)."""
+        step = ours.step
+        cast = [*votes, *self._cast_votes.get((step, electorate), [])]
+        leader = self.rule.lead(step, electorate, cast, round_)
+        if leader is None or leader.plan == ours.plan:
+            return leader
+        backing = sum(1 for v in cast if v.round == round_ - 1 and v.candidate == leader)
+        if backing >= JOIN_SHARE * electorate.size:
+            return leader
+        own_plan = [v for v in cast if v.candidate.plan == ours.plan]
+        return self.rule.lead(step, electorate, own_plan, round_)
 
     def _members_votes(self, step: int, electorate: Electorate) -> list[Vote]:
         """The other members' votes on `step` in `electorate` that our last read shows."""

@@ -198,6 +198,9 @@ class Trainer:
         self._saving = False  # a periodic checkpoint is being written
         self._catching_up = False  # a download is under way: a periodic save gives way
         self._snapshot: Snapshot | None = None
+        # Our candidate whose election stalled, and its average: the rounds of a retry may
+        # still certify it (`_finish`).
+        self._stalled: tuple[Candidate, np.ndarray] | None = None
         self._stop_began: float | None = None  # self.monotonic(), when we were told to stop
         self._serializing = trio.Lock()
         # A delayed averaging in flight (dedloc, delayed_updates) and its result when done.
@@ -312,6 +315,8 @@ class Trainer:
         a state just restored, as checked when it was parsed. `electorate`: who votes on the
         next step (`StepPolicy.hold`)."""
         self._snapshot = None  # the state it reads goes now (a copy: before the next is made)
+        if self._stalled is not None and self._stalled[0].step <= step:
+            self._stalled = None  # that step is decided: its average is no longer a candidate
         digest = await self.worker.hold(step, digest=digest)
         self._snapshot = None  # one made meanwhile, of no state
         if digest is None:
@@ -599,6 +604,8 @@ class Trainer:
             await self._hold(self.step + 1, electorate=candidate.plan)
             self._note_step(verdict, samples, result)
             return
+        if outcome is Outcome.LOST and await self._apply_stalled(certified):
+            return
         if outcome is Outcome.LOST:
             # Its basis holds our samples if ours had them (a larger average than ours, made
             # from the same rounds): given back, they would count twice. We download it.
@@ -613,12 +620,28 @@ class Trainer:
                 )
             return
         await self.worker.give_back(vector, samples)
+        self._stalled = (candidate, result.average)
         log.info(
             "no average of step %d was certified (%s); keeping our %d samples for the next try",
             candidate.step,
             self.policy.stall_count,
             samples,
         )
+
+    async def _apply_stalled(self, certified: Candidate | None) -> bool:
+        """The step went to our candidate of an earlier try whose election had stalled for
+        us: the rounds carry on across a step's tries, so a retry can still certify it (review:
+        its holders had dropped it, and every peer tried to download what nobody held). We
+        apply the average we kept; our samples since are in the retry's basis, which lost.
+        Whether it was ours."""
+        kept = self._stalled
+        if certified is None or kept is None or kept[0] != certified:
+            return False
+        log.info("step %d went to our average of an earlier try: applying it", certified.step)
+        await self.worker.apply(kept[1])
+        await self._hold(certified.step, electorate=certified.plan)
+        self.tally.steps_applied += 1
+        return True
 
     async def _elect(
         self,
