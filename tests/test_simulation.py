@@ -4,8 +4,12 @@ rules, and small collaborations on it train as real ones do. The 300-peer runs a
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import os
 import random
+import subprocess
+import sys
 from collections import Counter
 from types import SimpleNamespace
 from typing import Any
@@ -503,24 +507,39 @@ def test_thirty_simulated_volunteers_with_churn_stay_exact():
     assert summary.view_coverage > 0.95
 
 
+THREE_HUNDRED = """
+import json
+from simulation.scale import Column, _run, scenario
+summary, violations = _run(scenario(Column(300, 0.5, 4.0), minutes=8, warmup=0, seed=0))
+print(json.dumps({"steps": summary.steps, "rounds": summary.rounds,
+                  "agreed": summary.agreed_rounds, "coverage": summary.view_coverage,
+                  "violations": summary.safety_violations, "left": summary.departures}))
+"""
+
+
 @pytest.mark.slow
-def test_three_hundred_simulated_volunteers_with_churn_take_their_steps():
-    """Issue 20's bar: 300 volunteers on DeDLOC's links with 10 %/hour churn complete >= 90 %
-    of their rounds. Three virtual minutes from the launch with a 4 MB model (several steps;
-    ALBERT's 70.8 MB holds none in 3 minutes), about 16 minutes of wall time on 2 cores.
-    A round is a try at a step: it yields the step when a peer takes the step from it (the
-    step rule certified one of its candidates); the others download it. At e16e068 no step
-    was taken at this size."""
-    scenario = Scenario(
-        peers=300, minutes=3, warmup_minutes=0, model_bytes=4e6, churn_per_hour=0.1, seed=0
+def test_three_hundred_simulated_volunteers_with_half_leaving_an_hour_agree_on_their_steps():
+    """Issue 46's 300-peer column: 50 %/hour churn, half the peers behind NAT (a third of
+    those symmetric), DeDLOC's links, a 4 MB model. The scale report's own run (seed 0, 8
+    virtual minutes, `simulation.scale`; about 35 minutes of wall time on 2 cores), in a
+    process of its own with PYTHONHASHSEED=0 so that it is that run, figure for figure: at
+    03f4fd8 2 steps, 1 of 2 rounds yielding its step (1 cut by the end), no step taken as two
+    states. Before the first step counted in rounds (3e45494) no step was taken at this size:
+    its votes split 48 ways and the count waited for ever. The issue's goal (>= 95 % of the
+    rounds yield a step) is not met yet: this keeps what is from regressing."""
+    done = subprocess.run(
+        [sys.executable, "-c", THREE_HUNDRED],
+        env={**os.environ, "PYTHONHASHSEED": "0"},
+        capture_output=True,
+        text=True,
+        timeout=5400,  # killed past it (subprocess.run kills its child)
+        check=True,
     )
-    report = run_collaboration(scenario)
-    summary = summarize(report)
-    assert report.departures >= 1 and report.arrivals >= 1
-    assert summary.steps >= 3
-    assert summary.agreed_rounds >= 0.9, summary.agreed_rounds
-    assert summary.view_coverage > 0.95
-    assert report.digests_agree and not report.violations
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    assert figures["left"] >= 1 and figures["violations"] == 0, figures
+    assert figures["steps"] >= 2, figures
+    assert figures["agreed"] >= 0.5, figures
+    assert figures["coverage"] > 0.95, figures
 
 
 def test_a_volunteer_s_speed_jitters_slows_in_spells_and_pauses_as_the_scenario_says():
