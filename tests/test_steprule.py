@@ -120,13 +120,17 @@ def test_the_first_step_is_safe_only_where_its_gathering_s_views_agree():
     assert (rule.genesis(1, one, votes), rule.genesis(1, other, votes)) == (a, b)
 
 
+def split_votes(electorate: Electorate, split: list[Candidate], sizes: list[int]) -> list[Vote]:
+    """Round-0 votes of members m0, m1, ...: `sizes[i]` of them for `split[i]`."""
+    basis = [c for c, n in zip(split, sizes, strict=True) for _ in range(n)]
+    return [Vote(f"m{i}", c, electorate) for i, c in enumerate(basis)]
+
+
 def test_a_member_that_left_mid_averaging_costs_the_groups_it_reached_not_the_step():
     # 80 members; one left; the rest ended on five exact averages of 32, 24, 18, 4 and 1.
     electorate = Electorate("e", 80)
     split = candidates(1, 5)
-    sizes = (32, 24, 18, 4, 1)
-    basis = [c for c, n in zip(split, sizes, strict=True) for _ in range(n)]
-    votes = [Vote(f"m{i}", c, electorate) for i, c in enumerate(basis)]
+    votes = split_votes(electorate, split, [32, 24, 18, 4, 1])
     assert len(votes) == 79
     rule = StepRule(min_votes=2)
     # Members vote for their own basis: none has two thirds, nor can: round 0 dies.
@@ -147,9 +151,7 @@ def test_a_first_step_split_48_ways_at_300_peers_certifies_in_the_next_round():
     where the 205 vote its leader, certifies it (more than two thirds: 176)."""
     plan = Electorate("p", 263)
     split = [Candidate(1, f"avg-{i}", plan) for i in range(48)]
-    sizes = [19, 18] + [4] * 30 + [3] * 16
-    basis = [c for c, n in zip(split, sizes, strict=True) for _ in range(n)]
-    votes = [Vote(f"m{i}", c, plan) for i, c in enumerate(basis)]
+    votes = split_votes(plan, split, [19, 18] + [4] * 30 + [3] * 16)
     assert len(votes) == 205
     rule = StepRule(min_votes=2)
     assert rule.genesis(1, plan, votes) is None
