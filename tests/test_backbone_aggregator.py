@@ -33,7 +33,7 @@ from tests.test_training_collab import (
 CHUNK = 1024  # the tiny task's 10 k parameters in 11 chunks: shares cut it finely enough
 TIMING = Timing(
     gather_window=1.0, progress_interval=0.5, solo_after=10.0, presence_ttl=30.0,
-    download_timeout=20.0,
+    download_timeout=20.0, rpc_timeout=5.0,
 )  # fmt: skip
 
 

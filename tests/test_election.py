@@ -161,8 +161,15 @@ def test_an_election_stays_open_while_members_are_still_averaging():
         assert policy.election(at)[0] is outcome, at
     soon = T0 + 3 * patience  # the averaging's deadline: nobody averages past it
     assert electing(soon, averaging("z2", soon), at=soon).election(soon)[0] is Outcome.STALLED
-    # A stale record, one with a vote on the step, one of another gathering: not waited for.
-    stale_at = T0 + patience + at_step_3().timing.stale_record + 1
+    # A record past `stale_record` is a member whose uplink carries the averaging's parts
+    # (70.8 MB: records 3.1-5.0 s apart): waited for, up to `busy_record`.
+    timing = at_step_3().timing
+    late = T0 + patience
+    busy = averaging("z2", late - timing.busy_record + 1)
+    assert late - busy.updated_at > timing.stale_record
+    assert electing(far, busy, at=late).election(late)[0] is Outcome.WAITING
+    # A silent record, one with a vote on the step, one of another gathering: not waited for.
+    stale_at = T0 + patience + timing.busy_record + 1
     assert electing(far, averaging("z2", T0), at=stale_at).election(stale_at)[0] is Outcome.STALLED
     now = T0 + patience
     assert electing(far, averaging("z2", now, gather_until=T0), at=now).election(now)[0] is (

@@ -207,7 +207,7 @@ async def test_a_short_lived_record_goes_out_within_a_third_of_its_life(autojump
 def test_what_counts_on_a_read_counts_on_one_as_old_as_the_reads_are_apart():
     timing = Timing(
         gather_window=2.0, progress_interval=1.0, solo_after=10.0, presence_ttl=30.0,
-        download_timeout=20.0,
+        download_timeout=20.0, rpc_timeout=5.0,
     )  # fmt: skip
     stretched = timing.reading_every(5.6)
     assert timing.reading == 1.0 and stretched.reading == 5.6

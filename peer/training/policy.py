@@ -911,7 +911,8 @@ class StepPolicy:
         the 22 candidates of a 70.8 MB model's first step stalled (40 simulated volunteers;
         waiting, all 22 won). Until the averaging's outer deadline, and `MAX_WAIT_FOR_OTHERS`
         after our vote, at most: a record that claims it for ever (one member's claim) holds
-        us no longer (review: up to 1,800 s where the patience is 16 s); a stale record, or
+        us no longer (review: up to 1,800 s where the patience is 16 s); a record older than
+        a busy peer's (`Timing.busy_record`: its uplink carries the averaging's parts), or
         one with a vote on the step, not at all."""
         ballot = self.ballot
         assert ballot is not None
@@ -924,7 +925,7 @@ class StepPolicy:
             and r.call_step == step - 1
             and r.gather_until == ballot.gathering
             and (r.vote is None or r.vote.step != step)  # one that voted is out of it
-            and self._fresh(r, now)
+            and abs(now - r.updated_at) <= self.timing.busy_record
             for r in self.view.records
             if r.peer_id != self.me
         )

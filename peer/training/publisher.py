@@ -53,7 +53,7 @@ from peer.training.progress import (
     decode_progress,
     encode_progress,
 )
-from peer.training.timing import publishing_interval
+from peer.training.timing import exchange_deadline, publishing_interval
 
 if TYPE_CHECKING:
     from peer.training.statesync import Snapshot
@@ -215,7 +215,7 @@ class ProgressPublisher:
         self.ttl = ttl
         self.collaboration = config.collaboration.name
         self.quorum = config.averaging.min_group_size
-        self.deadline = max(interval, 2 * config.net.rpc_timeout)
+        self.deadline = exchange_deadline(interval, config.net.rpc_timeout)
         self.me = dht.node.peer_id.to_base58()
         self.reader = ProgressReader(dht, self.collaboration, me=self.me)
         self._written: dict[str, float] = {}
