@@ -206,12 +206,14 @@ class AveragingConfig(_Section):
     refuse the averaging, each keeping its contribution (planned rounds, N > group_size,
     ignore it). Also the distinct signers a (step, digest) needs before any peer downloads it
     (`peer.training.certificate`): 1 lets a lone peer step alone, and trusts any one peer."""
-    partial_from: int = 64
+    partial_from: int = 32
     """From this many peers in a Moshpit plan of several rounds, an averaging that some of them
     missed still gives the others the exact mean over whom it reached (their basis) and the
     majority's is the step; below it, such an averaging is refused by all and called again.
     (At 300 simulated peers an averaging never reached everyone; at 16 on one machine a
-    ticket stored late made peers plan from two views and a quarter of them download.)"""
+    ticket stored late made peers plan from two views and a quarter of them download. At 64,
+    plans of 49 of 100 simulated peers that lost 4 members failed, and 9 of 10 rounds
+    yielded a step; at 32, 9 of 9.)"""
     codec: str = "none"
     """Wire compression: none, fp16 or int8 (blockwise)."""
     chunk_elements: int = 262144

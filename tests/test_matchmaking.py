@@ -339,7 +339,7 @@ async def test_a_member_that_declared_and_died_is_left_out_and_the_rest_agree(pa
     """5 peers in groups of 4: the lowest one declares, then dies. Its round-0 group goes on
     without it (its leader is passed over), and round 1 seats whoever holds each block: every
     other peer ends on the same bits, the exact weighted mean of the four (before, one dead
-    peer voided the step for everyone). Below `averaging.partial_from` (64 by default) a plan
+    peer voided the step for everyone). Below `averaging.partial_from` (here 64) a plan
     that did not reach everyone is refused by all instead, to be called again. Nobody's vector
     changed."""
     config = AveragingConfig(

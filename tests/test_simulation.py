@@ -426,7 +426,7 @@ def fingerprint(report) -> tuple:
 
 def test_a_scenario_sets_the_averaging_parameter_it_explores():
     """`--partial-from` (issue 46: at 100 peers, plans of 16-59 failed below 64)."""
-    assert peer_config(small(peers=5), 1.0).averaging.partial_from == 64  # the daemon's default
+    assert peer_config(small(peers=5), 1.0).averaging.partial_from == 32  # the daemon's default
     assert peer_config(small(peers=5, partial_from=2), 1.0).averaging.partial_from == 2
 
 
