@@ -3,6 +3,9 @@
     .venv/bin/python -m simulation.scale [--peers 100 300 1000] [--minutes 10] [--jobs 2]
         [--seed 0] [--seeds 1]
 
+`--minutes` is one length for every column, or one per `--peers` value in its order
+(`--peers 100 300 1000 --minutes 8 8 2`: 1,000 peers simulate ~7x slower than 300).
+
 It runs the scale matrix of issue 46 (`MATRIX`: 100 and 300 peers at 50 %/hour churn, 1,000
 at 10 %/hour; a 4 MB and DeDLOC's 70.8 MB gradient; half the peers behind NAT, a third of
 those symmetric; DeDLOC's volunteer links, the simulator's defaults), each run in a process of
@@ -75,6 +78,25 @@ def _run(job: Scenario) -> tuple[Summary, list[str]]:
     return summarize(report), [str(v) for v in report.violations[:5]]
 
 
+def minutes_by_peers(peers: list[int], minutes: list[float]) -> dict[int, float]:
+    """`--minutes`: one length for every column, or one per `--peers` value (in its order)."""
+    if len(minutes) == 1:
+        return dict.fromkeys(peers, minutes[0])
+    if len(minutes) != len(peers):
+        raise ValueError(
+            f"--minutes {' '.join(f'{m:g}' for m in minutes)}: give one length for every "
+            f"column, or one per --peers value ({len(peers)})"
+        )
+    return dict(zip(peers, minutes, strict=True))
+
+
+def lengths(minutes: dict[int, float]) -> str:
+    """The header's words for `minutes_by_peers`."""
+    if len(set(minutes.values())) == 1:
+        return f"{next(iter(minutes.values())):g} virtual minutes"
+    return ", ".join(f"{m:g} virtual minutes at {p:,} peers" for p, m in minutes.items())
+
+
 def commit() -> str:
     """The commit the run is at; "+changes" where the code it simulates is not committed."""
     root = DOC.parent.parent
@@ -143,7 +165,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m simulation.scale", description=__doc__)
     parser.add_argument("--peers", type=int, nargs="+", default=[100, 300, 1000])
     parser.add_argument("--models", type=float, nargs="+", default=[4.0, ALBERT_MB])
-    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument(
+        "--minutes", type=float, nargs="+", default=[10.0],
+        help="virtual minutes: one for every column, or one per --peers value",
+    )  # fmt: skip
     parser.add_argument("--warmup", type=float, default=3.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -158,6 +183,10 @@ def main() -> None:
             [sys.executable, "-m", "simulation.scale", *sys.argv[1:]],
             {**os.environ, "PYTHONHASHSEED": "0"},
         )
+    try:
+        minutes = minutes_by_peers(args.peers, args.minutes)
+    except ValueError as error:
+        sys.exit(str(error))
     columns = [c for c in MATRIX if c.peers in args.peers and c.model_mb in args.models]
     if not columns:
         sys.exit(f"no column of the matrix has --peers {args.peers} and --models {args.models}")
@@ -166,7 +195,7 @@ def main() -> None:
         sys.exit(f"--seeds {args.seeds}: give 1 or more runs per column")
     seeds = list(range(args.seed, args.seed + args.seeds))
     jobs = [
-        scenario(c, minutes=args.minutes, warmup=args.warmup, seed=seed)
+        scenario(c, minutes=minutes[c.peers], warmup=args.warmup, seed=seed)
         for c in columns
         for seed in seeds
     ]
@@ -185,7 +214,7 @@ def main() -> None:
     )
     section = [
         f"{started:%Y-%m-%d}, at {at}: `{command.strip()}` ({seeded}; "
-        f"{args.minutes:g} virtual minutes measured after {args.warmup:g} of warm-up; "
+        f"{lengths(minutes)} measured after {args.warmup:g} of warm-up; "
         f"{NAT_SHARE:.0%} of the peers behind NAT, {SYMMETRIC_SHARE:.0%} of those symmetric; "
         f"{args.jobs} run{'s' if args.jobs != 1 else ''} at a time on {os.cpu_count()} cores).",
         "",

@@ -7,6 +7,8 @@ import concurrent.futures
 import dataclasses
 from pathlib import Path
 
+import pytest
+
 from simulation import scale
 from simulation.scale import BEGIN, END, MATRIX, Column, table, write
 from tests.test_simulation import small
@@ -17,6 +19,19 @@ def test_the_matrix_is_the_issues_100_300_and_1000_peers_at_their_churn_for_both
     assert {c.model_mb for c in MATRIX} == {4.0, scale.ALBERT_MB}
     job = scale.scenario(MATRIX[0], minutes=10, warmup=3, seed=0)
     assert (job.nat_share, job.symmetric_share) == (0.5, 1 / 3)
+
+
+def test_minutes_are_one_length_for_every_column_or_one_per_peer_count():
+    assert scale.minutes_by_peers([100, 300], [8.0]) == {100: 8.0, 300: 8.0}
+    per_size = scale.minutes_by_peers([100, 300, 1000], [8.0, 8.0, 2.0])
+    assert per_size == {100: 8.0, 300: 8.0, 1000: 2.0}
+    assert scale.lengths(per_size) == (
+        "8 virtual minutes at 100 peers, 8 virtual minutes at 300 peers, "
+        "2 virtual minutes at 1,000 peers"
+    )
+    assert scale.lengths({100: 8.0, 300: 8.0}) == "8 virtual minutes"
+    with pytest.raises(ValueError, match="one per --peers value"):
+        scale.minutes_by_peers([100, 300, 1000], [8.0, 2.0])
 
 
 def test_the_table_replaces_only_what_is_between_its_markers(tmp_path: Path):
