@@ -167,9 +167,9 @@ class Timing:
     @property
     def busy_record(self) -> float:
         """`stale_record` for a peer whose uplink is busy (averaging with us): each store of
-        its record may wait out a whole exchange (`exchange_deadline`). Members of a 70.8 MB
-        averaging published 3.1-5.0 s apart where `stale_record` was 3 s, and 45 of 96 gave up
-        on them and stalled the first step (100 simulated volunteers)."""
+        its record may wait out a whole exchange (`exchange_deadline`). The records of a 70.8 MB
+        averaging's members were 3.1-5.0 s old where `stale_record` was 3 s, and 45 of 96
+        members gave up on them and stalled the first step (100 simulated volunteers)."""
         return self.stale_record + exchange_deadline(self.progress_interval, self.rpc_timeout)
 
     def download_grace(self, store_seconds: float) -> float:
