@@ -162,7 +162,7 @@ def test_an_election_stays_open_while_members_are_still_averaging():
     soon = T0 + 3 * patience  # the averaging's deadline: nobody averages past it
     assert electing(soon, averaging("z2", soon), at=soon).election(soon)[0] is Outcome.STALLED
     # A record past `stale_record` is a member whose uplink carries the averaging's parts
-    # (70.8 MB: records 3.1-5.0 s apart): waited for, up to `busy_record`.
+    # (70.8 MB: records 3.1-5.0 s old): waited for, up to `busy_record`.
     timing = at_step_3().timing
     late = T0 + patience
     busy = averaging("z2", late - timing.busy_record + 1)
