@@ -925,7 +925,7 @@ class StepPolicy:
             and r.call_step == step - 1
             and r.gather_until == ballot.gathering
             and (r.vote is None or r.vote.step != step)  # one that voted is out of it
-            and abs(now - r.updated_at) <= self.timing.busy_record
+            and self._fresh(r, now, within=self.timing.busy_record)
             for r in self.view.records
             if r.peer_id != self.me
         )
@@ -1457,11 +1457,13 @@ class StepPolicy:
             or waited >= fallback + 4 * self.timing.window(self.store_seconds)
         )
 
-    def _fresh(self, record: ProgressRecord, now: float) -> bool:
-        """`record` was published recently enough that its peer looks alive (`stale_record`),
-        and not later than that ahead of our clock: a record dated in the future (a peer's
-        claim) would look alive for ever, while its entry lives."""
-        return abs(now - record.updated_at) <= self.timing.stale_record
+    def _fresh(self, record: ProgressRecord, now: float, *, within: float | None = None) -> bool:
+        """`record` was published recently enough that its peer looks alive (`within`
+        seconds, `stale_record` unless given), and not later than that ahead of our clock: a
+        record dated in the future (a peer's claim) would look alive for ever, while its entry
+        lives."""
+        limit = self.timing.stale_record if within is None else within
+        return abs(now - record.updated_at) <= limit
 
     def _waiting_for_others(self, view: CollaborationView, local: Local, now: float) -> bool:
         """We hold our call for peers that would miss it: still in an averaging of our step,
