@@ -155,6 +155,24 @@ def test_a_stalled_query_no_longer_holds_the_lookup_and_a_late_answer_still_coun
     assert late.done and late.closest_answered() == nodes[:3] and late.stalled() == []
 
 
+def test_beyond_those_that_answered_a_lookup_takes_contacts_as_often_named_as_asked():
+    """A spread key's reader takes holders its lookup did not ask where `named` answers named
+    them at the same addresses (`DHT._named_holders`): one liar cannot make them up."""
+    rng = random.Random(5)
+    asked = sorted((contact(rng) for _ in range(3)), key=lambda c: c.id)
+    once, twice, moved = contact(rng), contact(rng), contact(rng)
+    elsewhere = Contact(moved.peer_id, ("/ip4/203.0.113.9/tcp/1",))
+    lookup = Lookup(0, asked, k=3, alpha=3)
+    lookup.next_queries()
+    lookup.on_answer(asked[0], [once, twice, moved])
+    lookup.on_answer(asked[1], [twice, elsewhere])
+    lookup.on_answer(asked[2], [])
+    ids = lambda contacts: {c.peer_id for c in contacts}  # noqa: E731
+    assert ids(lookup.live(10, named=2)) == ids(asked) | {twice.peer_id}
+    assert ids(lookup.live(10)) == ids(asked) | {once.peer_id, twice.peer_id, moved.peer_id}
+    assert ids(lookup.live(2, named=2)) == ids(sorted([*asked, twice], key=lambda c: c.id)[:2])
+
+
 def test_a_contact_whose_call_failed_is_skipped_until_its_backoff_ends_then_twice_as_long():
     gone = contact()
     unresponsive = Unresponsive(backoff=60, max_backoff=200, size=8)

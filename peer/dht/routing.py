@@ -15,7 +15,7 @@ import functools
 import hashlib
 import heapq
 import re
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -216,17 +216,28 @@ class Lookup:
         self._failed: set[ID] = set()
         self._pending: set[ID] = set()
         self._stalled: set[ID] = set()
+        self._named: Counter[ID] = Counter()
+        """Answers that named each contact at the addresses we know it by."""
         for contact in seeds:
             self._known.setdefault(contact.peer_id, contact)
 
     def _closest_live(self) -> list[Contact]:
+        return self.live(self.k)
+
+    def live(self, count: int, *, named: int = 0) -> list[Contact]:
+        """The `count` contacts nearest the target that have not failed or stalled: those that
+        answered and those that at least `named` answers named at the same addresses (the
+        lookup is done when the `k` nearest answered; beyond them, the word of the nodes that
+        answered)."""
         live = [
             c
             for c in self._known.values()
-            if c.peer_id not in self._failed and c.peer_id not in self._stalled
+            if c.peer_id not in self._failed
+            and c.peer_id not in self._stalled
+            and (c.peer_id in self._answered or self._named[c.peer_id] >= named)
         ]
         live.sort(key=lambda c: c.id ^ self.target)
-        return live[: self.k]
+        return live[:count]
 
     def next_queries(self) -> list[Contact]:
         """Contacts to query now; each is marked pending."""
@@ -247,7 +258,8 @@ class Lookup:
         self._answered.add(contact.peer_id)
         for other in closer:
             if other.peer_id not in self._failed:
-                self._known.setdefault(other.peer_id, other)
+                known = self._known.setdefault(other.peer_id, other)
+                self._named[other.peer_id] += known.addrs == other.addrs
 
     def on_failure(self, contact: Contact) -> None:
         self._pending.discard(contact.peer_id)
