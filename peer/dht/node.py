@@ -653,13 +653,14 @@ class DHT:
         is alive, and a reader of every shard of its level made a lookup of `SPREAD_HOLDERS`
         x `replicas` answers for each (at 300 simulated peers, 500,000 find_node calls in the
         first 20 s, 16 a lookup). A holder that did not answer counts only where `NAMED_BY`
-        answers named it at the same addresses: one liar on the path cannot fill the list with
-        contacts that do not exist. One that is gone fails its call, another holder is asked
-        and the key is looked up again (`_forget`). Stores look their holders up whole
-        (`_hot_replicas`)."""
+        answers named it at the same addresses (`Lookup.vouched`: an answer counts once
+        however often it names a contact), so one liar on the path cannot fill the list with
+        contacts that do not exist; two can (docs/SECURITY.md). One that is gone fails its
+        call, another holder is asked and the key is looked up again (`_forget`). Stores look
+        their holders up whole (`_hot_replicas`)."""
         now = trio.current_time()
         lookup = await self.find_nodes(target, k=MIN_PREFIX_READ)
-        named = lookup.live(SPREAD_HOLDERS * self.config.replicas, named=NAMED_BY)
+        named = lookup.vouched(SPREAD_HOLDERS * self.config.replicas, by=NAMED_BY)
         holders = named[: hot_holders(target, bits, named, self.config.replicas)]
         if len(holders) >= self.config.replicas:  # else our table is filling: at every use
             _remember(self._named, target, now + spread_refresh_seconds(bits), holders)
