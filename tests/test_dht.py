@@ -669,8 +669,12 @@ async def test_a_reader_of_a_spread_key_waits_for_the_nearest_few_and_takes_the_
                     contacts.sort(key=lambda c: c.peer_id not in gone)
 
             reader.rng = GoneFirst()
+            gets = calls_of(reader, "get")
             for _ in range(2):
                 assert set(await reader.get(key, hot=True)) >= left
+            # Each read asked two holders and replaced those that failed: neither read fell
+            # back on asking every replica a lookup meets.
+            assert calls_of(reader, "get") - gets <= 2 * 2 * dht_node.HOT_READ_REPLICAS
             assert not gone & {c.peer_id for c in reader._named[target][1]}
 
 
