@@ -23,15 +23,7 @@ from peer.dht import protocol as dht
 from peer.dht import records
 from peer.dht.node import DHT, REJOIN_ATTEMPTS
 from peer.dht.records import Entry, make_entry
-from peer.dht.routing import (
-    ID_BITS,
-    Contact,
-    in_prefix,
-    key_id,
-    node_id,
-    spread_bits,
-    spread_key,
-)
+from peer.dht.routing import ID_BITS, Contact, key_id, node_id, spread_key
 from peer.errors import RpcError, Unreachable
 from peer.net.framing import encode_frame
 from peer.net.rpc import Request, RpcServer, protocol_id
@@ -634,53 +626,6 @@ async def test_a_spread_key_is_held_by_every_node_of_its_prefix():
         everyone = {d.node.peer_id.to_base58() for d in s.dhts}
         for reader in s.dhts:
             assert set(await reader.get(key, hot=True)) == everyone
-
-
-async def test_a_reader_of_a_spread_key_waits_for_the_nearest_few_and_takes_the_rest_as_named():
-    """A reader of every shard of its level looked up all of each shard's holders, and needs
-    two of them: at 300 simulated peers, 500,000 find_node calls in the first 20 s. Its lookup
-    now waits for the `MIN_PREFIX_READ` nearest to answer and takes the other holders as they
-    named them; one that is gone fails its read, another holder answers instead, and the key is
-    looked up again. Stores look every holder up (`_hot_replicas`)."""
-    async with swarm(N, CONFIG) as s:  # real time: the client reads by its own clock
-        key = max((spread_key("f", 1, i) for i in range(2)), key=lambda k: prefix_size(s, k))
-        target, holders_found = key_id(key), dht_node.SPREAD_HOLDERS * CONFIG.replicas
-        for writer in s.dhts:
-            me = writer.node.peer_id.to_base58()
-            assert await writer.store(key, me, b"x", expiration=time.time() + 60, hot=True)
-        everyone = {d.node.peer_id.to_base58() for d in s.dhts}
-        async with client(s) as reader:
-            finds = calls_of(reader, "find_node")
-            assert set(await reader.get(key, hot=True)) == everyone
-            read = calls_of(reader, "find_node") - finds
-            whole = await reader.find_nodes(target, k=holders_found)
-            assert calls_of(reader, "find_node") - finds - read >= 2 * read
-            named = reader._named[target][1]
-            holders = whole.closest_answered()[: len(named)]
-            assert {c.peer_id for c in named} == {c.peer_id for c in holders}
-            gone = {c.peer_id for c in named[:2]}
-            for index, d in enumerate(s.dhts):
-                if d.node.peer_id in gone:
-                    s.kill(index)
-            left = everyone - {p.to_base58() for p in gone}
-
-            class GoneFirst:  # the worst pick: the holders that are gone
-                def shuffle(self, contacts: list) -> None:
-                    contacts.sort(key=lambda c: c.peer_id not in gone)
-
-            reader.rng = GoneFirst()
-            gets = calls_of(reader, "get")
-            for _ in range(2):
-                assert set(await reader.get(key, hot=True)) >= left
-            # Each read asked two holders and replaced those that failed: neither read fell
-            # back on asking every replica a lookup meets.
-            assert calls_of(reader, "get") - gets <= 2 * 2 * dht_node.HOT_READ_REPLICAS
-            assert not gone & {c.peer_id for c in reader._named[target][1]}
-
-
-def prefix_size(s, key: str) -> int:
-    """Nodes of the swarm whose ids share spread key `key`'s prefix."""
-    return sum(in_prefix(node_id(d.node.peer_id), key_id(key), spread_bits(key)) for d in s.dhts)
 
 
 async def test_a_node_of_a_prefix_past_the_holders_a_lookup_finds_holds_nothing():

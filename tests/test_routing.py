@@ -155,32 +155,6 @@ def test_a_stalled_query_no_longer_holds_the_lookup_and_a_late_answer_still_coun
     assert late.done and late.closest_answered() == nodes[:3] and late.stalled() == []
 
 
-def test_beyond_those_that_answered_a_lookup_takes_contacts_as_often_named_as_asked():
-    """A spread key's reader takes holders its lookup did not ask where `by` answers named
-    them at the same addresses (`DHT._named_holders`). One answer counts once, however often
-    it names a contact; a liar that names a node first, at addresses of its own, does not
-    hide the addresses the others named (found in review)."""
-    rng = random.Random(5)
-    asked = sorted((contact(rng) for _ in range(4)), key=lambda c: c.id)
-    once, twice, moved, pinned = (contact(rng) for _ in range(4))
-    elsewhere = Contact(moved.peer_id, ("/ip4/203.0.113.9/tcp/1",))
-    fake = Contact(pinned.peer_id, ("/ip4/203.0.113.66/tcp/1",))
-    lookup = Lookup(0, asked, k=4, alpha=4)
-    lookup.next_queries()
-    lookup.on_answer(asked[0], [fake, once, once, twice, moved])  # a liar: first, and twice
-    lookup.on_answer(asked[1], [twice, elsewhere, pinned])
-    lookup.on_answer(asked[2], [pinned])
-    lookup.on_answer(asked[3], [])
-    taken = lookup.vouched(10, by=2)
-    by_id = {c.peer_id: c for c in taken}
-    assert set(by_id) == {c.peer_id for c in asked} | {twice.peer_id, pinned.peer_id}
-    assert by_id[pinned.peer_id].addrs == pinned.addrs  # as two answers named it
-    assert taken == sorted(taken, key=lambda c: c.id)
-    assert lookup.vouched(2, by=2) == taken[:2]
-    lookup.on_failure(twice)
-    assert twice.peer_id not in {c.peer_id for c in lookup.vouched(10, by=2)}
-
-
 def test_a_contact_whose_call_failed_is_skipped_until_its_backoff_ends_then_twice_as_long():
     gone = contact()
     unresponsive = Unresponsive(backoff=60, max_backoff=200, size=8)

@@ -52,7 +52,6 @@ from peer.dht.records import (
     validate_entry,
 )
 from peer.dht.routing import (
-    MIN_PREFIX_READ,
     Contact,
     Lookup,
     RoutingTable,
@@ -120,9 +119,6 @@ HOT_SPREAD_MAX_SECONDS = 300.0
 #: 2x, a shard whose prefix held over 16 nodes had 16 holders for more records: the busiest
 #: node served 1.44-1.75x the mean at 1,000 peers (by placement, seeds 0-2); with 3x, 1.0-1.17x.
 SPREAD_HOLDERS = 3
-#: Answers that must name a spread key's holder at the same addresses before a reader takes
-#: it without its own answer (`DHT._named_holders`).
-NAMED_BY = 2
 #: Hot keys whose replicas are remembered (the oldest go): every shard of the progress key a
 #: reader reads (`peer.training.shards.MAX_LEVEL`: 1,024) and the few a writer writes, and more.
 HOT_KEYS = 1152
@@ -200,8 +196,6 @@ class DHT:
         self._forgotten: OrderedDict[ID, tuple[Contact, int]] = OrderedDict()
         # Hot keys' holders (key id -> (fresh until, contacts)): `_hot_replicas`.
         self._hot: OrderedDict[int, tuple[float, list[Contact]]] = OrderedDict()
-        # Spread keys' holders for our reads, most of them as named (`_named_holders`).
-        self._named: OrderedDict[int, tuple[float, list[Contact]]] = OrderedDict()
         # Hot keys' entries at their last read (key id -> count): see `_hot_get`.
         self._hot_read: OrderedDict[int, int] = OrderedDict()
         self._probes: trio.Nursery | None = None  # `run`'s: where `_probe` calls go on
@@ -313,7 +307,6 @@ class DHT:
             if peer_id != self.node.peer_id:
                 chosen.setdefault(peer_id, addr)
         self._hot.clear()
-        self._named.clear()
         self._hot_read.clear()
         # We see nobody: the failed calls may have been our own network's fault.
         self.unresponsive.clear()
@@ -531,7 +524,6 @@ class DHT:
                 # Holders that hid records (or joined since and hold few yet) are looked up
                 # again at the next use, not reused for up to `HOT_SPREAD_MAX_SECONDS` (review).
                 self._hot.pop(target, None)
-                self._named.pop(target, None)
                 continue
             self._note_hot_read(target, owned)
             done.add(key)
@@ -583,16 +575,12 @@ class DHT:
         """`_hot_replicas` of every key: those remembered at once, the rest looked up together."""
         found: dict[str, list[Contact]] = {}
         for key in keys:
-            target = key_id(key)
-            cached = self._fresh_hot(target) or _fresh(self._named, target)
+            cached = self._fresh_hot(key_id(key))
             if cached is not None:
                 found[key] = cached
 
         async def look_up(key: str) -> None:
-            target, bits = key_id(key), spread_bits(key)
-            found[key] = await (
-                self._named_holders(target, bits) if bits else self._hot_replicas(target)
-            )
+            found[key] = await self._hot_replicas(key_id(key), spread_bits(key))
 
         async with trio.open_nursery() as nursery:
             for key in keys:
@@ -625,7 +613,11 @@ class DHT:
 
     def _fresh_hot(self, target: int) -> list[Contact] | None:
         """A hot key's holders as looked up last, while they are fresh."""
-        return _fresh(self._hot, target)
+        cached = self._hot.get(target)
+        if cached is None or trio.current_time() >= cached[0]:
+            return None
+        self._hot.move_to_end(target)
+        return cached[1]
 
     async def _hot_replicas(self, target: int, bits: int = 0) -> list[Contact]:
         """The live nodes that hold a hot key (`routing.hot_holders`: the `replicas` closest
@@ -642,29 +634,14 @@ class DHT:
         # Fewer than `replicas` answered: our table is filling, the closest nodes are still
         # to be found; looked up at every use.
         if len(contacts) >= self.config.replicas:
-            until = now + (spread_refresh_seconds(bits) if bits else HOT_REPLICAS_SECONDS)
-            _remember(self._hot, target, until, contacts)
+            self._hot[target] = (
+                now + (spread_refresh_seconds(bits) if bits else HOT_REPLICAS_SECONDS),
+                contacts,
+            )
+            self._hot.move_to_end(target)
+            while len(self._hot) > HOT_KEYS:
+                self._hot.popitem(last=False)
         return contacts
-
-    async def _named_holders(self, target: int, bits: int) -> list[Contact]:
-        """A spread key's holders for a read (`hot_holders`): a lookup that waits for the
-        `MIN_PREFIX_READ` nearest to answer, and the others as the answers named them. A read
-        asks two holders and replaces one that fails (`_hot_get`): it needs no proof that each
-        is alive, and a reader of every shard of its level made a lookup of `SPREAD_HOLDERS`
-        x `replicas` answers for each (at 300 simulated peers, 500,000 find_node calls in the
-        first 20 s, 16 a lookup). A holder that did not answer counts only where `NAMED_BY`
-        answers named it at the same addresses (`Lookup.vouched`: an answer counts once
-        however often it names a contact), so one liar on the path cannot fill the list with
-        contacts that do not exist; two can (docs/SECURITY.md). One that is gone fails its
-        call, another holder is asked and the key is looked up again (`_forget`). Stores look
-        their holders up whole (`_hot_replicas`)."""
-        now = trio.current_time()
-        lookup = await self.find_nodes(target, k=MIN_PREFIX_READ)
-        named = lookup.vouched(SPREAD_HOLDERS * self.config.replicas, by=NAMED_BY)
-        holders = named[: hot_holders(target, bits, named, self.config.replicas)]
-        if len(holders) >= self.config.replicas:  # else our table is filling: at every use
-            _remember(self._named, target, now + spread_refresh_seconds(bits), holders)
-        return holders
 
     async def _read_pages(
         self, contact: Contact, key: str, pages: int, merged: dict[str, Entry]
@@ -969,10 +946,9 @@ class DHT:
                 self._forgotten.popitem(last=False)
         self.table.remove(contact.peer_id)
         self.node.rpc.forget(contact.peer_id)
-        for cache in (self._hot, self._named):
-            for target, (_, contacts) in list(cache.items()):
-                if any(c.peer_id == contact.peer_id for c in contacts):
-                    del cache[target]  # looked up again at its next use
+        for target, (_, contacts) in list(self._hot.items()):
+            if any(c.peer_id == contact.peer_id for c in contacts):
+                del self._hot[target]  # looked up again at its next use
 
     def _we_belong_among(self, target: int, contacts: list[Contact], bits: int = 0) -> bool:
         """Whether we hold the key at `target` beside `contacts` (the other holders): we share
@@ -985,31 +961,6 @@ class DHT:
         ):
             return True
         return self.table.own ^ target < max(c.id ^ target for c in contacts)
-
-
-def _fresh(
-    cache: OrderedDict[int, tuple[float, list[Contact]]], target: int
-) -> list[Contact] | None:
-    """A key's holders in `cache` while they are fresh (then the most recently used)."""
-    cached = cache.get(target)
-    if cached is None or trio.current_time() >= cached[0]:
-        return None
-    cache.move_to_end(target)
-    return cached[1]
-
-
-def _remember(
-    cache: OrderedDict[int, tuple[float, list[Contact]]],
-    target: int,
-    until: float,
-    contacts: list[Contact],
-) -> None:
-    """Keep a key's holders in `cache` until `until` (the least recently used of more than
-    `HOT_KEYS` go)."""
-    cache[target] = (until, contacts)
-    cache.move_to_end(target)
-    while len(cache) > HOT_KEYS:
-        cache.popitem(last=False)
 
 
 def spread_refresh_seconds(bits: int) -> float:

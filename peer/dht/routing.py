@@ -15,7 +15,7 @@ import functools
 import hashlib
 import heapq
 import re
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -216,8 +216,6 @@ class Lookup:
         self._failed: set[ID] = set()
         self._pending: set[ID] = set()
         self._stalled: set[ID] = set()
-        self._named: Counter[Contact] = Counter()
-        """Answers that named each (peer id, addresses), one count per answer."""
         for contact in seeds:
             self._known.setdefault(contact.peer_id, contact)
 
@@ -229,30 +227,6 @@ class Lookup:
         ]
         live.sort(key=lambda c: c.id ^ self.target)
         return live[: self.k]
-
-    def vouched(self, count: int, *, by: int) -> list[Contact]:
-        """The `count` contacts nearest the target that have not failed or stalled: those that
-        answered, and those that at least `by` answers named at the same addresses (at the
-        addresses most of them named). The lookup is done when the `k` nearest answered;
-        beyond them, this is the word of the nodes that answered: one that names a contact
-        twice, or first at addresses of its own, counts once."""
-        best: dict[ID, tuple[int, Contact]] = {}
-        for contact, answers in self._named.items():
-            if answers >= by and answers > best.get(contact.peer_id, (0, contact))[0]:
-                best[contact.peer_id] = (answers, contact)
-        chosen = {
-            peer_id: self._known[peer_id] if peer_id in self._answered else named
-            for peer_id, (_, named) in best.items()
-        }
-        for peer_id in self._answered:
-            chosen[peer_id] = self._known[peer_id]
-        live = [
-            c
-            for peer_id, c in chosen.items()
-            if peer_id not in self._failed and peer_id not in self._stalled
-        ]
-        live.sort(key=lambda c: c.id ^ self.target)
-        return live[:count]
 
     def next_queries(self) -> list[Contact]:
         """Contacts to query now; each is marked pending."""
@@ -271,10 +245,9 @@ class Lookup:
         self._pending.discard(contact.peer_id)
         self._stalled.discard(contact.peer_id)
         self._answered.add(contact.peer_id)
-        for other in dict.fromkeys(closer):  # a contact named twice in one answer: once
+        for other in closer:
             if other.peer_id not in self._failed:
                 self._known.setdefault(other.peer_id, other)
-                self._named[other] += 1
 
     def on_failure(self, contact: Contact) -> None:
         self._pending.discard(contact.peer_id)
