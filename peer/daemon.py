@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import resource
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
@@ -48,6 +49,7 @@ from peer.net.relay import (
     route_through_relays,
 )
 from peer.presence import PresenceRecord, Role, decode_presence, keep_present, presence_key
+from peer.training.notary import GenesisRegistry, NotaryService
 
 if TYPE_CHECKING:  # torch takes a second or two to import; backbones never need it
     import torch
@@ -378,6 +380,16 @@ async def open_backbone_services(
         yield None
         return
     probe_server = ProbeServer(node.host, config.probe)
+    # The genesis notary (peer.training.notary), its registry beside the identity key: one
+    # file per backbone, kept across restarts.
+    key = Path(config.identity.path).expanduser()
+    NotaryService(
+        node.host,
+        GenesisRegistry(min_votes=config.averaging.min_group_size),
+        path=key.with_name(key.stem + ".genesis.json"),
+        clock=time.monotonic,
+        max_message_bytes=node.rpc.max_message_bytes,
+    )
     async with open_dialer(ephemeral_identity(), node.network_key) as dialer:
         DialBackServer(node.host, dialer)
         yield probe_server

@@ -50,6 +50,7 @@ from peer.measure.attestation import attest
 from peer.measure.capabilities import Capabilities
 from peer.net import tls
 from peer.roles import PeerCapacity, assign_roles
+from peer.training.notary import GenesisRegistry, NotaryService
 from peer.training.progress import CollaborationView, ProgressRecord
 from peer.training.statesync import Snapshot
 from peer.training.trainer import Trainer
@@ -237,6 +238,7 @@ class Collaboration:
         self.config = peer_config(scenario, self.factor)
         self.backbones: list[SimNode] = []
         self.backbone_scopes: dict[ID, trio.CancelScope] = {}
+        self.registries: dict[ID, GenesisRegistry] = {}  # each backbone's genesis notary
         self.backbone_failures = self.backbone_restarts = 0
         self.trainers: dict[str, Trainer] = {}
         self.attempts: list[Attempt] = []
@@ -300,6 +302,19 @@ class Collaboration:
         cpu.CURRENT.set(self.network.cpus[node.peer_id])  # its tasks' checks
         with trio.CancelScope() as self.backbone_scopes[node.peer_id]:
             dht = self._dht(node)
+            # Its genesis registry outlives a restart (the real one is a file); its claims
+            # not yet decided do not.
+            registry = self.registries.setdefault(
+                node.peer_id, GenesisRegistry(min_votes=self.config.averaging.min_group_size)
+            )
+            registry.forget_claims()
+            NotaryService(
+                node.host,  # type: ignore[arg-type]
+                registry,
+                path=None,
+                clock=trio.current_time,
+                max_message_bytes=node.rpc.max_message_bytes,
+            )
             others = [b for b in self.backbones if b is not node and not self._down(b)]
             seeds = [(b.peer_id, b.announce[0]) for b in others]
             if not seeds and self.trainers:  # the other backbone is down too: any trainer

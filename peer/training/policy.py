@@ -54,6 +54,7 @@ from peer.training.certificate import (
     merge_signatures,
 )
 from peer.training.deal import deal
+from peer.training.notary import CLAIM_SECONDS
 from peer.training.progress import (
     CollaborationView,
     Moves,
@@ -320,6 +321,13 @@ class StepPolicy:
         # The recent plans we were in, with their members: whose votes count in them.
         self._plans: dict[Electorate, frozenset[str]] = {}
         self._genesis_at = 0  # a step whose election stalled for us: its next try is a genesis
+        self.notary = False
+        """A genesis is applied only as the genesis notary registered it (`peer.training.notary`:
+        the trainer sets it where it was given backbones). Without one, a genesis won in our
+        view is applied, and views that differ can fork it (docs/SECURITY.md)."""
+        self._notarized: dict[int, Candidate] = {}  # step -> the notary's registered genesis
+        self._claim: Candidate | None = None  # a genesis certified in our view, to be notarized
+        self._claim_at = -math.inf  # when we may ask the notary (again)
         # Trainers around our step in our recent reads -> when last seen (`_trainers_around`).
         self._around: dict[str, float] = {}
         self.phase = Phase.STARTING
@@ -861,14 +869,22 @@ class StepPolicy:
         if member:  # a stranger's own vote is no member's (review: it won on 3 of 5)
             votes += self._cast_votes.get((step, ballot.electorate), [])
         if ballot.genesis:
+            registered = self._notarized.get(step)
             certified = self.rule.genesis(step, ballot.electorate, votes)
             if certified is not None and not self._most_trainers_voted(certified, votes):
                 certified = None
-            if certified is None and 2 * ballot.electorate.size <= len(self._trainers_around()):
+            if (
+                registered is None
+                and certified is None
+                and 2 * ballot.electorate.size <= len(self._trainers_around())
+            ):
                 # Every member's vote would still be no majority of the trainers: waiting out
                 # the patience only kept us out of the next gathering (100 simulated peers
                 # gathered in alternating halves, each stalling while the other gathered).
                 return self._stalled(votes), None
+            if self.notary:  # the notary's registration, never our view's alone, decides
+                self._claim = certified if registered is None else None
+                certified = registered
         else:
             certified = self.rule.certify(step, ballot.electorate, votes)
         if certified == ballot.candidate:
@@ -881,6 +897,32 @@ class StepPolicy:
         if now - ballot.since >= self.election_patience() and not self._members_averaging(now):
             return self._stalled(votes), None
         return Outcome.WAITING, None
+
+    def claim_due(self, now: float) -> tuple[Candidate, frozenset[str]] | None:
+        """A genesis our view certified (`election`) that the notary has not registered for us
+        yet, and its plan's members, where it is time to claim it (`peer.training.notary`)."""
+        if self._claim is None or now < self._claim_at or self.ballot is None:
+            return None
+        return self._claim, self._plans.get(self._claim.plan, frozenset())
+
+    def notarized(self, answer: Candidate | float | None, now: float) -> None:
+        """The notary's answer to our claim (`claim_due`): the step's registered genesis (ours
+        or another: `election` then says WON or LOST), seconds to ask again in, or None (no
+        answer: we ask again a vote turn on). Its wait has a floor (a second) and a cap (the
+        notary's `CLAIM_SECONDS`)."""
+        if isinstance(answer, Candidate):
+            self._notarized[answer.step] = answer
+            for old in sorted(self._notarized)[:-8]:
+                del self._notarized[old]
+            self._claim, self._claim_at = None, -math.inf
+            return
+        wait = self._vote_turn() if answer is None else answer
+        self._claim_at = now + min(max(wait, 1.0), CLAIM_SECONDS)
+
+    @property
+    def claim_at(self) -> float:
+        """When a claim of ours is due (inf: none waits; `claim_due`)."""
+        return self._claim_at if self._claim is not None else math.inf
 
     def _stalled(self, votes: list[Vote]) -> Outcome:
         """STALLED, with the count as we saw it (`stall_count`, for the log: why no step):
@@ -950,8 +992,8 @@ class StepPolicy:
         trainers (40 simulated peers, 70.8 MB: counting them, no step and 37 elections
         stalled; counting the plan's, 1 step).
         Within one read two genesis candidates never both win; reads that differ, or a peer
-        counted in two genesis plans (it votes again after a stall), still could
-        (docs/SECURITY.md)."""
+        counted in two genesis plans (it votes again after a stall), still could: where a
+        notary is given, it decides among them (`claim_due`, `peer.training.notary`)."""
         voters = {v.voter for v in votes if v.electorate == certified.plan}
         return 2 * len(voters) > len(self._trainers_around() | voters)
 
@@ -973,6 +1015,7 @@ class StepPolicy:
         assert ballot is not None and outcome is not Outcome.WAITING
         self._end_deferral(ballot)
         self.ballot = None
+        self._claim = None  # a next try's genesis claims its own candidate
         self.changed = True
         # A stranger to the electorate (it cannot count) starts no genesis: members may still
         # certify the step, and it downloads the step then. Nor does a member of an

@@ -48,6 +48,7 @@ from peer.measure.capabilities import Capabilities
 from peer.net.streamio import STREAM_PATH
 from peer.training.catchup import InPlaceCatchUp
 from peer.training.certificate import sign_step
+from peer.training.notary import claim_genesis, notary_of
 from peer.training.policy import (
     Call,
     CatchUp,
@@ -368,6 +369,9 @@ class Trainer:
                 if self._foreign is not None:
                     raise ConfigError(self._refusal(self._foreign))
                 self.policy.started()
+                # Given backbones, a genesis waits for the notary's registration (one per step,
+                # whatever the views): the first in order is every peer's notary.
+                self.policy.notary = notary_of(p for p, _ in self.dht.seeds) is not None
                 task_status.started()
                 self.tally.started_at = self.monotonic()
                 await self._train(nursery)
@@ -671,16 +675,46 @@ class Trainer:
                 self.progress.publish_now()
             if outcome is not Outcome.WAITING:
                 break
-            wait = self.training.progress_interval
+            claim = self.policy.claim_due(self.clock())
+            if claim is not None:
+                await self._claim_genesis(*claim)
+                continue  # counted again with the notary's answer
+            wait = min(self.training.progress_interval, self.policy.claim_at - self.clock())
             ballot = self.policy.ballot
             if ballot is not None and ballot.vote_at is not None:
-                wait = min(wait, max(0.0, ballot.vote_at - self.clock()))
+                wait = min(wait, ballot.vote_at - self.clock())
+            wait = max(0.0, wait)
             with trio.move_on_after(wait):
                 await self._view_changed.wait()
         self.policy.elected(outcome)
         self.tally.elections[outcome.value] += 1
         self.tally.election_seconds += self.monotonic() - started
         return outcome, certified
+
+    async def _claim_genesis(self, candidate: Candidate, members: frozenset[str]) -> None:
+        """Claim the genesis our view certified at the notary (`peer.training.notary`), and
+        tell the policy its answer (none, where it is unreachable: asked again later)."""
+        notary = notary_of(p for p, _ in self.dht.seeds)
+        answer: Candidate | float | None = None
+        if notary is not None:
+            try:
+                answer = await claim_genesis(
+                    self.dht.node.rpc,
+                    notary,
+                    candidate,
+                    members,
+                    timeout=self.dht.rpc_timeout,
+                )
+            except RemoteError as error:
+                log.info("the genesis notary did not answer for step %d: %s", candidate.step, error)
+        if isinstance(answer, Candidate):
+            log.info(
+                "the notary registered %s as the genesis of step %d%s",
+                answer.average[:12],
+                answer.step,
+                "" if answer == candidate else f" (ours: {candidate.average[:12]})",
+            )
+        self.policy.notarized(answer, self.clock())
 
     def _note_step(self, verdict: Verdict, samples: int, result: AveragingResult) -> None:
         tally = self.tally
