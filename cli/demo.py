@@ -163,6 +163,8 @@ async def run_demo(peers: int, timeout: float, dashboard_port: int = 0) -> None:
                 "--dashboard-port",
                 str(dashboard_port),
             ],
+            # Its genesis registry with the rest of the demo, not in the user's home.
+            {"PEERTRAIN_TRAINING_CHECKPOINT_DIR": str(workdir / "backbone-state")},
             read=True,
         )
         children.append(backbone)

@@ -30,6 +30,7 @@ from peer import __version__
 from peer.config import PeerConfig
 from peer.dht.node import DHT
 from peer.errors import ConfigError, Unreachable
+from peer.files import state_folder
 from peer.loopwatch import LoopWatch, log_statistics_on_stop
 from peer.measure.clock import CollaborationClock, keep_clock
 from peer.measure.probe import ProbeServer
@@ -49,11 +50,12 @@ from peer.net.relay import (
     route_through_relays,
 )
 from peer.presence import PresenceRecord, Role, decode_presence, keep_present, presence_key
-from peer.training.notary import GenesisRegistry, NotaryService
+from peer.training.notary import GenesisRegistry, NotaryService, notary_of
 
 if TYPE_CHECKING:  # torch takes a second or two to import; backbones never need it
     import torch
 
+    from peer.training.progress import ProgressRecord
     from peer.training.task import Task
     from peer.training.trainer import Trainer
     from peer.training.worker import WorkerFactory
@@ -163,6 +165,10 @@ async def run_daemon(
                     await nursery.start(puncher.run)
                 if role == "backbone" and config.relay.serve:
                     await nursery.start(RelayService(node, limits).run)
+                if role == "backbone" and notary_of([node.peer_id, *(p for p, _ in seeds)]) == (
+                    node.peer_id
+                ):
+                    serve_notary(node, dht, config)
                 await nursery.start(dht.run)
                 seeds = [(p, addr) for p, addr in seeds if p != node.peer_id]
                 reached: list[ID] = []
@@ -380,19 +386,34 @@ async def open_backbone_services(
         yield None
         return
     probe_server = ProbeServer(node.host, config.probe)
-    # The genesis notary (peer.training.notary), its registry beside the identity key: one
-    # file per backbone, kept across restarts.
-    key = Path(config.identity.path).expanduser()
-    NotaryService(
-        node.host,
-        GenesisRegistry(min_votes=config.averaging.min_group_size),
-        path=key.with_name(key.stem + ".genesis.json"),
-        clock=time.monotonic,
-        max_message_bytes=node.rpc.max_message_bytes,
-    )
     async with open_dialer(ephemeral_identity(), node.network_key) as dialer:
         DialBackServer(node.host, dialer)
         yield probe_server
+
+
+def serve_notary(node: Node, dht: DHT, config: PeerConfig) -> None:
+    """The genesis notary (`peer.training.notary`) on the backbone with the smallest peer id
+    of its list: its registry beside the collaboration's checkpoints (kept across restarts,
+    gone with them when a collaboration starts over), its frontier from its own reads."""
+    from peer.training.publisher import ProgressReader
+
+    reader = ProgressReader(dht, config.collaboration.name, hot=False)
+
+    async def read_records() -> list[ProgressRecord]:
+        return (await reader.read()).records
+
+    NotaryService(
+        node.host,
+        GenesisRegistry(min_votes=config.averaging.min_group_size),
+        read_records=read_records,
+        directory=state_folder(
+            config.training.checkpoint_dir,
+            config.collaboration.name,
+            f"genesis-{node.peer_id.to_base58()}",  # this notary's: another key, another one
+        ),
+        clock=time.monotonic,
+        max_message_bytes=node.rpc.max_message_bytes,
+    )
 
 
 async def first_of(*waits: Callable[[], Awaitable[None]]) -> None:

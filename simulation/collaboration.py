@@ -50,8 +50,9 @@ from peer.measure.attestation import attest
 from peer.measure.capabilities import Capabilities
 from peer.net import tls
 from peer.roles import PeerCapacity, assign_roles
-from peer.training.notary import GenesisRegistry, NotaryService
+from peer.training.notary import GenesisRegistry, NotaryService, notary_of
 from peer.training.progress import CollaborationView, ProgressRecord
+from peer.training.publisher import ProgressReader
 from peer.training.statesync import Snapshot
 from peer.training.trainer import Trainer
 from simulation import cpu
@@ -238,7 +239,8 @@ class Collaboration:
         self.config = peer_config(scenario, self.factor)
         self.backbones: list[SimNode] = []
         self.backbone_scopes: dict[ID, trio.CancelScope] = {}
-        self.registries: dict[ID, GenesisRegistry] = {}  # each backbone's genesis notary
+        self.notary: ID | None = None  # the backbone that serves as the genesis notary
+        self.registries: dict[ID, GenesisRegistry] = {}  # its genesis registry
         self.backbone_failures = self.backbone_restarts = 0
         self.trainers: dict[str, Trainer] = {}
         self.attempts: list[Attempt] = []
@@ -286,10 +288,10 @@ class Collaboration:
 
     async def start_backbones(self, nursery: trio.Nursery) -> None:
         fast = self.scenario.links.max_mbit * MBIT
-        for _ in range(BACKBONES):
-            node = self.network.node(
-                Link(upload=fast, download=fast, rtt=self.scenario.links.min_rtt)
-            )
+        link = Link(upload=fast, download=fast, rtt=self.scenario.links.min_rtt)
+        nodes = [self.network.node(link) for _ in range(BACKBONES)]
+        self.notary = notary_of(node.peer_id for node in nodes)  # every trainer's
+        for node in nodes:
             await nursery.start(self._run_backbone, node)
             self.backbones.append(node)
         self.network.nat.set_relays([b.peer_id for b in self.backbones])
@@ -302,19 +304,8 @@ class Collaboration:
         cpu.CURRENT.set(self.network.cpus[node.peer_id])  # its tasks' checks
         with trio.CancelScope() as self.backbone_scopes[node.peer_id]:
             dht = self._dht(node)
-            # Its genesis registry outlives a restart (the real one is a file); its claims
-            # not yet decided do not.
-            registry = self.registries.setdefault(
-                node.peer_id, GenesisRegistry(min_votes=self.config.averaging.min_group_size)
-            )
-            registry.forget_claims()
-            NotaryService(
-                node.host,  # type: ignore[arg-type]
-                registry,
-                path=None,
-                clock=trio.current_time,
-                max_message_bytes=node.rpc.max_message_bytes,
-            )
+            if node.peer_id == self.notary:
+                self._serve_notary(node, dht)
             others = [b for b in self.backbones if b is not node and not self._down(b)]
             seeds = [(b.peer_id, b.announce[0]) for b in others]
             if not seeds and self.trainers:  # the other backbone is down too: any trainer
@@ -325,6 +316,27 @@ class Collaboration:
             async with trio.open_nursery() as nursery:
                 await nursery.start(dht.run)
                 task_status.started()
+
+    def _serve_notary(self, node: SimNode, dht: DHT) -> None:
+        """The genesis notary, as `peer.daemon.serve_notary` runs it: its registry outlives
+        a restart (the real one is a file), its claims not yet decided do not."""
+        registry = self.registries.setdefault(
+            node.peer_id, GenesisRegistry(min_votes=self.config.averaging.min_group_size)
+        )
+        registry.forget_claims()
+        reader = ProgressReader(dht, self.config.collaboration.name, hot=False)
+
+        async def read_records() -> list[ProgressRecord]:
+            return (await reader.read()).records
+
+        NotaryService(
+            node.host,  # type: ignore[arg-type]
+            registry,
+            read_records=read_records,
+            directory=None,
+            clock=trio.current_time,
+            max_message_bytes=node.rpc.max_message_bytes,
+        )
 
     def _down(self, node: SimNode) -> bool:
         return node.peer_id in self.network.gone

@@ -13,17 +13,27 @@ that one backbone registered for the step (`GenesisRegistry`), before any peer a
     notary: the step's registered candidate, or "ask again in N s"
 
 - **Which backbone.** The notary is the backbone with the smallest peer id among those a peer
-  was given (`notary_of`); peers given the same backbones ask the same one. While it is down,
-  no genesis is applied (they wait, and retry); nothing else waits on it.
-- **What it registers.** A claim comes from a member of the candidate's plan (the connection's
-  authenticated peer id, among the members the claim lists, whose digest is the plan's). Once a
-  candidate has the claims of more than a third of its plan (and `min_votes`), the notary waits
-  `settle` seconds for other plans' claims, then registers the candidate with the most
-  claimants (ties: the smaller digest) for good: a few identities that make a plan of their own
-  win only against a smaller one. A member counts for one candidate at a time (its latest
-  claim: a stalled plan's members claim their retry's).
-- **For good.** The registry is written to a file before the answer leaves (`NotaryService`), so
-  a restarted notary answers as before.
+  was given (`notary_of`); peers given the same backbones ask the same one, and a backbone
+  serves as notary only where it is the smallest of its own list. While it is down, no
+  genesis is applied (its claimants wait, then retry); nothing else waits on it.
+- **What it registers.** A claim names the step, the candidate, its plan's members (their
+  digest is the plan's) and the state it was made from (`parent`: the step before). It comes
+  from a member of the plan (the connection's authenticated peer id). The notary reads the
+  progress records itself (`Frontier`): a claim counts only for the step after the state most
+  trainers hold (so no step can be claimed ahead, nor a state nobody holds), from a plan of
+  more than half of the trainers at that step or the next (with its members): the rule a
+  member's own view applies (`StepPolicy._most_trainers_voted`), here in one view. Once a
+  candidate has the claims of more than a third of its plan (and `min_votes`), the notary
+  waits `settle` seconds for other plans' claims, then registers the candidate with the most
+  claimants (ties: the smaller digest). A claim counts for `CLAIM_SECONDS`; claimants renew
+  theirs while their election waits, so a claim of a plan that gave up goes with it.
+- **For good.** The registry is written to a file before it changes (`NotaryService`): a
+  restarted notary answers as before, and one that cannot write registers nothing. It lives
+  beside the collaboration's checkpoints (`training.checkpoint_dir`, folder
+  `<collaboration>-genesis-<its peer id>`). A registration is keyed by its parent state, so a
+  collaboration started over from step 0 under the same name and notary meets its old
+  registration of step 1 (the initial state is the same): remove the folder with the
+  checkpoints.
 
 Safety rests on one registration per step, whatever the views; `docs/SECURITY.md` says what
 a dishonest notary can do (register two candidates to two halves: a fork; or none: a halt).
@@ -33,35 +43,43 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NamedTuple
 
 import msgspec
+import trio
 from libp2p.abc import IHost
 from libp2p.peer.id import ID
 
 from peer.errors import ConfigError, RemoteError, RpcError
+from peer.files import write_atomically
 from peer.net.rpc import RpcClient, RpcServer
+from peer.training.progress import ProgressRecord
 from peer.training.steprule import Candidate, Electorate, plan_of
 
 log = logging.getLogger("peertrain.notary")
 
 SERVICE = "genesis"
-SETTLE_SECONDS = 10.0
+SETTLE_SECONDS = 5.0
 """After a candidate of a step first has its claims, how long other plans may still claim it."""
+NOT_READY_SECONDS = 2.0
+"""When a claimant asks again while no candidate has its claims yet."""
+CLAIM_SECONDS = 30.0
+"""How long a claim counts: its claimant renews it while its election waits (every answer's
+wait, at most this)."""
+FRONTIER_SECONDS = 5.0
+"""How old the notary's read of the progress records may be when it judges a claim."""
 MAX_MEMBERS = 4096
 """Members a claim may list (a plan's)."""
 MAX_PENDING = 4096
-"""Claimants whose claims are not decided yet, all steps together: past it, a new one is busy."""
-MAX_REGISTERED = 1024
-"""Steps whose genesis the registry keeps (the lowest steps go first)."""
-CLAIM_SECONDS = 600.0
-"""A claim not decided within this is forgotten (its claimant asks again while it waits)."""
-HANDLER_SECONDS = 10.0
+"""Claimants whose claims are not decided yet: past it, a new one is answered "busy"."""
+MAX_REGISTERED = 4096
+"""Steps whose genesis the registry keeps (the lowest go first: claims count only at the
+collaboration's frontier, so a step that far behind is never claimed again)."""
+HANDLER_SECONDS = 30.0
 
 _Step = Annotated[int, msgspec.Meta(ge=1, le=2**53)]
 _Count = Annotated[int, msgspec.Meta(ge=1, le=MAX_MEMBERS)]
@@ -70,12 +88,14 @@ _PeerId = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
 
 
 class Claim(msgspec.Struct, frozen=True):
-    """A member's claim that its plan certified `average` as the genesis of `step`."""
+    """A member's claim that its plan certified `average` as the genesis of `step`, made from
+    the state `parent` (of step `step - 1`)."""
 
     step: _Step
     average: _Digest
     plan: _Digest
     plan_size: _Count
+    parent: Annotated[str, msgspec.Meta(max_length=64)]
     members: Annotated[list[_PeerId], msgspec.Meta(max_length=MAX_MEMBERS)]
 
     @property
@@ -94,42 +114,91 @@ class Verdict(msgspec.Struct, frozen=True):
     retry_after: Annotated[float, msgspec.Meta(ge=0)] = 0.0
 
 
+class Frontier(NamedTuple):
+    """The collaboration as the notary's read shows it: the state most trainers hold (`step`,
+    `digest`), and the trainers at that step or the next."""
+
+    step: int
+    digest: str
+    trainers: frozenset[str]
+
+
+def frontier_of(records: Iterable[ProgressRecord]) -> Frontier | None:
+    """The frontier of a read (None: no trainer in it): the (step, digest) held by the most
+    trainers that are neither leaving nor downloading (ties: the higher step, then the
+    smaller digest)."""
+    trainers = [r for r in records if r.role == "trainer" and not r.leaving]
+    held = Counter((r.step, r.digest) for r in trainers if not r.downloading)
+    if not held:
+        return None
+    (step, digest), _ = min(held.items(), key=lambda item: (-item[1], -item[0][0], item[0][1]))
+    around = frozenset(r.peer_id for r in trainers if r.step in (step, step + 1))
+    return Frontier(step, digest, around)
+
+
 @dataclass
 class GenesisRegistry:
     """The notary's decisions (pure, on the caller's clock): one candidate per step, for good."""
 
     min_votes: int = 1
     settle: float = SETTLE_SECONDS
-    registered: dict[int, Candidate] = field(default_factory=dict)
-    # claimant -> (its candidate, when claimed): one claim per claimant, the first of its step.
-    _claims: dict[str, tuple[Candidate, float]] = field(default_factory=dict)
+    save: Callable[[dict[str, object]], None] | None = None
+    """Writes the registry's next state before it is taken (None: kept in memory)."""
+    # step -> (the parent state it was made from, the registered candidate)
+    registered: dict[int, tuple[str, Candidate]] = field(default_factory=dict)
+    # claimant -> (its latest claim's candidate and parent, when made)
+    _claims: dict[str, tuple[Candidate, str, float]] = field(default_factory=dict)
     _ready_at: dict[int, float] = field(default_factory=dict)  # step -> a candidate had claims
 
     def needed(self, plan_size: int) -> int:
         """Claimants a candidate needs: more than a third of its plan, and `min_votes`."""
         return max(self.min_votes, plan_size // 3 + 1)
 
-    def claim(self, claimant: str, candidate: Candidate, now: float) -> Candidate | float:
-        """`claimant`'s claim (a member of the candidate's plan: the service checks it): the
-        step's registered candidate, or how many seconds to wait before asking again. Raises
-        `RpcError` ("unavailable") where the notary holds `MAX_PENDING` undecided claims."""
+    def claim(
+        self,
+        claimant: str,
+        candidate: Candidate,
+        parent: str,
+        members: frozenset[str],
+        frontier: Frontier | None,
+        now: float,
+    ) -> Candidate | float:
+        """`claimant`'s claim (a member of the candidate's plan, `members`: the service checks
+        it), judged against `frontier` (the notary's read): the step's registered candidate,
+        or how many seconds to wait before asking again. RpcError where it does not count: a
+        step already registered from another parent, a claim off the frontier, a plan that is
+        no majority of the trainers, too many claims held, a registry that cannot be saved."""
         step = candidate.step
         if step in self.registered:
-            return self.registered[step]
+            registered_parent, registered = self.registered[step]
+            if registered_parent != parent:
+                raise RpcError("bad_request", f"step {step} was registered from another state")
+            return registered
+        if frontier is None or (frontier.step + 1, frontier.digest) != (step, parent):
+            raise RpcError(
+                "unavailable",
+                f"the notary reads another step than {step - 1} as the collaboration's; "
+                "ask again later",
+            )
+        if 2 * len(members) <= len(frontier.trainers | members):
+            raise RpcError(
+                "bad_request",
+                f"a plan of {len(members)} is no majority of the "
+                f"{len(frontier.trainers | members)} trainers the notary reads",
+            )
         self._forget_old(now)
-        held = self._claims.get(claimant)
-        if held is None and len(self._claims) >= MAX_PENDING:
+        if claimant not in self._claims and len(self._claims) >= MAX_PENDING:
             raise RpcError("unavailable", "the genesis notary holds too many claims; ask later")
-        self._claims[claimant] = (candidate, now)  # its latest claim counts (a retry's)
-        counts = Counter(c for c, _ in self._claims.values() if c.step == step)
+        self._claims[claimant] = (candidate, parent, now)  # its latest claim counts
+        counts = Counter(c for c, p, _ in self._claims.values() if (c.step, p) == (step, parent))
         ready = [c for c, n in counts.items() if n >= self.needed(c.plan.size)]
         if not ready:
-            return self.settle
+            return NOT_READY_SECONDS
         since = self._ready_at.setdefault(step, now)
         if now < since + self.settle:
             return since + self.settle - now
         winner = min(ready, key=lambda c: (-counts[c], c.average, c.plan))
-        self._register(winner)
+        self._register(winner, parent)
         log.info(
             "genesis of step %d registered: %s, claimed by %d of %d members",
             step,
@@ -139,13 +208,22 @@ class GenesisRegistry:
         )
         return winner
 
-    def _register(self, winner: Candidate) -> None:
+    def _register(self, winner: Candidate, parent: str) -> None:
+        """Saved first: a registration that cannot be saved is none (a restart would register
+        another)."""
         step = winner.step
-        self.registered[step] = winner
+        registered = {**self.registered, step: (parent, winner)}
+        for old in sorted(registered)[: max(0, len(registered) - MAX_REGISTERED)]:
+            del registered[old]
+        if self.save is not None:
+            try:
+                self.save(_state_of(registered))
+            except OSError as error:
+                log.error("cannot save the genesis registry: %s; registering nothing", error)
+                raise RpcError("unavailable", "the genesis notary cannot save; ask later") from None
+        self.registered = registered
         self._claims = {p: c for p, c in self._claims.items() if c[0].step != step}
         self._ready_at.pop(step, None)
-        for old in sorted(self.registered)[: max(0, len(self.registered) - MAX_REGISTERED)]:
-            del self.registered[old]
 
     def forget_claims(self) -> None:
         """What a restart loses: the claims not decided yet (the registrations stay)."""
@@ -153,82 +231,107 @@ class GenesisRegistry:
         self._ready_at.clear()
 
     def _forget_old(self, now: float) -> None:
-        self._claims = {p: c for p, c in self._claims.items() if now - c[1] < CLAIM_SECONDS}
-        steps = {c.step for c, _ in self._claims.values()}
+        self._claims = {p: c for p, c in self._claims.items() if now - c[2] < CLAIM_SECONDS}
+        steps = {c.step for c, _, _ in self._claims.values()}
         self._ready_at = {s: t for s, t in self._ready_at.items() if s in steps}
 
-    def state_dict(self) -> dict[str, list[list[object]]]:
-        return {
-            "registered": [
-                [c.step, c.average, c.plan.digest, c.plan.size]
-                for c in sorted(self.registered.values())
-            ]
+    def state_dict(self) -> dict[str, object]:
+        return _state_of(self.registered)
+
+    def load_state_dict(self, state: object) -> None:
+        rows = msgspec.convert(state, _Saved).registered
+        self.registered = {
+            step: (parent, Candidate(step, average, Electorate(plan, size)))
+            for step, parent, average, plan, size in rows
         }
 
-    def load_state_dict(self, state: dict[str, object]) -> None:
-        rows = msgspec.convert(
-            state.get("registered", []), list[tuple[_Step, _Digest, _Digest, int]]
-        )
-        self.registered = {
-            step: Candidate(step, average, Electorate(plan, size))
-            for step, average, plan, size in rows
-        }
+
+class _Saved(msgspec.Struct):
+    registered: list[tuple[_Step, str, _Digest, _Digest, _Count]]
+
+
+def _state_of(registered: dict[int, tuple[str, Candidate]]) -> dict[str, object]:
+    return {
+        "registered": [
+            [step, parent, c.average, c.plan.digest, c.plan.size]
+            for step, (parent, c) in sorted(registered.items())
+        ]
+    }
+
+
+REGISTRY_FILE = "registry.json"
 
 
 class NotaryService:
-    """Serves `/peertrain/genesis/1` on a backbone: claims checked, then `GenesisRegistry`;
-    the registry saved to `path` (None: kept in memory) before a new registration is told."""
+    """Serves `/peertrain/genesis/1` on a backbone: a claim's plan and claimant checked, the
+    frontier read (`read_records`, at most every `FRONTIER_SECONDS`), then `GenesisRegistry`;
+    the registry saved in `directory` (None: kept in memory)."""
 
     def __init__(
         self,
         host: IHost,
         registry: GenesisRegistry,
         *,
-        path: Path | None,
+        read_records: Callable[[], Awaitable[list[ProgressRecord]]],
+        directory: Path | None,
         clock: Callable[[], float],
         max_message_bytes: int,
     ) -> None:
         self.registry = registry
-        self.path = path
+        self.read_records = read_records
         self.clock = clock
-        if path is not None and path.exists():
-            try:
-                registry.load_state_dict(json.loads(path.read_text()))
-            except (OSError, ValueError, msgspec.ValidationError) as error:
-                # Starting empty could register a second genesis of a step: refuse to serve.
-                raise ConfigError(
-                    f"cannot read the genesis registry {path} ({error}); restore it from a "
-                    "backup, or remove it only if this collaboration has not stepped"
-                ) from None
+        self._frontier: tuple[float, Frontier | None] | None = None  # (read at, frontier)
+        self._reading = trio.Lock()
+        if directory is not None:
+            path = directory / REGISTRY_FILE
+            if path.exists():
+                try:
+                    registry.load_state_dict(json.loads(path.read_text()))
+                except (OSError, ValueError) as error:  # msgspec's errors are ValueErrors
+                    # Starting empty could register a second genesis of a step: refuse to.
+                    raise ConfigError(
+                        f"cannot read the genesis registry {path} ({error}); restore it from "
+                        "a backup, or remove it only if this collaboration has not stepped"
+                    ) from None
+
+            def save(state: dict[str, object]) -> None:
+                directory.mkdir(parents=True, exist_ok=True)
+                write_atomically(directory, REGISTRY_FILE, json.dumps(state).encode())
+
+            registry.save = save
         server = RpcServer(
             host, SERVICE, max_message_bytes=max_message_bytes, call_deadline=HANDLER_SECONDS
         )
         server.add_unary("claim", Claim, self._on_claim)
 
     async def _on_claim(self, caller: ID, request: Claim) -> Verdict:
-        members = set(request.members)
+        members = frozenset(request.members)
         if plan_of(members) != Electorate(request.plan, request.plan_size):
             raise RpcError("bad_request", "the members listed do not make the claimed plan")
         claimant = caller.to_base58()
         if claimant not in members:
             raise RpcError("bad_request", "only a member of the plan may claim its genesis")
-        known = request.step in self.registry.registered
-        outcome = self.registry.claim(claimant, request.candidate, self.clock())
+        frontier = None
+        if request.step not in self.registry.registered:
+            frontier = await self._read_frontier()
+        outcome = self.registry.claim(
+            claimant, request.candidate, request.parent, members, frontier, self.clock()
+        )
         if isinstance(outcome, float):
             return Verdict(False, retry_after=outcome)
-        if not known and self.path is not None:
-            self._save()
         return Verdict(True, outcome.average, outcome.plan.digest, outcome.plan.size)
 
-    def _save(self) -> None:
-        """Atomically: a crash mid-write leaves the last registry, never half of one."""
-        assert self.path is not None
-        partial = self.path.with_name(self.path.name + ".partial")
-        with open(partial, "w") as f:
-            json.dump(self.registry.state_dict(), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(partial, self.path)
+    async def _read_frontier(self) -> Frontier | None:
+        """The frontier of a read at most `FRONTIER_SECONDS` old: one read at a time, however
+        many claims come (RpcError where the records cannot be read)."""
+        async with self._reading:
+            if self._frontier is None or self.clock() - self._frontier[0] >= FRONTIER_SECONDS:
+                try:
+                    records = await self.read_records()
+                except RemoteError as error:
+                    raise RpcError("unavailable", f"the notary cannot read: {error}") from None
+                self._frontier = (self.clock(), frontier_of(records))
+            return self._frontier[1]
 
 
 def notary_of(backbones: Iterable[ID]) -> ID | None:
@@ -237,21 +340,29 @@ def notary_of(backbones: Iterable[ID]) -> ID | None:
 
 
 async def claim_genesis(
-    rpc: RpcClient, notary: ID, candidate: Candidate, members: Sequence[str], *, timeout: float
+    rpc: RpcClient,
+    notary: ID,
+    candidate: Candidate,
+    parent: str,
+    members: Sequence[str],
+    *,
+    timeout: float,
 ) -> Candidate | float:
     """Ask `notary` for the genesis of `candidate`'s step, claiming `candidate` (our plan's,
-    `members`): the registered candidate, or seconds to wait before asking again. Raises
-    RemoteError (the notary unreachable, or a reply that names no candidate)."""
+    `members`, made from the state `parent`): the registered candidate, or seconds to wait
+    before asking again (at most `CLAIM_SECONDS`). Raises RemoteError (the notary
+    unreachable or refusing, or a reply that names no candidate)."""
     request = Claim(
         candidate.step,
         candidate.average,
         candidate.plan.digest,
         candidate.plan.size,
+        parent,
         sorted(members),
     )
     verdict = await rpc.call(notary, SERVICE, "claim", request, Verdict, timeout=timeout)
     if not verdict.registered:
-        return min(verdict.retry_after, CLAIM_SECONDS)  # a floor and a cap: not its word alone
+        return min(verdict.retry_after, CLAIM_SECONDS)  # a cap: not its word alone
     if not verdict.average or not verdict.plan or verdict.plan_size < 1:
         raise RemoteError("the genesis notary registered no candidate it could name")
     return Candidate(candidate.step, verdict.average, Electorate(verdict.plan, verdict.plan_size))

@@ -328,6 +328,8 @@ class StepPolicy:
         self._notarized: dict[int, Candidate] = {}  # step -> the notary's registered genesis
         self._claim: Candidate | None = None  # a genesis certified in our view, to be notarized
         self._claim_at = -math.inf  # when we may ask the notary (again)
+        # Until when the notary asked us to wait: the election stays open meanwhile.
+        self._notary_wait_until = -math.inf
         # Trainers around our step in our recent reads -> when last seen (`_trainers_around`).
         self._around: dict[str, float] = {}
         self.phase = Phase.STARTING
@@ -894,30 +896,54 @@ class StepPolicy:
             return Outcome.LOST, certified
         if pending:
             return Outcome.WAITING, None
-        if now - ballot.since >= self.election_patience() and not self._members_averaging(now):
+        if (
+            now - ballot.since >= self.election_patience()
+            and not self._members_averaging(now)
+            and not self._waiting_for_notary(now)
+        ):
             return self._stalled(votes), None
         return Outcome.WAITING, None
 
-    def claim_due(self, now: float) -> tuple[Candidate, frozenset[str]] | None:
+    def claim_due(self, now: float) -> tuple[Candidate, frozenset[str], str] | None:
         """A genesis our view certified (`election`) that the notary has not registered for us
-        yet, and its plan's members, where it is time to claim it (`peer.training.notary`)."""
-        if self._claim is None or now < self._claim_at or self.ballot is None:
+        yet, its plan's members and the state it was made from (ours), where it is time to
+        claim it (`peer.training.notary`)."""
+        claim = self._claim
+        if claim is None or now < self._claim_at or self.ballot is None:
             return None
-        return self._claim, self._plans.get(self._claim.plan, frozenset())
+        if self.held.step != claim.step - 1:
+            return None  # we moved (a download): the claim is no longer ours to make
+        return claim, self._plans.get(claim.plan, frozenset()), self.held.digest
 
     def notarized(self, answer: Candidate | float | None, now: float) -> None:
         """The notary's answer to our claim (`claim_due`): the step's registered genesis (ours
         or another: `election` then says WON or LOST), seconds to ask again in, or None (no
-        answer: we ask again a vote turn on). Its wait has a floor (a second) and a cap (the
-        notary's `CLAIM_SECONDS`)."""
+        answer, or a refusal: we ask again a vote turn on). Its wait has a floor (a second)
+        and a cap (`CLAIM_SECONDS`). While the notary asks us to wait, the election stays
+        open (`_waiting_for_notary`): a claim is renewed until it is decided, and its
+        candidate is still ours to apply (review: a 10 s settle outlasted the patience, and
+        the notary registered a candidate whose holders had given it up)."""
         if isinstance(answer, Candidate):
             self._notarized[answer.step] = answer
             for old in sorted(self._notarized)[:-8]:
                 del self._notarized[old]
             self._claim, self._claim_at = None, -math.inf
             return
-        wait = self._vote_turn() if answer is None else answer
-        self._claim_at = now + min(max(wait, 1.0), CLAIM_SECONDS)
+        wait = min(max(self._vote_turn() if answer is None else answer, 1.0), CLAIM_SECONDS)
+        self._claim_at = now + wait
+        if answer is not None:
+            self._notary_wait_until = now + wait + self._vote_turn()
+
+    def _waiting_for_notary(self, now: float) -> bool:
+        """A claim of ours the notary is deciding (it asked us to wait, and we ask again by
+        then): at most `CLAIM_SECONDS` past the patience, whatever it says."""
+        ballot = self.ballot
+        return (
+            self._claim is not None
+            and ballot is not None
+            and now < self._notary_wait_until
+            and now < ballot.since + self.election_patience() + CLAIM_SECONDS
+        )
 
     @property
     def claim_at(self) -> float:
@@ -1016,6 +1042,7 @@ class StepPolicy:
         self._end_deferral(ballot)
         self.ballot = None
         self._claim = None  # a next try's genesis claims its own candidate
+        self._notary_wait_until = -math.inf
         self.changed = True
         # A stranger to the electorate (it cannot count) starts no genesis: members may still
         # certify the step, and it downloads the step then. Nor does a member of an

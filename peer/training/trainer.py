@@ -370,7 +370,7 @@ class Trainer:
                     raise ConfigError(self._refusal(self._foreign))
                 self.policy.started()
                 # Given backbones, a genesis waits for the notary's registration (one per step,
-                # whatever the views): the first in order is every peer's notary.
+                # whatever the views): the one with the smallest peer id is every peer's.
                 self.policy.notary = notary_of(p for p, _ in self.dht.seeds) is not None
                 task_status.started()
                 self.tally.started_at = self.monotonic()
@@ -691,7 +691,9 @@ class Trainer:
         self.tally.election_seconds += self.monotonic() - started
         return outcome, certified
 
-    async def _claim_genesis(self, candidate: Candidate, members: frozenset[str]) -> None:
+    async def _claim_genesis(
+        self, candidate: Candidate, members: frozenset[str], parent: str
+    ) -> None:
         """Claim the genesis our view certified at the notary (`peer.training.notary`), and
         tell the policy its answer (none, where it is unreachable: asked again later)."""
         notary = notary_of(p for p, _ in self.dht.seeds)
@@ -702,8 +704,10 @@ class Trainer:
                     self.dht.node.rpc,
                     notary,
                     candidate,
+                    parent,
                     members,
-                    timeout=self.dht.rpc_timeout,
+                    # The notary may read the progress records first (a DHT read or two).
+                    timeout=3 * self.dht.rpc_timeout,
                 )
             except RemoteError as error:
                 log.info("the genesis notary did not answer for step %d: %s", candidate.step, error)
