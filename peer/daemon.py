@@ -50,7 +50,7 @@ from peer.net.relay import (
     route_through_relays,
 )
 from peer.presence import PresenceRecord, Role, decode_presence, keep_present, presence_key
-from peer.training.notary import GenesisRegistry, NotaryService, notary_of
+from peer.training.notary import GenesisRegistry, NotaryService
 
 if TYPE_CHECKING:  # torch takes a second or two to import; backbones never need it
     import torch
@@ -165,10 +165,8 @@ async def run_daemon(
                     await nursery.start(puncher.run)
                 if role == "backbone" and config.relay.serve:
                     await nursery.start(RelayService(node, limits).run)
-                if role == "backbone" and notary_of([node.peer_id, *(p for p, _ in seeds)]) == (
-                    node.peer_id
-                ):
-                    serve_notary(node, dht, config)
+                if role == "backbone":  # peers ask the smallest of their backbones
+                    await nursery.start(notary_service(node, dht, config).run)
                 await nursery.start(dht.run)
                 seeds = [(p, addr) for p, addr in seeds if p != node.peer_id]
                 reached: list[ID] = []
@@ -391,10 +389,12 @@ async def open_backbone_services(
         yield probe_server
 
 
-def serve_notary(node: Node, dht: DHT, config: PeerConfig) -> None:
-    """The genesis notary (`peer.training.notary`) on the backbone with the smallest peer id
-    of its list: its registry beside the collaboration's checkpoints (kept across restarts,
-    gone with them when a collaboration starts over), its frontier from its own reads."""
+def notary_service(node: Node, dht: DHT, config: PeerConfig) -> NotaryService:
+    """The genesis notary (`peer.training.notary`), as every backbone serves it (a peer asks
+    the one with the smallest peer id of its backbones; review: served only on the smallest
+    of a backbone's own list, peers given another backbone had none): its registry beside the
+    collaboration's checkpoints (kept across restarts, gone with them when a collaboration
+    starts over), its frontier from its own reads."""
     from peer.training.publisher import ProgressReader
 
     reader = ProgressReader(dht, config.collaboration.name, hot=False)
@@ -402,7 +402,7 @@ def serve_notary(node: Node, dht: DHT, config: PeerConfig) -> None:
     async def read_records() -> list[ProgressRecord]:
         return (await reader.read()).records
 
-    NotaryService(
+    return NotaryService(
         node.host,
         GenesisRegistry(min_votes=config.averaging.min_group_size),
         read_records=read_records,

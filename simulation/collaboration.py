@@ -50,7 +50,7 @@ from peer.measure.attestation import attest
 from peer.measure.capabilities import Capabilities
 from peer.net import tls
 from peer.roles import PeerCapacity, assign_roles
-from peer.training.notary import GenesisRegistry, NotaryService, notary_of
+from peer.training.notary import GenesisRegistry, NotaryService
 from peer.training.progress import CollaborationView, ProgressRecord
 from peer.training.publisher import ProgressReader
 from peer.training.statesync import Snapshot
@@ -239,8 +239,7 @@ class Collaboration:
         self.config = peer_config(scenario, self.factor)
         self.backbones: list[SimNode] = []
         self.backbone_scopes: dict[ID, trio.CancelScope] = {}
-        self.notary: ID | None = None  # the backbone that serves as the genesis notary
-        self.registries: dict[ID, GenesisRegistry] = {}  # its genesis registry
+        self.registries: dict[ID, GenesisRegistry] = {}  # each backbone's genesis notary's
         self.backbone_failures = self.backbone_restarts = 0
         self.trainers: dict[str, Trainer] = {}
         self.attempts: list[Attempt] = []
@@ -289,9 +288,8 @@ class Collaboration:
     async def start_backbones(self, nursery: trio.Nursery) -> None:
         fast = self.scenario.links.max_mbit * MBIT
         link = Link(upload=fast, download=fast, rtt=self.scenario.links.min_rtt)
-        nodes = [self.network.node(link) for _ in range(BACKBONES)]
-        self.notary = notary_of(node.peer_id for node in nodes)  # every trainer's
-        for node in nodes:
+        for _ in range(BACKBONES):
+            node = self.network.node(link)
             await nursery.start(self._run_backbone, node)
             self.backbones.append(node)
         self.network.nat.set_relays([b.peer_id for b in self.backbones])
@@ -304,8 +302,6 @@ class Collaboration:
         cpu.CURRENT.set(self.network.cpus[node.peer_id])  # its tasks' checks
         with trio.CancelScope() as self.backbone_scopes[node.peer_id]:
             dht = self._dht(node)
-            if node.peer_id == self.notary:
-                self._serve_notary(node, dht)
             others = [b for b in self.backbones if b is not node and not self._down(b)]
             seeds = [(b.peer_id, b.announce[0]) for b in others]
             if not seeds and self.trainers:  # the other backbone is down too: any trainer
@@ -315,10 +311,11 @@ class Collaboration:
                 await dht.bootstrap(seeds)
             async with trio.open_nursery() as nursery:
                 await nursery.start(dht.run)
+                await nursery.start(self._notary(node, dht).run)  # every backbone serves one
                 task_status.started()
 
-    def _serve_notary(self, node: SimNode, dht: DHT) -> None:
-        """The genesis notary, as `peer.daemon.serve_notary` runs it: its registry outlives
+    def _notary(self, node: SimNode, dht: DHT) -> NotaryService:
+        """The genesis notary, as `peer.daemon.notary_service` makes it: its registry outlives
         a restart (the real one is a file), its claims not yet decided do not."""
         registry = self.registries.setdefault(
             node.peer_id, GenesisRegistry(min_votes=self.config.averaging.min_group_size)
@@ -329,7 +326,7 @@ class Collaboration:
         async def read_records() -> list[ProgressRecord]:
             return (await reader.read()).records
 
-        NotaryService(
+        return NotaryService(
             node.host,  # type: ignore[arg-type]
             registry,
             read_records=read_records,

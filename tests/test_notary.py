@@ -5,10 +5,13 @@ claim, its registry across a restart, and its client's caps on the answer."""
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import msgspec
 import pytest
+import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
@@ -17,6 +20,7 @@ from peer.training.notary import (
     CLAIM_SECONDS,
     FRONTIER_SECONDS,
     NOT_READY_SECONDS,
+    READ_WAIT,
     REGISTRY_FILE,
     SETTLE_SECONDS,
     Claim,
@@ -80,27 +84,61 @@ def test_two_plans_each_certified_in_their_view_get_one_registration():
     assert claim(registry, "b8", big, T0 + 1 + SETTLE_SECONDS) == big
     assert claim(registry, "s2", small, T0 + SETTLE_SECONDS + 2) == big
     assert claim(registry, "s0", small, T0 + 1000 * CLAIM_SECONDS, frontier=None) == big
-    assert registry.registered == {1: ("d0", big)}
+    assert registry.registered == {(1, "d0"): big}
 
 
 def test_a_few_identities_with_a_plan_of_their_own_register_nothing():
     """Review: two throw-away identities claimed step 1 for a plan of themselves before any
     honest plan, and the notary registered it for good: every honest election then lost to a
-    state nobody held. A plan must be more than half of the trainers the notary reads."""
+    state nobody held. Then a plan padded with names nobody runs, or with honest trainers'
+    ids, passed as a majority. Now only trainers the notary reads count, the claimant among
+    them, and a padded plan still needs claims from more than a third of it."""
     registry = GenesisRegistry(min_votes=2)
     sybils = first_step("sybil", ["x0", "x1"])
     for claimant in ("x0", "x1"):
-        with pytest.raises(RpcError, match="no majority"):
+        with pytest.raises(RpcError, match="no progress record of the claimant"):
             claim(registry, claimant, sybils, T0, members=["x0", "x1"])
+    with_records = AT_STEP_0._replace(trainers=AT_STEP_0.trainers | {"x0", "x1"})
+    with pytest.raises(RpcError, match="no majority"):  # 2 of 14
+        claim(registry, "x0", sybils, T0, members=["x0", "x1"], frontier=with_records)
+    names = ["x0", "x1", *(f"ghost{i}" for i in range(20))]
+    with pytest.raises(RpcError, match="no majority"):  # padded with names: still 2 of 14
+        claim(registry, "x0", first_step("ghosts", names), T0, members=names, frontier=with_records)
     assert registry._claims == {}  # nothing held for them
+    # Padded with the honest trainers' ids: a majority, but 2 claimants of 14 register nothing.
+    padded = ["x0", "x1", *BIG, *SMALL]
+    hijack = first_step("hijack", padded)
+    for now in (T0, T0 + SETTLE_SECONDS, T0 + 2 * SETTLE_SECONDS):
+        for claimant in ("x0", "x1"):
+            answer = claim(registry, claimant, hijack, now, members=padded, frontier=with_records)
+            assert answer == NOT_READY_SECONDS
+    assert registry.registered == {}
     # Nor ahead of the collaboration: a step after a state the notary reads nobody holding.
     ahead = Candidate(7, "ahead", plan_of(BIG))
-    with pytest.raises(RpcError, match="another step"):
+    with pytest.raises(RpcError, match="another state"):
         claim(registry, "b0", ahead, T0, parent="d6")
-    with pytest.raises(RpcError, match="another step"):
+    with pytest.raises(RpcError, match="another state"):
         claim(registry, "b0", first_step("big", BIG), T0, parent="not-d0")
-    with pytest.raises(RpcError, match="another step"):
+    with pytest.raises(RpcError, match="another state"):
         claim(registry, "b0", first_step("big", BIG), T0, frontier=None)  # nothing read
+
+
+def test_registrations_are_kept_per_parent_state():
+    """A registration of a step made from one state answers nothing for another: a group that
+    once held the records' plurality with a state of its own blocks no honest genesis."""
+    registry = GenesisRegistry(min_votes=1)
+    fake = Frontier(4, "fake", frozenset(BIG))
+    ours = Frontier(4, "d4", frozenset(BIG))
+    theirs, honest = Candidate(5, "theirs", plan_of(BIG)), Candidate(5, "honest", plan_of(BIG))
+    for now in (T0, T0 + SETTLE_SECONDS):
+        for member in BIG[:4]:
+            answer = claim(registry, member, theirs, now, frontier=fake, parent="fake")
+    assert answer == theirs
+    for now in (T0, T0 + SETTLE_SECONDS):
+        for member in BIG[:4]:
+            answer = claim(registry, member, honest, now, frontier=ours, parent="d4")
+    assert answer == honest
+    assert registry.registered == {(5, "fake"): theirs, (5, "d4"): honest}
 
 
 def test_a_candidate_needs_a_third_of_its_plan_and_min_votes():
@@ -189,17 +227,15 @@ class FakeHost:
         self.handlers[protocol] = handler
 
 
-def service(
-    directory: Path | None, clock: list[float], records: list[ProgressRecord] | None = None
-) -> NotaryService:
-    """A notary whose reads show `records` (default: the members of `members_of`, at step 0)."""
+def service(directory: Path | None, clock: list[float], read_seconds: float = 0.0) -> NotaryService:
+    """A notary whose reads show the trainers of `IDS` at step 0 (each read taking
+    `read_seconds`); its `run` is started by `running`."""
     reads: list[float] = []
 
     async def read_records() -> list[ProgressRecord]:
         reads.append(clock[0])
-        if records is None:
-            return [other(p.to_base58()) for p in IDS]
-        return records
+        await trio.sleep(read_seconds)
+        return [other(p.to_base58()) for p in IDS]
 
     notary = NotaryService(
         FakeHost(),  # type: ignore[arg-type]
@@ -213,6 +249,14 @@ def service(
     return notary
 
 
+@asynccontextmanager
+async def running(notary: NotaryService) -> AsyncIterator[None]:
+    async with trio.open_nursery() as nursery:
+        await nursery.start(notary.run)
+        yield
+        nursery.cancel_scope.cancel()
+
+
 IDS = [peer_id(i) for i in range(3)]
 MEMBERS = [p.to_base58() for p in IDS]
 
@@ -222,24 +266,41 @@ def claim_of(candidate: Candidate, members: list[str], parent: str = "d0") -> Cl
     return Claim(candidate.step, candidate.average, plan.digest, plan.size, parent, members)
 
 
-async def test_only_a_member_of_the_plan_it_names_may_claim(tmp_path: Path):
+async def test_only_a_trainer_in_the_plan_it_names_may_claim(tmp_path: Path):
     ours = first_step("ours", MEMBERS)
     clock = [T0]
     notary = service(tmp_path, clock)
-    stranger = peer_id(9)
-    with pytest.raises(RpcError, match="only a member"):
-        await notary._on_claim(stranger, claim_of(ours, MEMBERS))
-    with pytest.raises(RpcError, match="do not make the claimed plan"):
-        await notary._on_claim(IDS[0], claim_of(ours, MEMBERS[:2]))  # a plan padded in name
-    assert notary.reads == []  # type: ignore[attr-defined]  # refused before any read
-    verdict = await notary._on_claim(IDS[0], claim_of(ours, MEMBERS))
-    assert not verdict.registered and verdict.retry_after == NOT_READY_SECONDS
-    assert notary.registry._claims.keys() == {MEMBERS[0]}  # the refused claims hold nothing
-    # Claims in a burst share one read of the records; a later one reads again.
-    await notary._on_claim(IDS[1], claim_of(ours, MEMBERS))
-    clock[0] += FRONTIER_SECONDS
-    await notary._on_claim(IDS[2], claim_of(ours, MEMBERS))
-    assert notary.reads == [T0, T0 + FRONTIER_SECONDS]  # type: ignore[attr-defined]
+    async with running(notary):
+        with pytest.raises(RpcError, match="only a member"):
+            await notary._on_claim(peer_id(9), claim_of(ours, MEMBERS))
+        with pytest.raises(RpcError, match="do not make the claimed plan"):
+            await notary._on_claim(IDS[0], claim_of(ours, MEMBERS[:2]))  # padded in name
+        assert notary.reads == []  # type: ignore[attr-defined]  # refused before any read
+        verdict = await notary._on_claim(IDS[0], claim_of(ours, MEMBERS))
+        assert not verdict.registered and verdict.retry_after == NOT_READY_SECONDS
+        assert notary.registry._claims.keys() == {MEMBERS[0]}  # refused claims hold nothing
+        # Claims in a burst share one read of the records; a later one reads again.
+        await notary._on_claim(IDS[1], claim_of(ours, MEMBERS))
+        clock[0] += FRONTIER_SECONDS
+        await notary._on_claim(IDS[2], claim_of(ours, MEMBERS))
+        assert notary.reads == [T0, T0 + FRONTIER_SECONDS]  # type: ignore[attr-defined]
+
+
+async def test_a_read_slower_than_a_claim_goes_on_for_the_next(autojump_clock):
+    """Review: the notary read the records inside the claim's handler, so a read slower than
+    the claimant's deadline was cancelled with it, and no claim was ever judged. Reads run in
+    the service's own task; a claim waits `READ_WAIT` for one, then is told to ask again."""
+    notary = service(None, [T0], read_seconds=3 * READ_WAIT)
+    ours = first_step("ours", MEMBERS)
+    async with running(notary):
+        with trio.move_on_after(READ_WAIT / 2):  # a claimant that gives up: the read goes on
+            await notary._on_claim(IDS[0], claim_of(ours, MEMBERS))
+        verdict = await notary._on_claim(IDS[0], claim_of(ours, MEMBERS))  # waits READ_WAIT
+        assert verdict == Verdict(False, retry_after=NOT_READY_SECONDS)
+        await trio.sleep(2 * READ_WAIT)
+        await notary._on_claim(IDS[1], claim_of(ours, MEMBERS))  # judged on that read
+        assert notary.registry._claims.keys() == {MEMBERS[1]}
+        assert len(notary.reads) == 1  # type: ignore[attr-defined]
 
 
 async def test_a_restarted_notary_answers_what_it_registered(tmp_path: Path):
@@ -248,20 +309,22 @@ async def test_a_restarted_notary_answers_what_it_registered(tmp_path: Path):
     directory, clock = tmp_path / "collab-genesis", [T0]
     first, second = first_step("first", MEMBERS), first_step("second", MEMBERS)
     notary = service(directory, clock)
-    for claimant in IDS[:2]:  # two of three: more than a third
-        await notary._on_claim(claimant, claim_of(first, MEMBERS))
-    clock[0] += SETTLE_SECONDS
-    verdict = await notary._on_claim(IDS[1], claim_of(first, MEMBERS))
+    async with running(notary):
+        for claimant in IDS[:2]:  # two of three: more than a third
+            await notary._on_claim(claimant, claim_of(first, MEMBERS))
+        clock[0] += SETTLE_SECONDS
+        verdict = await notary._on_claim(IDS[1], claim_of(first, MEMBERS))
     assert verdict == Verdict(True, "first", first.plan.digest, first.plan.size)
     restarted = service(directory, clock)
-    for claimant in IDS:  # all three claim another candidate now: still the first
-        verdict = await restarted._on_claim(claimant, claim_of(second, MEMBERS))
-    clock[0] += SETTLE_SECONDS
-    assert (await restarted._on_claim(IDS[0], claim_of(second, MEMBERS))).average == "first"
-    assert restarted.reads == []  # type: ignore[attr-defined]  # a registered step reads nothing
-    # A claim from another state of step 0 is refused, not answered with another's step 1.
-    with pytest.raises(RpcError, match="from another state"):
-        await restarted._on_claim(IDS[0], claim_of(second, MEMBERS, parent="d0-other"))
+    async with running(restarted):
+        for claimant in IDS:  # all three claim another candidate now: still the first
+            verdict = await restarted._on_claim(claimant, claim_of(second, MEMBERS))
+        clock[0] += SETTLE_SECONDS
+        assert (await restarted._on_claim(IDS[0], claim_of(second, MEMBERS))).average == "first"
+        assert restarted.reads == []  # type: ignore[attr-defined]  # a registered step: no read
+        # A claim made from another state of step 0 is judged on its own, and refused here.
+        with pytest.raises(RpcError, match="another state"):
+            await restarted._on_claim(IDS[0], claim_of(second, MEMBERS, parent="d0-other"))
     # A registry it cannot read stops it with a one-line error, rather than starting empty.
     path = directory / REGISTRY_FILE
     for broken in ("{not json", "[]", json.dumps({"registered": [[0, "d", "x", "y", 1]]})):
@@ -365,7 +428,7 @@ def test_two_genesis_plans_with_disjoint_views_take_one_step_1():
                     outcomes[policy.me] = (outcome, certified)
         now += 1.0
     big = players[0][1]
-    assert registry.registered == {1: ("d0", big)}
+    assert registry.registered == {(1, "d0"): big}
     assert {m: o for m, o in outcomes.items()} == {
         **{m: (Outcome.WON, big) for m in big_members[:5]},
         **{m: (Outcome.LOST, big) for m in small_members},
@@ -416,3 +479,29 @@ def test_an_election_stays_open_while_the_notary_decides():
             policy.notarized(CLAIM_SECONDS, now)
         now += 1.0
     assert policy.election(now)[0] is Outcome.STALLED and now <= end + 1
+
+
+def test_the_registry_forgets_its_oldest_registration_never_the_one_it_just_made():
+    """Review: with the registry full of registrations of high steps, a new one of a lower
+    step was evicted as it was made, and the step could be registered again differently."""
+    registry = GenesisRegistry(min_votes=1)
+    high = Frontier(10**6, "far", frozenset(BIG))
+    for parent in ("p0", "p1"):
+        registry.registered[10**6 + 1, parent] = Candidate(10**6 + 1, "x", plan_of(BIG))
+    for now in (T0, T0 + SETTLE_SECONDS):
+        for member in BIG[:4]:
+            answer = claim(registry, member, first_step("big", BIG), now)
+    assert answer == first_step("big", BIG)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("peer.training.notary.MAX_REGISTERED", 2)
+        for now in (T0, T0 + SETTLE_SECONDS):
+            for member in BIG[:4]:
+                claim(
+                    registry,
+                    member,
+                    Candidate(10**6 + 1, "y", plan_of(BIG)),
+                    now,
+                    frontier=high,
+                    parent="far",
+                )
+    assert list(registry.registered) == [(1, "d0"), (10**6 + 1, "far")]

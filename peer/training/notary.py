@@ -12,17 +12,18 @@ that one backbone registered for the step (`GenesisRegistry`), before any peer a
     peer (its plan certified a genesis candidate in its view)  --claim-->  notary backbone
     notary: the step's registered candidate, or "ask again in N s"
 
-- **Which backbone.** The notary is the backbone with the smallest peer id among those a peer
-  was given (`notary_of`); peers given the same backbones ask the same one, and a backbone
-  serves as notary only where it is the smallest of its own list. While it is down, no
-  genesis is applied (its claimants wait, then retry); nothing else waits on it.
+- **Which backbone.** Every backbone serves; a peer asks the one with the smallest peer id
+  among those it was given (`notary_of`), so peers given the same backbones ask the same one
+  (peers given different ones are not defended). While it is down, no genesis is applied
+  (its claimants wait, then retry); nothing else waits on it.
 - **What it registers.** A claim names the step, the candidate, its plan's members (their
   digest is the plan's) and the state it was made from (`parent`: the step before). It comes
   from a member of the plan (the connection's authenticated peer id). The notary reads the
-  progress records itself (`Frontier`): a claim counts only for the step after the state most
-  trainers hold (so no step can be claimed ahead, nor a state nobody holds), from a plan of
-  more than half of the trainers at that step or the next (with its members): the rule a
-  member's own view applies (`StepPolicy._most_trainers_voted`), here in one view. Once a
+  progress records itself (`Frontier`, in its own task: `run`): a claim counts only for the
+  step after the state most trainers hold (no step can be claimed ahead of the records),
+  from a claimant it reads as a trainer, for a plan whose members it reads as trainers are
+  more than half of the trainers at that step or the next (a plan's members are names only):
+  the rule a member's own view applies (`StepPolicy._most_trainers_voted`), in one view. Once a
   candidate has the claims of more than a third of its plan (and `min_votes`), the notary
   waits `settle` seconds for other plans' claims, then registers the candidate with the most
   claimants (ties: the smaller digest). A claim counts for `CLAIM_SECONDS`; claimants renew
@@ -30,12 +31,14 @@ that one backbone registered for the step (`GenesisRegistry`), before any peer a
 - **For good.** The registry is written to a file before it changes (`NotaryService`): a
   restarted notary answers as before, and one that cannot write registers nothing. It lives
   beside the collaboration's checkpoints (`training.checkpoint_dir`, folder
-  `<collaboration>-genesis-<its peer id>`). A registration is keyed by its parent state, so a
+  `<collaboration>-genesis-<its peer id>`). A registration is keyed by its step and parent
+  state (another group's registration from a state of its own blocks no honest one), so a
   collaboration started over from step 0 under the same name and notary meets its old
   registration of step 1 (the initial state is the same): remove the folder with the
   checkpoints.
 
-Safety rests on one registration per step, whatever the views; `docs/SECURITY.md` says what
+Safety rests on one registration per step and parent, whatever the views (honest peers hold
+one state of a step: by induction, one registered or certified); `docs/SECURITY.md` says what
 a dishonest notary can do (register two candidates to two halves: a fork; or none: a halt).
 """
 
@@ -77,8 +80,10 @@ MAX_MEMBERS = 4096
 MAX_PENDING = 4096
 """Claimants whose claims are not decided yet: past it, a new one is answered "busy"."""
 MAX_REGISTERED = 4096
-"""Steps whose genesis the registry keeps (the lowest go first: claims count only at the
-collaboration's frontier, so a step that far behind is never claimed again)."""
+"""Registrations the registry keeps (the oldest go first: claims count only at the
+collaboration's frontier, which has moved on from a registration that old)."""
+READ_WAIT = 5.0
+"""How long a claim waits for the notary's read of the records (then: "ask again")."""
 HANDLER_SECONDS = 30.0
 
 _Step = Annotated[int, msgspec.Meta(ge=1, le=2**53)]
@@ -144,8 +149,8 @@ class GenesisRegistry:
     settle: float = SETTLE_SECONDS
     save: Callable[[dict[str, object]], None] | None = None
     """Writes the registry's next state before it is taken (None: kept in memory)."""
-    # step -> (the parent state it was made from, the registered candidate)
-    registered: dict[int, tuple[str, Candidate]] = field(default_factory=dict)
+    # (step, the parent state it was made from) -> the registered candidate
+    registered: dict[tuple[int, str], Candidate] = field(default_factory=dict)
     # claimant -> (its latest claim's candidate and parent, when made)
     _claims: dict[str, tuple[Candidate, str, float]] = field(default_factory=dict)
     _ready_at: dict[int, float] = field(default_factory=dict)  # step -> a candidate had claims
@@ -166,25 +171,27 @@ class GenesisRegistry:
         """`claimant`'s claim (a member of the candidate's plan, `members`: the service checks
         it), judged against `frontier` (the notary's read): the step's registered candidate,
         or how many seconds to wait before asking again. RpcError where it does not count: a
-        step already registered from another parent, a claim off the frontier, a plan that is
-        no majority of the trainers, too many claims held, a registry that cannot be saved."""
+        claim off the frontier, a claimant or plan the notary does not read as trainers (or
+        not a majority of them), too many claims held, a registry that cannot be saved."""
         step = candidate.step
-        if step in self.registered:
-            registered_parent, registered = self.registered[step]
-            if registered_parent != parent:
-                raise RpcError("bad_request", f"step {step} was registered from another state")
-            return registered
+        if (step, parent) in self.registered:
+            return self.registered[step, parent]
         if frontier is None or (frontier.step + 1, frontier.digest) != (step, parent):
             raise RpcError(
                 "unavailable",
-                f"the notary reads another step than {step - 1} as the collaboration's; "
-                "ask again later",
+                "the notary reads another state than this claim's parent as the one most "
+                f"trainers hold (step {frontier.step if frontier else '-'}); ask again later",
             )
-        if 2 * len(members) <= len(frontier.trainers | members):
+        # Only trainers the notary reads count, the claimant among them: a claim's members
+        # are names, and a plan padded with names nobody runs was a majority (review).
+        if claimant not in frontier.trainers:
+            raise RpcError("bad_request", "the notary reads no progress record of the claimant")
+        counted = len(members & frontier.trainers)
+        if 2 * counted <= len(frontier.trainers):
             raise RpcError(
                 "bad_request",
-                f"a plan of {len(members)} is no majority of the "
-                f"{len(frontier.trainers | members)} trainers the notary reads",
+                f"a plan of {counted} trainers is no majority of the "
+                f"{len(frontier.trainers)} the notary reads",
             )
         self._forget_old(now)
         if claimant not in self._claims and len(self._claims) >= MAX_PENDING:
@@ -212,9 +219,9 @@ class GenesisRegistry:
         """Saved first: a registration that cannot be saved is none (a restart would register
         another)."""
         step = winner.step
-        registered = {**self.registered, step: (parent, winner)}
-        for old in sorted(registered)[: max(0, len(registered) - MAX_REGISTERED)]:
-            del registered[old]
+        registered = {**self.registered, (step, parent): winner}
+        while len(registered) > MAX_REGISTERED:  # the oldest first: never the one just made
+            del registered[next(iter(registered))]
         if self.save is not None:
             try:
                 self.save(_state_of(registered))
@@ -241,7 +248,7 @@ class GenesisRegistry:
     def load_state_dict(self, state: object) -> None:
         rows = msgspec.convert(state, _Saved).registered
         self.registered = {
-            step: (parent, Candidate(step, average, Electorate(plan, size)))
+            (step, parent): Candidate(step, average, Electorate(plan, size))
             for step, parent, average, plan, size in rows
         }
 
@@ -250,11 +257,11 @@ class _Saved(msgspec.Struct):
     registered: list[tuple[_Step, str, _Digest, _Digest, _Count]]
 
 
-def _state_of(registered: dict[int, tuple[str, Candidate]]) -> dict[str, object]:
+def _state_of(registered: dict[tuple[int, str], Candidate]) -> dict[str, object]:
     return {
         "registered": [
             [step, parent, c.average, c.plan.digest, c.plan.size]
-            for step, (parent, c) in sorted(registered.items())
+            for (step, parent), c in registered.items()  # oldest first
         ]
     }
 
@@ -281,7 +288,8 @@ class NotaryService:
         self.read_records = read_records
         self.clock = clock
         self._frontier: tuple[float, Frontier | None] | None = None  # (read at, frontier)
-        self._reading = trio.Lock()
+        self._read_done: trio.Event | None = None  # a read runs (`_read`) until it is set
+        self._nursery: trio.Nursery | None = None  # `run`'s: where reads run
         if directory is not None:
             path = directory / REGISTRY_FILE
             if path.exists():
@@ -312,8 +320,11 @@ class NotaryService:
         if claimant not in members:
             raise RpcError("bad_request", "only a member of the plan may claim its genesis")
         frontier = None
-        if request.step not in self.registry.registered:
-            frontier = await self._read_frontier()
+        if (request.step, request.parent) not in self.registry.registered:
+            fresh = await self._fresh_frontier()
+            if fresh is None:
+                return Verdict(False, retry_after=NOT_READY_SECONDS)  # still reading
+            frontier = fresh[0]
         outcome = self.registry.claim(
             claimant, request.candidate, request.parent, members, frontier, self.clock()
         )
@@ -321,17 +332,42 @@ class NotaryService:
             return Verdict(False, retry_after=outcome)
         return Verdict(True, outcome.average, outcome.plan.digest, outcome.plan.size)
 
-    async def _read_frontier(self) -> Frontier | None:
-        """The frontier of a read at most `FRONTIER_SECONDS` old: one read at a time, however
-        many claims come (RpcError where the records cannot be read)."""
-        async with self._reading:
-            if self._frontier is None or self.clock() - self._frontier[0] >= FRONTIER_SECONDS:
-                try:
-                    records = await self.read_records()
-                except RemoteError as error:
-                    raise RpcError("unavailable", f"the notary cannot read: {error}") from None
-                self._frontier = (self.clock(), frontier_of(records))
-            return self._frontier[1]
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Until cancelled: the reads of the records run here, not in a claim's handler (a
+        read slower than a claimant's deadline was cancelled with it, and never done)."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await trio.sleep_forever()
+
+    async def _fresh_frontier(self) -> tuple[Frontier | None] | None:
+        """(the frontier,) of a read at most `FRONTIER_SECONDS` old, waiting `READ_WAIT` for a
+        read where there is none; None: none yet (the read goes on for the next claim)."""
+        if not self._fresh():
+            if self._read_done is None:
+                if self._nursery is None:
+                    raise RpcError("unavailable", "the genesis notary is not running")
+                self._read_done = trio.Event()
+                self._nursery.start_soon(self._read, self._read_done)
+            with trio.move_on_after(READ_WAIT):
+                await self._read_done.wait()
+        if self._frontier is None or not self._fresh():
+            return None
+        return (self._frontier[1],)
+
+    def _fresh(self) -> bool:
+        return self._frontier is not None and self.clock() - self._frontier[0] < FRONTIER_SECONDS
+
+    async def _read(self, done: trio.Event) -> None:
+        try:
+            records = await self.read_records()
+        except RemoteError as error:
+            log.info("the genesis notary could not read the progress records: %s", error)
+        else:
+            self._frontier = (self.clock(), frontier_of(records))
+        finally:
+            self._read_done = None
+            done.set()
 
 
 def notary_of(backbones: Iterable[ID]) -> ID | None:

@@ -710,7 +710,11 @@ class Trainer:
                     timeout=3 * self.dht.rpc_timeout,
                 )
             except RemoteError as error:
-                log.info("the genesis notary did not answer for step %d: %s", candidate.step, error)
+                log.info(
+                    "the genesis notary refused or missed our claim of step %d: %s",
+                    candidate.step,
+                    error,
+                )
         if isinstance(answer, Candidate):
             log.info(
                 "the notary registered %s as the genesis of step %d%s",
