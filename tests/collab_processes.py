@@ -101,6 +101,8 @@ class Collaboration:
                 LOOPBACK,
                 *extra,
             ],
+            # Its state (the genesis notary's registry) in the test's folder, not ~/.peertrain.
+            {"PEERTRAIN_TRAINING_CHECKPOINT_DIR": str(self.workdir / "backbone-state")},
         )
         deadline = time.monotonic() + 30
         assert proc.popen.stdout is not None
