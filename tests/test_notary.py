@@ -409,15 +409,14 @@ def test_two_genesis_plans_with_disjoint_views_take_one_step_1():
     """Each plan's members see only their own plan (their reads cover that part of the
     collaboration): each view certifies its own first step. Without the notary both are
     applied (the fork); with it, one wins and the other's members download it."""
-    big_members, small_members = BIG, SMALL
     # Without a notary: both win in their views.
-    for members in (big_members, small_members):
+    for members in (BIG, SMALL):
         policy, candidate = genesis_policy(members[0], members, [])
         policy.notary = False
         assert policy.election(T0) == (Outcome.WON, candidate)
     registry = GenesisRegistry(min_votes=2)
-    players = [genesis_policy(m, big_members, []) for m in big_members[:5]]
-    players += [genesis_policy(m, small_members, []) for m in small_members]
+    players = [genesis_policy(m, BIG, []) for m in BIG[:5]]
+    players += [genesis_policy(m, SMALL, []) for m in SMALL]
     outcomes: dict[str, tuple[Outcome, object]] = {}
     now = T0
     while len(outcomes) < len(players) and now < T0 + 10 * SETTLE_SECONDS:
@@ -429,9 +428,9 @@ def test_two_genesis_plans_with_disjoint_views_take_one_step_1():
         now += 1.0
     big = players[0][1]
     assert registry.registered == {(1, "d0"): big}
-    assert {m: o for m, o in outcomes.items()} == {
-        **{m: (Outcome.WON, big) for m in big_members[:5]},
-        **{m: (Outcome.LOST, big) for m in small_members},
+    assert outcomes == {
+        **{m: (Outcome.WON, big) for m in BIG[:5]},
+        **{m: (Outcome.LOST, big) for m in SMALL},
     }
 
 

@@ -242,9 +242,6 @@ class GenesisRegistry:
         steps = {c.step for c, _, _ in self._claims.values()}
         self._ready_at = {s: t for s, t in self._ready_at.items() if s in steps}
 
-    def state_dict(self) -> dict[str, object]:
-        return _state_of(self.registered)
-
     def load_state_dict(self, state: object) -> None:
         rows = msgspec.convert(state, _Saved).registered
         self.registered = {
