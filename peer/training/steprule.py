@@ -71,8 +71,8 @@ What it assumes, and what happens otherwise (docs/SECURITY.md): the first step's
 its own plan, and so is the next try of a step whose electorate lost more than a third of its
 members, so two such plans with disjoint views could each certify one (300 simulated peers
 did): a genesis is applied only as the genesis notary registered it (`peer.training.notary`:
-one backbone, one candidate per step and parent state); identities are not scarce, so `min_votes` identities
-that agree are an electorate of their own (Sybil).
+one backbone, one candidate per step and parent state); identities are not scarce, so
+`min_votes` identities that agree are an electorate of their own (Sybil).
 """
 
 from __future__ import annotations
