@@ -372,13 +372,17 @@ class CollaborationView:
     def votes(self, step: int) -> list[Vote]:
         """The votes on `step` the records carry (each record's are its owner's: one per
         round it voted in)."""
-        return [
-            v.vote(r.peer_id)
-            for r in [*self.records, *self.farewells]
-            if r.vote is not None
-            for v in [*r.earlier_votes, r.vote]
-            if v.step == step
-        ]
+        return list(self._votes.get(step, ()))
+
+    @cached_property
+    def _votes(self) -> dict[int, list[Vote]]:
+        # Once per view: an election asks for a step's votes several times an iteration.
+        votes: dict[int, list[Vote]] = defaultdict(list)
+        for r in [*self.records, *self.farewells]:
+            if r.vote is not None:
+                for v in [*r.earlier_votes, r.vote]:
+                    votes[v.step].append(v.vote(r.peer_id))
+        return votes
 
     def electorate(self, step: int, digest: str) -> Electorate | None:
         """Who votes on the step after `step`, as the holders of (`step`, `digest`) say: the
