@@ -504,3 +504,20 @@ def test_the_registry_forgets_its_oldest_registration_never_the_one_it_just_made
                     parent="far",
                 )
     assert list(registry.registered) == [(1, "d0"), (10**6 + 1, "far")]
+
+
+def test_a_retry_claims_its_genesis_at_once_whatever_the_last_claim_was_told():
+    """The notary told a claim to come back in `CLAIM_SECONDS`, and the election ended
+    (stalled) meanwhile: the next try's genesis is claimed as soon as it is certified, not
+    when the old claim's wait runs out (up to 30 s of a retry's election lost)."""
+    policy, _ = genesis_policy(BIG[0], BIG, [])
+    policy.election(T0)
+    assert policy.claim_due(T0) is not None
+    policy.notarized(CLAIM_SECONDS, T0)
+    policy.elected(Outcome.STALLED)
+    retry = first_step(f"retry-{BIG[0]}", BIG)
+    now = T0 + 2.0
+    policy.elect(retry, frozenset(BIG), now)
+    read(policy, *(other(p, vote=VoteRecord.of(Vote(p, retry, retry.plan))) for p in BIG[1:]))
+    assert policy.election(now) == (Outcome.WAITING, None)
+    assert policy.claim_due(now) == (retry, frozenset(BIG), "d0")

@@ -1041,7 +1041,9 @@ class StepPolicy:
         assert ballot is not None and outcome is not Outcome.WAITING
         self._end_deferral(ballot)
         self.ballot = None
-        self._claim = None  # a next try's genesis claims its own candidate
+        # A next try's genesis claims its own candidate, as soon as it is certified: not when
+        # this claim was told to come back (up to `CLAIM_SECONDS` of the retry's election).
+        self._claim, self._claim_at = None, -math.inf
         self._notary_wait_until = -math.inf
         self.changed = True
         # A stranger to the electorate (it cannot count) starts no genesis: members may still
