@@ -318,10 +318,10 @@ class NotaryService:
             raise RpcError("bad_request", "only a member of the plan may claim its genesis")
         frontier = None
         if (request.step, request.parent) not in self.registry.registered:
-            fresh = await self._fresh_frontier()
-            if fresh is None:
+            if not await self._read_fresh():
                 return Verdict(False, retry_after=NOT_READY_SECONDS)  # still reading
-            frontier = fresh[0]
+            assert self._frontier is not None
+            frontier = self._frontier[1]
         outcome = self.registry.claim(
             claimant, request.candidate, request.parent, members, frontier, self.clock()
         )
@@ -337,9 +337,9 @@ class NotaryService:
             task_status.started()
             await trio.sleep_forever()
 
-    async def _fresh_frontier(self) -> tuple[Frontier | None] | None:
-        """(the frontier,) of a read at most `FRONTIER_SECONDS` old, waiting `READ_WAIT` for a
-        read where there is none; None: none yet (the read goes on for the next claim)."""
+    async def _read_fresh(self) -> bool:
+        """Whether a read at most `FRONTIER_SECONDS` old is in `_frontier`, waiting `READ_WAIT`
+        for one where there is none (False: none yet; the read goes on for the next claim)."""
         if not self._fresh():
             if self._read_done is None:
                 if self._nursery is None:
@@ -348,9 +348,7 @@ class NotaryService:
                 self._nursery.start_soon(self._read, self._read_done)
             with trio.move_on_after(READ_WAIT):
                 await self._read_done.wait()
-        if self._frontier is None or not self._fresh():
-            return None
-        return (self._frontier[1],)
+        return self._fresh()
 
     def _fresh(self) -> bool:
         return self._frontier is not None and self.clock() - self._frontier[0] < FRONTIER_SECONDS
