@@ -50,12 +50,11 @@ from peer.net.relay import (
     route_through_relays,
 )
 from peer.presence import PresenceRecord, Role, decode_presence, keep_present, presence_key
-from peer.training.notary import GenesisRegistry, NotaryService
+from peer.training.notary import GenesisRegistry, NotaryService, read_progress
 
 if TYPE_CHECKING:  # torch takes a second or two to import; backbones never need it
     import torch
 
-    from peer.training.progress import ProgressRecord
     from peer.training.task import Task
     from peer.training.trainer import Trainer
     from peer.training.worker import WorkerFactory
@@ -395,17 +394,10 @@ def notary_service(node: Node, dht: DHT, config: PeerConfig) -> NotaryService:
     of a backbone's own list, peers given another backbone had none): its registry beside the
     collaboration's checkpoints (kept across restarts, gone with them when a collaboration
     starts over), its frontier from its own reads."""
-    from peer.training.publisher import ProgressReader
-
-    reader = ProgressReader(dht, config.collaboration.name, hot=False)
-
-    async def read_records() -> list[ProgressRecord]:
-        return (await reader.read()).records
-
     return NotaryService(
         node.host,
         GenesisRegistry(min_votes=config.averaging.min_group_size),
-        read_records=read_records,
+        read_records=read_progress(dht, config.collaboration.name),
         directory=state_folder(
             config.training.checkpoint_dir,
             config.collaboration.name,

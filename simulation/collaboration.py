@@ -50,9 +50,8 @@ from peer.measure.attestation import attest
 from peer.measure.capabilities import Capabilities
 from peer.net import tls
 from peer.roles import PeerCapacity, assign_roles
-from peer.training.notary import GenesisRegistry, NotaryService
+from peer.training.notary import GenesisRegistry, NotaryService, read_progress
 from peer.training.progress import CollaborationView, ProgressRecord
-from peer.training.publisher import ProgressReader
 from peer.training.statesync import Snapshot
 from peer.training.trainer import Trainer
 from simulation import cpu
@@ -321,15 +320,10 @@ class Collaboration:
             node.peer_id, GenesisRegistry(min_votes=self.config.averaging.min_group_size)
         )
         registry.forget_claims()
-        reader = ProgressReader(dht, self.config.collaboration.name, hot=False)
-
-        async def read_records() -> list[ProgressRecord]:
-            return (await reader.read()).records
-
         return NotaryService(
             node.host,  # type: ignore[arg-type]
             registry,
-            read_records=read_records,
+            read_records=read_progress(dht, self.config.collaboration.name),
             directory=None,
             clock=trio.current_time,
             max_message_bytes=node.rpc.max_message_bytes,

@@ -50,7 +50,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, NamedTuple
+from typing import TYPE_CHECKING, Annotated, NamedTuple
 
 import msgspec
 import trio
@@ -61,7 +61,11 @@ from peer.errors import ConfigError, RemoteError, RpcError
 from peer.files import write_atomically
 from peer.net.rpc import RpcClient, RpcServer
 from peer.training.progress import ProgressRecord
+from peer.training.publisher import ProgressReader
 from peer.training.steprule import Candidate, Electorate, plan_of
+
+if TYPE_CHECKING:
+    from peer.dht.node import DHT
 
 log = logging.getLogger("peertrain.notary")
 
@@ -264,6 +268,18 @@ def _state_of(registered: dict[tuple[int, str], Candidate]) -> dict[str, object]
 
 
 REGISTRY_FILE = "registry.json"
+
+
+def read_progress(dht: DHT, collaboration: str) -> Callable[[], Awaitable[list[ProgressRecord]]]:
+    """A notary's reads of every progress record (`NotaryService.read_records`), as the
+    daemon and the simulation serve it: not hot reads (each shard from every replica its
+    lookup meets, not from two of them), so that its one view is as full as a read gets."""
+    reader = ProgressReader(dht, collaboration, hot=False)
+
+    async def read_records() -> list[ProgressRecord]:
+        return (await reader.read()).records
+
+    return read_records
 
 
 class NotaryService:
