@@ -360,8 +360,7 @@ class StepPolicy:
         self._others_at: float | None = None
         self._lone_reads = 0
         self._ready_since: float | None = None  # when the step could first be called
-        # (step, when) we first held our call for members behind or downloading our step
-        # (`_waiting_for_others`): one grace for both.
+        # (step, when) we first held our call for peers downloading our step (`_others_...`).
         self._others_held: tuple[int, float] | None = None
         # The step we know we have no candidate for (`abstain`), and when we last tried to
         # vote without one: the next try waits a vote turn.
