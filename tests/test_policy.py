@@ -801,57 +801,6 @@ def test_a_member_downloading_our_step_holds_the_call_for_a_grace_at_most():
     assert isinstance(joiner.next_action(ours, T0), Call)
 
 
-def test_a_call_that_needs_members_still_one_behind_waits_for_them_within_one_grace():
-    """At 300 simulated peers, step 2 was called while most of step 1's plan was still in
-    its averaging or election: a round of 80 calls that could not be certified (two thirds of
-    the plan must vote), and the step came from the next round, 80 s later. A call waits
-    while the members that hold our step are not two thirds of its electorate and those one
-    behind (fresh, not downloading) would make them so; for at most an averaging and an
-    election, one grace that members downloading our step share (two in a row added up)."""
-    members = [ME, "z1", "z2", "z3", "z4", "z5"]
-    plan = plan_of(members)
-    ours = Local(samples=32, samples_per_second=10.0)
-
-    def policy_reading(*records: ProgressRecord, now: float = T0) -> StepPolicy:
-        policy = make_policy()
-        policy.hold(1, "d1", own_signature(1), electorate=plan)
-        assert policy.learn_members(members)
-        read(policy, *records, now=now)
-        return policy
-
-    def at_step_1(peer_id: str, **fields) -> ProgressRecord:
-        return other(peer_id, step=1, digest="d1", samples=32, holding=True, **fields)
-
-    behind = [other(z, samples_per_second=10.0) for z in ("z2", "z3", "z4", "z5")]
-    waiting = policy_reading(at_step_1("z1"), *behind)
-    assert isinstance(waiting.next_action(ours, T0), Wait)  # 2 of 6 hold step 1
-    grace = waiting.longest_averaging(waiting.view, ours) + waiting.election_patience()
-    assert grace > waiting.timing.download_grace(waiting.store_seconds)
-    later = T0 + grace - 0.1
-    fresh = [msgspec.structs.replace(r, updated_at=later) for r in behind]
-    read(waiting, at_step_1("z1", updated_at=later), *fresh, now=later)
-    assert not isinstance(waiting.next_action(ours, later), Call)
-    end = T0 + grace + 0.1
-    fresh = [msgspec.structs.replace(r, updated_at=end) for r in behind]
-    read(waiting, at_step_1("z1", updated_at=end), *fresh, now=end)
-    assert isinstance(waiting.next_action(ours, end), Call)  # one grace, then we go on
-    # Two thirds hold without those behind: no wait (the rest download the next step).
-    most = [at_step_1(z) for z in ("z1", "z2", "z3", "z4")]
-    assert isinstance(policy_reading(*most, behind[-1]).next_action(ours, T0), Call)
-    # Those behind could not make two thirds either (stale records: gone or paused).
-    stale_at = T0 + waiting.timing.stale_record + 1
-    gone = policy_reading(at_step_1("z1", updated_at=stale_at), *behind, now=stale_at)
-    assert isinstance(gone.next_action(ours, stale_at), Call)
-    # Members downloading our step, once those behind have held the call past the download
-    # grace, hold it no longer: the two holds share one grace.
-    shared = policy_reading(at_step_1("z1"), *behind)
-    assert isinstance(shared.next_action(ours, T0), Wait)
-    past = T0 + shared.timing.download_grace(shared.store_seconds) + 0.1
-    downloading = [msgspec.structs.replace(r, downloading=True, updated_at=past) for r in behind]
-    read(shared, at_step_1("z1", updated_at=past), *downloading, now=past)
-    assert isinstance(shared.next_action(ours, past), Call)
-
-
 def test_after_a_failed_averaging_nobody_calls_while_others_are_still_in_it():
     """A call of ours while others are still in an averaging we missed (or that failed for
     us) would close before they are free: they would miss it and the step would split."""

@@ -361,7 +361,7 @@ class StepPolicy:
         self._lone_reads = 0
         self._ready_since: float | None = None  # when the step could first be called
         # (step, when) we first held our call for peers downloading our step (`_others_...`).
-        self._others_held: tuple[int, float] | None = None
+        self._downloads_held: tuple[int, float] | None = None
         # The step we know we have no candidate for (`abstain`), and when we last tried to
         # vote without one: the next try waits a vote turn.
         self._without_candidate = -1
@@ -1539,66 +1539,23 @@ class StepPolicy:
 
     def _waiting_for_others(self, view: CollaborationView, local: Local, now: float) -> bool:
         """We hold our call for peers that would miss it: still in an averaging of our step,
-        members of our step's electorate still one behind (averaging or electing our step)
-        where the call needs them, or members downloading our step. The last two share one
-        grace from the first time either held this step's call: two graces in a row added up
-        (at 100 simulated peers, a step's election took 9 s instead of 3)."""
-        if self._others_still_averaging(view, local, now):
-            return True
-        behind = self._electorate_behind(view, now)
-        if not (behind or self._members_downloading(view, now)):
-            return False
-        step = self.held.step
-        if self._others_held is None or self._others_held[0] != step:
-            self._others_held = (step, now)
-        grace = self.timing.download_grace(self.store_seconds)
-        if behind:
-            grace = max(grace, self.longest_averaging(view, local) + self.election_patience())
-        return now - self._others_held[1] < grace
+        or downloading our step."""
+        return self._others_still_averaging(view, local, now) or self._others_downloading(view, now)
 
-    def _step_electorate(self) -> frozenset[str]:
-        """The members of the plan that took the step we hold: the next step's electorate."""
-        electorate = self.held.electorate
-        return self._plans.get(electorate, frozenset()) if electorate else frozenset()
-
-    def _electorate_behind(self, view: CollaborationView, now: float) -> bool:
-        """A call now could not be certified without members still one behind: the members
-        of our step's electorate that hold our step are not more than two thirds of it, and
-        with those still averaging or electing our step (fresh records one step behind, not
-        downloading) they would be. At 300 simulated peers, step 2 was called while most
-        members were still in step 1's averaging: a round of 80 that certified nothing, and
-        the step came from a second round 80 s later."""
-        members = self._step_electorate()
-        if not members:
-            return False
-        step = self.held.step
-        ready = behind = 0
-        for r in view.records:
-            if r.role != "trainer" or r.peer_id not in members or r.downloading:
-                continue
-            if not self._fresh(r, now):
-                continue
-            if r.step == step:
-                ready += 1
-            elif r.step == step - 1:
-                behind += 1
-        return not self.rule.reaches(ready, len(members)) and self.rule.reaches(
-            ready + behind, len(members)
-        )
-
-    def _members_downloading(self, view: CollaborationView, now: float) -> bool:
+    def _others_downloading(self, view: CollaborationView, now: float) -> bool:
         """Members of our step's electorate downloading our step (one behind, or at it on
         another digest) would miss a call made now: they declare only once they hold it, and
         a peer that misses a step downloads it again, while the next is called, and so on for
         ever (at 100 simulated peers, 30 of every gathering: each "missed the gathering" came
-        right after a download of the step before). Held for at most `Timing.download_grace`
-        (`_waiting_for_others`): a record that goes on saying it downloads, or a slow link,
-        holds each step only that long. Only members (they averaged in the plan of the step
-        we hold, so a stranger's record holds nothing: review), and only fresh records (a
-        paused machine's goes stale)."""
+        right after a download of the step before). Wait for them, at most
+        `Timing.download_grace` from the first time we were ready to call and did: a record
+        that goes on saying it downloads, or a slow link, holds each step only that long. Only
+        members (they averaged in the plan of the step we hold, so a stranger's record holds
+        nothing: review), and only fresh records (a paused machine's goes stale)."""
         step = self.held.step
-        members = self._step_electorate()
-        return any(
+        electorate = self.held.electorate
+        members = self._plans.get(electorate, frozenset()) if electorate else frozenset()
+        downloading = any(
             r.role == "trainer"
             and r.peer_id != self.me
             and r.peer_id in members
@@ -1607,6 +1564,11 @@ class StepPolicy:
             and self._fresh(r, now)
             for r in view.records
         )
+        if not downloading:
+            return False
+        if self._downloads_held is None or self._downloads_held[0] != step:
+            self._downloads_held = (step, now)
+        return now - self._downloads_held[1] < self.timing.download_grace(self.store_seconds)
 
     def _others_still_averaging(self, view: CollaborationView, local: Local, now: float) -> bool:
         """After an averaging that failed (or that we missed), others at our step may still be
