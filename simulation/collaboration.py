@@ -54,7 +54,7 @@ from peer.training.notary import GenesisRegistry, NotaryService, read_progress
 from peer.training.progress import CollaborationView, ProgressRecord
 from peer.training.statesync import Snapshot
 from peer.training.trainer import Trainer
-from simulation import cpu
+from simulation import cpu, memo
 from simulation.clock import VirtualClock
 from simulation.dataplane import SimDataPlane, SimDataServer, SimIdentity, simulated
 from simulation.determinism import deterministic_trio
@@ -653,6 +653,7 @@ def run_collaboration(scenario: Scenario) -> Report:
     with (
         simulated(collaboration.plane),
         deterministic_trio(scenario.seed),
+        memo.widened(scenario.peers),  # before `cpu.charged`, which wraps a memo
         cpu.charged(),
         rare_collections(),
     ):

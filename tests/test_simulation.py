@@ -25,12 +25,13 @@ from libp2p.peer.id import ID
 from peer.averaging.allreduce import Member, RoundSpec
 from peer.averaging.partition import part_ranges
 from peer.config import AveragingConfig
-from peer.dht import records
+from peer.dht import records, routing
 from peer.dht.records import Limits, make_entry
 from peer.errors import DeadlineExceeded, RpcError, Unreachable
 from peer.net.rpc import RpcServer
+from peer.training import progress, shards
 from peer.training.publisher import ProgressPublisher
-from simulation import collaboration
+from simulation import collaboration, memo
 from simulation.collaboration import (
     EPOCH,
     VECTOR,
@@ -453,6 +454,23 @@ def test_the_same_seed_gives_the_same_run_to_the_byte_and_another_seed_another()
     first, again, other = (fingerprint(r) for r in runs)
     assert first == again
     assert first != other
+
+
+def test_memos_widened_for_many_nodes_give_the_same_run_and_are_put_back(monkeypatch):
+    """`simulation.memo`: a run whose caches hold room for many nodes is the run of the caches'
+    own sizes, to the byte; every module that imported a memo by name sees the wider one
+    while the run lasts, and the originals afterwards."""
+    scenario = small(peers=5, minutes=1.5, churn_per_hour=12.0, seed=7)
+    own = fingerprint(run_collaboration(scenario))
+    before = shards.node_id, progress._decoded, records.VERIFIED_CACHE
+    with memo.widened(64):
+        assert shards.node_id is routing.node_id
+        assert routing.node_id.cache_info().maxsize > before[0].cache_info().maxsize
+        assert progress._decoded.cache_info().maxsize > before[1].cache_info().maxsize
+        assert before[2] < records.VERIFIED_CACHE
+    assert (shards.node_id, progress._decoded, records.VERIFIED_CACHE) == before
+    monkeypatch.setattr(memo, "NODES_PER_CACHE", 1)  # the run below widens them 5 times
+    assert fingerprint(run_collaboration(scenario)) == own
 
 
 def test_the_virtual_clock_gives_the_run_trio_s_mock_clock_gives(monkeypatch):
