@@ -197,6 +197,41 @@ def test_the_oldest_unresponsive_contacts_are_forgotten_beyond_the_size():
     assert all(unresponsive.skips(c, now=3) for c in others)
 
 
+def test_a_spread_keys_lookup_finds_its_whole_prefix_asking_it_and_one_node_beyond():
+    """A shard's holders are the nodes of its prefix, at least `least`: the lookup asks those
+    and the nearest beyond, where one asked to depth 24 asked 24 (a reader of 64 shards made
+    ~30 find_node calls each). Prefixes of 2-20 nodes, some of them dead."""
+    rng = random.Random(11)
+    nodes = [contact(rng) for _ in range(320)]
+    tables = {}
+    for n in nodes:
+        tables[n.peer_id] = RoutingTable(n.peer_id, bucket_size=20)
+        for other in rng.sample(nodes, len(nodes)):
+            tables[n.peer_id].add(other)
+    dead = {n.peer_id for n in rng.sample(nodes, 20)}
+    alive = [n for n in nodes if n.peer_id not in dead]
+    asked = {"spread": 0, "deep": 0}
+    sizes = set()
+    for bits in (4, 5, 6, 7):
+        for index in range(0, 2**bits, max(1, 2**bits // 8)):
+            target = key_id(spread_key("c/progress/x", bits, index))
+            seeds = rng.sample(alive, 3)
+            inside = [n for n in alive if (n.id ^ target) >> (ID_BITS - bits) == 0]
+            sizes.add(len(inside))
+            nearest = sorted(alive, key=lambda n: n.id ^ target)
+            for name, lookup in (
+                ("spread", Lookup(target, seeds, k=24, alpha=3, prefix_bits=bits, least=8)),
+                ("deep", Lookup(target, seeds, k=24, alpha=3)),
+            ):
+                simulate(lookup, tables, dead)
+                found = lookup.closest_answered()
+                asked[name] += len(lookup._answered) + len(lookup._failed)
+                holders = found[: hot_holders(target, bits, found, 8)]
+                assert holders == nearest[: max(8, min(24, len(inside)))], (bits, index, name)
+    assert min(sizes) <= 4 and max(sizes) >= 12
+    assert asked["spread"] < 0.6 * asked["deep"], asked
+
+
 def test_a_spread_familys_keys_lie_evenly_around_the_ring():
     """Each key of a family of 2^bits owns one 2^-bits of the ring (its top bits are no other
     key's): hashed shard keys shared replicas by chance, and their busiest served 5.8x the

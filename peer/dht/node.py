@@ -629,7 +629,8 @@ class DHT:
             return cached
         now = trio.current_time()
         k = SPREAD_HOLDERS * self.config.replicas if bits else self.config.replicas
-        closest = (await self.find_nodes(target, k=k)).closest_answered()
+        lookup = await self.find_nodes(target, k=k, spread=bits)
+        closest = lookup.closest_answered()
         contacts = closest[: hot_holders(target, bits, closest, self.config.replicas)]
         # Fewer than `replicas` answered: our table is filling, the closest nodes are still
         # to be found; looked up at every use.
@@ -700,9 +701,10 @@ class DHT:
             valid[subkey] = entry
         return valid
 
-    async def find_nodes(self, target: int, *, k: int | None = None) -> Lookup:
+    async def find_nodes(self, target: int, *, k: int | None = None, spread: int = 0) -> Lookup:
         """The lookup of `target`'s `k` closest nodes (`dht.replicas`), not held by a query
-        that stalls."""
+        that stalls; for a spread key of `spread` bits, of its prefix's nodes and at least
+        `dht.replicas`, at most `k` (`Lookup`)."""
 
         async def query(contact: Contact) -> list[Contact]:
             reply = await self._call(
@@ -713,7 +715,7 @@ class DHT:
             )
             return p.to_contacts(reply.nodes, exclude=self.node.peer_id)
 
-        return await self._lookup(target, query, stall=STALL_SECONDS, k=k)
+        return await self._lookup(target, query, stall=STALL_SECONDS, k=k, spread=spread)
 
     # ------------------------------------------------------------------ lookup shell
 
@@ -724,13 +726,21 @@ class DHT:
         *,
         stall: float = math.inf,
         k: int | None = None,
+        spread: int = 0,
     ) -> Lookup:
         """Run a lookup; a query pending for `stall` seconds no longer holds it, and is cut
         when the lookup is done (its contact then probed: `_probe`). A get's queries carry
         the replicas' entries, and are waited for (`stall` infinite)."""
         k = k or self.config.replicas
         started = trio.current_time()
-        lookup = Lookup(target, self.table.nearest(target, k), k=k, alpha=self.config.alpha)
+        lookup = Lookup(
+            target,
+            self.table.nearest(target, k),
+            k=k,
+            alpha=self.config.alpha,
+            prefix_bits=spread,
+            least=self.config.replicas,
+        )
         finished_send, finished_recv = trio.open_memory_channel[None](float("inf"))
 
         async def ask(contact: Contact) -> None:
