@@ -3,8 +3,11 @@
 A real peer remembers the records, signatures, contacts and addresses it met lately in caches
 sized for one node (`peer.dht.records.VERIFIED_CACHE`, `peer.training.progress.DECODED_RECORDS`
 and the `functools.lru_cache`s below). The simulation runs every node in one process, so those
-caches serve all of them: at 1,000 simulated peers the live records outnumber them, every
-read of every record missed, and each miss paid a real Ed25519 check and a decode again.
+caches serve all of them: at 1,000 simulated peers the live progress records (1,000-2,000
+versions, read by every node in turn) are about as many as the 2,048 decoded records one
+node keeps, and where they outnumber an LRU cache read in turn, every read misses and pays a
+decode and an Ed25519 check again. (In the first 10 virtual seconds at 1,000 peers both sizes
+hit 99 % of the time; a steady state was not measured.)
 
 `widened(nodes)` gives each of them room for `nodes` nodes while a run lasts and puts the
 originals back after. A memo only remembers results of pure functions, so the run's figures
