@@ -200,7 +200,7 @@ def test_the_oldest_unresponsive_contacts_are_forgotten_beyond_the_size():
 def test_a_spread_keys_lookup_finds_its_whole_prefix_asking_it_and_one_node_beyond():
     """A shard's holders are the nodes of its prefix, at least `least`: the lookup asks those
     and the nearest beyond, where one asked to depth 24 asked 24 (a reader of 64 shards made
-    ~30 find_node calls each). Prefixes of 2-20 nodes, some of them dead."""
+    ~30 find_node calls each). Prefixes of 0-30 nodes of 320, 20 of them dead."""
     rng = random.Random(11)
     nodes = [contact(rng) for _ in range(320)]
     tables = {}
