@@ -71,7 +71,7 @@ def main() -> None:
             partial_from=args.partial_from,
             group_size=args.group_size,
         )
-        report = run_collaboration(scenario)
+        report = run_collaboration(scenario, progress=sys.stderr)
         summary = summarize(report)
         violated = violated or bool(report.violations)
         width = max(len(name) for name, _ in rows(summary))

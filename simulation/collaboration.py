@@ -30,7 +30,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, TextIO
 
 import torch
 import trio
@@ -644,7 +644,34 @@ def rare_collections() -> Iterator[None]:
         gc.set_threshold(*thresholds)
 
 
-def run_collaboration(scenario: Scenario) -> Report:
+#: Virtual seconds between two lines of a run's progress (`run_collaboration(progress=...)`).
+PROGRESS_SECONDS = 30.0
+
+
+def progress_printer(scenario: Scenario, out: TextIO) -> Callable[[float], None]:
+    """A clock's `on_jump` that writes a line to `out` every `PROGRESS_SECONDS` of virtual time:
+    how far the run is and the wall time it took (1,000 peers run for hours)."""
+    started, total = time.perf_counter(), 60 * (scenario.warmup_minutes + scenario.minutes)
+    due = PROGRESS_SECONDS
+
+    def on_jump(now: float) -> None:
+        nonlocal due
+        if now >= due:
+            due = (now // PROGRESS_SECONDS + 1) * PROGRESS_SECONDS
+            wall = time.perf_counter() - started
+            out.write(
+                f"{scenario.peers:,} peers, {scenario.model_bytes / 1e6:g} MB, seed {scenario.seed}: "
+                f"{now:.0f} of {total:.0f} "
+                f"virtual s in {wall:.0f} s of wall time\n"
+            )
+            out.flush()
+
+    return on_jump
+
+
+def run_collaboration(scenario: Scenario, *, progress: TextIO | None = None) -> Report:
+    """Run `scenario` to its end; `progress`: where to write how far it is, every
+    `PROGRESS_SECONDS` of virtual time (the run is the same either way)."""
     # The DHT draws its refresh targets from `random`: seeded too; trio's scheduling is made
     # deterministic (`simulation.determinism`).
     random.seed(scenario.seed)
@@ -657,7 +684,8 @@ def run_collaboration(scenario: Scenario) -> Report:
         cpu.charged(),
         rare_collections(),
     ):
-        trio.run(collaboration.run, clock=VirtualClock())
+        on_jump = None if progress is None else progress_printer(scenario, progress)
+        trio.run(collaboration.run, clock=VirtualClock(on_jump))
     agree, newest = collaboration.final
     everyone = [v.trainer for v in collaboration.volunteers]
     return Report(

@@ -75,7 +75,7 @@ def scenario(column: Column, *, minutes: float, warmup: float, seed: int) -> Sce
 
 
 def _run(job: Scenario) -> tuple[Summary, list[str]]:
-    report = run_collaboration(job)
+    report = run_collaboration(job, progress=sys.stderr)
     return summarize(report), [str(v) for v in report.violations[:5]]
 
 

@@ -4,6 +4,7 @@ rules, and small collaborations on it train as real ones do. The 300-peer runs a
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
 import os
@@ -479,9 +480,25 @@ def test_the_virtual_clock_gives_the_run_trio_s_mock_clock_gives(monkeypatch):
     scenario = small(peers=5, minutes=1.5, churn_per_hour=12.0, seed=7)
     fast = run_collaboration(scenario)
     monkeypatch.setattr(
-        collaboration, "VirtualClock", lambda: trio.testing.MockClock(autojump_threshold=0)
+        collaboration,
+        "VirtualClock",
+        lambda on_jump=None: trio.testing.MockClock(autojump_threshold=0),
     )
     assert fingerprint(run_collaboration(scenario)) == fingerprint(fast)
+
+
+def test_a_run_that_prints_its_progress_is_the_run_that_does_not():
+    """`run_collaboration(progress=...)`: a line every `PROGRESS_SECONDS` of virtual time, from
+    the clock's jumps, which schedule nothing: the run is the same to the byte."""
+    scenario = small(peers=5, minutes=1.5, churn_per_hour=12.0, seed=7)
+    quiet = fingerprint(run_collaboration(scenario))
+    out = io.StringIO()
+    assert fingerprint(run_collaboration(scenario, progress=out)) == quiet
+    lines = out.getvalue().splitlines()
+    at = [float(line.split(": ")[1].split(" of ")[0]) for line in lines]
+    # 150 virtual seconds: a line at (or just past) each 30 s, ending before the run's end.
+    assert len(lines) == 5 and all(30 * (i + 1) <= t < 30 * (i + 2) for i, t in enumerate(at))
+    assert lines[0].startswith("5 peers, 4 MB, seed 7: 30 of 150 virtual s in ")
 
 
 def test_a_step_taken_as_another_state_by_anyone_at_any_time_is_a_violation():
