@@ -10,10 +10,12 @@ second, 300 peers 4.6 s).
 It runs the scale matrix of issue 46 (`MATRIX`: 100 and 300 peers at 50 %/hour churn, 1,000
 at 10 %/hour; a 4 MB and DeDLOC's 70.8 MB gradient; half the peers behind NAT, a third of
 those symmetric; DeDLOC's volunteer links, the simulator's defaults), each run in a process of
-its own, and writes the table between the markers of docs/scale.md (`BEGIN`, `END`), headed
-by the commit it ran at (with "+changes" where the simulated code differs from it), the date,
-the command and each run's wall time; with `--seeds N`, rows of N seeds' steps, rounds and
-safety violations side by side (the columns are the first seed's). A run that breaks safety
+its own, and writes a table for each number of peers between that number's markers in
+docs/scale.md (`markers`), headed by the commit it ran at (with "+changes" where the simulated
+code differs from it), the date, the command and each run's wall time; a command for some
+sizes leaves the others' tables as they are (1,000 peers run for hours, 100 for minutes). With
+`--seeds N`, rows of N seeds' steps, rounds and safety violations side by side (the columns
+are the first seed's). A run that breaks safety
 (two states of one step) is printed and makes the command exit non-zero; the table is written
 all the same.
 """
@@ -35,8 +37,16 @@ from simulation.collaboration import Scenario, run_collaboration
 from simulation.report import Summary, rows, summarize
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "scale.md"
-BEGIN = "<!-- simulation.scale: begin (generated, do not edit) -->"
-END = "<!-- simulation.scale: end -->"
+
+
+def markers(peers: int) -> tuple[str, str]:
+    """The lines around the table of `peers` peers in docs/scale.md."""
+    return (
+        f"<!-- simulation.scale, {peers} peers: begin (generated, do not edit) -->",
+        f"<!-- simulation.scale, {peers} peers: end -->",
+    )
+
+
 ALBERT_MB = 4 * 17.7
 """ALBERT-large's gradient in float32, what DeDLOC's volunteers averaged."""
 
@@ -149,13 +159,15 @@ def _pooled_rounds(runs: list[Summary]) -> str:
     return f"{yielded / rounds:.1%} of {rounds}" if rounds else "-"
 
 
-def write(doc: Path, section: list[str]) -> None:
-    """`section` between the markers of `doc` (appended, with the markers, if it has none)."""
+def write(doc: Path, section: list[str], peers: int) -> None:
+    """`section` between the markers of `peers` in `doc` (appended, with the markers, if it has
+    none)."""
     text = doc.read_text() if doc.exists() else ""
-    block = "\n".join([BEGIN, *section, END])
-    if BEGIN in text and END in text:
-        before, rest = text.split(BEGIN, 1)
-        _, after = rest.split(END, 1)
+    begin, end = markers(peers)
+    block = "\n".join([begin, *section, end])
+    if begin in text and end in text:
+        before, rest = text.split(begin, 1)
+        _, after = rest.split(end, 1)
         text = before + block + after
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
@@ -213,16 +225,23 @@ def main() -> None:
     seeded = f"seed {args.seed}" + (
         f"; seeds {seeds[0]}-{seeds[-1]} in the last rows" if len(seeds) > 1 else ""
     )
-    section = [
-        f"{started:%Y-%m-%d}, at {at}: `{command.strip()}` ({seeded}; "
-        f"{lengths(minutes)} measured after {args.warmup:g} of warm-up; "
-        f"{NAT_SHARE:.0%} of the peers behind NAT, {SYMMETRIC_SHARE:.0%} of those symmetric; "
-        f"{args.jobs} run{'s' if args.jobs != 1 else ''} at a time on {os.cpu_count()} cores).",
-        "",
-        *table(columns, summaries, [[s for s, _ in runs] for runs in by_column]),
-    ]
-    write(args.doc, section)
-    print("\n".join(section))
+    for peers in dict.fromkeys(c.peers for c in columns):
+        mine = [i for i, c in enumerate(columns) if c.peers == peers]
+        section = [
+            f"{started:%Y-%m-%d}, at {at}: `{command.strip()}` ({seeded}; "
+            f"{lengths({peers: minutes[peers]})} measured after {args.warmup:g} of warm-up; "
+            f"{NAT_SHARE:.0%} of the peers behind NAT, {SYMMETRIC_SHARE:.0%} of those "
+            f"symmetric; {args.jobs} run{'s' if args.jobs != 1 else ''} at a time on "
+            f"{os.cpu_count()} cores).",
+            "",
+            *table(
+                [columns[i] for i in mine],
+                [summaries[i] for i in mine],
+                [[s for s, _ in by_column[i]] for i in mine],
+            ),
+        ]
+        write(args.doc, section, peers)
+        print("\n".join(section))
     broken = [
         (c, v)
         for c, runs in zip(columns, by_column, strict=True)

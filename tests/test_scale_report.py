@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from simulation import scale
-from simulation.scale import BEGIN, END, MATRIX, Column, table, write
+from simulation.scale import MATRIX, Column, markers, table, write
 from tests.test_simulation import small
 
 
@@ -37,13 +37,18 @@ def test_minutes_are_one_length_for_every_column_or_one_per_peer_count():
 def test_the_table_replaces_only_what_is_between_its_markers(tmp_path: Path):
     doc = tmp_path / "scale.md"
     doc.write_text("# Scale\n\nprose before\n")
-    write(doc, ["first"])
-    assert doc.read_text() == f"# Scale\n\nprose before\n\n{BEGIN}\nfirst\n{END}\n"
+    write(doc, ["first"], 100)
+    begin, end = markers(100)
+    assert doc.read_text() == f"# Scale\n\nprose before\n\n{begin}\nfirst\n{end}\n"
     doc.write_text(doc.read_text() + "\nprose after\n")
-    write(doc, ["second", "| a |"])
+    write(doc, ["second", "| a |"], 100)
     assert doc.read_text() == (
-        f"# Scale\n\nprose before\n\n{BEGIN}\nsecond\n| a |\n{END}\n\nprose after\n"
+        f"# Scale\n\nprose before\n\n{begin}\nsecond\n| a |\n{end}\n\nprose after\n"
     )
+    write(doc, ["thousand"], 1000)  # another size's table: after, this one untouched
+    other, other_end = markers(1000)
+    assert doc.read_text().endswith(f"prose after\n\n{other}\nthousand\n{other_end}\n")
+    assert f"{begin}\nsecond\n| a |\n{end}" in doc.read_text()
 
 
 def test_a_runs_figures_become_a_column_of_the_table():
@@ -94,8 +99,18 @@ def test_the_command_runs_each_column_at_each_seed(monkeypatch, tmp_path):
     scale.main()
     text = doc.read_text()
     assert "(seed 5; seeds 5-6 in the last rows;" in text
-    assert "| steps (per hour / ideal) | 105 (" in text and "| 305 (" in text
-    assert "| steps, seed by seed | 105 / 106 | 305 / 306 |" in text
+    hundred = text.split(markers(100)[0])[1].split(markers(100)[1])[0]
+    three = text.split(markers(300)[0])[1].split(markers(300)[1])[0]
+    assert "| steps (per hour / ideal) | 105 (" in hundred and "| 305 (" in three
+    assert "| steps, seed by seed | 105 / 106 |" in hundred
+    assert "| steps, seed by seed | 305 / 306 |" in three
+    # One size again: its table is rewritten, the other's stays.
+    monkeypatch.setattr(scale, "commit", lambda: "def5678")
+    monkeypatch.setattr(scale.sys, "argv", ["scale", "--peers", "300", "--doc", str(doc)])
+    scale.main()
+    again = doc.read_text()
+    assert hundred in again and three not in again
+    assert "at def5678: `python -m simulation.scale --peers 300" in again
 
 
 def test_the_commit_names_uncommitted_changes_to_the_simulated_code(monkeypatch, tmp_path):
