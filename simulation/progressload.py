@@ -30,7 +30,7 @@ import trio
 from libp2p.peer.id import ID
 
 from peer.config import PeerConfig
-from peer.dht.node import DHT, HOT_READ_REPLICAS, SPREAD_HOLDERS
+from peer.dht.node import CARRIED_READ_REPLICAS, DHT, SPREAD_HOLDERS
 from peer.dht.routing import Contact, first_readers, hot_holders, key_id, node_id, spread_bits
 from peer.training import shards
 from peer.training.progress import CollaborationView, ProgressRecord
@@ -175,7 +175,7 @@ def run_load(peers: int, *, seconds: float = 60.0, warmup: float = 20.0, seed: i
 def placed_load(peers: int, *, seed: int = 0, reachable: float = 1.0) -> tuple[float, float]:
     """The mean and the busiest node's share of the progress reads' reply bytes, from where the
     shards and their holders fall alone: records of one size, every peer a trainer, every
-    table complete, every reader reading every shard from `HOT_READ_REPLICAS` of its holders
+    table complete, every reader reading every shard from `CARRIED_READ_REPLICAS` of its holders
     at random, those of its prefix first where they are enough (`hot_read_order`). What
     `run_load` measures without running a DHT, so 1,000 and 10,000 peers cost seconds; in
     units of one record read once. Only the `reachable` share of the peers is a DHT server
@@ -199,7 +199,7 @@ def placed_load(peers: int, *, seed: int = 0, reachable: float = 1.0) -> tuple[f
         holders = contacts[: hot_holders(target, bits, contacts, replicas)]
         read = first_readers(target, bits, holders)  # `hot_read_order`
         for holder in read:
-            load[holder.peer_id] += peers * HOT_READ_REPLICAS / len(read) * records[index]
+            load[holder.peer_id] += peers * CARRIED_READ_REPLICAS / len(read) * records[index]
     return statistics.fmean(load.values()), max(load.values())
 
 

@@ -16,7 +16,8 @@ record is left `leaving` (its vote and signatures count on, the peer no more), s
 counting us at once instead of when it expires.
 
 The progress key (its shards, past 16 records: `ProgressReader`, `peer.training.shards`) is a
-hot DHT key (`DHT.get(hot=True)`: two of its replicas, no lookup), and a
+hot DHT key (`DHT.get(hot=True)`: two of its replicas, no lookup; one, with our last read of
+it merged in, from the second read on: `DHT.get_many(known=)`), and a
 read is due every `read_interval`: the configured interval while the records are small, longer
 once reading them all would cost more than `READ_BYTES_PER_SECOND` (at 300 simulated trainers
 every trainer read 11 Mbit/s of records, and the busiest replica sent 765 Mbit/s). The
@@ -42,7 +43,7 @@ import trio
 from libp2p.peer.id import ID
 
 from peer.config import PeerConfig
-from peer.dht.node import DHT, HOT_READ_REPLICAS
+from peer.dht.node import CARRIED_READ_REPLICAS, DHT
 from peer.dht.records import Entry, merge
 from peer.errors import RemoteError
 from peer.net.host import parse_addrs
@@ -61,10 +62,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("peertrain.progress")
 T = TypeVar("T")
 
-#: Bytes a second a peer spends reading progress records, at most (2 Mbit/s, what a volunteer's
-#: link spares): with 0.7 KB records from two replicas, ~180 trainers are read every second,
-#: 1,000 every 5.3 s.
-READ_BYTES_PER_SECOND = 256 * 1024
+#: Bytes a second a peer spends reading progress records, at most (1 Mbit/s): with 0.7 KB
+#: records from one replica a shard (`CARRIED_READ_REPLICAS`), ~180 trainers are read every
+#: second, 1,000 every 5.3 s, as from two replicas at 2 Mbit/s before; the holders send half.
+READ_BYTES_PER_SECOND = 128 * 1024
 
 
 def read_interval(read_bytes: int, *, interval: float, longest: float) -> float:
@@ -80,10 +81,11 @@ MAX_RECORD_BYTES = 4096
 
 def received_bytes(entries: dict[str, Entry], records: list[ProgressRecord]) -> int:
     """About what a hot read of `records` (decoded from `entries`: owner-signed, valid) took
-    from two replicas. Only theirs, each at most `MAX_RECORD_BYTES`: junk a replica adds under
-    open subkeys must not stretch our reads (and miss the gatherings others call)."""
+    from its replicas (`CARRIED_READ_REPLICAS` a shard). Only theirs, each at most
+    `MAX_RECORD_BYTES`: junk a replica adds under open subkeys must not stretch our reads (and
+    miss the gatherings others call)."""
     values = (entries[r.peer_id].value or b"" for r in records if r.peer_id in entries)
-    return HOT_READ_REPLICAS * sum(min(len(v), MAX_RECORD_BYTES) for v in values)
+    return CARRIED_READ_REPLICAS * sum(min(len(v), MAX_RECORD_BYTES) for v in values)
 
 
 class ProgressRead(NamedTuple):
@@ -127,6 +129,8 @@ class ProgressReader:
         self.hot = hot
         self.size: int | None = None
         self._probed_at = -math.inf
+        self._known: dict[str, dict[str, Entry]] = {}
+        """Our last full read of a level, by shard key: merged into the next read of its keys."""
 
     async def read(self) -> ProgressRead:
         previous = self.size
@@ -153,19 +157,26 @@ class ProgressReader:
         return any(r.peer_id != self.me for r in read.records)
 
     async def _read_level(self, at: int) -> ProgressRead:
-        """Every shard of level `at`, at once; RemoteError if one could not be read."""
+        """Every shard of level `at`, at once, with what our last read of each found (one
+        replica a shard: `DHT.get_many(known=)`); RemoteError if one could not be read."""
         entries: dict[str, Entry] = {}
         keys = shards.level_keys(self.collaboration, at)
-        for found in (await self._get(dict.fromkeys(keys, at))).values():
+        read = await self._get(dict.fromkeys(keys, at), known=self._known)
+        for found in read.values():
             if isinstance(found, RemoteError):
                 raise found
             merge(entries, found)
+        self._known = read  # type: ignore[assignment]  # no RemoteError left in it
         return ProgressRead(entries, decode_progress(entries, collaboration=self.collaboration))
 
-    async def _get(self, levels: dict[str, int]) -> dict[str, dict[str, Entry] | RemoteError]:
+    async def _get(
+        self, levels: dict[str, int], *, known: dict[str, dict[str, Entry]] | None = None
+    ) -> dict[str, dict[str, Entry] | RemoteError]:
         """Shard keys (key -> its level) read at once: each one's entries under the subkeys
         whose shard it is, or the RemoteError its read met."""
-        read = await self.dht.get_many(list(levels), hot=self.hot, strict=True)
+        if not self.hot:
+            known = None
+        read = await self.dht.get_many(list(levels), hot=self.hot, strict=True, known=known)
         return {
             key: found
             if isinstance(found, RemoteError)
