@@ -5,6 +5,7 @@ every wait that counts on a read counts on one that old (`Timing.reading`)."""
 from __future__ import annotations
 
 import random
+import time
 from collections import Counter
 from types import SimpleNamespace
 
@@ -80,6 +81,7 @@ class CountingDht:
         self.junk = {f"junk-{i}": Entry(b"x" * 65536, 2e9) for i in range(junk)}
         self.stores: Counter[str] = Counter()
         self.gets = 0
+        self.clock = time.time
         self.known: list[dict[str, dict[str, Entry]] | None] = []
         self.hot: set[bool] = set()
         self.lookup_seconds = 0.5
@@ -269,6 +271,7 @@ class ShardedDht:
         self.rng = random.Random(0)
         self.keys: dict[str, dict[str, Entry]] = {}
         self.gets: list[str] = []
+        self.clock = time.time
         self.known: list[dict[str, dict[str, Entry]] | None] = []
         self.failing: set[str] = set()
         for count, read in writers:
@@ -294,24 +297,35 @@ def reader(dht: ShardedDht, size: int | None = None, me: str | None = None) -> P
     return progress
 
 
-async def test_a_reader_reads_a_level_with_its_last_read_of_that_level():
-    """Each full read of a level hands the DHT what the last one of that level found
-    (`DHT.get_many(known=)`: one replica a shard, the rest carried over); a probe and the first
-    read of a level carry nothing, and a read that failed leaves the last one in place."""
+async def test_a_reader_carries_what_the_replicas_showed_its_last_read_for_one_read():
+    """Each full read of a level hands the DHT the records its last read of that level found
+    (`DHT.get_many(known=)`: one replica a shard) and counts them where the replicas asked now
+    leave them out, for that read only; what it carries is what the replicas showed, of
+    records it decoded (open subkeys' junk is never carried). A failed read keeps it."""
     dht = ShardedDht((200, 200))
     progress = reader(dht, 200)
+    keys = shards.level_keys("default", 4)
+    junk = next(
+        f"junk-{i}" for i in range(1000) if shards.record_key("default", f"junk-{i}", 4) == keys[0]
+    )
+    dht.put(keys[0], junk, Entry(b"x" * 1000, 2e9))
     first = await progress.read()
     assert dht.known == [{}]  # level 4 at once, nothing read of it before
+    assert junk in first.entries and len(first.records) == 200
     await progress.read()
-    keys = shards.level_keys("default", 4)
     assert list(dht.known[-1]) == keys
-    assert {p for key in keys for p in dht.known[-1][key]} == set(first.entries)
+    carried = {p for key in keys for p in dht.known[-1][key]}
+    assert carried == {r.peer_id for r in first.records}  # no junk
+    gone = first.records[7].peer_id
+    del dht.keys[shards.record_key("default", gone, 4)][gone]  # a replica leaves it out
+    assert gone in {r.peer_id for r in (await progress.read()).records}  # carried, once
+    assert gone not in {r.peer_id for r in (await progress.read()).records}
     dht.failing.add(keys[3])
     with pytest.raises(RemoteError):
         await progress.read()
     dht.failing.clear()
     await progress.read()
-    assert {p for key in keys for p in dht.known[-1][key]} == set(first.entries)
+    assert len({p for key in keys for p in dht.known[-1][key]}) == 199
 
 
 @pytest.mark.parametrize("size", [None, 0, 20, 200, 5000])

@@ -93,6 +93,7 @@ async def make_trainer(
         lookup_seconds=0.0,
         get=no_records,
         rng=random.Random(0),
+        clock=time.time,
     )
     dht.get_many = functools.partial(get_each, dht)  # through its `get`, which a test may swap
     trainer = Trainer(

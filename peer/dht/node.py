@@ -91,12 +91,12 @@ CHECKS_PER_YIELD = 64
 #: that lags or leaves entries out is covered by the other, and the key's load spreads over all
 #: of its replicas instead of falling on every one of them at every read.
 HOT_READ_REPLICAS = 2
-#: Replicas a hot read that carries the caller's last read of the key asks (`get_many(known=)`),
-#: and one more where that one shows fewer owner-signed entries than the last read: a reader of
-#: the same keys every few seconds meets another replica at each read, and a record is never
-#: seen older than it was, so a second replica at every read doubled what every holder sent
-#: (at 300 simulated peers, two thirds of the DHT's calls were these reads) for a lagging or
-#: lying replica that the next read covers.
+#: Replicas a hot read asks of a key the caller read before (`get_many(known=)`), and one more
+#: where that one lacks a record the last read found, or shows fewer owner-signed entries: a
+#: reader of the same keys every few seconds asked two at every read, which doubled what every
+#: holder sent (at 300 simulated peers, two thirds of the DHT's calls were these reads) against
+#: a replica that leaves records out, which the second now covers, or serves them as they were,
+#: which a read at another replica drawn at random covers.
 CARRIED_READ_REPLICAS = 1
 #: Seconds a hot key's closest replicas are reused before they are looked up again. A lookup
 #: cost more than the record it stored: ~10 replies of 20 contacts against a 0.7 KB progress
@@ -450,10 +450,12 @@ class DHT:
         (`strict`: Unreachable where nobody answered). Hot keys' replicas are asked in one
         fan-out (`_hot_get`: a progress read of 2^L shards is one `call_each`, not 2^L reads).
 
-        `known`: what this caller's last read of each key returned (a reader of the same keys
-        every few seconds). Its entries still live are merged into the answer, and a hot key in
-        it is read from `CARRIED_READ_REPLICAS` replica, another where that one holds fewer
-        than the last read found."""
+        `known`: entries this caller's last read of each key found, validated then (a reader of
+        the same keys every few seconds: its owner-signed records). A hot key in it is read
+        from `CARRIED_READ_REPLICAS` replica, and from another where that one lacks an entry of
+        `known` still live or holds fewer owner-signed entries than our last read; entries
+        equal to one of `known` are not validated again. The answer is the replicas'; whether
+        to merge `known` into it is the caller's."""
         started = self.clock()
         keys = list(dict.fromkeys(keys))
         merged: dict[str, dict[str, Entry]] = {key: {} for key in keys}
@@ -476,9 +478,6 @@ class DHT:
             async with trio.open_nursery() as nursery:
                 for key in rest:
                     nursery.start_soon(read, key)
-        for key in keys:
-            if known and key in known and key not in failed:
-                merge(merged[key], known[key])
         return {key: failed.get(key) or live(merged[key], now=started) for key in keys}
 
     async def _lookup_get(
@@ -513,10 +512,10 @@ class DHT:
     ) -> set[str]:
         """Read each key whole (every page) from `HOT_READ_REPLICAS` of its holders at random
         (`_hot_replicas`; those of its prefix first), into `merged`, all keys' calls at once; a
-        replica that fails is replaced by another of them. A key of which the caller holds its
-        last read (`known`), from `CARRIED_READ_REPLICAS`, and one more where the first held
-        fewer owned entries than our last read of the key (`_hot_read`); entries equal to the
-        last read's are not checked again. The keys read this way: not one
+        replica that fails is replaced by another of them. A key the caller read before
+        (`known`), from `CARRIED_READ_REPLICAS`, and one more where the first lacked a live
+        entry of `known` or held fewer owned entries than our last read (`_hot_read`); entries
+        equal to one of `known` are not checked again. The keys read this way: not one
         none of whose replicas answered, nor one whose replicas held fewer than half the
         entries of our last read of it: the caller reads those the usual way, from every
         replica its lookup meets. (Replicas that took the place of departed ones hold only what
@@ -548,8 +547,7 @@ class DHT:
             while batch := self._next_hot_batch(keys, wanted, answered, candidates):
                 await self._hot_batch(batch, addrs, merged, answered, pages, known)
                 for key in dict.fromkeys(k for k, _ in batch if k in known):
-                    last = self._hot_read.get(key_id(key), 0)
-                    if key not in short and answered[key] and owned_entries(merged[key]) < last:
+                    if key not in short and answered[key] and self._short(key, merged, known):
                         short.add(key)
                         wanted[key] += 1
         done: set[str] = set()
@@ -565,6 +563,18 @@ class DHT:
             self._note_hot_read(target, owned)
             done.add(key)
         return done
+
+    def _short(
+        self,
+        key: str,
+        merged: dict[str, dict[str, Entry]],
+        known: Mapping[str, Mapping[str, Entry]],
+    ) -> bool:
+        """Whether a carried read of `key` asks one more replica: what it got lacks a live
+        entry the caller's last read found, or holds fewer owned entries than our last read."""
+        now, got = self.clock(), merged[key]
+        lacks = any(sub not in got and e.expiration > now for sub, e in known[key].items())
+        return lacks or owned_entries(got) < self._hot_read.get(key_id(key), 0)
 
     @staticmethod
     def _next_hot_batch(

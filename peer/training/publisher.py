@@ -44,7 +44,7 @@ from libp2p.peer.id import ID
 
 from peer.config import PeerConfig
 from peer.dht.node import CARRIED_READ_REPLICAS, DHT
-from peer.dht.records import Entry, merge
+from peer.dht.records import Entry, live, merge
 from peer.errors import RemoteError
 from peer.net.host import parse_addrs
 from peer.training import shards
@@ -130,7 +130,8 @@ class ProgressReader:
         self.size: int | None = None
         self._probed_at = -math.inf
         self._known: dict[str, dict[str, Entry]] = {}
-        """Our last full read of a level, by shard key: merged into the next read of its keys."""
+        """What the replicas showed our last read of a level, by shard key: the entries of
+        the records it decoded (owner-signed, valid), merged into the next read of its keys."""
 
     async def read(self) -> ProgressRead:
         previous = self.size
@@ -157,17 +158,31 @@ class ProgressReader:
         return any(r.peer_id != self.me for r in read.records)
 
     async def _read_level(self, at: int) -> ProgressRead:
-        """Every shard of level `at`, at once, with what our last read of each found (one
-        replica a shard: `DHT.get_many(known=)`); RemoteError if one could not be read."""
-        entries: dict[str, Entry] = {}
+        """Every shard of level `at`, at once; RemoteError if one could not be read. A shard
+        our last read found records in is read from one replica (`DHT.get_many(known=)`), and
+        those records are merged in where still live: a record is never seen older than our
+        last read saw it, and one that the replicas asked now left out still counts, for this
+        read only (only what the replicas showed is carried on: a replica cannot keep
+        anything alive in our reads, nor grow them)."""
+        shown: dict[str, dict[str, Entry]] = {}
         keys = shards.level_keys(self.collaboration, at)
-        read = await self._get(dict.fromkeys(keys, at), known=self._known)
-        for found in read.values():
+        for key, found in (await self._get(dict.fromkeys(keys, at), known=self._known)).items():
             if isinstance(found, RemoteError):
                 raise found
-            merge(entries, found)
-        self._known = read  # type: ignore[assignment]  # no RemoteError left in it
-        return ProgressRead(entries, decode_progress(entries, collaboration=self.collaboration))
+            shown[key] = found
+        entries: dict[str, Entry] = {}
+        now = self.dht.clock()
+        for key in keys:
+            merge(entries, shown[key])
+            merge(entries, live(self._known.get(key, {}), now=now))
+        records = decode_progress(entries, collaboration=self.collaboration)
+        ids = {r.peer_id for r in records}
+        if ids:  # an empty read (an unreachable DHT: `read`) keeps the last one's
+            self._known = {
+                key: {sub: e for sub, e in found.items() if sub in ids}
+                for key, found in shown.items()
+            }
+        return ProgressRead(entries, records)
 
     async def _get(
         self, levels: dict[str, int], *, known: dict[str, dict[str, Entry]] | None = None
