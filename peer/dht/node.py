@@ -540,7 +540,7 @@ class DHT:
             candidates[key] = hot_read_order(target, bits, others, self.rng.shuffle)
         answered = dict.fromkeys(keys, 0)
         addrs = self._caller_addrs()
-        short: set[str] = set()  # keys asked one more replica for showing fewer entries
+        short: set[str] = set()  # keys asked one more replica (`_short`)
         # A replica's further pages are read beside the next batch, not before it: a replica
         # that stalls its pages must not hold every other key's replacement reads.
         async with trio.open_nursery() as pages:
