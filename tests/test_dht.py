@@ -533,16 +533,21 @@ def calls_of(reader: DHT, method: str) -> int:
     return sum(n for (m, _), n in reader.statistics().calls.items() if m == method)
 
 
+async def store_hot(s, clock: FakeClock) -> set[str]:
+    """Every node's record of key "hot", a hot store each, live for a minute: their writers."""
+    for i, writer in enumerate(s.dhts):
+        me = writer.node.peer_id.to_base58()
+        assert await writer.store("hot", me, b"%d" % i, expiration=clock.now + 60, hot=True)
+    return {d.node.peer_id.to_base58() for d in s.dhts}
+
+
 async def test_a_hot_key_is_read_from_two_replicas_without_a_lookup_each_time():
     """At 300 simulated trainers every progress read was a lookup whose every hop answered with
     192 KiB of records: a hot key's replicas are looked up once in a while and two of them read."""
     clock = FakeClock()
     async with swarm(N, CONFIG, clock=clock) as s:
-        for i, writer in enumerate(s.dhts):
-            me = writer.node.peer_id.to_base58()
-            assert await writer.store("hot", me, b"%d" % i, expiration=clock.now + 60, hot=True)
+        everyone = await store_hot(s, clock)
         reader = s.dhts[0]
-        everyone = {d.node.peer_id.to_base58() for d in s.dhts}
         assert set(await reader.get("hot", hot=True)) == everyone
         finds, gets = calls_of(reader, "find_node"), calls_of(reader, "get")
         for _ in range(3):
@@ -562,11 +567,8 @@ async def test_a_hot_read_of_a_key_read_before_asks_one_replica_and_another_that
     every read were two thirds of the DHT's calls). The answer is the replicas' alone."""
     clock = FakeClock()
     async with swarm(N, CONFIG, clock=clock) as s:
-        for i, writer in enumerate(s.dhts):
-            me = writer.node.peer_id.to_base58()
-            assert await writer.store("hot", me, b"%d" % i, expiration=clock.now + 60, hot=True)
+        everyone = await store_hot(s, clock)
         reader = s.dhts[0]
-        everyone = {d.node.peer_id.to_base58() for d in s.dhts}
         first = await reader.get_many(["hot"], hot=True, known={})  # not read before: two
         assert set(first["hot"]) == everyone
         gets = calls_of(reader, "get")
