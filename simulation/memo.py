@@ -40,6 +40,7 @@ def _memos() -> list[tuple[Any, str]]:
         (progress, "_decoded"),
         (certificate, "_valid"),
         (records, "owner_key"),
+        (records, "_subkey_hash"),
         (protocol, "_wire_contact"),
         (protocol, "_peer_id"),
         (routing, "node_id"),

@@ -23,7 +23,7 @@ from peer.dht import protocol as dht
 from peer.dht import records
 from peer.dht.node import DHT, REJOIN_ATTEMPTS
 from peer.dht.records import Entry, make_entry
-from peer.dht.routing import ID_BITS, Contact, key_id, node_id, spread_key
+from peer.dht.routing import ID_BITS, READ_ANSWERS, Contact, in_prefix, key_id, node_id, spread_key
 from peer.errors import RpcError, Unreachable
 from peer.net.framing import encode_frame
 from peer.net.rpc import Request, RpcServer, protocol_id
@@ -702,7 +702,7 @@ async def test_a_hot_read_of_replicas_that_replaced_departed_ones_reads_every_re
         reader = s.dhts[0]
         await every_record_but_the_readers(s, clock)
         assert len(await reader.get("hot", hot=True)) == N - 1
-        original = await reader._hot_replicas(dht_node.key_id("hot"))
+        original = await reader._hot_replicas(dht_node.key_id("hot"), read=False)
         dead = {c.peer_id for c in original[:3]}
         for index, d in enumerate(s.dhts):
             if d.node.peer_id in dead:
@@ -717,7 +717,7 @@ async def test_a_hot_read_of_replicas_that_replaced_departed_ones_reads_every_re
         survivors = {d.node.peer_id.to_base58() for d in s.dhts[1:]} - {p.to_base58() for p in dead}
         for _ in range(3):
             assert set(await reader.get("hot", hot=True)) >= survivors
-        replicas = await reader._hot_replicas(dht_node.key_id("hot"))
+        replicas = await reader._hot_replicas(dht_node.key_id("hot"), read=False)
         assert not dead & {c.peer_id for c in replicas}  # looked up again after the failures
 
 
@@ -827,6 +827,50 @@ async def simulated_swarm(count: int) -> tuple[SimNetwork, list[DHT]]:
     for d in dhts:
         await d.find_nodes(node_id(d.node.peer_id))
     return network, dhts
+
+
+async def test_a_read_learns_a_shards_holders_from_a_few_and_a_store_asks_them_all(
+    autojump_clock,
+):
+    """A reader of 64 shards confirmed each shard's every holder with a find_node of its own
+    (~9-17 calls a shard at 1,000 simulated peers); it needs their names, which each node of the
+    prefix knows: its lookup ends at `READ_ANSWERS` of them. A store must reach every holder,
+    and asks them all itself, whatever a read looked up."""
+    _, dhts = await simulated_swarm(90)
+
+    def prefix(key: str) -> list[DHT]:
+        return [d for d in dhts if in_prefix(node_id(d.node.peer_id), key_id(key), 3)]
+
+    # The largest shard whose prefix holds every holder a lookup finds (3 x replicas at most).
+    most = dht_node.SPREAD_HOLDERS * CONFIG.replicas
+    key = max(
+        (spread_key("f", 3, i) for i in range(8)),
+        key=lambda k: len(prefix(k)) if len(prefix(k)) <= most else 0,
+    )
+    holders = prefix(key)
+    assert 3 * READ_ANSWERS < len(holders) <= most
+    writers = [d for d in dhts if d not in holders][:6]
+    for writer in writers:
+        me = writer.node.peer_id.to_base58()
+        assert await writer.store(key, me, b"x", expiration=writer.clock() + 60, hot=True)
+    reader, storer = [d for d in dhts if d not in holders and d not in writers][:2]
+    reader.rng = random.Random(0)  # where its lookup asks the prefix
+    expected = {w.node.peer_id.to_base58() for w in writers}
+    finds = {d: calls_of(d, "find_node") for d in (reader, storer)}
+    assert set(await reader.get(key, hot=True)) == expected
+    read_finds = calls_of(reader, "find_node") - finds[reader]
+    me = storer.node.peer_id.to_base58()
+    assert await storer.store(key, me, b"y", expiration=storer.clock() + 60, hot=True)
+    store_finds = calls_of(storer, "find_node") - finds[storer]
+    assert store_finds >= len(holders) and store_finds > 2 * read_finds, (read_finds, store_finds)
+    # The reader's store looks the holders up to the end (its read asked a few of them) ...
+    finds = calls_of(reader, "find_node")
+    me = reader.node.peer_id.to_base58()
+    assert await reader.store(key, me, b"z", expiration=reader.clock() + 60, hot=True)
+    assert calls_of(reader, "find_node") - finds >= len(holders)
+    # ... and reaches every one of them.
+    for holder in holders:
+        assert {me, storer.node.peer_id.to_base58()} <= set(holder.records.get(key, now=0.0))
 
 
 def timeouts(reader: DHT) -> int:

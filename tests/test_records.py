@@ -305,8 +305,14 @@ def test_select_serves_signed_then_small_then_fresh_entries_within_budget_and_co
         "new": Entry(b"v" * 100, NOW + 20, signed),  # same size class, fresher: first
         "huge": Entry(b"h" * 600, NOW + 30, signed),  # a larger class: after both
     }
-    everything = select(entries, budget=10_000, max_entries=10)
-    assert list(everything) == ["new", "old", "huge", "junk-small", "junk-big"]
+    assert select(entries, budget=10_000, max_entries=10) == entries  # all fit: all of them
+    # One fewer than all: in order, the large junk left out.
+    assert list(select(entries, budget=10_000, max_entries=4)) == [
+        "new",
+        "old",
+        "huge",
+        "junk-small",
+    ]
     assert list(select(entries, budget=10_000, max_entries=2)) == ["new", "old"]
     # "huge" does not fit what is left of 700 bytes, and the smaller "junk-small" still does.
     fitting = select(entries, budget=700, max_entries=10)

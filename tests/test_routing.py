@@ -10,6 +10,8 @@ from libp2p.peer.id import ID
 from peer.dht.routing import (
     ID_BITS,
     MIN_PREFIX_READ,
+    NAMED_BY,
+    READ_ANSWERS,
     Contact,
     Lookup,
     RoutingTable,
@@ -230,6 +232,114 @@ def test_a_spread_keys_lookup_finds_its_whole_prefix_asking_it_and_one_node_beyo
                 assert holders == nearest[: max(8, min(24, len(inside)))], (bits, index, name)
     assert min(sizes) <= 4 and max(sizes) >= 12
     assert asked["spread"] < 0.6 * asked["deep"], asked
+
+
+def full_network(rng: random.Random, size: int) -> tuple[list[Contact], dict]:
+    nodes = [contact(rng) for _ in range(size)]
+    tables = {}
+    for n in nodes:
+        tables[n.peer_id] = RoutingTable(n.peer_id, bucket_size=20)
+        for other in rng.sample(nodes, len(nodes)):
+            tables[n.peer_id].add(other)
+    return nodes, tables
+
+
+def test_a_read_learns_a_prefixs_holders_from_a_few_of_them_and_asks_fewer_nodes():
+    """A reader needs a shard's holders, not each one's answer: its lookup ends once
+    `READ_ANSWERS` of the prefix answered (each knows the others), and names the nodes that
+    answered or that `NAMED_BY` of them named: every live node of the prefix, and dead ones
+    only where their neighbours still name them (a read replaces those). A prefix of fewer
+    nodes is looked up to the end, to the holders a store finds. Prefixes of 0-30 nodes of
+    320, 20 of them dead."""
+    rng = random.Random(12)
+    nodes, tables = full_network(rng, 320)
+    dead = {n.peer_id for n in rng.sample(nodes, 20)}
+    alive = [n for n in nodes if n.peer_id not in dead]
+    asked = {"read": 0, "spread": 0}
+    sizes = set()
+    for bits in (4, 5, 6, 7):
+        for index in range(0, 2**bits, max(1, 2**bits // 8)):
+            target = key_id(spread_key("c/progress/x", bits, index))
+            seeds = rng.sample(alive, 3)
+            prefix = [n for n in nodes if (n.id ^ target) >> (ID_BITS - bits) == 0]
+            live = [n for n in prefix if n.peer_id not in dead]
+            sizes.add(len(live))
+            spread = Lookup(target, seeds, k=24, alpha=3, prefix_bits=bits, least=8)
+            salt = rng.getrandbits(ID_BITS - bits)
+            read = Lookup(
+                target,
+                seeds,
+                k=24,
+                alpha=3,
+                prefix_bits=bits,
+                least=8,
+                read=READ_ANSWERS,
+                salt=salt,
+            )
+            for lookup in (spread, read):
+                simulate(lookup, tables, dead)
+            asked["read"] += len(read._answered) + len(read._failed)
+            asked["spread"] += len(spread._answered) + len(spread._failed)
+            found = spread.closest_answered()
+            stored = found[: hot_holders(target, bits, found, 8)]
+            named = read.named_holders()
+            holders = named[: hot_holders(target, bits, named, 8)]
+            if len(live) < READ_ANSWERS:
+                assert holders == stored, (bits, index)
+                continue
+            # The holders a store reaches, but where dead ones its neighbours still name
+            # take their places.
+            assert all(c in stored or c.peer_id in dead for c in holders), (bits, index)
+            lost = [c for c in stored if c not in holders]
+            assert len(lost) <= sum(c.peer_id in dead for c in holders), (bits, index)
+    assert min(sizes) < READ_ANSWERS and max(sizes) >= 12
+    assert asked["read"] < 0.6 * asked["spread"], asked
+
+
+def test_a_read_asks_its_own_nodes_of_the_prefix_and_takes_no_ones_word_alone():
+    """Nodes that ground their ids next to a shard's key would be the first three answers of
+    every read asked nearest the key first; a salted read asks the prefix in an order of its
+    own. Contacts one answer names (a liar's, at addresses of its choosing) are no holders."""
+    rng = random.Random(5)
+    nodes, tables = full_network(rng, 320)
+    bits = 4
+    target = key_id(spread_key("c/progress/x", bits, 3))
+    prefix = [n for n in nodes if (n.id ^ target) >> (ID_BITS - bits) == 0]
+    assert len(prefix) >= 12
+    firsts: dict[int, set] = {}
+    for salt in range(0, 1 << 20, 1 << 15):
+        lookup = Lookup(
+            target,
+            nodes[:3],
+            k=24,
+            alpha=3,
+            prefix_bits=bits,
+            least=8,
+            read=READ_ANSWERS,
+            salt=salt << (ID_BITS - bits - 20),
+        )
+        simulate(lookup, tables, set())
+        inside = {p for p in lookup._answered if any(p == n.peer_id for n in prefix)}
+        firsts[salt] = inside
+    assert all(len(f) >= READ_ANSWERS for f in firsts.values())
+    assert len(set().union(*firsts.values())) > 2 * READ_ANSWERS  # not the same three
+    with pytest.raises(ValueError):  # a salt that leaves the prefix
+        Lookup(target, [], k=24, alpha=3, prefix_bits=bits, read=3, salt=1 << (ID_BITS - bits))
+
+    # A liar of the prefix answers first and names 20 nodes of the prefix that are not there.
+    liar = prefix[0]
+    fakes = []
+    while len(fakes) < 20:
+        fake = contact(rng)
+        if (fake.id ^ target) >> (ID_BITS - bits) == 0:
+            fakes.append(fake)
+    lookup = Lookup(target, [liar], k=24, alpha=1, prefix_bits=bits, read=READ_ANSWERS)
+    lookup.on_answer(lookup.next_queries()[0], fakes + prefix[1:4])
+    simulate(lookup, tables, {f.peer_id for f in fakes})
+    holders = lookup.named_holders()
+    assert not set(holders) & set(fakes)
+    assert set(prefix) <= set(holders) or len(prefix) > 24
+    assert NAMED_BY >= 2
 
 
 def test_a_spread_familys_keys_lie_evenly_around_the_ring():

@@ -25,6 +25,7 @@ import time
 from collections import ChainMap, Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import msgspec
 import trio
@@ -52,6 +53,8 @@ from peer.dht.records import (
     validate_entry,
 )
 from peer.dht.routing import (
+    ID_BITS,
+    READ_ANSWERS,
     Contact,
     Lookup,
     RoutingTable,
@@ -201,8 +204,8 @@ class DHT:
         # The table's contacts we dropped last (bounded), each with the attempts left to join
         # again through it if we lose them all.
         self._forgotten: OrderedDict[ID, tuple[Contact, int]] = OrderedDict()
-        # Hot keys' holders (key id -> (fresh until, contacts)): `_hot_replicas`.
-        self._hot: OrderedDict[int, tuple[float, list[Contact]]] = OrderedDict()
+        # Hot keys' holders (key id -> `Holders`): `_hot_replicas`.
+        self._hot: OrderedDict[int, Holders] = OrderedDict()
         # Hot keys' entries at their last read (key id -> count): see `_hot_get`.
         self._hot_read: OrderedDict[int, int] = OrderedDict()
         self._probes: trio.Nursery | None = None  # `run`'s: where `_probe` calls go on
@@ -392,7 +395,7 @@ class DHT:
         bits = 0
         if hot and self._large():
             bits = spread_bits(key)
-            targets = list(await self._hot_replicas(target, bits))
+            targets = list(await self._hot_replicas(target, bits, read=False))
         else:
             targets = (await self.find_nodes(target)).closest_answered()[: self.config.replicas]
         accepted = 0
@@ -630,7 +633,7 @@ class DHT:
                 found[key] = cached
 
         async def look_up(key: str) -> None:
-            found[key] = await self._hot_replicas(key_id(key), spread_bits(key))
+            found[key] = await self._hot_replicas(key_id(key), spread_bits(key), read=True)
 
         async with trio.open_nursery() as nursery:
             for key in keys:
@@ -652,7 +655,7 @@ class DHT:
     def looks_up(self, key: str) -> bool:
         """Whether a hot store of `key` would look its replicas up now."""
         cached = self._hot.get(key_id(key))
-        fresh = cached is not None and trio.current_time() < cached[0]
+        fresh = cached is not None and cached.complete and trio.current_time() < cached.until
         return not (self._large() and fresh)
 
     def _large(self) -> bool:
@@ -661,33 +664,38 @@ class DHT:
         holds every key)."""
         return len(self.table) >= self.config.replicas
 
-    def _fresh_hot(self, target: int) -> list[Contact] | None:
-        """A hot key's holders as looked up last, while they are fresh."""
+    def _fresh_hot(self, target: int, *, read: bool = True) -> list[Contact] | None:
+        """A hot key's holders as looked up last, while they are fresh; for a store
+        (`read` False), only from a lookup that heard from them all."""
         cached = self._hot.get(target)
-        if cached is None or trio.current_time() >= cached[0]:
+        if cached is None or trio.current_time() >= cached.until or not (read or cached.complete):
             return None
         self._hot.move_to_end(target)
-        return cached[1]
+        return cached.contacts
 
-    async def _hot_replicas(self, target: int, bits: int = 0) -> list[Contact]:
+    async def _hot_replicas(self, target: int, bits: int = 0, *, read: bool) -> list[Contact]:
         """The live nodes that hold a hot key (`routing.hot_holders`: the `replicas` closest
         to `target`, or every node of a spread key's prefix), looked up at most
         `HOT_REPLICAS_SECONDS` (`spread_refresh_seconds`) ago, or again after one of them failed a
-        call (`_forget`)."""
-        cached = self._fresh_hot(target)
+        call (`_forget`). A `read` of a spread key takes them from a few of the prefix's nodes
+        (`Lookup.named_holders`); a store asks every holder it stores to (it must reach them
+        all, and a reader's list may name one that left)."""
+        cached = self._fresh_hot(target, read=read)
         if cached is not None:
             return cached
         now = trio.current_time()
         k = SPREAD_HOLDERS * self.config.replicas if bits else self.config.replicas
-        lookup = await self.find_nodes(target, k=k, spread=bits)
-        closest = lookup.closest_answered()
+        read = read and bits > 0
+        lookup = await self.find_nodes(target, k=k, spread=bits, read=read)
+        closest = lookup.named_holders() if read else lookup.closest_answered()
         contacts = closest[: hot_holders(target, bits, closest, self.config.replicas)]
         # Fewer than `replicas` answered: our table is filling, the closest nodes are still
         # to be found; looked up at every use.
         if len(contacts) >= self.config.replicas:
-            self._hot[target] = (
+            self._hot[target] = Holders(
                 now + (spread_refresh_seconds(bits) if bits else HOT_REPLICAS_SECONDS),
                 contacts,
+                complete=not read,
             )
             self._hot.move_to_end(target)
             while len(self._hot) > HOT_KEYS:
@@ -751,10 +759,13 @@ class DHT:
             valid[subkey] = entry
         return valid
 
-    async def find_nodes(self, target: int, *, k: int | None = None, spread: int = 0) -> Lookup:
+    async def find_nodes(
+        self, target: int, *, k: int | None = None, spread: int = 0, read: bool = False
+    ) -> Lookup:
         """The lookup of `target`'s `k` closest nodes (`dht.replicas`), not held by a query
         that stalls; for a spread key of `spread` bits, of its prefix's nodes and at least
-        `dht.replicas`, at most `k` (`Lookup`)."""
+        `dht.replicas`, at most `k` (`Lookup`); to `read` it, until `READ_ANSWERS` of the
+        prefix answered, asked in an order of our own."""
 
         async def query(contact: Contact) -> list[Contact]:
             reply = await self._call(
@@ -765,7 +776,9 @@ class DHT:
             )
             return p.to_contacts(reply.nodes, exclude=self.node.peer_id)
 
-        return await self._lookup(target, query, stall=STALL_SECONDS, k=k, spread=spread)
+        return await self._lookup(
+            target, query, stall=STALL_SECONDS, k=k, spread=spread, read=read and spread > 0
+        )
 
     # ------------------------------------------------------------------ lookup shell
 
@@ -777,6 +790,7 @@ class DHT:
         stall: float = math.inf,
         k: int | None = None,
         spread: int = 0,
+        read: bool = False,
     ) -> Lookup:
         """Run a lookup; a query pending for `stall` seconds no longer holds it, and is cut
         when the lookup is done (its contact then probed: `_probe`). A get's queries carry
@@ -790,6 +804,8 @@ class DHT:
             alpha=self.config.alpha,
             prefix_bits=spread,
             least=self.config.replicas,
+            read=READ_ANSWERS if read else 0,
+            salt=self.rng.getrandbits(ID_BITS - spread) if read else 0,
         )
         finished_send, finished_recv = trio.open_memory_channel[None](float("inf"))
 
@@ -834,7 +850,7 @@ class DHT:
                     if trio.current_time() >= asked[contact.peer_id] + stall:
                         lookup.on_stall(contact)
             stalled = lookup.stalled()
-            nursery.cancel_scope.cancel()  # only stalled queries are left
+            nursery.cancel_scope.cancel()  # only stalled queries are left, or a read's pending
         for contact in stalled:
             self._probe(contact)
         took = trio.current_time() - started
@@ -1006,8 +1022,8 @@ class DHT:
                 self._forgotten.popitem(last=False)
         self.table.remove(contact.peer_id)
         self.node.rpc.forget(contact.peer_id)
-        for target, (_, contacts) in list(self._hot.items()):
-            if any(c.peer_id == contact.peer_id for c in contacts):
+        for target, holders in list(self._hot.items()):
+            if any(c.peer_id == contact.peer_id for c in holders.contacts):
                 del self._hot[target]  # looked up again at its next use
 
     def _we_belong_among(self, target: int, contacts: list[Contact], bits: int = 0) -> bool:
@@ -1021,6 +1037,16 @@ class DHT:
         ):
             return True
         return self.table.own ^ target < max(c.id ^ target for c in contacts)
+
+
+class Holders(NamedTuple):
+    """A hot key's holders as a lookup found them (`DHT._hot_replicas`)."""
+
+    until: float
+    """Fresh until then."""
+    contacts: list[Contact]
+    complete: bool
+    """Every one of them answered the lookup (a read's asks a few: `Lookup.named_holders`)."""
 
 
 def spread_refresh_seconds(bits: int) -> float:

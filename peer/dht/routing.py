@@ -199,6 +199,12 @@ class RoutingTable:
         return [c for bucket in self._buckets for c in bucket.values()]
 
 
+#: Answers from a spread key's prefix that end a read's lookup of its holders (`Lookup`).
+READ_ANSWERS = 3
+#: Answers that must name a holder a read has not heard from itself (`Lookup.named_holders`).
+NAMED_BY = 2
+
+
 class Lookup:
     """Iterative Kademlia lookup toward `target`, as a state machine without I/O.
 
@@ -212,6 +218,15 @@ class Lookup:
     nodes nearest a target are those of its prefix, and each of them names the others in its
     answer, so the depth grows as they are found; asked to depth `k` (24) always, a reader of 64
     shards made ~30 find_node calls a shard where the prefix held ~8 nodes.
+
+    A read of a spread key (`read`: a number of answers) needs its holders, not each of them
+    confirmed: its lookup is done once `read` nodes of the prefix have answered, and it asks
+    those of the prefix in an order of its own (`salt`: the bits below the prefix of a point in
+    it that it asks toward; asked nearest the key first, nodes that ground their ids next to it
+    would be every reader's first answers). Its holders (`named_holders`) are those that
+    answered and those that at least `NAMED_BY` of them named; a prefix of fewer nodes than
+    `read` is looked up to the end. Each node of a prefix knows the others, so a reader learns a
+    shard's holders from ~3 answers instead of all of them.
     """
 
     def __init__(
@@ -223,19 +238,34 @@ class Lookup:
         alpha: int,
         prefix_bits: int = 0,
         least: int = 0,
+        read: int = 0,
+        salt: int = 0,
     ) -> None:
+        if read and (not prefix_bits or salt >> (ID_BITS - prefix_bits)):
+            raise ValueError("a read lookup is of a spread key, its salt below the prefix")
         self.target = target
         self.k = k
         self.alpha = alpha
         self.prefix_bits = prefix_bits
         self.least = least
+        self.read = read
+        self._point = target ^ salt
         self._known: dict[ID, Contact] = {}
         self._answered: set[ID] = set()
         self._failed: set[ID] = set()
         self._pending: set[ID] = set()
         self._stalled: set[ID] = set()
+        self._named: dict[ID, set[ID]] = {}
+        """Who named each contact, of those that answered (a read's evidence)."""
         for contact in seeds:
             self._known.setdefault(contact.peer_id, contact)
+
+    def _distance(self, contact: Contact) -> int:
+        """A node of the prefix by its distance to the salted point, any other to the target:
+        each node of the prefix is nearer than any other either way."""
+        if in_prefix(contact.id, self.target, self.prefix_bits):
+            return contact.id ^ self._point
+        return contact.id ^ self.target
 
     def _closest_live(self) -> list[Contact]:
         live = [
@@ -243,7 +273,8 @@ class Lookup:
             for c in self._known.values()
             if c.peer_id not in self._failed and c.peer_id not in self._stalled
         ]
-        live.sort(key=lambda c: c.id ^ self.target)
+        target = self.target
+        live.sort(key=self._distance if self._point != target else lambda c: c.id ^ target)
         return live[: self._depth(live)]
 
     def _depth(self, live: list[Contact]) -> int:
@@ -274,7 +305,9 @@ class Lookup:
         self._answered.add(contact.peer_id)
         for other in closer:
             if other.peer_id not in self._failed:
-                self._known.setdefault(other.peer_id, other)
+                known = self._known.setdefault(other.peer_id, other)
+                if self.read and known.addrs == other.addrs:
+                    self._named.setdefault(other.peer_id, set()).add(contact.peer_id)
 
     def on_failure(self, contact: Contact) -> None:
         self._pending.discard(contact.peer_id)
@@ -300,9 +333,34 @@ class Lookup:
 
     @property
     def done(self) -> bool:
+        if self.read and self._prefix_answers() >= self.read:
+            return True  # what is still pending is cut
         if self._pending:
             return False
         return all(c.peer_id in self._answered for c in self._closest_live())
+
+    def _prefix_answers(self) -> int:
+        return sum(
+            in_prefix(self._known[peer_id].id, self.target, self.prefix_bits)
+            for peer_id in self._answered
+        )
+
+    def named_holders(self) -> list[Contact]:
+        """A read's holders (`read`), the nearest the key first, as many as a lookup that
+        went to the end finds (`closest_answered`): of the live contacts, those that answered
+        and those that `NAMED_BY` or more of them named at the addresses it knows them by (one
+        answerer's word alone could fill a reader's list with nodes that are not there). Past
+        `k` nodes of a prefix, the key's nearest: those a store reaches."""
+        target = self.target
+        live = [
+            c
+            for c in self._known.values()
+            if c.peer_id not in self._failed
+            and c.peer_id not in self._stalled
+            and (c.peer_id in self._answered or len(self._named.get(c.peer_id, ())) >= NAMED_BY)
+        ]
+        live.sort(key=lambda c: c.id ^ target)
+        return live[: self._depth(live)]
 
     def closest_answered(self) -> list[Contact]:
         """The k closest contacts that answered: where a record lives."""
