@@ -91,8 +91,9 @@ def test_own_id_is_never_added():
     assert len(table) == 0
 
 
-def simulate(lookup: Lookup, tables: dict, dead: set) -> None:
-    """Drive a lookup against an in-memory network of routing tables."""
+def simulate(lookup: Lookup, tables: dict, dead: set, answer: int = 0) -> None:
+    """Drive a lookup against an in-memory network of routing tables, each answer naming
+    `answer` contacts (2 k by default)."""
     while not lookup.done:
         batch = lookup.next_queries()
         assert batch, "a lookup that is not done must have something to ask"
@@ -100,7 +101,8 @@ def simulate(lookup: Lookup, tables: dict, dead: set) -> None:
             if c.peer_id in dead:
                 lookup.on_failure(c)
             else:
-                lookup.on_answer(c, tables[c.peer_id].nearest(lookup.target, 2 * lookup.k))
+                named = tables[c.peer_id].nearest(lookup.target, answer or 2 * lookup.k)
+                lookup.on_answer(c, named)
 
 
 def test_lookup_finds_the_k_closest_live_nodes_despite_failures():
@@ -244,101 +246,116 @@ def full_network(rng: random.Random, size: int) -> tuple[list[Contact], dict]:
     return nodes, tables
 
 
+def read_lookup(target: int, seeds: list, bits: int, salt: int = 0) -> Lookup:
+    return Lookup(
+        target,
+        seeds,
+        k=24,
+        alpha=3,
+        prefix_bits=bits,
+        least=8,
+        read=READ_ANSWERS,
+        salt=salt,
+    )
+
+
+ANSWER = 20  # contacts a find_node answer names (`dht.bucket_size`)
+
+
 def test_a_read_learns_a_prefixs_holders_from_a_few_of_them_and_asks_fewer_nodes():
     """A reader needs a shard's holders, not each one's answer: its lookup ends once
-    `READ_ANSWERS` of the prefix answered (each knows the others), and names the nodes that
-    answered or that `NAMED_BY` of them named: every live node of the prefix, and dead ones
-    only where their neighbours still name them (a read replaces those). A prefix of fewer
-    nodes is looked up to the end, to the holders a store finds. Prefixes of 0-30 nodes of
-    320, 20 of them dead."""
+    `READ_ANSWERS` of the prefix answered (each names the others), with the prefix's nodes
+    that answered or that `NAMED_BY` of them named: every live node of the prefix, and dead ones
+    only where their neighbours still name them (a read replaces those). A prefix of fewer than
+    `MIN_PREFIX_READ` nodes, or of as many as an answer names, is looked up to the end, to the
+    holders a store finds. Prefixes of 0-30 nodes of 320, 20 of them dead."""
     rng = random.Random(12)
     nodes, tables = full_network(rng, 320)
     dead = {n.peer_id for n in rng.sample(nodes, 20)}
     alive = [n for n in nodes if n.peer_id not in dead]
     asked = {"read": 0, "spread": 0}
-    sizes = set()
+    ended = {True: set(), False: set()}
     for bits in (4, 5, 6, 7):
         for index in range(0, 2**bits, max(1, 2**bits // 8)):
             target = key_id(spread_key("c/progress/x", bits, index))
             seeds = rng.sample(alive, 3)
             prefix = [n for n in nodes if (n.id ^ target) >> (ID_BITS - bits) == 0]
             live = [n for n in prefix if n.peer_id not in dead]
-            sizes.add(len(live))
             spread = Lookup(target, seeds, k=24, alpha=3, prefix_bits=bits, least=8)
-            salt = rng.getrandbits(ID_BITS - bits)
-            read = Lookup(
-                target,
-                seeds,
-                k=24,
-                alpha=3,
-                prefix_bits=bits,
-                least=8,
-                read=READ_ANSWERS,
-                salt=salt,
-            )
-            for lookup in (spread, read):
-                simulate(lookup, tables, dead)
-            asked["read"] += len(read._answered) + len(read._failed)
-            asked["spread"] += len(spread._answered) + len(spread._failed)
+            read = read_lookup(target, seeds, bits, rng.getrandbits(ID_BITS - bits))
+            simulate(spread, tables, dead, ANSWER)
+            simulate(read, tables, dead, ANSWER)
+            if read.read_enough:
+                asked["read"] += len(read._answered) + len(read._failed)
+                asked["spread"] += len(spread._answered) + len(spread._failed)
             found = spread.closest_answered()
             stored = found[: hot_holders(target, bits, found, 8)]
-            named = read.named_holders()
-            holders = named[: hot_holders(target, bits, named, 8)]
-            if len(live) < READ_ANSWERS:
-                assert holders == stored, (bits, index)
+            holders = read.named_holders()
+            ended[read.read_enough].add(len(prefix))
+            if not read.read_enough:
+                assert holders[: hot_holders(target, bits, holders, 8)] == stored, (bits, index)
                 continue
-            # The holders a store reaches, but where dead ones its neighbours still name
-            # take their places.
-            assert all(c in stored or c.peer_id in dead for c in holders), (bits, index)
-            lost = [c for c in stored if c not in holders]
-            assert len(lost) <= sum(c.peer_id in dead for c in holders), (bits, index)
-    assert min(sizes) < READ_ANSWERS and max(sizes) >= 12
+            assert set(live) <= set(holders) <= set(prefix), (bits, index)
+    # Prefixes of 4-19 nodes ended early; thinner and fuller ones went to the end.
+    assert min(ended[True]) >= MIN_PREFIX_READ and max(ended[True]) < ANSWER
+    assert min(ended[False]) < MIN_PREFIX_READ and max(ended[False]) >= ANSWER
     assert asked["read"] < 0.6 * asked["spread"], asked
+
+
+def ground_into(rng: random.Random, target: int, bits: int, count: int) -> list[Contact]:
+    """`count` identities whose node ids share `target`'s top `bits` bits."""
+    found = []
+    while len(found) < count:
+        candidate = contact(rng)
+        if (candidate.id ^ target) >> (ID_BITS - bits) == 0:
+            found.append(candidate)
+    return found
 
 
 def test_a_read_asks_its_own_nodes_of_the_prefix_and_takes_no_ones_word_alone():
     """Nodes that ground their ids next to a shard's key would be the first three answers of
     every read asked nearest the key first; a salted read asks the prefix in an order of its
-    own. Contacts one answer names (a liar's, at addresses of its choosing) are no holders."""
+    own. A holder counts where two of the prefix's answers name it at the same addresses: one
+    liar's names are no holders, and a liar's addresses for an honest holder do not hide it."""
     rng = random.Random(5)
     nodes, tables = full_network(rng, 320)
-    bits = 4
+    bits = 5
     target = key_id(spread_key("c/progress/x", bits, 3))
     prefix = [n for n in nodes if (n.id ^ target) >> (ID_BITS - bits) == 0]
-    assert len(prefix) >= 12
-    firsts: dict[int, set] = {}
-    for salt in range(0, 1 << 20, 1 << 15):
-        lookup = Lookup(
-            target,
-            nodes[:3],
-            k=24,
-            alpha=3,
-            prefix_bits=bits,
-            least=8,
-            read=READ_ANSWERS,
-            salt=salt << (ID_BITS - bits - 20),
-        )
-        simulate(lookup, tables, set())
-        inside = {p for p in lookup._answered if any(p == n.peer_id for n in prefix)}
-        firsts[salt] = inside
-    assert all(len(f) >= READ_ANSWERS for f in firsts.values())
-    assert len(set().union(*firsts.values())) > 2 * READ_ANSWERS  # not the same three
+    assert MIN_PREFIX_READ <= len(prefix) < ANSWER
+    nearest = min(prefix, key=lambda n: n.id ^ target).peer_id  # as if ground there
+    asked = 0
+    for _ in range(32):
+        lookup = read_lookup(target, nodes[:3], bits, rng.getrandbits(ID_BITS - bits))
+        simulate(lookup, tables, set(), ANSWER)
+        assert lookup.read_enough
+        asked += nearest in lookup._answered
+    lookup = read_lookup(target, nodes[:3], bits)  # unsalted: asked nearest the key first
+    simulate(lookup, tables, set(), ANSWER)
+    assert nearest in lookup._answered and asked <= 32 * 0.75, asked
     with pytest.raises(ValueError):  # a salt that leaves the prefix
         Lookup(target, [], k=24, alpha=3, prefix_bits=bits, read=3, salt=1 << (ID_BITS - bits))
 
-    # A liar of the prefix answers first and names 20 nodes of the prefix that are not there.
-    liar = prefix[0]
-    fakes = []
-    while len(fakes) < 20:
-        fake = contact(rng)
-        if (fake.id ^ target) >> (ID_BITS - bits) == 0:
-            fakes.append(fake)
-    lookup = Lookup(target, [liar], k=24, alpha=1, prefix_bits=bits, read=READ_ANSWERS)
-    lookup.on_answer(lookup.next_queries()[0], fakes + prefix[1:4])
-    simulate(lookup, tables, {f.peer_id for f in fakes})
-    holders = lookup.named_holders()
-    assert not set(holders) & set(fakes)
-    assert set(prefix) <= set(holders) or len(prefix) > 24
+    # A liar of the prefix answers first: 20 nodes of the prefix that are not there, and the
+    # honest ones at addresses of its own (and a node beyond the prefix, as an honest answer
+    # names: else the read goes to the end, each holder asked).
+    liar, honest = prefix[0], prefix[1:]
+    fakes = ground_into(rng, target, bits, 20)
+    elsewhere = [Contact(c.peer_id, ("/ip4/10.9.9.9/tcp/1",)) for c in honest]
+    beyond = [n for n in nodes if n not in prefix][:1]
+    for answer, early in ((fakes + elsewhere + beyond, True), (fakes + elsewhere, False)):
+        lookup = read_lookup(target, [liar], bits)
+        lookup.on_answer(lookup.next_queries()[0], answer)
+        simulate(lookup, tables, {f.peer_id for f in fakes}, ANSWER)
+        holders = lookup.named_holders()
+        assert lookup.read_enough == early
+        ids = {h.peer_id for h in holders}
+        assert ids >= {n.peer_id for n in prefix}  # no honest holder hidden
+        assert not ids & {f.peer_id for f in fakes}
+        if early:  # the prefix alone; those it did not ask at the addresses its nodes named
+            assert ids == {n.peer_id for n in prefix}
+            unasked = [h for h in holders if h.peer_id not in lookup._answered]
+            assert unasked and all(h.addrs == ("/ip4/127.0.0.1/tcp/1",) for h in unasked)
     assert NAMED_BY >= 2
 
 

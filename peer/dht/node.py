@@ -535,7 +535,7 @@ class DHT:
             # We are a replica ourselves (our copy is merged already): one remote read fewer,
             # never none (our copy lags where a store to us failed).
             wanted[key] = max(
-                1, asked - (self._replica() and self._we_belong_among(target, replicas[key], bits))
+                1, asked - (self._replica() and self._holds(target, bits, replicas[key]))
             )
             # A spread key's holders of its prefix first, where they are enough (read from the
             # others alike, those served 1.9x the mean node by placement at 300 and 1,000).
@@ -687,15 +687,16 @@ class DHT:
         k = SPREAD_HOLDERS * self.config.replicas if bits else self.config.replicas
         read = read and bits > 0
         lookup = await self.find_nodes(target, k=k, spread=bits, read=read)
-        closest = lookup.named_holders() if read else lookup.closest_answered()
+        early = lookup.read_enough  # a read's, from a few of the prefix: `Lookup.named_holders`
+        closest = lookup.named_holders() if early else lookup.closest_answered()
         contacts = closest[: hot_holders(target, bits, closest, self.config.replicas)]
         # Fewer than `replicas` answered: our table is filling, the closest nodes are still
         # to be found; looked up at every use.
-        if len(contacts) >= self.config.replicas:
+        if early or len(contacts) >= self.config.replicas:
             self._hot[target] = Holders(
                 now + (spread_refresh_seconds(bits) if bits else HOT_REPLICAS_SECONDS),
                 contacts,
-                complete=not read,
+                complete=not early,
             )
             self._hot.move_to_end(target)
             while len(self._hot) > HOT_KEYS:
@@ -853,9 +854,10 @@ class DHT:
             nursery.cancel_scope.cancel()  # only stalled queries are left, or a read's pending
         for contact in stalled:
             self._probe(contact)
-        took = trio.current_time() - started
-        first = self.lookup_seconds == 0.0
-        self.lookup_seconds = took if first else 0.8 * self.lookup_seconds + 0.2 * took
+        if not read:  # what a store's lookup takes (a read's ends early)
+            took = trio.current_time() - started
+            first = self.lookup_seconds == 0.0
+            self.lookup_seconds = took if first else 0.8 * self.lookup_seconds + 0.2 * took
         return lookup
 
     # ------------------------------------------------------------------ handlers
@@ -1025,6 +1027,15 @@ class DHT:
         for target, holders in list(self._hot.items()):
             if any(c.peer_id == contact.peer_id for c in holders.contacts):
                 del self._hot[target]  # looked up again at its next use
+
+    def _holds(self, target: int, bits: int, holders: list[Contact]) -> bool:
+        """Whether we hold the hot key at `target` beside `holders`, as a read looked them up:
+        a read's list of the prefix alone (`Holders.complete` false) does not say which nodes
+        beyond it hold the key too, so there only a node of the prefix knows it does."""
+        cached = self._hot.get(target)
+        if cached is not None and not cached.complete:
+            return in_prefix(self.table.own, target, bits)
+        return self._we_belong_among(target, holders, bits)
 
     def _we_belong_among(self, target: int, contacts: list[Contact], bits: int = 0) -> bool:
         """Whether we hold the key at `target` beside `contacts` (the other holders): we share

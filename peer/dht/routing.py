@@ -220,13 +220,16 @@ class Lookup:
     shards made ~30 find_node calls a shard where the prefix held ~8 nodes.
 
     A read of a spread key (`read`: a number of answers) needs its holders, not each of them
-    confirmed: its lookup is done once `read` nodes of the prefix have answered, and it asks
-    those of the prefix in an order of its own (`salt`: the bits below the prefix of a point in
-    it that it asks toward; asked nearest the key first, nodes that ground their ids next to it
-    would be every reader's first answers). Its holders (`named_holders`) are those that
-    answered and those that at least `NAMED_BY` of them named; a prefix of fewer nodes than
-    `read` is looked up to the end. Each node of a prefix knows the others, so a reader learns a
-    shard's holders from ~3 answers instead of all of them.
+    confirmed: each node of a prefix knows the others, so its lookup may end once `read` nodes
+    of the prefix have answered (`read_enough`). It asks those of the prefix in an order of its
+    own (`salt`: the bits below the prefix of a point in it; asked nearest the key first, nodes
+    that ground their ids next to it would be every reader's first answers). Its holders
+    (`named_holders`) are the nodes of the prefix that answered or that `NAMED_BY` of the
+    prefix's answers named at the same addresses, and nothing beyond the prefix. It ends early
+    only where those are at least `MIN_PREFIX_READ` (a hot read then asks the prefix alone:
+    `hot_read_order`) and each answer from the prefix named a node beyond it too (so it named
+    every node of the prefix it knows: an answer holds `dht.bucket_size` nodes, and those of a
+    larger prefix are not all in it); else it goes to the end, as a store's does.
     """
 
     def __init__(
@@ -250,19 +253,23 @@ class Lookup:
         self.least = least
         self.read = read
         self._point = target ^ salt
+        self._cut_answers = 0
+        """Answers from the prefix that named nobody beyond it (a read then goes to the end)."""
         self._known: dict[ID, Contact] = {}
         self._answered: set[ID] = set()
         self._failed: set[ID] = set()
         self._pending: set[ID] = set()
         self._stalled: set[ID] = set()
-        self._named: dict[ID, set[ID]] = {}
-        """Who named each contact, of those that answered (a read's evidence)."""
+        self._named: dict[ID, dict[tuple[str, ...], set[ID]]] = {}
+        """A read's evidence: for each node of the prefix, at each addresses, the nodes of the
+        prefix that answered naming it there."""
         for contact in seeds:
             self._known.setdefault(contact.peer_id, contact)
 
     def _distance(self, contact: Contact) -> int:
-        """A node of the prefix by its distance to the salted point, any other to the target:
-        each node of the prefix is nearer than any other either way."""
+        """The order a read asks in: a node of the prefix by its distance to the salted point,
+        any other to the target (each node of the prefix is nearer than any other either way).
+        Which nodes a lookup must hear from (`_closest_live`) is by the distance to the key."""
         if in_prefix(contact.id, self.target, self.prefix_bits):
             return contact.id ^ self._point
         return contact.id ^ self.target
@@ -274,7 +281,7 @@ class Lookup:
             if c.peer_id not in self._failed and c.peer_id not in self._stalled
         ]
         target = self.target
-        live.sort(key=self._distance if self._point != target else lambda c: c.id ^ target)
+        live.sort(key=lambda c: c.id ^ target)
         return live[: self._depth(live)]
 
     def _depth(self, live: list[Contact]) -> int:
@@ -290,7 +297,10 @@ class Lookup:
         """Contacts to query now; each is marked pending."""
         slots = self.alpha - len(self._pending)
         chosen = []
-        for contact in self._closest_live():
+        closest = self._closest_live()
+        if self._point != self.target:  # a read's: the prefix in its own order
+            closest.sort(key=self._distance)
+        for contact in closest:
             if slots <= 0:
                 break
             if contact.peer_id not in self._answered and contact.peer_id not in self._pending:
@@ -305,9 +315,14 @@ class Lookup:
         self._answered.add(contact.peer_id)
         for other in closer:
             if other.peer_id not in self._failed:
-                known = self._known.setdefault(other.peer_id, other)
-                if self.read and known.addrs == other.addrs:
-                    self._named.setdefault(other.peer_id, set()).add(contact.peer_id)
+                self._known.setdefault(other.peer_id, other)
+        if self.read and self._inside(contact):
+            closer = list(closer)
+            self._cut_answers += all(self._inside(other) for other in closer)
+            for other in closer:
+                if self._inside(other):
+                    named = self._named.setdefault(other.peer_id, {})
+                    named.setdefault(other.addrs, set()).add(contact.peer_id)
 
     def on_failure(self, contact: Contact) -> None:
         self._pending.discard(contact.peer_id)
@@ -333,34 +348,49 @@ class Lookup:
 
     @property
     def done(self) -> bool:
-        if self.read and self._prefix_answers() >= self.read:
+        if self.read_enough:
             return True  # what is still pending is cut
         if self._pending:
             return False
         return all(c.peer_id in self._answered for c in self._closest_live())
 
-    def _prefix_answers(self) -> int:
-        return sum(
-            in_prefix(self._known[peer_id].id, self.target, self.prefix_bits)
-            for peer_id in self._answered
-        )
+    def _inside(self, contact: Contact) -> bool:
+        return in_prefix(contact.id, self.target, self.prefix_bits)
+
+    @property
+    def read_enough(self) -> bool:
+        """A read's lookup may end: `read` nodes of the prefix answered, each naming a node
+        beyond it too, and the prefix's holders they show are at least `MIN_PREFIX_READ`."""
+        if not self.read or self._cut_answers:
+            return False
+        answers = sum(self._inside(self._known[peer_id]) for peer_id in self._answered)
+        return answers >= self.read and len(self._prefix_holders()) >= MIN_PREFIX_READ
+
+    def _prefix_holders(self) -> list[Contact]:
+        """The live nodes of the prefix that `NAMED_BY` of its answers named at the same
+        addresses (at the addresses most of them named: the first to name a node may give
+        addresses of its own), or that answered."""
+        holders = []
+        for contact in self._known.values():
+            peer_id = contact.peer_id
+            if peer_id in self._failed or peer_id in self._stalled or not self._inside(contact):
+                continue
+            named = self._named.get(peer_id, {})
+            addrs = max(named, key=lambda a: len(named[a]), default=())
+            if len(named.get(addrs, ())) >= NAMED_BY:
+                holders.append(contact if addrs == contact.addrs else Contact(peer_id, addrs))
+            elif peer_id in self._answered:
+                holders.append(contact)
+        return holders
 
     def named_holders(self) -> list[Contact]:
-        """A read's holders (`read`), the nearest the key first, as many as a lookup that
-        went to the end finds (`closest_answered`): of the live contacts, those that answered
-        and those that `NAMED_BY` or more of them named at the addresses it knows them by (one
-        answerer's word alone could fill a reader's list with nodes that are not there). Past
-        `k` nodes of a prefix, the key's nearest: those a store reaches."""
+        """A read's holders (`read`), the nearest the key first: where it ended early, the
+        prefix's (`_prefix_holders`: those a store reaches, but for one that left and is
+        named still); else those that answered (`closest_answered`)."""
+        if not self.read_enough:
+            return self.closest_answered()
         target = self.target
-        live = [
-            c
-            for c in self._known.values()
-            if c.peer_id not in self._failed
-            and c.peer_id not in self._stalled
-            and (c.peer_id in self._answered or len(self._named.get(c.peer_id, ())) >= NAMED_BY)
-        ]
-        live.sort(key=lambda c: c.id ^ target)
-        return live[: self._depth(live)]
+        return sorted(self._prefix_holders(), key=lambda c: c.id ^ target)
 
     def closest_answered(self) -> list[Contact]:
         """The k closest contacts that answered: where a record lives."""
