@@ -765,8 +765,9 @@ class DHT:
     ) -> Lookup:
         """The lookup of `target`'s `k` closest nodes (`dht.replicas`), not held by a query
         that stalls; for a spread key of `spread` bits, of its prefix's nodes and at least
-        `dht.replicas`, at most `k` (`Lookup`); to `read` it, until `READ_ANSWERS` of the
-        prefix answered, asked in an order of our own."""
+        `dht.replicas`, at most `k` (`Lookup`); to `read` it, the prefix asked in an order of
+        our own and, where they show its holders (`Lookup.read_enough`), until `READ_ANSWERS`
+        of it answered."""
 
         async def query(contact: Contact) -> list[Contact]:
             reply = await self._call(
