@@ -246,6 +246,9 @@ def full_network(rng: random.Random, size: int) -> tuple[list[Contact], dict]:
     return nodes, tables
 
 
+ANSWER = 20  # contacts a find_node answer names (`dht.bucket_size`)
+
+
 def read_lookup(target: int, seeds: list, bits: int, salt: int = 0) -> Lookup:
     return Lookup(
         target,
@@ -257,9 +260,6 @@ def read_lookup(target: int, seeds: list, bits: int, salt: int = 0) -> Lookup:
         read=READ_ANSWERS,
         salt=salt,
     )
-
-
-ANSWER = 20  # contacts a find_node answer names (`dht.bucket_size`)
 
 
 def test_a_read_learns_a_prefixs_holders_from_a_few_of_them_and_asks_fewer_nodes():

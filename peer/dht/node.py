@@ -685,10 +685,9 @@ class DHT:
             return cached
         now = trio.current_time()
         k = SPREAD_HOLDERS * self.config.replicas if bits else self.config.replicas
-        read = read and bits > 0
         lookup = await self.find_nodes(target, k=k, spread=bits, read=read)
         early = lookup.read_enough  # a read's, from a few of the prefix: `Lookup.named_holders`
-        closest = lookup.named_holders() if early else lookup.closest_answered()
+        closest = lookup.named_holders()
         contacts = closest[: hot_holders(target, bits, closest, self.config.replicas)]
         # Fewer than `replicas` answered: our table is filling, the closest nodes are still
         # to be found; looked up at every use.

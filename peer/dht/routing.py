@@ -270,9 +270,7 @@ class Lookup:
         """The order a read asks in: a node of the prefix by its distance to the salted point,
         any other to the target (each node of the prefix is nearer than any other either way).
         Which nodes a lookup must hear from (`_closest_live`) is by the distance to the key."""
-        if in_prefix(contact.id, self.target, self.prefix_bits):
-            return contact.id ^ self._point
-        return contact.id ^ self.target
+        return contact.id ^ (self._point if self._inside(contact) else self.target)
 
     def _closest_live(self) -> list[Contact]:
         live = [
@@ -280,8 +278,7 @@ class Lookup:
             for c in self._known.values()
             if c.peer_id not in self._failed and c.peer_id not in self._stalled
         ]
-        target = self.target
-        live.sort(key=lambda c: c.id ^ target)
+        live.sort(key=lambda c: c.id ^ self.target)
         return live[: self._depth(live)]
 
     def _depth(self, live: list[Contact]) -> int:
