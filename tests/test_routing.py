@@ -364,18 +364,27 @@ def test_a_read_asks_its_own_nodes_of_the_prefix_and_takes_no_ones_word_alone():
         else:  # to the end: every honest holder, the liar's addresses for them aside
             assert ids >= {n.peer_id for n in prefix}
 
-    # Three nodes of a prefix answer, and a fourth is named: by two of them, it counts toward
-    # the `MIN_PREFIX_READ` the prefix must show, yet is no holder (the read never heard from
-    # it: it may have left); named by one alone, it counts for nothing and the read goes on.
+    # Three nodes of a prefix answer, and a fourth is named: by two of them at the same
+    # addresses, it counts toward the `MIN_PREFIX_READ` the prefix must show, yet is no holder
+    # (the read never heard from it: it may have left). Named by one alone, or by two at
+    # different addresses, or failed since, it counts for nothing and the read goes on.
     a, b, c, d = ground_into(rng, target, bits, 4)
-    for second_names_d in (True, False):
+    moved = Contact(d.peer_id, ("/ip4/10.9.9.9/tcp/1",))
+    for second_names, failed, early in (
+        ([d], False, True),
+        ([], False, False),
+        ([moved], False, False),
+        ([d], True, False),
+    ):
         lookup = read_lookup(target, [a, b, c], bits)
         assert set(lookup.next_queries()) == {a, b, c}
         lookup.on_answer(a, [b, c, d, *beyond])
-        lookup.on_answer(b, [a, c] + [d] * second_names_d + beyond)
+        lookup.on_answer(b, [a, c, *second_names, *beyond])
+        if failed:
+            lookup.on_failure(d)
         lookup.on_answer(c, [a, b, *beyond])
-        assert lookup.read_enough == second_names_d == lookup.done
-        if second_names_d:
+        assert lookup.read_enough == early == lookup.done
+        if early:
             assert lookup.read_holders() == sorted([a, b, c], key=lambda n: n.id ^ target)
     assert NAMED_BY >= 2
 

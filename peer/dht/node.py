@@ -677,9 +677,9 @@ class DHT:
         """The live nodes that hold a hot key (`routing.hot_holders`: the `replicas` closest
         to `target`, or every node of a spread key's prefix), looked up at most
         `HOT_REPLICAS_SECONDS` (`spread_refresh_seconds`) ago, or again after one of them failed a
-        call (`_forget`). A `read` of a spread key takes them from a few of the prefix's nodes
-        (`Lookup.read_holders`); a store asks every holder it stores to (it must reach them
-        all, and a reader's list may name one that left)."""
+        call (`_forget`). A `read` of a spread key may take as holders the few nodes of the
+        prefix its lookup heard from (`Lookup.read_holders`); a store asks every holder it
+        stores to (it must reach them all, and a reader's list holds a few of them)."""
         cached = self._fresh_hot(target, read=read)
         if cached is not None:
             return cached
@@ -1057,7 +1057,8 @@ class Holders(NamedTuple):
     """Fresh until then."""
     contacts: list[Contact]
     complete: bool
-    """The lookup heard from every holder (a read's hears from a few: `Lookup.read_holders`)."""
+    """The list holds every holder the lookup found (a read's that ended early holds a few of
+    the prefix's: `Lookup.read_holders`)."""
 
 
 def spread_refresh_seconds(bits: int) -> float:

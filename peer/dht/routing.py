@@ -365,8 +365,9 @@ class Lookup:
         return answers >= self.read and self._prefix_shown() >= MIN_PREFIX_READ
 
     def _prefix_shown(self) -> int:
-        """The live nodes of the prefix that answered, or that `NAMED_BY` of its answers
-        named at the same addresses (one liar's names count for nothing)."""
+        """The nodes of the prefix that answered, or that `NAMED_BY` of its answers named at
+        the same addresses and that have not failed or stalled since (one liar's names count
+        for nothing; a node only named may still have left)."""
         shown = 0
         for contact in self._known.values():
             peer_id = contact.peer_id
