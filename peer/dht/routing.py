@@ -201,8 +201,7 @@ class RoutingTable:
 
 #: Answers from a spread key's prefix that end a read's lookup of its holders (`Lookup`).
 READ_ANSWERS = 3
-#: Answers that must name a node of the prefix a read has not heard from itself for it to
-#: count toward `MIN_PREFIX_READ` (`Lookup.read_enough`).
+#: Answers that must name a holder a read has not heard from itself (`Lookup.named_holders`).
 NAMED_BY = 2
 
 
@@ -224,13 +223,13 @@ class Lookup:
     confirmed: each node of a prefix knows the others, so its lookup may end once `read` nodes
     of the prefix have answered (`read_enough`). It asks those of the prefix in an order of its
     own (`salt`: the bits below the prefix of a point in it; asked nearest the key first, nodes
-    that ground their ids next to it would be every reader's first answers). It ends early
-    only where the prefix shows at least `MIN_PREFIX_READ` nodes (those that answered, or that
-    `NAMED_BY` of the prefix's answers named at the same addresses) and each answer from the
-    prefix named a node beyond it too (so it named every node of the prefix it knows: an
-    answer holds `dht.bucket_size` nodes, and those of a larger prefix are not all in it); else
-    it goes to the end, as a store's does. Its holders (`read_holders`) are then the nodes of
-    the prefix that answered it, and nothing beyond the prefix.
+    that ground their ids next to it would be every reader's first answers). Its holders
+    (`named_holders`) are the nodes of the prefix that answered or that `NAMED_BY` of the
+    prefix's answers named at the same addresses, and nothing beyond the prefix. It ends early
+    only where those are at least `MIN_PREFIX_READ` (a hot read then asks the prefix alone:
+    `hot_read_order`) and each answer from the prefix named a node beyond it too (so it named
+    every node of the prefix it knows: an answer holds `dht.bucket_size` nodes, and those of a
+    larger prefix are not all in it); else it goes to the end, as a store's does.
     """
 
     def __init__(
@@ -358,37 +357,37 @@ class Lookup:
     @property
     def read_enough(self) -> bool:
         """A read's lookup may end: `read` nodes of the prefix answered, each naming a node
-        beyond it too, and the prefix shows at least `MIN_PREFIX_READ` nodes."""
+        beyond it too, and the prefix's holders they show are at least `MIN_PREFIX_READ`."""
         if not self.read or self._cut_answers:
             return False
         answers = sum(self._inside(self._known[peer_id]) for peer_id in self._answered)
-        return answers >= self.read and self._prefix_shown() >= MIN_PREFIX_READ
+        return answers >= self.read and len(self._prefix_holders()) >= MIN_PREFIX_READ
 
-    def _prefix_shown(self) -> int:
-        """The nodes of the prefix that answered, or that `NAMED_BY` of its answers named at
-        the same addresses and that have not failed or stalled since (one liar's names count
-        for nothing; a node only named may still have left)."""
-        shown = 0
+    def _prefix_holders(self) -> list[Contact]:
+        """The live nodes of the prefix that `NAMED_BY` of its answers named at the same
+        addresses (at the addresses most of them named: the first to name a node may give
+        addresses of its own), or that answered."""
+        holders = []
         for contact in self._known.values():
             peer_id = contact.peer_id
             if peer_id in self._failed or peer_id in self._stalled or not self._inside(contact):
                 continue
             named = self._named.get(peer_id, {})
-            shown += peer_id in self._answered or any(len(by) >= NAMED_BY for by in named.values())
-        return shown
+            addrs = max(named, key=lambda a: len(named[a]), default=())
+            if len(named.get(addrs, ())) >= NAMED_BY:
+                holders.append(contact if addrs == contact.addrs else Contact(peer_id, addrs))
+            elif peer_id in self._answered:
+                holders.append(contact)
+        return holders
 
-    def read_holders(self) -> list[Contact]:
+    def named_holders(self) -> list[Contact]:
         """A read's holders (`read`), the nearest the key first: where it ended early, the
-        nodes of the prefix that answered it; else those that answered (`closest_answered`).
-        A node only named may have left since its neighbours last heard from it, or sit
-        behind a NAT that no connection of ours crosses yet: read from at 100 simulated
-        peers, such nodes made a hot read's calls 24 % slower than those of full lookups,
-        and the run took 8 steps, not 13 (seed 0; session 43)."""
+        prefix's (`_prefix_holders`: those a store reaches, but for one that left and is
+        named still); else those that answered (`closest_answered`)."""
         if not self.read_enough:
             return self.closest_answered()
-        answered = [self._known[peer_id] for peer_id in self._answered]
-        inside = [c for c in answered if self._inside(c)]
-        return sorted(inside, key=lambda c: c.id ^ self.target)
+        target = self.target
+        return sorted(self._prefix_holders(), key=lambda c: c.id ^ target)
 
     def closest_answered(self) -> list[Contact]:
         """The k closest contacts that answered: where a record lives."""
