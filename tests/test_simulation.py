@@ -682,7 +682,8 @@ def test_progress_replies_spread_over_the_shards_holders():
     """40 simulated peers publishing and reading progress records (`simulation.progressload`):
     on one key its 8 replicas sent 5.4x the mean node's replies (at 100 peers 13x, 15 Mbit/s
     each); in shards on hashed keys the busiest sent 2.6x; held by the prefix of the peer ids
-    whose records they hold, 1.1x. Every read sees everyone."""
+    whose records they hold, 1.1x (1.25x at b41d111); read from the first three of the prefix
+    in each read's own order, 1.44x (session 43). Every read sees everyone."""
     load = run_load(40, seconds=20, warmup=15, seed=0)
     assert load.coverage >= 0.99
     assert load.busiest <= 1.5 * load.mean, (load.busiest, load.mean)

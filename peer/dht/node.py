@@ -53,7 +53,6 @@ from peer.dht.records import (
     validate_entry,
 )
 from peer.dht.routing import (
-    ID_BITS,
     READ_ANSWERS,
     Contact,
     Lookup,
@@ -677,17 +676,17 @@ class DHT:
         """The live nodes that hold a hot key (`routing.hot_holders`: the `replicas` closest
         to `target`, or every node of a spread key's prefix), looked up at most
         `HOT_REPLICAS_SECONDS` (`spread_refresh_seconds`) ago, or again after one of them failed a
-        call (`_forget`). A `read` of a spread key takes them from a few of the prefix's nodes
-        (`Lookup.named_holders`); a store asks every holder it stores to (it must reach them
-        all, and a reader's list may name one that left)."""
+        call (`_forget`). A `read` of a spread key may take as holders the few nodes of the
+        prefix its lookup heard from (`Lookup.read_holders`); a store asks every holder it
+        stores to (it must reach them all, and a reader's list holds a few of them)."""
         cached = self._fresh_hot(target, read=read)
         if cached is not None:
             return cached
         now = trio.current_time()
         k = SPREAD_HOLDERS * self.config.replicas if bits else self.config.replicas
         lookup = await self.find_nodes(target, k=k, spread=bits, read=read)
-        early = lookup.read_enough  # a read's, from a few of the prefix: `Lookup.named_holders`
-        closest = lookup.named_holders()
+        early = lookup.read_enough  # a read's, from a few of the prefix: `Lookup.read_holders`
+        closest = lookup.read_holders()
         contacts = closest[: hot_holders(target, bits, closest, self.config.replicas)]
         # Fewer than `replicas` answered: our table is filling, the closest nodes are still
         # to be found; looked up at every use.
@@ -806,7 +805,7 @@ class DHT:
             prefix_bits=spread,
             least=self.config.replicas,
             read=READ_ANSWERS if read else 0,
-            salt=self.rng.getrandbits(ID_BITS - spread) if read else 0,
+            salt=self.rng.randbytes(16) if read else b"",
         )
         finished_send, finished_recv = trio.open_memory_channel[None](float("inf"))
 
@@ -1057,7 +1056,8 @@ class Holders(NamedTuple):
     """Fresh until then."""
     contacts: list[Contact]
     complete: bool
-    """Every one of them answered the lookup (a read's asks a few: `Lookup.named_holders`)."""
+    """The list holds every holder the lookup found (a read's that ended early holds a few of
+    the prefix's: `Lookup.read_holders`)."""
 
 
 def spread_refresh_seconds(bits: int) -> float:
