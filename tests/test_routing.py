@@ -319,6 +319,16 @@ def ground_into(rng: random.Random, target: int, bits: int, count: int) -> list[
     return found
 
 
+def ordering_salt(target: int, bits: int, first: list[Contact], *then: Contact) -> bytes:
+    """A salt under which a read orders `first` (in any order), then each of `then`."""
+    for i in range(4096):
+        rank = read_lookup(target, [], bits, i.to_bytes(2, "big"))._rank
+        places = [max(map(rank, first)), *map(rank, then)]
+        if places == sorted(places):
+            return i.to_bytes(2, "big")
+    raise AssertionError("no such salt")
+
+
 def test_a_read_asks_its_own_nodes_of_the_prefix_and_takes_no_ones_word_alone():
     """Nodes that ground their ids next to a shard's key would be the first three answers of
     every read asked nearest the key first; a salted read asks the prefix in an order of its
@@ -385,12 +395,7 @@ def test_a_read_asks_its_own_nodes_of_the_prefix_and_takes_no_ones_word_alone():
     # different addresses, or failed since, it counts for nothing and the read goes on.
     a, b, c, d = ground_into(rng, target, bits, 4)
     moved = Contact(d.peer_id, ("/ip4/10.9.9.9/tcp/1",))
-    salt = next(  # one that puts d last in the read's order: it is not asked before the end
-        s
-        for s in (bytes([i]) for i in range(256))
-        if max(map(read_lookup(target, [], bits, s)._rank, (a, b, c)))
-        < read_lookup(target, [], bits, s)._rank(d)
-    )
+    salt = ordering_salt(target, bits, [a, b, c], d)  # d is not asked before the end
     for second_names, failed, early in (
         ([d], False, True),
         ([], False, False),
@@ -421,6 +426,17 @@ def test_a_read_asks_its_own_nodes_of_the_prefix_and_takes_no_ones_word_alone():
     lookup.on_answer(c, [a, b, d, *beyond])
     assert lookup.read_enough
     assert lookup.read_holders() == sorted([a, b, c], key=lambda n: n.id ^ target)
+    # One of the first three that stalls drops out of the order: the fourth takes its place
+    # (and a fifth, named by all, makes the prefix show 4 without the stalled one).
+    (e,) = ground_into(rng, target, bits, 1)
+    lookup = read_lookup(target, [a, b, c, d], bits, ordering_salt(target, bits, [a, b, c], d, e))
+    assert set(lookup.next_queries()) == {a, b, c}
+    lookup.on_stall(c)
+    assert lookup.next_queries() == [d]
+    for node in (a, b, d):
+        lookup.on_answer(node, [a, b, c, d, e, *beyond])
+    assert lookup.read_enough
+    assert lookup.read_holders() == sorted([a, b, d], key=lambda n: n.id ^ target)
     assert NAMED_BY >= 2
 
 

@@ -764,8 +764,8 @@ class DHT:
         """The lookup of `target`'s `k` closest nodes (`dht.replicas`), not held by a query
         that stalls; for a spread key of `spread` bits, of its prefix's nodes and at least
         `dht.replicas`, at most `k` (`Lookup`); to `read` it, the prefix asked in an order of
-        our own and, where they show its holders (`Lookup.read_enough`), until `READ_ANSWERS`
-        of it answered."""
+        our own and, where the prefix shows enough nodes (`Lookup.read_enough`), until the
+        first `READ_ANSWERS` of it in that order answered."""
 
         async def query(contact: Contact) -> list[Contact]:
             reply = await self._call(

@@ -220,18 +220,19 @@ class Lookup:
     answer, so the depth grows as they are found; asked to depth `k` (24) always, a reader of 64
     shards made ~30 find_node calls a shard where the prefix held ~8 nodes.
 
-    A read of a spread key (`read`: a number of answers) needs its holders, not each of them
-    confirmed: each node of a prefix knows the others, so its lookup may end once `read` nodes
-    of the prefix have answered (`read_enough`). It asks those of the prefix in an order of its
-    own (`salt`: a key under which each node's id is hashed; asked nearest the key first, nodes
-    that ground their ids next to it would be every reader's first answers, and asked nearest a
-    salted point, a node alone in a wide part of the prefix would be asked first most often). It ends early
-    only where the prefix shows at least `MIN_PREFIX_READ` nodes (those that answered, or that
+    A read of a spread key (`read`: a number of answers) needs a few of its holders, not each
+    of them confirmed: each node of a prefix knows the others, so its lookup may end once the
+    first `read` nodes of the prefix in an order of its own have answered (`read_enough`;
+    those that fail or stall drop out of the order). The order is a hash of each node's id
+    keyed with `salt`: asked nearest the key first, nodes that ground their ids next to it would
+    be every reader's first answers, and asked nearest a salted point, a node alone in a wide
+    part of the prefix would be asked first most often. It ends early only where the prefix
+    shows at least `MIN_PREFIX_READ` nodes (those that answered, or that
     `NAMED_BY` of the prefix's answers named at the same addresses) and each answer from the
     prefix named a node beyond it too (so it named every node of the prefix it knows: an
     answer holds `dht.bucket_size` nodes, and those of a larger prefix are not all in it); else
-    it goes to the end, as a store's does. Its holders (`read_holders`) are then the nodes of
-    the prefix that answered it, and nothing beyond the prefix.
+    it goes to the end, as a store's does. Its holders (`read_holders`) are then those first
+    `read` nodes of the prefix, and nothing beyond it.
     """
 
     def __init__(
