@@ -53,6 +53,14 @@ async def test_store_get_subkeys_and_latest_wins_across_nodes():
         assert await s.dhts[1].get("missing") == {}
 
 
+async def test_a_nodes_random_draws_come_from_the_os():
+    """A read's salt (the order it asks a shard's prefix in) and the replicas it reads are
+    what strangers must not predict: drawn from the OS's generator, not from a Mersenne
+    Twister, whose state can be recovered from enough of its outputs (found in review)."""
+    async with swarm(2, CONFIG, clock=FakeClock()) as s:
+        assert all(isinstance(dht.rng, random.SystemRandom) for dht in s.dhts)
+
+
 async def test_expired_entries_are_never_returned():
     clock = FakeClock()
     async with swarm(N, CONFIG, clock=clock) as s:

@@ -215,7 +215,10 @@ class DHT:
         """Whether we tell callees our addresses (server mode), so they add us to their tables:
         a peer's daemon says so only once a backbone could dial it. Behind NAT, others' lookups
         waited out a dial to us at every hop (a home router drops the SYN: 5 s each)."""
-        self.rng = random.Random()
+        self.rng: random.Random = random.SystemRandom()
+        """A read's salt and the replicas it asks: what strangers must not predict (a Mersenne
+        Twister's state can be recovered from enough of its outputs). The simulator seeds its
+        own."""
         self._stores_received = 0
         self._gets_served = 0
         self._calls: Counter[tuple[str, str]] = Counter()
