@@ -286,12 +286,12 @@ class Lookup:
             self._order[contact.peer_id] = rank
         return (0, rank)
 
+    def _live(self, peer_id: ID) -> bool:
+        """Neither failed nor stalled (a stalled contact that answers later is live again)."""
+        return peer_id not in self._failed and peer_id not in self._stalled
+
     def _closest_live(self) -> list[Contact]:
-        live = [
-            c
-            for c in self._known.values()
-            if c.peer_id not in self._failed and c.peer_id not in self._stalled
-        ]
+        live = [c for c in self._known.values() if self._live(c.peer_id)]
         live.sort(key=lambda c: c.id ^ self.target)
         return live[: self._depth(live)]
 
@@ -387,11 +387,7 @@ class Lookup:
         those that failed or stalled: a read's holders are drawn from the prefix alike, not the
         first to answer (which favours nodes on fast links: at 40 simulated peers the busiest
         node sent 1.60x the mean node's replies so, 1.44x this way; session 43)."""
-        inside = [
-            c
-            for c in self._known.values()
-            if self._inside(c) and c.peer_id not in self._failed and c.peer_id not in self._stalled
-        ]
+        inside = [c for c in self._known.values() if self._inside(c) and self._live(c.peer_id)]
         inside.sort(key=self._rank)
         return inside[: self.read]
 
@@ -402,7 +398,7 @@ class Lookup:
         shown = 0
         for contact in self._known.values():
             peer_id = contact.peer_id
-            if peer_id in self._failed or peer_id in self._stalled or not self._inside(contact):
+            if not (self._live(peer_id) and self._inside(contact)):
                 continue
             named = self._named.get(peer_id, {})
             shown += peer_id in self._answered or any(len(by) >= NAMED_BY for by in named.values())
