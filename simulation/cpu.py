@@ -6,7 +6,9 @@ free. Here each node has a core (`SimCpu`, a `SharedLink` of one CPU-second per 
 runs on it at once shares it) and owes the costs below for the work its event loop does:
 
 - an Ed25519 signature check (DHT entries, step signatures, attestations) the first time the
-  node meets the signature (a real peer remembers what it checked): `VERIFY_SECONDS`;
+  node meets the signature (a real peer remembers what it checked): `VERIFY_SECONDS`; a
+  progress read's step signatures are charged as the read meets them (`_records_checked`),
+  since the checked records are remembered for every node at once;
 - an Ed25519 signature made (records, tickets, step signatures): `SIGN_SECONDS`.
 
 A check runs inside synchronous code (a decode, a record's validation) that cannot wait, so it
@@ -35,7 +37,7 @@ from libp2p.crypto.ed25519 import Ed25519PrivateKey
 from peer.dht import node as dht_node
 from peer.dht import records
 from peer.measure import attestation
-from peer.training import certificate
+from peer.training import certificate, progress, publisher
 from simulation.links import SharedLink, carry
 
 VERIFY_SECONDS = 46e-6
@@ -56,7 +58,7 @@ class SimCpu:
         self.owed = 0.0
         self.spent = 0.0
         """CPU-seconds charged in all."""
-        self._checked: OrderedDict[int, None] = OrderedDict()
+        self._checked: OrderedDict[bytes, None] = OrderedDict()
 
     def charge(self, seconds: float) -> None:
         self.owed += seconds
@@ -65,12 +67,12 @@ class SimCpu:
     def first_check(self, signature: bytes) -> bool:
         """Whether this node checks `signature` for the first time (as far as a cache of a
         real peer's size remembers): the process's caches are shared by every simulated
-        node, so each node's own is kept here."""
-        token = int.from_bytes(signature[:8], "big")
-        if token in self._checked:
-            self._checked.move_to_end(token)
+        node, so each node's own is kept here (by the signature itself: a bytes object
+        keeps its hash, and every reader of a record meets the same ones)."""
+        if signature in self._checked:
+            self._checked.move_to_end(signature)
             return False
-        self._checked[token] = None
+        self._checked[signature] = None
         if len(self._checked) > CHECKED_CACHE:
             self._checked.popitem(last=False)
         return True
@@ -102,15 +104,35 @@ def _check(signature: bytes) -> None:
         cpu.charge(VERIFY_SECONDS)
 
 
+def _records_checked(entries: dict[str, Any]) -> None:
+    """Charge a progress read's step signatures as `decode_progress` met them before its
+    memo of checked records: every signature of every record it keeps, in the entries'
+    order (the process's memo is every node's; each node pays its own first checks)."""
+    cpu = CURRENT.get()
+    if cpu is None:
+        return
+    for subkey, entry in entries.items():
+        if records.owner_key(subkey) is None:
+            continue
+        value = entry.value
+        small = value is not None and len(value) <= progress.DECODED_RECORD_BYTES
+        record = progress._decoded(value) if small else progress._decode(value)
+        if record is not None and record.peer_id == subkey:
+            for signature in record.signatures:
+                if cpu.first_check(signature.signature):
+                    cpu.charge(VERIFY_SECONDS)
+
+
 @contextlib.contextmanager
 def charged() -> Iterator[None]:
     """While this lasts, every signature a node checks for the first time, or makes, is
     charged to it (the functions are swapped where their callers look them up)."""
-    validate_entry, valid, signed, sign = (
+    validate_entry, valid, signed, sign, decode_progress = (
         records.validate_entry,
         certificate._valid,
         attestation.signed,
         Ed25519PrivateKey.sign,
+        progress.decode_progress,
     )
 
     def validate_entry_charged(key: str, subkey: str, entry: records.Entry, **kw: Any) -> None:
@@ -130,12 +152,25 @@ def charged() -> Iterator[None]:
         charge(SIGN_SECONDS)
         return sign(key, data)
 
+    def decode_progress_charged(
+        entries: dict[str, Any], *, collaboration: str
+    ) -> list[progress.ProgressRecord]:
+        uncharged = CURRENT.set(None)  # its memo's misses check for every node at once
+        try:
+            decoded = decode_progress(entries, collaboration=collaboration)
+        finally:
+            CURRENT.reset(uncharged)
+        _records_checked(entries)
+        return decoded
+
     swaps: list[tuple[Any, str, Any, Any]] = [
         (records, "validate_entry", validate_entry, validate_entry_charged),
         (dht_node, "validate_entry", validate_entry, validate_entry_charged),
         (certificate, "_valid", valid, valid_charged),
         (attestation, "signed", signed, signed_charged),
         (Ed25519PrivateKey, "sign", sign, sign_charged),
+        (progress, "decode_progress", decode_progress, decode_progress_charged),
+        (publisher, "decode_progress", decode_progress, decode_progress_charged),
     ]
     for owner, name, _, charged_one in swaps:
         setattr(owner, name, charged_one)

@@ -38,6 +38,7 @@ def _memos() -> list[tuple[Any, str]]:
     """(module, name) of every memo whose size is per node."""
     return [
         (progress, "_decoded"),
+        (progress, "_checked"),
         (certificate, "_valid"),
         (records, "owner_key"),
         (records, "_subkey_hash"),

@@ -325,6 +325,9 @@ def test_a_view_for_a_fingerprint_holds_only_the_records_of_that_task():
     )
     assert [r.peer_id for r in view.training("a").records] == [PEERS[0], PEERS[2]]
     assert view.training("a").quorum == 2
+    # Worked out once a read: the trainer asks for it twice (its signers and global step too).
+    assert view.training("a") is view.training("a")
+    assert [r.peer_id for r in view.training("b").records] == [PEERS[1]]
 
 
 def test_a_foreign_task_is_one_whose_peers_hold_a_certified_step_while_ours_hold_none():

@@ -31,8 +31,9 @@ from peer.dht.records import Limits, make_entry
 from peer.errors import DeadlineExceeded, RpcError, Unreachable
 from peer.net.rpc import RpcServer
 from peer.training import progress, shards
+from peer.training.certificate import sign_step
 from peer.training.publisher import ProgressPublisher
-from simulation import collaboration, memo
+from simulation import collaboration, cpu, memo
 from simulation.collaboration import (
     EPOCH,
     VECTOR,
@@ -42,7 +43,7 @@ from simulation.collaboration import (
     run_collaboration,
     scale_factor,
 )
-from simulation.cpu import VERIFY_SECONDS, charged
+from simulation.cpu import VERIFY_SECONDS, SimCpu, charged
 from simulation.dataplane import SimDataPlane, SimDataServer, SimIdentity
 from simulation.links import SharedLink, carry
 from simulation.nat import Nat, NatTally
@@ -644,6 +645,33 @@ async def test_a_node_pays_for_the_signatures_it_checks_first_before_its_reply_l
     assert first - again == pytest.approx(100 * VERIFY_SECONDS)
     assert network.cpus[callee.peer_id].spent == pytest.approx(100 * VERIFY_SECONDS)
     assert network.cpus[caller.peer_id].spent == 0
+
+
+def test_each_node_pays_for_the_step_signatures_of_a_progress_read_it_meets_first():
+    """The checked records are remembered once for the whole process (`progress._checked`),
+    so a node whose read hits that memo checked nothing itself: each simulated node still
+    pays for every step signature it meets first, as a real reader would, and nothing for
+    those it met before."""
+    keys = [create_new_key_pair(bytes([i]) * 32) for i in range(1, 4)]
+    peers = [ID.from_pubkey(k.public_key).to_base58() for k in keys]
+
+    def record(i: int, *signers: int) -> progress.ProgressRecord:
+        signatures = [sign_step(keys[j].private_key, peers[j], "c", 3, "d") for j in signers]
+        return progress.ProgressRecord(
+            peers[i], "trainer", [], 3, "d", 0, 0.0, 1.0, signatures=signatures
+        )
+
+    # 5 signatures, 3 distinct: Ed25519's are the same bytes for the same statement and key.
+    read = sorted([record(0, 0, 1), record(1, 1, 0), record(2, 2)], key=lambda r: r.peer_id)
+    entries = {r.peer_id: records.Entry(progress.encode_progress(r), 2e9) for r in read}
+    assert progress.decode_progress(entries, collaboration="c") == read  # now remembered
+    first, second = SimCpu(), SimCpu()
+    with charged():
+        for node in (first, first, second):
+            token = cpu.CURRENT.set(node)
+            assert progress.decode_progress(entries, collaboration="c") == read
+            cpu.CURRENT.reset(token)
+    assert first.spent == second.spent == pytest.approx(3 * VERIFY_SECONDS)
 
 
 @pytest.mark.slow  # 47 s on CI's 2 cores

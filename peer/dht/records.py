@@ -283,6 +283,9 @@ class RecordStore:
         self._writes: dict[str, OrderedDict[tuple[str, str], int]] = {}
         self._writer_bytes: dict[str, int] = {}
         self.total_bytes = 0
+        # key -> at most its entries' earliest expiration: a key with none due is not scanned
+        # (a hot shard is read a hundred times a second, each read a purge of its key).
+        self._soonest: dict[str, float] = {}
 
     def __len__(self) -> int:
         return len(self._records)
@@ -327,6 +330,7 @@ class RecordStore:
             self._drop(key, subkey)
         self._make_room(writer, size)
         self._records.setdefault(key, {})[subkey] = _Held(entry, writer, size)
+        self._soonest[key] = min(self._soonest.get(key, math.inf), entry.expiration)
         self._writes.setdefault(writer, OrderedDict())[key, subkey] = size
         self._writer_bytes[writer] = self._writer_bytes.get(writer, 0) + size
         self.total_bytes += size
@@ -374,7 +378,7 @@ class RecordStore:
         subkeys = self._records[key]
         held = subkeys.pop(subkey)
         if not subkeys:
-            del self._records[key]
+            del self._records[key], self._soonest[key]
         self.total_bytes -= held.size
         writes = self._writes[held.writer]
         del writes[key, subkey]
@@ -384,9 +388,11 @@ class RecordStore:
 
     def _purge_key(self, key: str, *, now: float) -> int:
         subkeys = self._records.get(key)
-        if subkeys is None:
+        if subkeys is None or self._soonest[key] > now:
             return 0
         expired = [s for s, held in subkeys.items() if held.entry.expiration <= now]
         for subkey in expired:
             self._drop(key, subkey)
+        if subkeys:
+            self._soonest[key] = min(held.entry.expiration for held in subkeys.values())
         return len(expired)

@@ -166,7 +166,8 @@ class ProgressReader:
         anything alive in our reads, nor grow them)."""
         shown: dict[str, dict[str, Entry]] = {}
         keys = shards.level_keys(self.collaboration, at)
-        for key, found in (await self._get(dict.fromkeys(keys, at), known=self._known)).items():
+        shard_of = {key: (at, index) for index, key in enumerate(keys)}
+        for key, found in (await self._get(shard_of, known=self._known)).items():
             if isinstance(found, RemoteError):
                 raise found
             shown[key] = found
@@ -185,33 +186,34 @@ class ProgressReader:
         return ProgressRead(entries, records)
 
     async def _get(
-        self, levels: dict[str, int], *, known: dict[str, dict[str, Entry]] | None = None
+        self,
+        shard_of: dict[str, tuple[int, int]],
+        *,
+        known: dict[str, dict[str, Entry]] | None = None,
     ) -> dict[str, dict[str, Entry] | RemoteError]:
-        """Shard keys (key -> its level) read at once: each one's entries under the subkeys
-        whose shard it is, or the RemoteError its read met."""
+        """Shard keys (key -> its level and index) read at once: each one's entries under the
+        subkeys whose shard it is, or the RemoteError its read met."""
         if not self.hot:
             known = None
-        read = await self.dht.get_many(list(levels), hot=self.hot, strict=True, known=known)
+        read = await self.dht.get_many(list(shard_of), hot=self.hot, strict=True, known=known)
         return {
             key: found
             if isinstance(found, RemoteError)
             else {
                 subkey: entry
                 for subkey, entry in found.items()
-                if shards.record_key(self.collaboration, subkey, levels[key]) == key
+                if shards.shard_index(subkey, shard_of[key][0]) == shard_of[key][1]
             }
             for key, found in read.items()
         }
 
     async def _probe(self) -> list[tuple[int, int]]:
         """(level, records) of one shard of every level, chosen at random."""
-        levels = {
-            shards.shard_key(self.collaboration, at, self.dht.rng.randrange(2**at)): at
-            for at in range(shards.MAX_LEVEL + 1)
-        }
+        drawn = [(at, self.dht.rng.randrange(2**at)) for at in range(shards.MAX_LEVEL + 1)]
+        shard_of = {shards.shard_key(self.collaboration, *shard): shard for shard in drawn}
         return [
-            (levels[key], len(decode_progress(entries, collaboration=self.collaboration)))
-            for key, entries in (await self._get(levels)).items()
+            (shard_of[key][0], len(decode_progress(entries, collaboration=self.collaboration)))
+            for key, entries in (await self._get(shard_of)).items()
             if not isinstance(entries, RemoteError)
         ]
 
