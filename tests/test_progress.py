@@ -174,6 +174,22 @@ def test_the_earliest_call_wins_and_with_record_replaces_our_own():
     assert mine.call(3) == 11.5 and len(mine.records) == 2
 
 
+def test_a_view_with_our_record_counts_the_signers_a_view_of_its_records_counts():
+    """`with_record` works the others' signers out once a view and adds ours: the signatures
+    only our old record carried count no more, and a leaving record's still count."""
+    farewell = rec(4, leaving=True, cosigners=(5,))
+    view = CollaborationView([rec(0, cosigners=(1,)), rec(1), rec(2, cosigners=(3,)), farewell])
+    assert view.signers(3, "d") == {PEERS[i] for i in range(6)}
+    for ours in [rec(2, step=4, digest="e"), rec(2, cosigners=(0,)), rec(2, leaving=True)]:
+        mine = view.with_record(ours)
+        fresh = CollaborationView([*mine.records, *mine.farewells], mine.quorum)
+        for step, digest in [(3, "d"), (4, "e")]:
+            assert mine.signers(step, digest) == fresh.signers(step, digest)
+    assert view.with_record(rec(2, step=4, digest="e")).signers(3, "d") == {
+        PEERS[i] for i in (0, 1, 4, 5)
+    }
+
+
 def test_consensus_is_the_most_common_digest_and_ties_break_by_the_smallest():
     view = CollaborationView([rec(0, digest="b"), rec(1, digest="b"), rec(2, digest="a")])
     assert view.consensus(3) == "b"
