@@ -310,7 +310,8 @@ class CollaborationView:
         """`_signers` of every record but `peer_id`'s, worked out once a view: each
         iteration of a trainer's loop views the last read with its own record as it is then
         (`with_record`), and at 1,000 simulated peers working out every record's signers
-        again for that view was the largest part of the simulator's time."""
+        again for that view took more of the simulator's time than any other function (8.7 %
+        of py-spy's samples)."""
         found = self._without.get(peer_id)
         if found is None:
             found = self._without[peer_id] = _signers_of(
