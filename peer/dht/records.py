@@ -284,7 +284,7 @@ class RecordStore:
         self._writer_bytes: dict[str, int] = {}
         self.total_bytes = 0
         # key -> at most its entries' earliest expiration: a key with none due is not scanned
-        # (a hot shard is read a hundred times a second, each read a purge of its key).
+        # (a hot shard is read many times a second, and each read purged its key first).
         self._soonest: dict[str, float] = {}
 
     def __len__(self) -> int:
