@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 
 import msgspec
+from hypothesis import given
+from hypothesis import strategies as st
 
 from peer.dht.records import Entry
 from peer.training.certificate import StepSignature, sign_step
@@ -188,6 +190,37 @@ def test_a_view_with_our_record_counts_the_signers_a_view_of_its_records_counts(
     assert view.with_record(rec(2, step=4, digest="e")).signers(3, "d") == {
         PEERS[i] for i in (0, 1, 4, 5)
     }
+
+
+@given(
+    st.lists(st.integers(0, 5), max_size=6, unique=True),
+    st.integers(0, 5),
+    st.booleans(),
+)
+def test_with_record_is_the_records_with_ours_in_place_in_peer_id_order(held, ours, shuffled):
+    """A view of a read (records in peer id order) splices our record in where a sort puts
+    it, replacing our old one, and one in another order is sorted: the same records either
+    way."""
+    records = sorted((rec(i, samples=i) for i in held), key=lambda r: r.peer_id)
+    if shuffled:
+        records.reverse()
+    mine = rec(ours, samples=99)
+    view = CollaborationView(records).with_record(mine)
+    expected = sorted(
+        [*(r for r in records if r.peer_id != mine.peer_id), mine], key=lambda r: r.peer_id
+    )
+    assert view.records == expected
+
+
+@given(st.lists(st.integers(0, 5), max_size=8), st.integers(0, 5), st.booleans())
+def test_record_of_finds_a_peers_first_record_in_any_view(held, wanted, in_order):
+    """A read's view (peer ids ascending) finds a record by bisection; any other view (out of
+    order, or the same peer twice) gives its first."""
+    records = [rec(i, samples=n) for n, i in enumerate(held)]
+    if in_order:
+        records = sorted({r.peer_id: r for r in records}.values(), key=lambda r: r.peer_id)
+    first = next((r for r in records if r.peer_id == PEERS[wanted]), None)
+    assert CollaborationView(records).record_of(PEERS[wanted]) is first
 
 
 def test_consensus_is_the_most_common_digest_and_ties_break_by_the_smallest():

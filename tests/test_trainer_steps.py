@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import wait
 from types import SimpleNamespace
@@ -23,6 +24,8 @@ import numpy as np
 import pytest
 import torch
 import trio
+from hypothesis import given
+from hypothesis import strategies as st
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
@@ -1383,3 +1386,30 @@ async def test_the_policy_counts_on_reads_as_far_apart_as_the_records_make_them(
     assert trainer.progress.read_interval > 5
     assert trainer.policy.timing.reading == trainer.progress.read_interval
     assert trainer.policy.timing.stale_record > trainer.progress.read_interval
+
+
+@given(
+    st.lists(st.tuples(st.integers(0, 12), st.booleans()), max_size=30),
+    st.lists(st.integers(0, 12), max_size=8, unique=True),
+    st.integers(1, 6),
+)
+def test_remembered_contacts_are_the_newest_publishers_of_addresses(read, before, limit):
+    """`remember_contacts` leaves what moving every peer of the read that publishes addresses
+    to the end (its newest addresses), then keeping the last `limit`, leaves: the contacts a
+    peer out of touch rejoins through (`Trainer._keep_in_touch`)."""
+    names = [f"p{i:02d}" for i in range(13)]
+    me = names[0]
+    records = [
+        SimpleNamespace(peer_id=names[i], addrs=[f"/ip4/127.0.0.{i}/tcp/{n}"] if has else [])
+        for n, (i, has) in enumerate(read)
+    ]
+    known = OrderedDict((names[i], ["/old"]) for i in before)
+    expected = OrderedDict(known)
+    for r in records:  # the model: move every one
+        if r.peer_id != me and r.addrs:
+            expected.pop(r.peer_id, None)
+            expected[r.peer_id] = list(r.addrs)
+    while len(expected) > limit:
+        expected.popitem(last=False)
+    trainer_module.remember_contacts(known, records, me, limit)
+    assert list(known.items()) == list(expected.items())

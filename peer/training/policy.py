@@ -1220,7 +1220,7 @@ class StepPolicy:
         held = self.held
         if held.step == 0:
             return True
-        ours = next((r for r in self.view.records if r.peer_id == self.me), None)
+        ours = self.view.record_of(self.me)
         return (
             ours is not None
             and (ours.step, ours.digest) == (held.step, held.digest)
@@ -1396,7 +1396,7 @@ class StepPolicy:
         its reads (3 peers applied 288 for 256, two of them dealt 3 for a moment each)."""
         rates = self._dealing_rates(view, local)
         step = self._dealing_step(local)
-        key = (step, sorted((peer, rate > 0) for peer, rate in rates.items()))
+        key = (step, frozenset(rates), frozenset(peer for peer, rate in rates.items() if rate > 0))
         if self._dealt is None or self._dealt[0] != key:
             self._dealt = (key, self._quota_of(rates, step))
         return self._dealt[1]
@@ -1418,8 +1418,8 @@ class StepPolicy:
         collaboration took itself for the faster one and the quotas added up to more than the
         target."""
         rates = {r.peer_id: r.samples_per_second for r in self._step_company(view)}
-        published = [r for r in self.view.records if r.peer_id == self.me]
-        rates[self.me] = published[0].samples_per_second if published else local.samples_per_second
+        published = self.view.record_of(self.me)
+        rates[self.me] = published.samples_per_second if published else local.samples_per_second
         return rates
 
     def _step_company(self, view: CollaborationView) -> list[ProgressRecord]:

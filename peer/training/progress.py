@@ -28,6 +28,8 @@ Every peer reads the same records and applies the same rules:
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 from collections import Counter, defaultdict
 from collections.abc import Iterable
@@ -451,8 +453,14 @@ class CollaborationView:
 
     def with_record(self, record: ProgressRecord) -> CollaborationView:
         """This view with `record` replacing its owner's (our own newest figures)."""
-        others = [r for r in self.records if r.peer_id != record.peer_id]
-        records = sorted([*others, record], key=lambda r: r.peer_id)
+        ids = self._sorted_ids
+        if ids is None:
+            others = [r for r in self.records if r.peer_id != record.peer_id]
+            records = sorted([*others, record], key=lambda r: r.peer_id)
+        else:  # the same list, spliced: a trainer views each read anew every iteration
+            place = bisect.bisect_left(ids, record.peer_id)
+            after = place + (place < len(ids) and ids[place] == record.peer_id)
+            records = [*self.records[:place], record, *self.records[after:]]
         farewells = [r for r in self.farewells if r.peer_id != record.peer_id]
         view = CollaborationView(records, self.quorum, farewells)
         signers = dict(self._signers_without(record.peer_id))  # its sets are never changed
@@ -460,6 +468,21 @@ class CollaborationView:
         signers[at] = signers.get(at, set()) | {s.signer for s in record.signatures}
         view.__dict__["_signers"] = signers  # what `_signers` would work out, from the others'
         return view
+
+    def record_of(self, peer_id: str) -> ProgressRecord | None:
+        """`peer_id`'s record in this view (the first, in a view that is not a read's)."""
+        ids = self._sorted_ids
+        if ids is None:
+            return next((r for r in self.records if r.peer_id == peer_id), None)
+        place = bisect.bisect_left(ids, peer_id)
+        return self.records[place] if place < len(ids) and ids[place] == peer_id else None
+
+    @cached_property
+    def _sorted_ids(self) -> list[str] | None:
+        """The records' peer ids where they are in strictly ascending order (as a read's are:
+        `decode_progress`), else None."""
+        ids = [r.peer_id for r in self.records]
+        return ids if all(a < b for a, b in itertools.pairwise(ids)) else None
 
     def target_reached(self, target: float) -> bool:
         """At least `quorum` distinct trainers report a validation loss at or below `target`

@@ -90,6 +90,30 @@ Download = Callable[[list[ProgressRecord], int], Awaitable["Snapshot"]]
 DownloadInto = Callable[[list[ProgressRecord], int, "Sink"], Awaitable[int]]
 
 
+def remember_contacts(
+    known: OrderedDict[str, list[str]],
+    records: list[ProgressRecord],
+    me: str,
+    limit: int = MAX_REJOIN,
+) -> None:
+    """Move the peers of `records` that publish addresses (all but `me`) to the end of `known`,
+    in the records' order and with their newest addresses, keeping the last `limit`: the
+    contacts a peer out of touch joins the DHT again through. Only the last `limit` of the
+    records can stay, so only they are moved: moving every one was most of
+    `Trainer._observe`'s 4 % of py-spy's samples at 1,000 simulated peers."""
+    newest: dict[str, ProgressRecord] = {}
+    for r in reversed(records):
+        if len(newest) == limit:
+            break
+        if r.peer_id != me and r.addrs and r.peer_id not in newest:
+            newest[r.peer_id] = r
+    for peer_id, r in reversed(newest.items()):
+        known.pop(peer_id, None)
+        known[peer_id] = list(r.addrs)
+    while len(known) > limit:
+        known.popitem(last=False)
+
+
 @dataclass(frozen=True)
 class TrainerStatus:
     """What `peer join` shows and the metrics export: a snapshot (`Trainer.status()`)."""
@@ -332,12 +356,7 @@ class Trainer:
 
     def _observe(self, view: CollaborationView) -> None:
         self._foreign = view.foreign_task(self.worker.fingerprint)
-        for r in view.records:
-            if r.peer_id != self.me and r.addrs:
-                self._known.pop(r.peer_id, None)
-                self._known[r.peer_id] = list(r.addrs)
-        while len(self._known) > MAX_REJOIN:
-            self._known.popitem(last=False)
+        remember_contacts(self._known, view.records, self.me)
         self.policy.timing = self.policy.timing.reading_every(self.progress.read_interval)
         # Peers of another task never average with us and serve states we cannot load.
         self.policy.observe(view.training(self.worker.fingerprint), self.clock())
