@@ -18,6 +18,7 @@ from peer.dht.routing import (
     Unresponsive,
     hot_holders,
     hot_read_order,
+    in_prefix,
     key_id,
     spread_bits,
     spread_key,
@@ -220,7 +221,7 @@ def test_a_spread_keys_lookup_finds_its_whole_prefix_asking_it_and_one_node_beyo
         for index in range(0, 2**bits, max(1, 2**bits // 8)):
             target = key_id(spread_key("c/progress/x", bits, index))
             seeds = rng.sample(alive, 3)
-            inside = [n for n in alive if (n.id ^ target) >> (ID_BITS - bits) == 0]
+            inside = [n for n in alive if in_prefix(n.id, target, bits)]
             sizes.add(len(inside))
             nearest = sorted(alive, key=lambda n: n.id ^ target)
             for name, lookup in (
@@ -282,7 +283,7 @@ def test_a_read_learns_a_prefixs_holders_from_a_few_of_them_and_asks_fewer_nodes
         for index in range(0, 2**bits, max(1, 2**bits // 8)):
             target = key_id(spread_key("c/progress/x", bits, index))
             seeds = rng.sample(alive, 3)
-            prefix = [n for n in nodes if (n.id ^ target) >> (ID_BITS - bits) == 0]
+            prefix = [n for n in nodes if in_prefix(n.id, target, bits)]
             live = [n for n in prefix if n.peer_id not in dead]
             spread = Lookup(target, seeds, k=24, alpha=3, prefix_bits=bits, least=8)
             read = read_lookup(target, seeds, bits, rng.randbytes(16))
@@ -318,7 +319,7 @@ def ground_into(rng: random.Random, target: int, bits: int, count: int) -> list[
     found = []
     while len(found) < count:
         candidate = contact(rng)
-        if (candidate.id ^ target) >> (ID_BITS - bits) == 0:
+        if in_prefix(candidate.id, target, bits):
             found.append(candidate)
     return found
 
@@ -345,7 +346,7 @@ def test_a_read_asks_its_own_nodes_of_the_prefix_and_takes_no_ones_word_alone():
     nodes, tables = full_network(rng, 320)
     bits = 5
     target = key_id(spread_key("c/progress/x", bits, 3))
-    prefix = [n for n in nodes if (n.id ^ target) >> (ID_BITS - bits) == 0]
+    prefix = [n for n in nodes if in_prefix(n.id, target, bits)]
     assert MIN_PREFIX_READ <= len(prefix) < ANSWER
     nearest = min(prefix, key=lambda n: n.id ^ target).peer_id  # as if ground there
     asked = 0
@@ -453,7 +454,7 @@ def test_a_read_of_a_prefix_larger_than_an_answer_takes_only_nodes_a_store_reach
     bits = 3
     target = key_id(spread_key("c/progress/x", bits, 5))
     prefix = sorted(
-        (n for n in nodes if (n.id ^ target) >> (ID_BITS - bits) == 0),
+        (n for n in nodes if in_prefix(n.id, target, bits)),
         key=lambda n: n.id ^ target,
     )
     assert len(prefix) > 24 + READ_ANSWERS
@@ -488,7 +489,7 @@ def test_identities_that_name_only_each_other_are_not_a_reads_only_holders():
     nodes, tables = full_network(rng, 320)
     bits = 5
     target = key_id(spread_key("c/progress/x", bits, 9))
-    honest = [n for n in nodes if (n.id ^ target) >> (ID_BITS - bits) == 0]
+    honest = [n for n in nodes if in_prefix(n.id, target, bits)]
     assert MIN_PREFIX_READ <= len(honest) < ANSWER
     liars = ground_into(rng, target, bits, 3)
     outside = next(n for n in nodes if n not in honest)

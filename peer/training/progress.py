@@ -453,14 +453,13 @@ class CollaborationView:
 
     def with_record(self, record: ProgressRecord) -> CollaborationView:
         """This view with `record` replacing its owner's (our own newest figures)."""
-        ids = self._sorted_ids
-        if ids is None:
+        found = self._place(record.peer_id)
+        if found is None:
             others = [r for r in self.records if r.peer_id != record.peer_id]
             records = sorted([*others, record], key=lambda r: r.peer_id)
         else:  # the same list, spliced: a trainer views each read anew every iteration
-            place = bisect.bisect_left(ids, record.peer_id)
-            after = place + (place < len(ids) and ids[place] == record.peer_id)
-            records = [*self.records[:place], record, *self.records[after:]]
+            place, held = found
+            records = [*self.records[:place], record, *self.records[place + held :]]
         farewells = [r for r in self.farewells if r.peer_id != record.peer_id]
         view = CollaborationView(records, self.quorum, farewells)
         signers = dict(self._signers_without(record.peer_id))  # its sets are never changed
@@ -471,11 +470,20 @@ class CollaborationView:
 
     def record_of(self, peer_id: str) -> ProgressRecord | None:
         """`peer_id`'s record in this view (the first, in a view that is not a read's)."""
+        found = self._place(peer_id)
+        if found is None:
+            return next((r for r in self.records if r.peer_id == peer_id), None)
+        place, held = found
+        return self.records[place] if held else None
+
+    def _place(self, peer_id: str) -> tuple[int, bool] | None:
+        """Where `peer_id`'s record is or would go in a read's records (peer ids ascending),
+        and whether it is there; None in a view in another order."""
         ids = self._sorted_ids
         if ids is None:
-            return next((r for r in self.records if r.peer_id == peer_id), None)
+            return None
         place = bisect.bisect_left(ids, peer_id)
-        return self.records[place] if place < len(ids) and ids[place] == peer_id else None
+        return place, place < len(ids) and ids[place] == peer_id
 
     @cached_property
     def _sorted_ids(self) -> list[str] | None:
