@@ -399,9 +399,9 @@ class Lookup:
         ends (each answer names the `dht.bucket_size` nodes nearest the key its node knows),
         not a node of the prefix far from the key that holds nothing of it; and only once
         `read` + `NAMED_BY` nodes of the prefix answered (`read_enough`), so that identities
-        that name each other, answering first, are not the only nodes named twice (three or
-        four ground into a prefix of 11 honest nodes were every holder of 6-18 % of reads,
-        found in review; 0.3 % when a cut answer sent the read to the end). Looked up to the
+        that name each other, answering first, are not the only nodes named twice (three ground
+        into a prefix of 10 honest nodes were every holder of 6-18 % of reads, found in
+        review; 0.3 % when a cut answer sent the read to the end). Looked up to the
         end instead, each read of such a prefix asked ~24 nodes (at 1,000 simulated peers, the
         levels a joiner reads before its own have ~31-500 nodes a prefix: 1,000 / 2^level)."""
         inside = [
@@ -415,8 +415,7 @@ class Lookup:
         return inside[: self.read]
 
     def _prefix_answers(self) -> int:
-        """The nodes of the prefix that answered."""
-        return sum(c.peer_id in self._answered and self._inside(c) for c in self._known.values())
+        return sum(self._inside(self._known[peer_id]) for peer_id in self._answered)
 
     def _named_enough(self, peer_id: ID) -> bool:
         """`NAMED_BY` of the prefix's answers named it at the same addresses."""
