@@ -228,13 +228,11 @@ class Lookup:
     be every reader's first answers, and asked nearest a salted point, a node alone in a wide
     part of the prefix would be asked first most often. It ends early only where the prefix
     shows at least `MIN_PREFIX_READ` nodes (those that answered, or that
-    `NAMED_BY` of the prefix's answers named at the same addresses); else it goes to the end,
-    as a store's does. Where each answer from the prefix named a node beyond it too, it named
-    every node of the prefix it knows, and the read's first nodes are drawn from all of them;
-    where one did not (an answer holds `dht.bucket_size` nodes, and those of a larger prefix
-    are not all in it), from the nodes nearest the key that the prefix's answers named
-    (`_first_of_prefix`), where a store's lookup ends. Its holders
-    (`read_holders`) are then those first `read` nodes of the prefix, and nothing beyond it.
+    `NAMED_BY` of the prefix's answers named at the same addresses) and each answer from the
+    prefix named a node beyond it too (so it named every node of the prefix it knows: an
+    answer holds `dht.bucket_size` nodes, and those of a larger prefix are not all in it); else
+    it goes to the end, as a store's does. Its holders (`read_holders`) are then those first
+    `read` nodes of the prefix, and nothing beyond it.
     """
 
     def __init__(
@@ -261,8 +259,7 @@ class Lookup:
         self._order: dict[ID, bytes] = {}
         """Each node of the prefix's place in a read's order (`_rank`), computed once."""
         self._cut_answers = 0
-        """Answers from the prefix that named nobody beyond it (a read then draws its first
-        nodes from those the prefix's answers named: `_first_of_prefix`)."""
+        """Answers from the prefix that named nobody beyond it (a read then goes to the end)."""
         self._known: dict[ID, Contact] = {}
         self._answered: set[ID] = set()
         self._failed: set[ID] = set()
@@ -334,8 +331,7 @@ class Lookup:
             closer = list(closer)
             self._cut_answers += all(self._inside(other) for other in closer)
             for other in closer:
-                # A node's word for itself counts for nothing: honest answers never name it.
-                if self._inside(other) and other.peer_id != contact.peer_id:
+                if self._inside(other):
                     named = self._named.setdefault(other.peer_id, {})
                     named.setdefault(other.addrs, set()).add(contact.peer_id)
 
@@ -375,11 +371,9 @@ class Lookup:
     @property
     def read_enough(self) -> bool:
         """A read's lookup may end: the first `read` nodes of the prefix in its order
-        (`_first_of_prefix`) answered, and the prefix shows at least `MIN_PREFIX_READ`
-        nodes (after a cut answer, once `read` + `NAMED_BY` of them answered)."""
-        if not self.read:
-            return False
-        if self._cut_answers and self._prefix_answers() < self.read + NAMED_BY:
+        (`_first_of_prefix`) answered, each naming a node beyond it too, and the prefix shows
+        at least `MIN_PREFIX_READ` nodes."""
+        if not self.read or self._cut_answers:
             return False
         first = self._first_of_prefix()
         return (
@@ -392,34 +386,10 @@ class Lookup:
         """The first `read` nodes of the prefix we know in the read's order (`_rank`), less
         those that failed or stalled: a read's holders are drawn from the prefix alike, not the
         first to answer (which favours nodes on fast links: at 40 simulated peers the busiest
-        node sent 1.60x the mean node's replies so, 1.44x this way; session 43). Where an
-        answer of the prefix named nobody beyond it (`_cut_answers`: the prefix holds more
-        nodes than an answer names, or a liar says so), only those that `NAMED_BY` of its
-        answers named at the same addresses: the nodes nearest the key, where a store's lookup
-        ends (each answer names the `dht.bucket_size` nodes nearest the key its node knows),
-        not a node of the prefix far from the key that holds nothing of it; and only once
-        `read` + `NAMED_BY` nodes of the prefix answered (`read_enough`), so that identities
-        that name each other, answering first, are not the only nodes named twice (three ground
-        into a prefix of 10 honest nodes were every holder of 6-18 % of reads, found in
-        review; 0.3 % when a cut answer sent the read to the end). Looked up to the
-        end instead, each read of such a prefix asked ~24 nodes (at 1,000 simulated peers, the
-        levels a joiner reads before its own have ~31-500 nodes a prefix: 1,000 / 2^level)."""
-        inside = [
-            c
-            for c in self._known.values()
-            if self._inside(c)
-            and self._live(c.peer_id)
-            and (not self._cut_answers or self._named_enough(c.peer_id))
-        ]
+        node sent 1.60x the mean node's replies so, 1.44x this way; session 43)."""
+        inside = [c for c in self._known.values() if self._inside(c) and self._live(c.peer_id)]
         inside.sort(key=self._rank)
         return inside[: self.read]
-
-    def _prefix_answers(self) -> int:
-        return sum(self._inside(self._known[peer_id]) for peer_id in self._answered)
-
-    def _named_enough(self, peer_id: ID) -> bool:
-        """`NAMED_BY` of the prefix's answers named it at the same addresses."""
-        return any(len(by) >= NAMED_BY for by in self._named.get(peer_id, {}).values())
 
     def _prefix_shown(self) -> int:
         """The nodes of the prefix that answered, or that `NAMED_BY` of its answers named at
@@ -430,7 +400,8 @@ class Lookup:
             peer_id = contact.peer_id
             if not (self._live(peer_id) and self._inside(contact)):
                 continue
-            shown += peer_id in self._answered or self._named_enough(peer_id)
+            named = self._named.get(peer_id, {})
+            shown += peer_id in self._answered or any(len(by) >= NAMED_BY for by in named.values())
         return shown
 
     def read_holders(self) -> list[Contact]:
