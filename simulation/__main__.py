@@ -1,7 +1,7 @@
 """Simulate collaborations of N volunteers on trio's virtual clock and print their figures.
 
     .venv/bin/python -m simulation --peers 100 300 [--minutes 30] [--warmup 3] [--churn 0.1]
-        [--nat 0.5 --symmetric 0.33]
+        [--nat 0.5 --symmetric 0.33] [--gatherings]
 
 Every peer runs the real DHT, matchmaking, Moshpit plan and step policy over a simulated
 network (`simulation.network`); see `simulation/collaboration.py` for what is simulated.
@@ -15,7 +15,7 @@ import os
 import sys
 
 from simulation.collaboration import Scenario, run_collaboration
-from simulation.report import rows, summarize
+from simulation.report import gatherings, rows, summarize
 
 
 def main() -> None:
@@ -44,6 +44,11 @@ def main() -> None:
         type=int,
         default=Scenario(peers=1).group_size,
         help="averaging.group_size: Moshpit's m (at least the peers: one group)",
+    )
+    parser.add_argument(
+        "--gatherings",
+        action="store_true",
+        help="also print each gathering: its calls, the averages they ended on, its failures",
     )
     parser.add_argument("--log-level", default="error")
     args = parser.parse_args()
@@ -78,6 +83,10 @@ def main() -> None:
         print(f"\n{peers} peers")
         for name, value in rows(summary):
             print(f"  {name:<{width}}  {value}")
+        if args.gatherings:
+            print("  gatherings:")
+            for line in gatherings(report.attempts):
+                print(f"    {line}")
         for violation in report.violations[:10]:
             print(f"  SAFETY VIOLATION: {violation}")
     if violated:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
+import inspect
 import logging
 import math
 import random
@@ -115,6 +116,21 @@ class Scenario:
     being called again."""
 
 
+@dataclass(frozen=True)
+class RoundTime:
+    """One round of an averaging call, virtual seconds: where a round's time goes (at 300
+    simulated peers the all-reduce took 3.5 s at the median, and a late round's group up to
+    53 s to form: its members waited for those still in earlier rounds)."""
+
+    index: int
+    started: float
+    formed: float
+    """Its group formed, or formed without us (too few came, a leader's spec refused)."""
+    ended: float
+    averaged: bool
+    """It gave our values a new basis (an all-reduce that included us)."""
+
+
 @dataclass
 class Attempt:
     """One peer's averaging call."""
@@ -134,6 +150,8 @@ class Attempt:
     why: str
     ended: float = 0.0
     """When the call returned (virtual seconds)."""
+    rounds: tuple[RoundTime, ...] = ()
+    """Its Moshpit rounds that met a group (those where its plan seats it alone are skipped)."""
 
     @property
     def complete(self) -> bool:
@@ -469,14 +487,44 @@ class Collaboration:
         """Each averaging call of `averager` recorded as it returns (`step`: the step it is for,
         read as it starts); while it runs, counted as in flight (`cut` at the end)."""
         average = averager.average
+        rounds: dict[int, list[RoundTime]] = {}  # by epoch: the calls in flight
+        formed: dict[tuple[int, int], float] = {}  # (epoch, round) -> its group formed
+        run_round, form_group = averager._round, averager.matchmaker.form_group
+        round_args = inspect.signature(run_round).bind
+        form_args = inspect.signature(form_group).bind
+
+        async def timed_form(*args: Any, **kwargs: Any) -> Any:
+            named = form_args(*args, **kwargs).arguments
+            try:
+                return await form_group(*args, **kwargs)
+            finally:
+                formed[(named["shape"].epoch, named["round_index"])] = trio.current_time()
+
+        async def timed_round(*args: Any, **kwargs: Any) -> Any:
+            named = round_args(*args, **kwargs).arguments
+            started, index, epoch = trio.current_time(), named["index"], named["shape"].epoch
+            outcome = None
+            try:
+                outcome = await run_round(*args, **kwargs)
+                return outcome
+            finally:
+                now = trio.current_time()
+                when = formed.pop((epoch, index), now)
+                if epoch in rounds:  # a recorded call's (not an aggregator's)
+                    rounds[epoch].append(RoundTime(index, started, when, now, outcome is not None))
+
+        averager._round = timed_round  # type: ignore[method-assign]
+        averager.matchmaker.form_group = timed_form  # type: ignore[method-assign]
 
         async def recorded(*args: Any, **kwargs: Any) -> AveragingResult:
             started, epoch, for_step = trio.current_time(), kwargs["epoch"], step()
             self.in_flight[epoch] += 1
+            rounds[epoch] = []
             try:
                 result = await average(*args, **kwargs)
             finally:
                 self.in_flight[epoch] -= 1
+                timings = tuple(rounds.pop(epoch, ()))
             self.attempts.append(
                 Attempt(
                     peer=me,
@@ -492,6 +540,7 @@ class Collaboration:
                     ),
                     why="; ".join(result.skipped or result.setbacks)[:200],
                     ended=trio.current_time(),
+                    rounds=timings,
                 )
             )
             return result

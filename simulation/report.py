@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from simulation.collaboration import BACKBONES, EPOCH, Attempt, Report
+from simulation.collaboration import BACKBONES, EPOCH, Attempt, Report, RoundTime
 from simulation.nat import Nat, Path
+
+_PEER_ID = re.compile(r"12D3KooW[1-9A-HJ-NP-Za-km-z]+")
+"""A peer id (ed25519, base58) in a failure's words."""
 
 
 @dataclass(frozen=True)
@@ -246,6 +250,58 @@ def rounds_of(
     return rounds
 
 
+def gatherings(attempts: Iterable[Attempt], *, reasons: int = 3) -> list[str]:
+    """Each gathering (a step's calls that share an epoch), in the order they closed: its
+    calls and how many of them averaged over their whole view, how many distinct averages
+    they ended on and the largest number of calls on one (the candidates its election chose
+    among), when its calls ended (median and last, virtual seconds), its `reasons` most common
+    failures, and its Moshpit rounds (`round_lines`). How a round of many peers splits: at
+    300 simulated peers a first step's 290 calls ended on 82 averages, none over the whole
+    view."""
+    by_gathering: dict[tuple[int, int], list[Attempt]] = defaultdict(list)
+    for attempt in attempts:
+        if attempt.peers_seen > 0:
+            by_gathering[(attempt.epoch, attempt.step)].append(attempt)
+    lines = []
+    for (epoch, step), calls in sorted(by_gathering.items()):
+        averages = Counter(a.average for a in calls if a.average)
+        ends = [a.ended for a in calls]
+        why = Counter(_reason(a.why) for a in calls if a.why)
+        lines.append(
+            f"step {step}, gathering closed at {epoch / 1000 - EPOCH:.1f} s: {len(calls)} "
+            f"calls, {sum(a.complete for a in calls)} over their whole view; "
+            f"{len(averages)} averages, the largest on {max(averages.values(), default=0)}; "
+            f"ended {statistics.median(ends):.1f} s (median), {max(ends):.1f} s (last)"
+            + "".join(f"\n    {n} x {reason}" for reason, n in why.most_common(reasons))
+            + "".join(f"\n    {line}" for line in round_lines(calls))
+        )
+    return lines
+
+
+def round_lines(calls: Iterable[Attempt]) -> list[str]:
+    """Each Moshpit round of `calls` (one gathering's): the calls that met a group in it and
+    those it gave a new basis, and the median / 90th percentile of when they started it, how
+    long their group took to form (waiting for members still in earlier rounds) and the
+    all-reduce's seconds (the rounds that averaged), virtual seconds."""
+    by_round: dict[int, list[RoundTime]] = defaultdict(list)
+    for call in calls:
+        for timing in call.rounds:
+            by_round[timing.index].append(timing)
+
+    def spread(values: list[float]) -> str:
+        if not values:
+            return "-"
+        return f"{_quantile(values, 0.5):.1f} / {_quantile(values, 0.9):.1f}"
+
+    return [
+        f"round {index}: {len(times)} met a group, {sum(t.averaged for t in times)} averaged; "
+        f"started {spread([t.started for t in times])} s, formed in "
+        f"{spread([t.formed - t.started for t in times])} s, all-reduce "
+        f"{spread([t.ended - t.formed for t in times if t.averaged])} s"
+        for index, times in sorted(by_round.items())
+    ]
+
+
 def _yielding(tries: list[Round], taken: float, holder: str | None) -> Round:
     """Of a step's tries opened before it was taken, the one whose call gave `holder` (its
     first holder) the step: that peer's last call of it started before then."""
@@ -264,9 +320,9 @@ def _most_common_average(calls: list[Attempt]) -> int:
 
 
 def _reason(why: str) -> str:
-    """A failure's kind, without the peer ids that make each one unique."""
-    words = [w for w in why.split() if not w.startswith("12D3KooW")]
-    return " ".join(words)[:70]
+    """A failure's kind, without the peer ids that make each one unique (also within
+    parentheses: "incomplete (12D3KooW...: ...)" counted each peer apart)."""
+    return _PEER_ID.sub("<peer>", " ".join(why.split()))[:70]
 
 
 def _by_path(paths: dict[Path, int]) -> str:

@@ -38,6 +38,7 @@ from simulation.collaboration import (
     EPOCH,
     VECTOR,
     Attempt,
+    RoundTime,
     Scenario,
     peer_config,
     run_collaboration,
@@ -49,7 +50,7 @@ from simulation.links import SharedLink, carry
 from simulation.nat import Nat, NatTally
 from simulation.network import MBIT, Link, SimNetwork, Traffic
 from simulation.progressload import placed_load, run_load
-from simulation.report import rounds_of, rows, step_phases, summarize
+from simulation.report import gatherings, rounds_of, rows, step_phases, summarize
 from simulation.safety import SafetyCheck
 from simulation.worker import QUIET, ComputeNoise, Variation
 
@@ -328,6 +329,34 @@ def test_a_round_is_a_steps_try_and_calls_split_at_once_are_one_round():
     assert [r.yielded for r in rounds_of([*apart, again], {2: 71.0})] == [False, True]
 
 
+def test_a_gathering_shows_the_averages_its_calls_split_into_and_why_calls_failed():
+    """`python -m simulation --gatherings`: per gathering, its calls, those over their whole
+    view, the distinct averages and the most calls on one, when they ended, and the most
+    common failures (peer ids left out, so that one kind of failure counts once)."""
+    whole = [call(p, 1, close=10, started=8) for p in "ab"]
+    whole[1].ended = 30.0
+    part = Attempt("c", whole[0].epoch, 1, 8, peers_seen=3, members=2, average=b"c", why="")
+    failed = [
+        Attempt(p, whole[0].epoch, 1, 8, 3, 0, b"", f"round 4: too few peers (12D3KooW{p})")
+        for p in "de"
+    ]
+    late = Attempt("f", whole[0].epoch, 1, 9, peers_seen=0, members=0, average=b"", why="late")
+    retry = call("a", 2, close=70, started=67)
+    whole[0].rounds = (RoundTime(0, 8.0, 9.0, 12.0, True), RoundTime(1, 12.0, 20.0, 20.0, False))
+    whole[1].rounds = (RoundTime(0, 8.5, 11.0, 14.5, True),)
+    first, second = gatherings([retry, late, *failed, part, *whole])
+    assert first.splitlines() == [
+        "step 1, gathering closed at 10.0 s: 5 calls, 2 over their whole view; 2 averages, the "
+        "largest on 2; ended 0.0 s (median), 30.0 s (last)",
+        "    2 x round 4: too few peers (<peer>)",
+        "    round 0: 2 met a group, 2 averaged; started 8.5 / 8.5 s, formed in 2.5 / 2.5 s, "
+        "all-reduce 3.5 / 3.5 s",
+        "    round 1: 1 met a group, 0 averaged; started 12.0 / 12.0 s, formed in 8.0 / 8.0 s, "
+        "all-reduce - s",
+    ]
+    assert second.startswith("step 2, gathering closed at 70.0 s: 1 calls, 1 over")
+
+
 def test_the_round_that_yields_a_step_is_its_first_holders():
     """A gathering opened while a round's election ran (peers that missed its gathering) is no
     try of its own: the round whose call gave the step's first holder the step yielded it, and
@@ -417,6 +446,14 @@ def test_a_small_collaboration_trains_with_every_average_exact():
     assert summary.complete_share == 1.0 and summary.complete_rounds == 1.0
     assert report.digests_agree and not report.violations
     assert summary.view_coverage > 0.95
+    # Each call's rounds, timed as they ran: 6 peers in groups of 4 take two rounds.
+    for attempt in report.attempts:
+        assert [t.index for t in attempt.rounds] == [0, 1], attempt
+        ends = [attempt.started]
+        for timing in attempt.rounds:
+            assert ends[-1] <= timing.started <= timing.formed <= timing.ended <= attempt.ended
+            ends.append(timing.ended)
+        assert all(t.averaged for t in attempt.rounds)
 
 
 def fingerprint(report) -> tuple:
