@@ -148,6 +148,38 @@ async def test_a_member_that_reads_the_tickets_late_is_waited_for_in_the_first_r
             np.testing.assert_allclose(r.average, 3.5, atol=1e-6)
 
 
+async def test_a_pairs_leader_late_from_its_last_round_joins_the_partner_that_led_meanwhile():
+    """4 peers in pairs, two rounds; each round-1 pair's lower id (its leader) comes to round
+    1 late: past the time its partner's join waits for it, within the partner's patience as
+    a leader itself. Each used to wait for the other, leading a group of one, and both
+    stayed alone (at 300 simulated peers, 19 of the first step's 101 groups of one waited
+    more than 60 s so). The late one asks its missing partner `alive`, hears that it leads
+    the round, and joins it: every peer ends on the mean of all four."""
+    config = AveragingConfig(group_size=2, join_timeout=1.0, timeout_floor=2.0)
+    async with averaging_swarm(4, config) as (_, averagers):
+        late: list[str] = []
+        for averager in averagers:
+            form_group = averager.matchmaker.form_group
+
+            async def slow_round_1(namespace, round_index, group, *args, _form=form_group,
+                                   _me=averager.me, **kwargs):  # fmt: skip
+                if round_index == 1 and _me == min(group.members):
+                    # the partner's join is held 2 join_timeouts + a patience (~4 s) at most,
+                    # then it leads for a join_timeout + a patience: 6.2 s to 11.4 s from now
+                    late.append(_me)
+                    await trio.sleep(8.5)
+                return await _form(namespace, round_index, group, *args, **kwargs)
+
+            averager.matchmaker.form_group = slow_round_1  # type: ignore[method-assign]
+        vectors = [np.full(SIZE, float(i), np.float32) for i in range(4)]
+        results = await average_all(averagers, vectors)
+    assert len(late) == 2
+    for r in results:
+        assert r is not None and not r.setbacks and not r.skipped, (r.setbacks, r.skipped)
+        assert r.members == 4 and r.weight == 4.0
+        np.testing.assert_allclose(r.average, 1.5, atol=1e-6)
+
+
 async def test_a_lone_peer_averages_nothing_and_a_group_too_small_is_told_so():
     async with averaging_swarm(2, AveragingConfig(join_timeout=0.5)) as (s, averagers):
         vector = np.ones(SIZE, np.float32)
@@ -272,6 +304,15 @@ async def test_joins_for_other_epochs_and_abandoned_joins_leave_no_trace():
         with trio.fail_after(5):
             while leader.matchmaker._gatherings[(namespace, 0)].joined:
                 await trio.sleep(0.05)
+        # A join only if it leads the round: it leads none, so it is turned away at once (not
+        # held until "no decision in time").
+        with trio.fail_after(30):
+            reply = await joiner.dht.node.rpc.call(
+                leader.dht.node.peer_id, SERVICE, "join", Join(namespace, 1, me, to_leader=True),
+                JoinReply, timeout=5,
+            )  # fmt: skip
+        assert isinstance(reply, Redirect) and reply.reason == "not leading that round"
+        assert not leader.matchmaker._gatherings[(namespace, 1)].joined
 
 
 async def test_a_member_that_planned_from_another_view_is_neither_waited_for_nor_joined():
@@ -287,7 +328,8 @@ async def test_a_member_that_planned_from_another_view_is_neither_waited_for_nor
         await other.matchmaker.declare(namespace, _ticket(other), expiration=time.time() + 60)
 
         async def gone(view: bytes) -> list[str]:
-            return await asker.matchmaker._unanswered([other.me], {}, namespace, view)
+            missing, _ = await asker.matchmaker._ask_missing([other.me], {}, namespace, 1, view)
+            return missing
 
         assert await gone(ours) == []  # still reading the tickets: it may come
         other.matchmaker.expect_rounds(namespace, 10.0, view=theirs)

@@ -13,7 +13,9 @@
    only if none of them answers (or it is the lowest); a member that cannot be dialled asks
    every reachable one and never leads a group of others (`leader_candidates`). A leader
    waits until every member of its group joined, or its patience runs out, then answers every
-   joiner with the same outcome:
+   joiner with the same outcome (a planned round's leader whom nobody joined, with a planned
+   member higher than it that leads the round already, joins that one instead:
+   `Join.to_leader`):
    - a single group (the plan has one round): `Begin{spec}` with the members that actually
      joined, so a dead or partitioned peer is out before the all-reduce starts and a member
      missing from the leader's view but joining anyway is in; fewer than `min_group_size`:
@@ -24,7 +26,9 @@
      that costs its group, not the step); fewer than 2: `TooFew`.
 
 Waits only ever go toward reachable peers, and among them from higher peer ids to lower
-ones, and every wait has a deadline, so concurrent matchmakers cannot deadlock. A join is accepted only from the peer it names (the
+ones, but for a leader's `to_leader` join: it goes to a higher peer that leads (a leader
+that joins another takes no `to_leader` join meanwhile), and every wait has a deadline, so
+concurrent matchmakers cannot deadlock. A join is accepted only from the peer it names (the
 libp2p connection authenticates the caller).
 """
 
@@ -80,6 +84,12 @@ class Join(msgspec.Struct, frozen=True):
     """The digest of the tickets the joiner planned from (`group.view_digest`)."""
     basis: Annotated[bytes, msgspec.Meta(max_length=MAX_BASIS_BYTES)] = b""
     """In a planned round: the peers the joiner's value stands for (`moshpit.basis_mask`)."""
+    to_leader: bool = False
+    """Join only if the peer asked leads this round now (else `Redirect` at once). A planned
+    round's leader whom nobody joined sends it to a higher member that leads the round: that
+    member gave up waiting for us as a candidate leader (we were still in an earlier round)
+    and leads it; without it each waited for the other, and both stayed alone (at 300
+    simulated peers, 19 of the first step's 101 groups of one waited more than 60 s so)."""
 
 
 class Alive(msgspec.Struct, frozen=True):
@@ -91,6 +101,10 @@ class Alive(msgspec.Struct, frozen=True):
     answers `unavailable` too. It joins the groups of its own plan, never ours: at 300
     simulated peers 4 of 263 read a partial view, and every planned group of theirs waited for
     them as long as its patience, round after round, while they said they were in it."""
+    round_index: Annotated[int, msgspec.Meta(ge=-1, le=64)] = -1
+    """The round asked about, if any: the answer says whether we lead it (`leading`)."""
+    leading: bool = False
+    """In an answer: we lead `round_index` and have not begun it yet (`Join.to_leader`)."""
 
 
 class Begin(msgspec.Struct, frozen=True, tag=True):
@@ -117,6 +131,8 @@ class _Gathering:
     arrived: trio.Event = field(default_factory=trio.Event)
     outcome: JoinReply | None = None
     decided: trio.Event = field(default_factory=trio.Event)
+    leading: bool = False
+    """We lead this planned round and take `to_leader` joins until we decide."""
 
     def decide(self, outcome: JoinReply) -> None:
         self.outcome = outcome
@@ -254,7 +270,7 @@ class Matchmaker:
         gathering.arrived.set()
         for candidate in leader_candidates(group.members, self.me, tickets):
             if candidate == self.me:
-                return await self._lead(namespace, round_index, group, shape, tickets)
+                return await self._lead(namespace, round_index, group, shape, tickets, check)
             reply = await self._join(candidate, tickets.get(candidate), request, group.patience)
             if isinstance(reply, Begin):
                 problem = check(reply.spec)
@@ -316,12 +332,20 @@ class Matchmaker:
         group: GroupPlan,
         shape: RoundShape,
         tickets: dict[str, Ticket],
+        check: Callable[[RoundSpec], str | None],
     ) -> RoundSpec:
         gathering = self._gathering(namespace, round_index)
         expected = set(group.members)
         seats = bases = None
         if group.seating is not None:
-            await self._wait_for_plan(namespace, gathering, group, tickets, shape.view)
+            gathering.leading = True
+            joined = await self._wait_for_plan(
+                namespace, round_index, gathering, group, tickets, shape.view, check
+            )
+            gathering.leading = False
+            if joined is not None:
+                gathering.decide(Redirect(f"{self.me} joined a member that leads this round"))
+                return joined
             # Planned members from our view (another view plans other groups), seated by
             # what their values stand for; the rest are left out of this round.
             came = {
@@ -365,60 +389,120 @@ class Matchmaker:
     async def _wait_for_plan(
         self,
         namespace: str,
+        round_index: int,
         gathering: _Gathering,
         group: GroupPlan,
         tickets: dict[str, Ticket],
         view: bytes,
-    ) -> None:
+        check: Callable[[RoundSpec], str | None],
+    ) -> RoundSpec | None:
         """Wait for every planned member: until all joined, or the patience a round's length
-        allows runs out. Members may still be in the previous round, which can be long; every
-        `join_timeout` the missing ones are asked `alive` (their RPC answers meanwhile), and
-        the wait ends once none of the missing ones answers or is still in this averaging of
-        our `view`: they are gone."""
+        allows runs out. Members may still be in the previous round, which can be long; the
+        missing ones are asked `alive` at once and every `join_timeout` (their RPC answers
+        meanwhile), and the wait ends once none of them answers or is still in this
+        averaging of our `view`: they are gone. While nobody joined us, a missing member
+        higher than us that says it leads this round is joined instead (`Join.to_leader`):
+        its spec, if it took us."""
         expected = set(group.members)
         give_up = trio.current_time() + self.join_timeout + group.patience
+        ask_at = trio.current_time()
         while not expected <= set(gathering.joined):
+            if trio.current_time() >= ask_at:
+                missing = sorted(expected - set(gathering.joined))
+                gone, leading = await self._ask_missing(
+                    missing, tickets, namespace, round_index, view
+                )
+                if len(gone) == len(missing):
+                    log.info("planned member(s) not answering, left out: %s", ", ".join(gone[:3]))
+                    return None
+                for leader in leading:
+                    if leader < self.me or set(gathering.joined) != {self.me}:
+                        continue  # lower ones join us; a group of ours goes on as it is
+                    spec = await self._join_leader(leader, gathering, group.patience, check)
+                    if spec is not None:
+                        return spec
+                ask_at = trio.current_time() + self.join_timeout
+                continue  # what joined while we asked counts
             gathering.arrived = trio.Event()
-            with trio.move_on_at(min(give_up, trio.current_time() + self.join_timeout)) as wait:
+            with trio.move_on_at(min(give_up, ask_at)) as wait:
                 await gathering.arrived.wait()
-            if not wait.cancelled_caught:
-                continue
-            if trio.current_time() >= give_up:
-                return
-            missing = sorted(expected - set(gathering.joined))
-            gone = await self._unanswered(missing, tickets, namespace, view)
-            if len(gone) == len(missing):
-                log.info("planned member(s) not answering, left out: %s", ", ".join(gone[:3]))
-                return
+            if wait.cancelled_caught and trio.current_time() >= give_up:
+                return None
+        return None
 
-    async def _unanswered(
-        self, peers: list[str], tickets: dict[str, Ticket], namespace: str, view: bytes
-    ) -> list[str]:
-        """Those of `peers` that do not answer `alive` within half a join_timeout, or say they
-        are not (or no longer) in the averaging of `namespace`, or planned it from another
-        `view`."""
+    async def _join_leader(
+        self,
+        leader: str,
+        gathering: _Gathering,
+        patience: float,
+        check: Callable[[RoundSpec], str | None],
+    ) -> RoundSpec | None:
+        """Join `leader`, which said it leads this round, as its member (`Join.to_leader`):
+        its spec, if it took us and the spec passes `check`."""
+        request = msgspec.structs.replace(gathering.joined[self.me], to_leader=True)
+        gathering.leading = False  # nobody joins us as a leader while we wait on one
+        try:
+            reply = await self.dht.node.rpc.call(
+                ID.from_base58(leader),
+                SERVICE,
+                "join",
+                request,
+                JoinReply,
+                timeout=3 * self.join_timeout + patience,  # as `_join`: it holds us that long
+            )
+        except MalformedReply as error:
+            self.ban(leader, f"its reply {error}")
+            return None
+        except (RemoteError, ValueError) as error:
+            log.debug("member %s leading our round did not take us: %s", leader, error)
+            return None
+        finally:
+            gathering.leading = not gathering.decided.is_set()
+        if not isinstance(reply, Begin) or self.me not in [m.peer_id for m in reply.spec.members]:
+            return None
+        problem = check(reply.spec)
+        if problem is not None:
+            self.ban(leader, f"its spec {problem}")
+            return None
+        return reply.spec
+
+    async def _ask_missing(
+        self,
+        peers: list[str],
+        tickets: dict[str, Ticket],
+        namespace: str,
+        round_index: int,
+        view: bytes,
+    ) -> tuple[list[str], list[str]]:
+        """Ask each of `peers` `alive` about `round_index`: (those that do not answer within
+        half a join_timeout, or say they are not (or no longer) in the averaging of
+        `namespace`, or planned it from another `view`; those that say they lead the round)."""
         gone: list[str] = []
+        leading: list[str] = []
 
         async def ask(peer: str) -> None:
             try:
                 peer_id = ID.from_base58(peer)
                 if (ticket := tickets.get(peer)) is not None:
                     self.dht.node.remember_addrs(peer_id, parse_addrs(ticket.rpc_addrs))
-                await self.dht.node.rpc.call(
+                reply = await self.dht.node.rpc.call(
                     peer_id,
                     SERVICE,
                     "alive",
-                    Alive(namespace, view),
+                    Alive(namespace, view, round_index),
                     Alive,
                     timeout=self.join_timeout / 2,
                 )
             except (RemoteError, ValueError):
                 gone.append(peer)
+                return
+            if reply.leading and reply.round_index == round_index:
+                leading.append(peer)
 
         async with trio.open_nursery() as nursery:
             for peer in peers:
                 nursery.start_soon(ask, peer)
-        return sorted(gone)
+        return sorted(gone), sorted(leading)
 
     # ------------------------------------------------------------------ as a candidate leader
 
@@ -433,7 +517,9 @@ class Matchmaker:
             raise RpcError("unavailable", "not in that averaging")
         if self._other_view(request.namespace, request.view):
             raise RpcError("unavailable", "planned from another view of that averaging")
-        return request
+        gathering = self._gatherings.get((request.namespace, request.round_index))
+        leading = gathering is not None and gathering.leading and not gathering.decided.is_set()
+        return msgspec.structs.replace(request, leading=leading)
 
     def _other_view(self, namespace: str, view: bytes) -> bool:
         """A joiner's or asker's `view` digest differs from the one we planned `namespace`
@@ -480,6 +566,8 @@ class Matchmaker:
         gathering = self._gathering(request.namespace, request.round_index)
         if gathering.decided.is_set():
             return gathering.outcome or Redirect("decided")
+        if request.to_leader and not gathering.leading:
+            return Redirect("not leading that round")
         if len(gathering.joined) >= MAX_JOINERS:
             raise RpcError("unavailable", f"more than {MAX_JOINERS} peers joined this gathering")
         gathering.joined[who] = request
