@@ -38,6 +38,7 @@ import trio
 from libp2p.peer.id import ID
 
 from peer.averaging.averager import Averager, AveragingResult
+from peer.averaging.matchmaking import TooFewPeers
 from peer.config import (
     AveragingConfig,
     CollaborationConfig,
@@ -129,6 +130,10 @@ class RoundTime:
     ended: float
     averaged: bool
     """It gave our values a new basis (an all-reduce that included us)."""
+    planned: tuple[str, ...] = ()
+    """Its group in our view's plan (peer ids, ours included)."""
+    alone: bool = False
+    """No group formed: too few of its planned members came (`TooFewPeers`)."""
 
 
 @dataclass
@@ -489,6 +494,7 @@ class Collaboration:
         average = averager.average
         rounds: dict[int, list[RoundTime]] = {}  # by epoch: the calls in flight
         formed: dict[tuple[int, int], float] = {}  # (epoch, round) -> its group formed
+        alone: set[tuple[int, int]] = set()  # (epoch, round): too few came
         run_round, form_group = averager._round, averager.matchmaker.form_group
         round_args = inspect.signature(run_round).bind
         form_args = inspect.signature(form_group).bind
@@ -497,6 +503,9 @@ class Collaboration:
             named = form_args(*args, **kwargs).arguments
             try:
                 return await form_group(*args, **kwargs)
+            except TooFewPeers:
+                alone.add((named["shape"].epoch, named["round_index"]))
+                raise
             finally:
                 formed[(named["shape"].epoch, named["round_index"])] = trio.current_time()
 
@@ -510,8 +519,12 @@ class Collaboration:
             finally:
                 now = trio.current_time()
                 when = formed.pop((epoch, index), now)
+                planned, lonely = named["group"].members, (epoch, index) in alone
+                alone.discard((epoch, index))
                 if epoch in rounds:  # a recorded call's (not an aggregator's)
-                    rounds[epoch].append(RoundTime(index, started, when, now, outcome is not None))
+                    rounds[epoch].append(
+                        RoundTime(index, started, when, now, outcome is not None, planned, lonely)
+                    )
 
         averager._round = timed_round  # type: ignore[method-assign]
         averager.matchmaker.form_group = timed_form  # type: ignore[method-assign]

@@ -282,11 +282,22 @@ def round_lines(calls: Iterable[Attempt]) -> list[str]:
     """Each Moshpit round of `calls` (one gathering's): the calls that met a group in it and
     those it gave a new basis, and the median / 90th percentile of when they started it, how
     long their group took to form (waiting for members still in earlier rounds) and the
-    all-reduce's seconds (the rounds that averaged), virtual seconds."""
+    all-reduce's seconds (the rounds that averaged), virtual seconds; where calls were left
+    alone, how many, and how many of those had a planned member of their group forming its
+    group of that round meanwhile (`_met_nobody`: before session 48's fix, two such members
+    each led and waited for the other)."""
     by_round: dict[int, list[RoundTime]] = defaultdict(list)
+    forming: dict[tuple[int, str], list[RoundTime]] = defaultdict(list)
     for call in calls:
         for timing in call.rounds:
             by_round[timing.index].append(timing)
+            forming[(timing.index, call.peer)].append(timing)
+    alone = {
+        index: [
+            (call.peer, t) for call in calls for t in call.rounds if t.index == index and t.alone
+        ]
+        for index in by_round
+    }
 
     def spread(values: list[float]) -> str:
         if not values:
@@ -298,8 +309,28 @@ def round_lines(calls: Iterable[Attempt]) -> list[str]:
         f"started {spread([t.started for t in times])} s, formed in "
         f"{spread([t.formed - t.started for t in times])} s, all-reduce "
         f"{spread([t.ended - t.formed for t in times if t.averaged])} s"
+        + (
+            f"; alone in {len(alone[index])} ("
+            f"{sum(_met_nobody(peer, t, forming) for peer, t in alone[index])} with a planned "
+            "member in the round meanwhile)"
+            if alone[index]
+            else ""
+        )
         for index, times in sorted(by_round.items())
     ]
+
+
+def _met_nobody(
+    peer: str, timing: RoundTime, forming: dict[tuple[int, str], list[RoundTime]]
+) -> bool:
+    """A planned member of `peer`'s group was forming its group of the same round while
+    `peer` waited for its own, alone in the end."""
+    return any(
+        other.started < timing.formed and timing.started < other.formed
+        for member in timing.planned
+        if member != peer
+        for other in forming.get((timing.index, member), ())
+    )
 
 
 def _yielding(tries: list[Round], taken: float, holder: str | None) -> Round:
