@@ -288,6 +288,12 @@ async def test_joins_for_other_epochs_and_abandoned_joins_leave_no_trace():
         namespace = f"test/avg/{MODEL}/9"
         me = Joined(_ticket(joiner), joiner.data_server.identity.certificate)
 
+        async def join_round(ns: str, round_index: int):
+            return await joiner.dht.node.rpc.call(
+                leader.dht.node.peer_id, SERVICE, "join", Join(ns, round_index, me), JoinReply,
+                timeout=5,
+            )  # fmt: skip
+
         async def join(ns: str, timeout: float):
             return await joiner.dht.node.rpc.call(
                 leader.dht.node.peer_id, SERVICE, "join", Join(ns, 0, me), JoinReply,
@@ -313,6 +319,33 @@ async def test_joins_for_other_epochs_and_abandoned_joins_leave_no_trace():
             )  # fmt: skip
         assert isinstance(reply, Redirect) and reply.reason == "not leading that round"
         assert not leader.matchmaker._gatherings[(namespace, 1)].joined
+        # While it joins a member that leads round 2, a join to it goes on to that member.
+        leader.matchmaker._gathering(namespace, 2).joining = True
+        with trio.fail_after(30):
+            reply = await join_round(namespace, 2)
+        assert isinstance(reply, Redirect) and reply.reason.startswith("joining the member")
+        assert not leader.matchmaker._gatherings[(namespace, 2)].joined
+
+
+async def test_a_first_ask_counts_as_gone_only_a_member_that_says_so():
+    """A leader asks its missing members `alive` as soon as it leads: one that does not answer
+    in time then (a slow dial) may still come, and is waited for; one that says it is not in
+    the averaging is not. A later ask counts silence as gone, as before."""
+    async with averaging_swarm(3, AveragingConfig(join_timeout=1.0)) as (s, averagers):
+        asker, out, dead = averagers
+        namespace = f"test/avg/{MODEL}/9"
+        await asker.matchmaker.read_tickets(namespace)  # every node met
+        s.kill(2)
+
+        async def gone(sure: bool) -> list[str]:
+            missing, _ = await asker.matchmaker._ask_missing(
+                [out.me, dead.me], {}, namespace, 1, b"", sure=sure
+            )
+            return missing
+
+        with trio.fail_after(30):
+            assert await gone(sure=True) == [out.me]  # not in the averaging: it said so
+            assert await gone(sure=False) == sorted([out.me, dead.me])
 
 
 async def test_a_member_that_planned_from_another_view_is_neither_waited_for_nor_joined():

@@ -133,6 +133,9 @@ class _Gathering:
     decided: trio.Event = field(default_factory=trio.Event)
     leading: bool = False
     """We lead this planned round and take `to_leader` joins until we decide."""
+    joining: bool = False
+    """We lead it but are joining a member that leads it (`Join.to_leader`): joins to us are
+    turned away at once, so that their senders go on to that member while it still waits."""
 
     def decide(self, outcome: JoinReply) -> None:
         self.outcome = outcome
@@ -405,20 +408,22 @@ class Matchmaker:
         its spec, if it took us."""
         expected = set(group.members)
         give_up = trio.current_time() + self.join_timeout + group.patience
-        ask_at = trio.current_time()
+        ask_at = first = trio.current_time()
         while not expected <= set(gathering.joined):
             if trio.current_time() >= ask_at:
                 missing = sorted(expected - set(gathering.joined))
                 gone, leading = await self._ask_missing(
-                    missing, tickets, namespace, round_index, view
+                    missing, tickets, namespace, round_index, view, sure=ask_at == first
                 )
                 if len(gone) == len(missing):
                     log.info("planned member(s) not answering, left out: %s", ", ".join(gone[:3]))
                     return None
-                for leader in leading:
-                    if leader < self.me or set(gathering.joined) != {self.me}:
-                        continue  # lower ones join us; a group of ours goes on as it is
-                    spec = await self._join_leader(leader, gathering, group.patience, check)
+                # Lower ones join us; a group of ours goes on as it is. One such member per
+                # ask, within our own deadline: a liar that says it leads costs our wait, no
+                # more.
+                higher = [m for m in leading if m > self.me]
+                if higher and set(gathering.joined) == {self.me}:
+                    spec = await self._join_leader(higher[0], gathering, give_up, check)
                     if spec is not None:
                         return spec
                 ask_at = trio.current_time() + self.join_timeout
@@ -434,13 +439,18 @@ class Matchmaker:
         self,
         leader: str,
         gathering: _Gathering,
-        patience: float,
+        give_up: float,
         check: Callable[[RoundSpec], str | None],
     ) -> RoundSpec | None:
-        """Join `leader`, which said it leads this round, as its member (`Join.to_leader`):
-        its spec, if it took us and the spec passes `check`."""
+        """Join `leader`, which said it leads this round, as its member (`Join.to_leader`),
+        waiting for it until our own `give_up` (and half a join_timeout for the reply): its
+        spec, if it took us and the spec passes `check`."""
+        left = give_up - trio.current_time()
+        if left <= 0:
+            return None
         request = msgspec.structs.replace(gathering.joined[self.me], to_leader=True)
-        gathering.leading = False  # nobody joins us as a leader while we wait on one
+        # Nobody joins us meanwhile, as a leader or as ours: they go on to `leader` at once.
+        gathering.leading, gathering.joining = False, True
         try:
             reply = await self.dht.node.rpc.call(
                 ID.from_base58(leader),
@@ -448,7 +458,7 @@ class Matchmaker:
                 "join",
                 request,
                 JoinReply,
-                timeout=3 * self.join_timeout + patience,  # as `_join`: it holds us that long
+                timeout=left + self.join_timeout / 2,
             )
         except MalformedReply as error:
             self.ban(leader, f"its reply {error}")
@@ -457,7 +467,7 @@ class Matchmaker:
             log.debug("member %s leading our round did not take us: %s", leader, error)
             return None
         finally:
-            gathering.leading = not gathering.decided.is_set()
+            gathering.leading, gathering.joining = not gathering.decided.is_set(), False
         if not isinstance(reply, Begin) or self.me not in [m.peer_id for m in reply.spec.members]:
             return None
         problem = check(reply.spec)
@@ -473,10 +483,14 @@ class Matchmaker:
         namespace: str,
         round_index: int,
         view: bytes,
+        *,
+        sure: bool = False,
     ) -> tuple[list[str], list[str]]:
         """Ask each of `peers` `alive` about `round_index`: (those that do not answer within
         half a join_timeout, or say they are not (or no longer) in the averaging of
-        `namespace`, or planned it from another `view`; those that say they lead the round)."""
+        `namespace`, or planned it from another `view`; those that say they lead the round).
+        `sure`: only those that say so are gone (a first ask: one slow to dial may still
+        join in time)."""
         gone: list[str] = []
         leading: list[str] = []
 
@@ -493,8 +507,12 @@ class Matchmaker:
                     Alive,
                     timeout=self.join_timeout / 2,
                 )
+            except RpcError:
+                gone.append(peer)  # its answer
+                return
             except (RemoteError, ValueError):
-                gone.append(peer)
+                if not sure:
+                    gone.append(peer)
                 return
             if reply.leading and reply.round_index == round_index:
                 leading.append(peer)
@@ -568,6 +586,8 @@ class Matchmaker:
             return gathering.outcome or Redirect("decided")
         if request.to_leader and not gathering.leading:
             return Redirect("not leading that round")
+        if gathering.joining:
+            return Redirect("joining the member that leads this round")
         if len(gathering.joined) >= MAX_JOINERS:
             raise RpcError("unavailable", f"more than {MAX_JOINERS} peers joined this gathering")
         gathering.joined[who] = request
