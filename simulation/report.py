@@ -288,16 +288,13 @@ def round_lines(calls: Iterable[Attempt]) -> list[str]:
     each led and waited for the other)."""
     by_round: dict[int, list[RoundTime]] = defaultdict(list)
     forming: dict[tuple[int, str], list[RoundTime]] = defaultdict(list)
+    alone: dict[int, list[tuple[str, RoundTime]]] = defaultdict(list)
     for call in calls:
         for timing in call.rounds:
             by_round[timing.index].append(timing)
             forming[(timing.index, call.peer)].append(timing)
-    alone = {
-        index: [
-            (call.peer, t) for call in calls for t in call.rounds if t.index == index and t.alone
-        ]
-        for index in by_round
-    }
+            if timing.alone:
+                alone[timing.index].append((call.peer, timing))
 
     def spread(values: list[float]) -> str:
         if not values:

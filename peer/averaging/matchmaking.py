@@ -309,14 +309,21 @@ class Matchmaker:
                 Alive,
                 timeout=self.join_timeout / 4,
             )
+        except MalformedReply as error:
+            self.ban(leader, f"its reply {error}")
+            return None
+        except (RemoteError, ValueError) as error:
+            log.debug("candidate leader %s did not take us: %s", leader, error)
+            return None
+        # its own leader search + gathering (+ members still in the last round) + slack
+        return await self._send_join(leader, request, timeout=3 * self.join_timeout + patience)
+
+    async def _send_join(self, leader: str, request: Join, *, timeout: float) -> JoinReply | None:
+        """`leader`'s reply to our `request`; None if it cannot take us (dead, partitioned,
+        redirecting, or it began without us)."""
+        try:
             reply = await self.dht.node.rpc.call(
-                peer_id,
-                SERVICE,
-                "join",
-                request,
-                JoinReply,
-                # its own leader search + gathering (+ members still in the last round) + slack
-                timeout=3 * self.join_timeout + patience,
+                ID.from_base58(leader), SERVICE, "join", request, JoinReply, timeout=timeout
             )
         except MalformedReply as error:  # e.g. a spec with NaN weights or port 0: its doing
             self.ban(leader, f"its reply {error}")
@@ -452,23 +459,11 @@ class Matchmaker:
         # Nobody joins us meanwhile, as a leader or as ours: they go on to `leader` at once.
         gathering.leading, gathering.joining = False, True
         try:
-            reply = await self.dht.node.rpc.call(
-                ID.from_base58(leader),
-                SERVICE,
-                "join",
-                request,
-                JoinReply,
-                timeout=left + self.join_timeout / 2,
-            )
-        except MalformedReply as error:
-            self.ban(leader, f"its reply {error}")
-            return None
-        except (RemoteError, ValueError) as error:
-            log.debug("member %s leading our round did not take us: %s", leader, error)
-            return None
+            reply = await self._send_join(leader, request, timeout=left + self.join_timeout / 2)
         finally:
-            gathering.leading, gathering.joining = not gathering.decided.is_set(), False
-        if not isinstance(reply, Begin) or self.me not in [m.peer_id for m in reply.spec.members]:
+            # Only we decide our gathering, and not before we stop waiting: still undecided.
+            gathering.leading, gathering.joining = True, False
+        if not isinstance(reply, Begin):
             return None
         problem = check(reply.spec)
         if problem is not None:
@@ -536,8 +531,8 @@ class Matchmaker:
         if self._other_view(request.namespace, request.view):
             raise RpcError("unavailable", "planned from another view of that averaging")
         gathering = self._gatherings.get((request.namespace, request.round_index))
-        leading = gathering is not None and gathering.leading and not gathering.decided.is_set()
-        return msgspec.structs.replace(request, leading=leading)
+        # `leading` is set only while we wait for members, before we decide (`_lead`).
+        return msgspec.structs.replace(request, leading=gathering is not None and gathering.leading)
 
     def _other_view(self, namespace: str, view: bytes) -> bool:
         """A joiner's or asker's `view` digest differs from the one we planned `namespace`
