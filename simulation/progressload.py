@@ -1,7 +1,7 @@
 """The progress exchange alone, at N peers: where the bytes of its replies land.
 
     .venv/bin/python -m simulation.progressload --peers 100 300 [--seconds 60] [--one-key]
-        [--verbose] [--shard-records 16] [--placed]
+        [--verbose] [--shard-records 16] [--placed [--reachable 0.5] [--seed 0]]
 
 (300 peers took 27 minutes of wall time on 2 cores; 1,000, hours.)
 
@@ -25,6 +25,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import trio
 from libp2p.peer.id import ID
@@ -172,15 +173,24 @@ def run_load(peers: int, *, seconds: float = 60.0, warmup: float = 20.0, seed: i
     return Load(peers, seconds, served, coverage, calls, replies, time.perf_counter() - started)
 
 
-def placed_load(peers: int, *, seed: int = 0, reachable: float = 1.0) -> tuple[float, float]:
+class Placed(NamedTuple):
+    mean: float
+    """Records served a node, the mean over every node (in records read once)."""
+    busiest: float
+    mean_server: float
+    """The same mean over the DHT servers alone (the `reachable` share: a peer behind NAT
+    holds nothing)."""
+
+
+def placed_load(peers: int, *, seed: int = 0, reachable: float = 1.0) -> Placed:
     """The mean and the busiest node's share of the progress reads' reply bytes, from where the
     shards and their holders fall alone: records of one size, every peer a trainer, every
     table complete, every reader reading every shard from `CARRIED_READ_REPLICAS` of its holders
     at random, those of its prefix first where they are enough (`hot_read_order`). What
     `run_load` measures without running a DHT, so 1,000 and 10,000 peers cost seconds; in
     units of one record read once. Only the `reachable` share of the peers is a DHT server
-    (the others are behind NAT) and holds anything; the mean is over all peers, so the
-    busiest serves at least 1 / `reachable` times the mean."""
+    (the others are behind NAT) and holds anything; `mean` is over all peers, so the busiest
+    serves at least 1 / `reachable` times it, `mean_server` over the servers."""
     rng = random.Random(seed)
     replicas = PeerConfig().dht.replicas
     ids = [ID(rng.randbytes(34)) for _ in range(peers)]
@@ -200,7 +210,8 @@ def placed_load(peers: int, *, seed: int = 0, reachable: float = 1.0) -> tuple[f
         read = first_readers(target, bits, holders)  # `hot_read_order`
         for holder in read:
             load[holder.peer_id] += peers * CARRIED_READ_REPLICAS / len(read) * records[index]
-    return statistics.fmean(load.values()), max(load.values())
+    served = [load[i] for i in servers]
+    return Placed(statistics.fmean(load.values()), max(served), statistics.fmean(served))
 
 
 def main() -> None:
@@ -226,11 +237,18 @@ def main() -> None:
     layout = one_key() if args.one_key else contextlib.nullcontext()
     shards.SHARD_RECORDS = args.shard_records
     if args.placed:
-        print("| peers | busiest node's replies / the mean node's (placement alone) |")
-        print("| --- | --- |")
+        print(
+            "| peers | busiest node's replies (placement alone): / the mean node's"
+            " | / the mean DHT server's |"
+        )
+        print("| --- | --- | --- |")
         for peers in args.peers:
-            mean, busiest = placed_load(peers, seed=args.seed, reachable=args.reachable)
-            print(f"| {peers} | {busiest / mean:.2f}x |", flush=True)
+            placed = placed_load(peers, seed=args.seed, reachable=args.reachable)
+            print(
+                f"| {peers} | {placed.busiest / placed.mean:.2f}x"
+                f" | {placed.busiest / placed.mean_server:.2f}x |",
+                flush=True,
+            )
         return
     print(
         "| peers | mean node's replies | busiest node's | busiest / mean | read coverage | wall |"

@@ -776,6 +776,14 @@ def test_progress_replies_spread_over_the_shards_holders():
     assert load.busiest <= 1.5 * load.mean, (load.busiest, load.mean)
 
 
+def test_by_placement_the_servers_mean_leaves_out_the_peers_behind_nat():
+    """Half the peers behind NAT hold no shard: the mean DHT server reads twice the mean node
+    (the goal's ratio has that floor against the mean node: session 30)."""
+    placed = placed_load(300, seed=0, reachable=0.5)
+    assert placed.mean_server == pytest.approx(2 * placed.mean)
+    assert placed.busiest >= placed.mean_server
+
+
 @pytest.mark.parametrize("peers", [100, 1000, 10_000])
 def test_by_placement_no_node_serves_twice_the_mean_at_any_size(peers: int):
     """Where the shards, their records and their holders fall (`placed_load`, no DHT): the
@@ -783,5 +791,6 @@ def test_by_placement_no_node_serves_twice_the_mean_at_any_size(peers: int):
     records placed by a hash of their own it was 3.0x at 300 peers; with 64 shards at most,
     7.6x at 10,000."""
     for seed in range(2):
-        mean, busiest = placed_load(peers, seed=seed)
+        placed = placed_load(peers, seed=seed)
+        mean, busiest = placed.mean, placed.busiest
         assert busiest <= 1.5 * mean, (peers, seed, busiest / mean)
