@@ -777,7 +777,7 @@ def test_progress_replies_spread_over_the_shards_holders():
 
 
 def test_by_placement_the_servers_mean_leaves_out_the_peers_behind_nat():
-    """Half the peers behind NAT hold no shard: the mean DHT server reads twice the mean node
+    """Half the peers behind NAT hold no shard: the mean DHT server serves twice the mean node
     (the goal's ratio has that floor against the mean node: session 30)."""
     placed = placed_load(300, seed=0, reachable=0.5)
     assert placed.mean_server == pytest.approx(2 * placed.mean)
