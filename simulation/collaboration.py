@@ -493,21 +493,25 @@ class Collaboration:
         read as it starts); while it runs, counted as in flight (`cut` at the end)."""
         average = averager.average
         rounds: dict[int, list[RoundTime]] = {}  # by epoch: the calls in flight
-        formed: dict[tuple[int, int], float] = {}  # (epoch, round) -> its group formed
-        alone: set[tuple[int, int]] = set()  # (epoch, round): too few came
+        # (epoch, round) -> when its group formed, or it ended alone (True: too few came)
+        formed: dict[tuple[int, int], tuple[float, bool]] = {}
         run_round, form_group = averager._round, averager.matchmaker.form_group
         round_args = inspect.signature(run_round).bind
         form_args = inspect.signature(form_group).bind
 
         async def timed_form(*args: Any, **kwargs: Any) -> Any:
             named = form_args(*args, **kwargs).arguments
+            lonely = False
             try:
                 return await form_group(*args, **kwargs)
             except TooFewPeers:
-                alone.add((named["shape"].epoch, named["round_index"]))
+                lonely = True
                 raise
             finally:
-                formed[(named["shape"].epoch, named["round_index"])] = trio.current_time()
+                formed[(named["shape"].epoch, named["round_index"])] = (
+                    trio.current_time(),
+                    lonely,
+                )
 
         async def timed_round(*args: Any, **kwargs: Any) -> Any:
             named = round_args(*args, **kwargs).arguments
@@ -518,9 +522,8 @@ class Collaboration:
                 return outcome
             finally:
                 now = trio.current_time()
-                when = formed.pop((epoch, index), now)
-                planned, lonely = named["group"].members, (epoch, index) in alone
-                alone.discard((epoch, index))
+                when, lonely = formed.pop((epoch, index), (now, False))
+                planned = named["group"].members
                 if epoch in rounds:  # a recorded call's (not an aggregator's)
                     rounds[epoch].append(
                         RoundTime(index, started, when, now, outcome is not None, planned, lonely)

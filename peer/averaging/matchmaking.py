@@ -274,12 +274,10 @@ class Matchmaker:
         for candidate in leader_candidates(group.members, self.me, tickets):
             if candidate == self.me:
                 return await self._lead(namespace, round_index, group, shape, tickets, check)
-            reply = await self._join(candidate, tickets.get(candidate), request, group.patience)
+            reply = await self._join(
+                candidate, tickets.get(candidate), request, group.patience, check
+            )
             if isinstance(reply, Begin):
-                problem = check(reply.spec)
-                if problem is not None:
-                    self.ban(candidate, f"its spec {problem}")
-                    continue
                 gathering.decide(Redirect(f"{self.me} joined {candidate}'s group"))
                 return reply.spec
             if isinstance(reply, TooFew):
@@ -293,8 +291,10 @@ class Matchmaker:
         ticket: Ticket | None,
         request: Join,
         patience: float,
+        check: Callable[[RoundSpec], str | None],
     ) -> JoinReply | None:
-        """Ask `leader` to take us; None if it cannot (dead, partitioned, redirecting)."""
+        """Ask `leader` to take us; None if it cannot (dead, partitioned, redirecting, or its
+        spec fails `check`)."""
         try:
             peer_id = ID.from_base58(leader)
             if ticket is not None:
@@ -316,11 +316,21 @@ class Matchmaker:
             log.debug("candidate leader %s did not take us: %s", leader, error)
             return None
         # its own leader search + gathering (+ members still in the last round) + slack
-        return await self._send_join(leader, request, timeout=3 * self.join_timeout + patience)
+        return await self._send_join(
+            leader, request, check, timeout=3 * self.join_timeout + patience
+        )
 
-    async def _send_join(self, leader: str, request: Join, *, timeout: float) -> JoinReply | None:
+    async def _send_join(
+        self,
+        leader: str,
+        request: Join,
+        check: Callable[[RoundSpec], str | None],
+        *,
+        timeout: float,
+    ) -> JoinReply | None:
         """`leader`'s reply to our `request`; None if it cannot take us (dead, partitioned,
-        redirecting, or it began without us)."""
+        redirecting, or it began without us), or if its spec fails `check` (it is banned:
+        `BAN_SECONDS`)."""
         try:
             reply = await self.dht.node.rpc.call(
                 ID.from_base58(leader), SERVICE, "join", request, JoinReply, timeout=timeout
@@ -331,8 +341,13 @@ class Matchmaker:
         except (RemoteError, ValueError) as error:
             log.debug("candidate leader %s did not take us: %s", leader, error)
             return None
-        if isinstance(reply, Begin) and self.me not in [m.peer_id for m in reply.spec.members]:
-            return None  # it began without us
+        if isinstance(reply, Begin):
+            if self.me not in [m.peer_id for m in reply.spec.members]:
+                return None  # it began without us
+            problem = check(reply.spec)
+            if problem is not None:
+                self.ban(leader, f"its spec {problem}")
+                return None
         return None if isinstance(reply, Redirect) else reply
 
     async def _lead(
@@ -459,17 +474,13 @@ class Matchmaker:
         # Nobody joins us meanwhile, as a leader or as ours: they go on to `leader` at once.
         gathering.leading, gathering.joining = False, True
         try:
-            reply = await self._send_join(leader, request, timeout=left + self.join_timeout / 2)
+            reply = await self._send_join(
+                leader, request, check, timeout=left + self.join_timeout / 2
+            )
         finally:
             # Only we decide our gathering, and not before we stop waiting: still undecided.
             gathering.leading, gathering.joining = True, False
-        if not isinstance(reply, Begin):
-            return None
-        problem = check(reply.spec)
-        if problem is not None:
-            self.ban(leader, f"its spec {problem}")
-            return None
-        return reply.spec
+        return reply.spec if isinstance(reply, Begin) else None
 
     async def _ask_missing(
         self,
