@@ -93,6 +93,7 @@ async def make_trainer(
             remember_addrs=lambda *args: None,
         ),
         looks_up=lambda key: True,
+        serves=lambda: True,
         lookup_seconds=0.0,
         get=no_records,
         rng=random.Random(0),
