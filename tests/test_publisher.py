@@ -369,6 +369,18 @@ async def test_a_read_counts_the_records_of_the_peers_that_serve_the_dht():
     assert (await reader(dht).read()).size == shards.Size(15, 10)
 
 
+async def test_an_empty_collaboration_read_again_is_empty_not_unreachable():
+    """A reader that writes nothing (a backbone, `peer status`) reads again a collaboration
+    nobody is in yet: the one key, no probe, no error (found in review: a size of no records
+    was taken for one that had found some, and every read probed and failed)."""
+    dht = ShardedDht()
+    progress = reader(dht)
+    assert not (await progress.read()).records
+    dht.gets.clear()
+    assert not (await progress.read()).records
+    assert dht.gets == [shards.shard_key("default", 0, 0)]
+
+
 async def test_a_joiner_is_not_held_by_a_record_on_the_one_key():
     """(Found in review.) One record stored under the one key of a small collaboration: a joiner
     that read it and stopped there saw one peer for ever, wrote its own record there, and held

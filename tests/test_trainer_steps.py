@@ -214,6 +214,15 @@ def parameters(trainer: Trainer) -> str:
 # ---------------------------------------------------------------------------- results
 
 
+async def test_our_record_says_whether_we_serve_the_dht(tmp_path):
+    """Where the progress shards go is set by the peers that serve (`shards.level`): a peer
+    behind NAT, a DHT client, must not count as one."""
+    trainer = await make_trainer(tmp_path)
+    assert trainer.record().serves
+    trainer.dht.serves = lambda: False  # type: ignore[method-assign]
+    assert not trainer.record().serves
+
+
 @pytest.mark.parametrize(
     ("samples", "weight", "complete", "steps"),
     [

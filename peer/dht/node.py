@@ -127,7 +127,10 @@ HOT_SPREAD_MAX_SECONDS = 300.0
 #: holds a shard's ~12-24 servers (`peer.training.shards.SHARD_SERVERS`), more by chance. With
 #: 2x and shards of ~8-16, a shard whose prefix held over 16 nodes had 16 holders for more
 #: records: the busiest node served 1.44-1.75x the mean at 1,000 peers (by placement, seeds
-#: 0-2); with 3x, 1.0-1.17x.
+#: 0-2); with 3x, 1.0-1.17x. A prefix of more than 3x (by chance, where every peer serves) is
+#: held by its 3x closest to the key, the rest holding nothing; a read's lookup there mostly
+#: runs to the end (an answer from a node that knows as many of the prefix as an answer holds
+#: names nobody beyond: `Lookup.read_enough`).
 SPREAD_HOLDERS = 3
 #: Hot keys whose replicas are remembered (the oldest go): every shard of the progress key a
 #: reader reads (`peer.training.shards.MAX_LEVEL`: 1,024) and the few a writer writes, and more.

@@ -135,11 +135,12 @@ class ProgressReader:
 
     async def read(self) -> ProgressRead:
         previous = self.size
+        had_records = previous is not None and previous.records > 0
         current: ProgressRead | None = None
         if previous is not None:
             read = current = await self._read_level(shards.level(previous))
             recent = trio.current_time() - self._probed_at < PROBE_SECONDS
-            if self._others(read) or (recent and (read.records or not previous)):
+            if self._others(read) or (recent and (read.records or not had_records)):
                 self.size = read.size
                 return read
         self._probed_at = trio.current_time()
@@ -153,7 +154,7 @@ class ProgressReader:
             read = current  # the level just read, a moment ago (an empty read is read again)
         else:
             read = await self._read_level(at)
-        if not read.records and previous:
+        if not read.records and had_records:
             raise RemoteError("no progress records found where there were: the DHT is unreachable")
         self.size = read.size
         return read

@@ -13,14 +13,15 @@ those whose peers serve the DHT (`ProgressRecord.serves`). A shard's holders are
 its prefix, so the level is set by the servers (`SHARD_SERVERS` a shard), and by the records
 only where too few serve (`MAX_SHARD_RECORDS`). A writer stores its record at the level of its
 size and, within a quarter of a level's boundary, at the one across it (`write_levels`); a
-reader reads the level of its size (`level`), so a writer and a reader whose counts differ by
-up to a quarter meet. A reader that read a level few writers
+reader reads the level of its size (`level`), so a writer and a reader whose counts each
+differ by up to a quarter meet. A reader that read a level few writers
 wrote finds few records and reads a lower level next; one that found none, or has read nothing
 yet, probes one shard of every level (`probe_level`). Sizes are counts of owner-signed records,
 never a number a record states: a few records stating a huge collaboration would otherwise move
-a reader to a level where only they are, and keep it there. (A record's `serves` is its own
-claim, but each counts once, as the record does: identities that claim to serve move the level
-as far as as many records would.)
+a reader to a level where only they are, and keep it there. (A record's `serves` is its owner's
+claim, counted once as the record is: where few peers serve, fewer identities move the level,
+a quarter of the servers to cross a boundary, and writers follow within a read or two:
+`write_levels`, the probes.)
 """
 
 from __future__ import annotations
@@ -44,9 +45,14 @@ behind NAT, the other half's records fall on the prefixes by chance: shards of 1
 servers) left the busiest node at 1.7-2.4x the mean DHT server at 1,000 peers and 2.8-3.1x at
 10,000; of 24 servers (48 records), at 1.4-1.7x and 1.7-2.0x (by placement, seeds 0-4,
 `python -m simulation.progressload --placed --reachable 0.5`)."""
-MAX_SHARD_RECORDS = 128
-"""Records a shard holds, at most on average, however few of their peers serve the DHT (~90 KB
-a read of it, within a reply: `node.REPLY_BYTES`)."""
+MAX_SHARD_RECORDS = 64
+"""Records a shard holds, at most on average, however few of their peers serve the DHT: a
+trainer's record with its signatures and vote is 1.4-2.0 KB (review), so a shard's fit one
+reply (`node.REPLY_BYTES`, 192 KiB) with room for chance."""
+ONE_KEY_RECORDS = 16
+"""Records the one key (level 0) holds, at most: a hashed key, served by its `dht.replicas`
+closest nodes alone, not by a prefix's servers (at 100 simulated trainers its 8 replicas sent
+15 Mbit/s of replies each)."""
 MAX_LEVEL = 10
 """Shards are at most 2^MAX_LEVEL = 1,024 (24,576 servers at `SHARD_SERVERS`; beyond, shards
 grow); each is a hot key whose holders a reader remembers (`peer.dht.node.HOT_KEYS`)."""
@@ -67,11 +73,16 @@ class Size(NamedTuple):
 
 def level(size: Size) -> int:
     """The shard level for a collaboration of `size`: the lowest at which a shard's prefix
-    holds at most `SHARD_SERVERS` servers and at most `MAX_SHARD_RECORDS` records, on average;
-    at most `MAX_LEVEL`."""
+    holds at most `SHARD_SERVERS` servers and at most `MAX_SHARD_RECORDS` records, on average,
+    and level 0 (the one key) at most `ONE_KEY_RECORDS` records; at most `MAX_LEVEL`."""
+    spread = size.records > ONE_KEY_RECORDS
     return min(
         MAX_LEVEL,
-        max(_halvings(size.servers, SHARD_SERVERS), _halvings(size.records, MAX_SHARD_RECORDS)),
+        max(
+            int(spread),
+            _halvings(size.servers, SHARD_SERVERS),
+            _halvings(size.records, MAX_SHARD_RECORDS),
+        ),
     )
 
 
