@@ -43,7 +43,7 @@ served by the servers of its prefix (`routing.hot_holders`: up to `SPREAD_HOLDER
 24), and a holder serves its prefix's records over its prefix's servers. With half the peers
 behind NAT, the other half's records fall on the prefixes by chance: shards of 16 records (8
 servers) left the busiest node at 1.7-2.4x the mean DHT server at 1,000 peers and 2.8-3.1x at
-10,000; of 24 servers (48 records), at 1.4-1.7x and 1.7-2.0x (by placement, seeds 0-4,
+10,000; of 24 servers (48 records), at 1.3-1.7x and 1.7-2.0x (by placement, seeds 0-4,
 `python -m simulation.progressload --placed --reachable 0.5`)."""
 MAX_SHARD_RECORDS = 64
 """Records a shard holds, at most on average, however few of their peers serve the DHT: a
