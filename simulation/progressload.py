@@ -1,7 +1,7 @@
 """The progress exchange alone, at N peers: where the bytes of its replies land.
 
     .venv/bin/python -m simulation.progressload --peers 100 300 [--seconds 60] [--one-key]
-        [--verbose] [--shard-servers 24] [--placed [--reachable 0.5] [--seed 0]]
+        [--verbose] [--shard-records 16] [--placed [--reachable 0.5] [--seed 0]]
 
 (300 peers took 27 minutes of wall time on 2 cores; 1,000, hours.)
 
@@ -75,7 +75,7 @@ def record(peer_id: str, now: float) -> ProgressRecord:
         peer_id=peer_id, role="trainer", addrs=["/ip4/203.0.113.9/tcp/4001"] * 2, step=12,
         digest="d" * 64, samples=300, samples_per_second=40.0, updated_at=now,
         fingerprint="f" * 64, task="t" * 120, recent_losses=[3.0] * 8, min_votes=2,
-        electorate="e" * 64, electorate_size=12, serves=True,
+        electorate="e" * 64, electorate_size=12,
     )  # fmt: skip
 
 
@@ -195,7 +195,7 @@ def placed_load(peers: int, *, seed: int = 0, reachable: float = 1.0) -> Placed:
     replicas = PeerConfig().dht.replicas
     ids = [ID(rng.randbytes(34)) for _ in range(peers)]
     servers = ids[: max(replicas, round(reachable * peers))]
-    at = shards.level(shards.Size(peers, len(servers)))
+    at = shards.level(peers)
     records = Counter(shards.shard_index(i.to_base58(), at) for i in ids)
     load = dict.fromkeys(ids, 0.0)
     for index in range(2**at):
@@ -231,14 +231,11 @@ def main() -> None:
     )
     parser.add_argument("--verbose", action="store_true", help="calls by method, the busiest")
     parser.add_argument(
-        "--shard-servers",
-        type=int,
-        default=shards.SHARD_SERVERS,
-        help="servers a shard's prefix holds",
+        "--shard-records", type=int, default=shards.SHARD_RECORDS, help="records a shard holds"
     )
     args = parser.parse_args()
     layout = one_key() if args.one_key else contextlib.nullcontext()
-    shards.SHARD_SERVERS = args.shard_servers
+    shards.SHARD_RECORDS = args.shard_records
     if args.placed:
         print(
             "| peers | busiest node's replies (placement alone): / the mean node's"

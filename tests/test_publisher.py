@@ -33,7 +33,7 @@ from tests.test_progress import rec
 RECORD_BYTES = 700  # a progress record with its signatures
 
 
-def progress_entries(count: int, *, serves: bool = True) -> dict[str, Entry]:
+def progress_entries(count: int) -> dict[str, Entry]:
     """`count` peers' records of about `RECORD_BYTES` each, under their own subkeys."""
     entries = {}
     for _ in range(count):
@@ -41,15 +41,10 @@ def progress_entries(count: int, *, serves: bool = True) -> dict[str, Entry]:
         record = ProgressRecord(
             peer_id=peer_id, role="trainer", addrs=["/ip4/203.0.113.9/tcp/4001" * 6],
             step=3, digest="d" * 64, samples=0, samples_per_second=1.0, updated_at=1.0,
-            task="t" * 200, fingerprint="f" * 64, serves=serves,
+            task="t" * 200, fingerprint="f" * 64,
         )  # fmt: skip
         entries[peer_id] = Entry(encode_progress(record), 2e9)
     return entries
-
-
-def everyone(records: int) -> shards.Size:
-    """The size of a read of `records` records, every one of a peer that serves the DHT."""
-    return shards.Size(records, records)
 
 
 async def get_each(
@@ -158,7 +153,7 @@ async def test_a_large_collaboration_is_read_less_often_and_our_record_goes_out_
     # Our record goes to each shard of our levels (`shards.write_levels`) every second, or
     # at the first exchange past half a read interval where reads are stretched
     # (`Timing.publishing`: 2.7 s at 1,000; exchanges are a second and a store apart).
-    keys = [shards.record_key("default", "me", at) for at in shards.write_levels(everyone(records))]
+    keys = [shards.record_key("default", "me", at) for at in shards.write_levels(records)]
     assert set(dht.stores) == set(keys)
     stores = dht.stores[keys[0]] - 1
     assert all(count == stores + 1 for count in dht.stores.values())
@@ -169,11 +164,7 @@ async def test_a_large_collaboration_is_read_less_often_and_our_record_goes_out_
     # the first read (the one key, then a probe of one shard of every level) showed it.
     assert all(len(view.records) == records for view in seen)
     # (The first read's level is the probe's: any.)
-    probe, per_read, first = (
-        1 + shards.MAX_LEVEL,
-        2 ** shards.level(everyone(records)),
-        2**shards.MAX_LEVEL,
-    )
+    probe, per_read, first = 1 + shards.MAX_LEVEL, 2 ** shards.level(records), 2**shards.MAX_LEVEL
     later = probe + (len(seen) - 1) * per_read
     assert later + 1 <= dht.gets <= later + first + per_read
     assert dht.hot == {True}
@@ -197,7 +188,7 @@ async def test_a_record_that_changed_goes_out_at_once_however_stretched_the_stor
 ):
     dht = CountingDht(1000, 0)
     publisher = stretched_publisher(dht, ttl=30.0)
-    key = shards.record_key("default", "me", shards.write_levels(everyone(1000))[0])
+    key = shards.record_key("default", "me", shards.write_levels(1000)[0])
     async with trio.open_nursery() as nursery:
         await nursery.start(publisher.run)
         await trio.sleep(10.0)
@@ -221,7 +212,7 @@ async def test_a_short_lived_record_goes_out_within_a_third_of_its_life(autojump
         await nursery.start(publisher.run)
         await trio.sleep(59.5)
         nursery.cancel_scope.cancel()
-    key = shards.record_key("default", "me", shards.write_levels(everyone(1000))[0])
+    key = shards.record_key("default", "me", shards.write_levels(1000)[0])
     assert dht.stores[key] >= 45  # every exchange, as at the configured interval
 
 
@@ -285,7 +276,7 @@ class ShardedDht:
         self.failing: set[str] = set()
         for count, read in writers:
             for peer_id, entry in progress_entries(count).items():
-                for at in shards.write_levels(everyone(read)):
+                for at in shards.write_levels(read):
                     self.put(shards.record_key("default", peer_id, at), peer_id, entry)
 
     def put(self, key: str, peer_id: str, entry: Entry) -> None:
@@ -302,7 +293,7 @@ class ShardedDht:
 
 def reader(dht: ShardedDht, size: int | None = None, me: str | None = None) -> ProgressReader:
     progress = ProgressReader(dht, "default", me=me)  # type: ignore[arg-type]
-    progress.size = None if size is None else everyone(size)
+    progress.size = size
     return progress
 
 
@@ -311,8 +302,8 @@ async def test_a_reader_carries_what_the_replicas_showed_its_last_read_for_one_r
     (`DHT.get_many(known=)`: one replica a shard) and counts them where the replicas asked now
     leave them out, for that read only; what it carries is what the replicas showed, of
     records it decoded (open subkeys' junk is never carried). A failed read keeps it."""
-    dht = ShardedDht((270, 270))
-    progress = reader(dht, 270)
+    dht = ShardedDht((200, 200))
+    progress = reader(dht, 200)
     keys = shards.level_keys("default", 4)
     junk = next(
         f"junk-{i}" for i in range(1000) if shards.record_key("default", f"junk-{i}", 4) == keys[0]
@@ -320,7 +311,7 @@ async def test_a_reader_carries_what_the_replicas_showed_its_last_read_for_one_r
     dht.put(keys[0], junk, Entry(b"x" * 1000, 2e9))
     first = await progress.read()
     assert dht.known == [{}]  # level 4 at once, nothing read of it before
-    assert junk in first.entries and len(first.records) == 270
+    assert junk in first.entries and len(first.records) == 200
     await progress.read()
     assert list(dht.known[-1]) == keys
     carried = {p for key in keys for p in dht.known[-1][key]}
@@ -334,18 +325,18 @@ async def test_a_reader_carries_what_the_replicas_showed_its_last_read_for_one_r
         await progress.read()
     dht.failing.clear()
     await progress.read()
-    assert len({p for key in keys for p in dht.known[-1][key]}) == 269
+    assert len({p for key in keys for p in dht.known[-1][key]}) == 199
 
 
-@pytest.mark.parametrize("size", [None, 0, 20, 270, 5000])
+@pytest.mark.parametrize("size", [None, 0, 20, 200, 5000])
 async def test_a_reader_finds_every_record_whatever_size_it_last_read(size: int | None):
-    """270 writers that read 270 records each wrote to the 16 shards of level 4 alone. A reader
+    """200 writers that read 200 records each wrote to the 16 shards of level 4 alone. A reader
     that has read nothing, or whose last read showed another size (an empty level: 0, 20,
     5000), probes one shard of every level, then reads all of level 4."""
-    dht = ShardedDht((270, 270))
+    dht = ShardedDht((200, 200))
     progress = reader(dht, size)
     read = await progress.read()
-    assert read.size == progress.size == everyone(270)
+    assert len(read.records) == read.size == progress.size == 200
     assert set(shards.level_keys("default", 4)) <= set(dht.gets)
     dht.gets.clear()
     await progress.read()
@@ -353,73 +344,53 @@ async def test_a_reader_finds_every_record_whatever_size_it_last_read(size: int 
 
 
 async def test_a_reader_of_a_level_few_writers_wrote_reads_where_the_rest_are_next():
-    """10 writers write level 6 (they read 1,000: a lie or a collaboration that shrank), 270
+    """10 writers write level 6 (they read 1,000: a lie or a collaboration that shrank), 200
     write level 4. A reader of level 6 finds the 10, and reads the one key next: empty, so it
-    probes and finds the 270 (the 10 are never all it sees for long)."""
-    progress = reader(ShardedDht((10, 1000), (270, 270)), 1000)
-    assert (await progress.read()).size.records == 10
-    assert (await progress.read()).size.records == 270
-
-
-async def test_a_read_counts_the_records_of_the_peers_that_serve_the_dht():
-    """Where the shards go is set by the peers that can hold them (`shards.level`)."""
-    dht = ShardedDht((10, 10))
-    for peer_id, entry in progress_entries(5, serves=False).items():
-        dht.put(shards.shard_key("default", 0, 0), peer_id, entry)
-    assert (await reader(dht).read()).size == shards.Size(15, 10)
-
-
-async def test_an_empty_collaboration_read_again_is_empty_not_unreachable():
-    """A reader that writes nothing (a backbone, `peer status`) reads again a collaboration
-    nobody is in yet: the one key, no probe, no error (found in review: a size of no records
-    was taken for one that had found some, and every read probed and failed)."""
-    dht = ShardedDht()
-    progress = reader(dht)
-    assert not (await progress.read()).records
-    dht.gets.clear()
-    assert not (await progress.read()).records
-    assert dht.gets == [shards.shard_key("default", 0, 0)]
+    probes and finds the 200 (the 10 are never all it sees for long)."""
+    progress = reader(ShardedDht((10, 1000), (200, 200)), 1000)
+    assert (await progress.read()).size == 10
+    assert (await progress.read()).size == 200
 
 
 async def test_a_joiner_is_not_held_by_a_record_on_the_one_key():
     """(Found in review.) One record stored under the one key of a small collaboration: a joiner
     that read it and stopped there saw one peer for ever, wrote its own record there, and held
     the next joiners too. A joiner probes every level first."""
-    dht = ShardedDht((270, 270))
+    dht = ShardedDht((200, 200))
     stray = next(iter(progress_entries(1).items()))
     dht.put(shards.shard_key("default", 0, 0), *stray)
-    assert (await reader(dht).read()).size.records == 270
+    assert (await reader(dht).read()).size == 200
 
 
 async def test_a_record_counts_only_in_the_shard_its_peer_id_names():
     """(Found in review.) Four identities writing into all 64 shards of level 6 counted 64
-    times each in a probe (256 against the ~270 a level-4 shard of 270 shows), and a joiner read
+    times each in a probe (256 against the 192 a level-4 shard of 200 shows), and a joiner read
     level 6: four peers."""
-    dht = ShardedDht((270, 270))
+    dht = ShardedDht((200, 200))
     for peer_id, entry in progress_entries(4).items():
         for key in shards.level_keys("default", 6):
             dht.put(key, peer_id, entry)
-    assert (await reader(dht).read()).size.records == 270
+    assert (await reader(dht).read()).size == 200
 
 
 async def test_a_reader_cut_off_keeps_its_size_and_one_alone_probes_again(autojump_clock):
     """An unreachable DHT is no empty collaboration: a read that finds nothing where records
     were raises (the last view and size stay). And a peer that sees only its own record (it
     wrote it where a partition left it) probes every level again within `PROBE_SECONDS`."""
-    dht = ShardedDht((270, 270))
-    progress = reader(dht, 270)
+    dht = ShardedDht((200, 200))
+    progress = reader(dht, 200)
     keys, dht.keys = dht.keys, {}
     with pytest.raises(RemoteError, match="unreachable"):
         await progress.read()
-    assert progress.size == everyone(270)
+    assert progress.size == 200
     me, entry = next(iter(progress_entries(1).items()))
     alone = reader(ShardedDht(), None, me=me)
     alone.dht.put(shards.shard_key("default", 0, 0), me, entry)  # type: ignore[attr-defined]
-    assert (await alone.read()).size.records == 1
+    assert (await alone.read()).size == 1
     alone.dht.keys |= keys  # type: ignore[attr-defined]
-    assert (await alone.read()).size.records == 1  # probed a moment ago
+    assert (await alone.read()).size == 1  # probed a moment ago
     await trio.sleep(PROBE_SECONDS)
-    assert (await alone.read()).size.records == 270
+    assert (await alone.read()).size == 200
 
 
 async def test_a_probe_that_points_at_the_level_just_read_reads_it_once():
@@ -428,7 +399,7 @@ async def test_a_probe_that_points_at_the_level_just_read_reads_it_once():
     me, entry = next(iter(progress_entries(1).items()))
     alone = reader(ShardedDht(), 1, me=me)
     alone.dht.put(shards.shard_key("default", 0, 0), me, entry)  # type: ignore[attr-defined]
-    assert (await alone.read()).size.records == 1
+    assert (await alone.read()).size == 1
     # The one key, then one shard of every level (the one key among them), and no more.
     assert len(alone.dht.gets) == 1 + (1 + shards.MAX_LEVEL)  # type: ignore[attr-defined]
 
@@ -447,7 +418,7 @@ async def test_an_empty_read_of_a_level_is_read_again_when_the_probe_points_back
                 return {}
             return entries
 
-    assert (await reader(BlankFirst((270, 270)), 270).read()).size.records == 270
+    assert (await reader(BlankFirst((200, 200)), 200).read()).size == 200
 
 
 async def test_a_small_collaboration_is_read_from_its_one_key_after_the_first_read():
@@ -463,7 +434,7 @@ async def test_a_read_with_a_shard_that_could_not_be_read_is_no_read():
     """A view with a shard left out would count a fraction of the trainers, and a first step's
     election is won by more than half of the trainers in view: two such views each let their
     own minority certify step 1 (100 simulated peers took it as two states)."""
-    dht = ShardedDht((270, 270))
+    dht = ShardedDht((200, 200))
     dht.failing.add(shards.level_keys("default", 4)[5])
     with pytest.raises(RemoteError, match="no replica"):
-        await reader(dht, 270).read()
+        await reader(dht, 200).read()

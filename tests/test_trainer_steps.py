@@ -93,7 +93,6 @@ async def make_trainer(
             remember_addrs=lambda *args: None,
         ),
         looks_up=lambda key: True,
-        serves=lambda: True,
         lookup_seconds=0.0,
         get=no_records,
         rng=random.Random(0),
@@ -212,15 +211,6 @@ def parameters(trainer: Trainer) -> str:
 
 
 # ---------------------------------------------------------------------------- results
-
-
-async def test_our_record_says_whether_we_serve_the_dht(tmp_path):
-    """Where the progress shards go is set by the peers that serve (`shards.level`): a peer
-    behind NAT, a DHT client, must not count as one."""
-    trainer = await make_trainer(tmp_path)
-    assert trainer.record().serves
-    trainer.dht.serves = lambda: False  # type: ignore[method-assign]
-    assert not trainer.record().serves
 
 
 @pytest.mark.parametrize(

@@ -124,13 +124,9 @@ SPREAD_KEYS_PER_REFRESH = 8
 #: this long to be written to.
 HOT_SPREAD_MAX_SECONDS = 300.0
 #: Holders of a spread key a lookup finds, at most, as a multiple of `dht.replicas`: its prefix
-#: holds a shard's ~12-24 servers (`peer.training.shards.SHARD_SERVERS`), more by chance. With
-#: 2x and shards of ~8-16, a shard whose prefix held over 16 nodes had 16 holders for more
-#: records: the busiest node served 1.44-1.75x the mean at 1,000 peers (by placement, seeds
-#: 0-2); with 3x, 1.0-1.17x. A prefix of more than 3x (by chance, where every peer serves) is
-#: held by its 3x closest to the key, the rest holding nothing; a read's lookup there mostly
-#: runs to the end (an answer from a node that knows as many of the prefix as an answer holds
-#: names nobody beyond: `Lookup.read_enough`).
+#: holds a shard's ~8-16 nodes (`peer.training.shards.SHARD_RECORDS`), more by chance. With
+#: 2x, a shard whose prefix held over 16 nodes had 16 holders for more records: the busiest
+#: node served 1.44-1.75x the mean at 1,000 peers (by placement, seeds 0-2); with 3x, 1.0-1.17x.
 SPREAD_HOLDERS = 3
 #: Hot keys whose replicas are remembered (the oldest go): every shard of the progress key a
 #: reader reads (`peer.training.shards.MAX_LEVEL`: 1,024) and the few a writer writes, and more.
@@ -405,7 +401,7 @@ class DHT:
         else:
             targets = (await self.find_nodes(target)).closest_answered()[: self.config.replicas]
         accepted = 0
-        if self.serves() and self._we_belong_among(target, targets, bits):
+        if self._replica() and self._we_belong_among(target, targets, bits):
             # We are one of the holders: keep a copy and, of `replicas` or more, drop the
             # farthest remote (unless the holders are the key's prefix, which we join), so the
             # record lives on exactly the nodes a reader's lookup will ask.
@@ -508,7 +504,7 @@ class DHT:
             return p.to_contacts(reply.nodes, exclude=self.node.peer_id)
 
         await self._lookup(key_id(key), query)
-        if strict and not answered and not (self.serves() and merged):
+        if strict and not answered and not (self._replica() and merged):
             raise Unreachable(f"no DHT node answered a read of {key!r}")
         if hot:
             self._note_hot_read(key_id(key), owned_entries(merged))
@@ -541,7 +537,7 @@ class DHT:
             # We are a replica ourselves (our copy is merged already): one remote read fewer,
             # never none (our copy lags where a store to us failed).
             wanted[key] = max(
-                1, asked - (self.serves() and self._holds(target, bits, replicas[key]))
+                1, asked - (self._replica() and self._holds(target, bits, replicas[key]))
             )
             # A spread key's holders of its prefix first, where they are enough (read from the
             # others alike, those served 1.9x the mean node by placement at 300 and 1,000).
@@ -653,7 +649,7 @@ class DHT:
         while len(self._hot_read) > HOT_KEYS:
             self._hot_read.popitem(last=False)
 
-    def serves(self) -> bool:
+    def _replica(self) -> bool:
         """Whether others may store on us and read from us: a server that announces itself. A
         server that does not is no replica: its copy of a key counts for no one else."""
         return self.server and self.announcing()
@@ -985,7 +981,7 @@ class DHT:
         return outcomes
 
     def _caller_addrs(self) -> list[str] | None:
-        if not self.serves():
+        if not self._replica():
             return None
         return [str(a) for a in self.node.announce]
 

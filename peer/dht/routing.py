@@ -79,10 +79,9 @@ def hot_read_order(
     target: int, bits: int, holders: list[Contact], shuffle: Callable[[list[Contact]], None]
 ) -> list[Contact]:
     """The order a hot read asks `holders` in: those of the key's prefix first, shuffled, when
-    they are at least `MIN_PREFIX_READ` (their records are about as many as they are, twice
-    as many where half the peers are behind NAT: `peer.training.shards`; the others hold the
-    key only because the prefix has fewer than `replicas` nodes, and hold their own prefix's
-    key too); else all of them, shuffled."""
+    they are at least `MIN_PREFIX_READ` (their records are about as many as they are:
+    `peer.training.shards`; the others hold the key only because the prefix has fewer than
+    `replicas` nodes, and hold their own prefix's key too); else all of them, shuffled."""
     first = first_readers(target, bits, holders)
     rest = [c for c in holders if c not in first]
     for part in (first, rest) if rest else (first,):

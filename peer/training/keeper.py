@@ -167,7 +167,6 @@ class StateKeeper:
             peer_id=self.me,
             role="keeper",
             addrs=self.dht.node.public_addrs(),
-            serves=self.dht.serves(),
             step=self.held.step,
             digest=self.digest,
             samples=0,

@@ -151,9 +151,6 @@ class ProgressRecord(msgspec.Struct, frozen=True):
     """The step rule it plays by (`StepRule.min_votes`: its `averaging.min_group_size`), so a
     viewer (`peer status`, the dashboard) counts steps by the collaboration's rule rather than
     its own config (`published_quorum`); 0: not stated."""
-    serves: bool = False
-    """Its peer serves the DHT (`DHT.serves`: reachable, others store on it and read from it):
-    where the shards go is set by how many do (`peer.training.shards.level`)."""
     leaving: bool = False
     """Its peer has left (its last record, in place of a withdrawal): counted for its vote and
     signatures only (`CollaborationView.farewells`), never as a trainer. Withdrawn, a vote

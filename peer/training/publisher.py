@@ -94,9 +94,9 @@ class ProgressRead(NamedTuple):
     """`entries` decoded (`decode_progress`)."""
 
     @property
-    def size(self) -> shards.Size:
+    def size(self) -> int:
         """The collaboration's size as this read shows it: where the next read reads."""
-        return shards.Size(len(self.records), sum(r.serves for r in self.records))
+        return len(self.records)
 
 
 #: Seconds between two probes of every level by a reader whose level shows nobody else.
@@ -127,7 +127,7 @@ class ProgressReader:
         self.collaboration = collaboration
         self.me = me
         self.hot = hot
-        self.size: shards.Size | None = None
+        self.size: int | None = None
         self._probed_at = -math.inf
         self._known: dict[str, dict[str, Entry]] = {}
         """What the replicas showed our last read of a level, by shard key: the entries of
@@ -135,26 +135,21 @@ class ProgressReader:
 
     async def read(self) -> ProgressRead:
         previous = self.size
-        had_records = previous is not None and previous.records > 0
         current: ProgressRead | None = None
         if previous is not None:
             read = current = await self._read_level(shards.level(previous))
             recent = trio.current_time() - self._probed_at < PROBE_SECONDS
-            if self._others(read) or (recent and (read.records or not had_records)):
+            if self._others(read) or (recent and (read.records or not previous)):
                 self.size = read.size
                 return read
         self._probed_at = trio.current_time()
         found = await self._probe()
         at = shards.probe_level(found)
-        if (
-            current is not None
-            and current.records
-            and at == shards.level(previous or shards.Size(0, 0))
-        ):
+        if current is not None and current.records and at == shards.level(previous or 0):
             read = current  # the level just read, a moment ago (an empty read is read again)
         else:
             read = await self._read_level(at)
-        if not read.records and had_records:
+        if not read.records and previous:
             raise RemoteError("no progress records found where there were: the DHT is unreachable")
         self.size = read.size
         return read
@@ -310,7 +305,7 @@ class ProgressPublisher:
 
     def _keys(self) -> list[str]:
         """The shards our record goes to (`shards.write_levels`)."""
-        levels = shards.write_levels(self.reader.size or shards.Size(0, 0))
+        levels = shards.write_levels(self.reader.size or 0)
         return [shards.record_key(self.collaboration, self.me, at) for at in levels]
 
     async def _store(

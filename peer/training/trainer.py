@@ -307,7 +307,6 @@ class Trainer:
         return msgspec.structs.replace(
             self.policy.own_record(self.local(), self.clock()),
             addrs=self.dht.node.public_addrs(),
-            serves=self.dht.serves(),
             loss=tally.loss,
             recent_losses=list(tally.recent_losses),
             recent_validation=list(tally.recent_validation),
