@@ -27,6 +27,7 @@ from peer.dht import node as dht_node
 from peer.dht import protocol, records, routing
 from peer.net import host, prefix
 from peer.training import certificate, progress, shards
+from simulation import cpu
 
 NODES_PER_CACHE = 16
 """Nodes a cache is sized for: below it, the caches keep their own size."""
@@ -39,11 +40,13 @@ def _memos() -> list[tuple[Any, str]]:
     return [
         (progress, "_decoded"),
         (progress, "_checked"),
+        (cpu, "_step_signatures"),
         (certificate, "_valid"),
         (records, "owner_key"),
         (records, "_subkey_hash"),
         (protocol, "_wire_contact"),
         (protocol, "_peer_id"),
+        (protocol, "_contact"),
         (routing, "node_id"),
         (shards, "_place"),
         (host, "_parse_addr"),

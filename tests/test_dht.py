@@ -959,3 +959,35 @@ async def test_a_strict_read_nobody_answered_raises_where_a_plain_one_is_empty()
         await s.dhts[0].store("k", "a", b"one", expiration=now + 60)
         s.dhts[0].table.remove(s.dhts[1].node.peer_id)  # it answers nobody's lookup now
         assert (await s.dhts[0].get("k", strict=True))["a"].value == b"one"
+
+
+async def test_a_reply_entry_equal_to_one_read_now_or_in_our_last_read_is_not_checked_again(
+    monkeypatch,
+):
+    """`DHT._checked`: an entry equal to the one another replica gave this read (`known`) is
+    taken unchecked; so is one equal to our last read's (`also`) where this read has none of
+    its subkey yet. Where this read holds another version, the last read's does not count:
+    the entry is checked."""
+    key, now = "collab/progress", 1_000_000.0
+    (a, owner_a), (b, owner_b), (c, owner_c) = identities(3)
+    old_c = make_entry(key, owner_c, b"old", now + 30, signer=c.private_key)
+    reply = {
+        owner_a: make_entry(key, owner_a, b"a", now + 30, signer=a.private_key),
+        owner_b: make_entry(key, owner_b, b"b", now + 30, signer=b.private_key),
+        owner_c: make_entry(key, owner_c, b"new", now + 30, signer=c.private_key),
+    }
+    checked: list[str] = []
+    real = dht_node.validate_entry
+
+    def counted(key: str, subkey: str, entry: Entry, **kw: object) -> None:
+        checked.append(subkey)
+        real(key, subkey, entry, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(dht_node, "validate_entry", counted)
+    async with nodes(1) as (node,):
+        reader = DHT(node, CONFIG, server=False, rpc_timeout=5.0, clock=lambda: now)
+        known = {owner_a: reply[owner_a], owner_c: old_c}
+        also = {owner_b: reply[owner_b], owner_c: reply[owner_c]}
+        taken = await reader._checked(key, reply, known=known, also=also)
+    assert taken == reply
+    assert checked == [owner_c]

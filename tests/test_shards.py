@@ -3,10 +3,13 @@ small, 2^L keys by peer id past it, and a writer and a reader whose sizes differ
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 
 from hypothesis import given
 from hypothesis import strategies as st
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.id import ID
 
 from peer.training import shards
 from peer.training.progress import progress_key
@@ -57,3 +60,21 @@ def test_a_probe_reads_the_level_whose_shard_shows_the_most_records():
     # A level's shard is a sample: 7 of a level-4 shard project 112, level 3's range, and
     # level 3 is empty; the level read is 4, where the records are.
     assert shards.probe_level([(0, 0), (3, 0), (4, 7)]) == 4
+
+
+def test_a_shard_keeps_the_entries_whose_subkeys_shard_index_names_it():
+    """`of_shard` is the filter `shard_index` states, at every level: peer ids and open
+    subkeys alike, none kept twice across a level's shards, none lost."""
+    rng = random.Random(5)
+    pairs = [create_new_key_pair(rng.randbytes(32)) for _ in range(120)]
+    subkeys = [ID.from_pubkey(p.public_key).to_base58() for p in pairs]
+    subkeys += [f"open-{i}" for i in range(40)]
+    entries = {subkey: i for i, subkey in enumerate(subkeys)}
+    for at in range(shards.MAX_LEVEL + 1):
+        kept: dict[str, int] = {}
+        for index in range(2**at):
+            shard = shards.of_shard(entries, at, index)
+            assert shard == {s: e for s, e in entries.items() if shards.shard_index(s, at) == index}
+            assert not kept.keys() & shard.keys()
+            kept |= shard
+        assert kept == entries

@@ -22,7 +22,7 @@ import logging
 import math
 import random
 import time
-from collections import ChainMap, Counter, OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -617,8 +617,10 @@ class DHT:
             try:
                 if isinstance(reply, RemoteError):
                     raise reply
-                checked = ChainMap(merged[key], known[key]) if key in known else merged[key]
-                merge(merged[key], await self._checked(key, reply.entries, known=checked))
+                merge(
+                    merged[key],
+                    await self._checked(key, reply.entries, known=merged[key], also=known.get(key)),
+                )
             except RemoteError as error:
                 self._forget(contact, error)
                 continue
@@ -724,11 +726,17 @@ class DHT:
                 nursery.start_soon(page, index)
 
     async def _checked(
-        self, key: str, entries: Mapping[str, Entry], *, known: Mapping[str, Entry]
+        self,
+        key: str,
+        entries: Mapping[str, Entry],
+        *,
+        known: Mapping[str, Entry],
+        also: Mapping[str, Entry] | None = None,
     ) -> dict[str, Entry]:
         """What we take from a replica's reply: the entries that fit our own reply budget (a
         replica that sent more keeps its place; we take what fits), each validated as if stored
-        here, except those equal to one `known` (validated already, from another replica).
+        here, except those equal to one `known` (validated already, from another replica) or,
+        for a subkey `known` lacks, to one of `also` (our last read's).
 
         Raises ProtocolError at the `MAX_INVALID_ENTRIES`th invalid entry: an honest replica
         validated all it holds, and a liar must not make us check thousands of signatures.
@@ -741,8 +749,12 @@ class DHT:
         limits = self.read_limits
         valid: dict[str, Entry] = {}
         invalid = checked = 0
+        last = also or {}
         for subkey, entry in taken.items():
-            if known.get(subkey) == entry:
+            # Two lookups, not a ChainMap's (its Python-level `get` was 2.5 % of a 1,000-peer
+            # simulation's CPU).
+            seen = known.get(subkey)
+            if (seen if seen is not None else last.get(subkey)) == entry:
                 valid[subkey] = entry
                 continue
             checked += 1

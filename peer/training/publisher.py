@@ -197,13 +197,7 @@ class ProgressReader:
             known = None
         read = await self.dht.get_many(list(shard_of), hot=self.hot, strict=True, known=known)
         return {
-            key: found
-            if isinstance(found, RemoteError)
-            else {
-                subkey: entry
-                for subkey, entry in found.items()
-                if shards.shard_index(subkey, shard_of[key][0]) == shard_of[key][1]
-            }
+            key: found if isinstance(found, RemoteError) else shards.of_shard(found, *shard_of[key])
             for key, found in read.items()
         }
 
