@@ -142,23 +142,21 @@ class SharedLink:
             self._begin(transfer)
         return transfer
 
-    def _cancel(self, transfer: _Transfer) -> None:
-        """A transfer whose task was cancelled (a caller's deadline): it stops sharing, and the
-        others on the link, sped up, sleep again from their new bounds."""
+    def _cancel(self, transfer: _Transfer) -> list[_Waiter]:
+        """A transfer whose task was cancelled (a caller's deadline): it stops sharing. The
+        others on the link are sped up: their waiters, returned, must sleep again from their
+        new bounds (`_Waiter.rearm`)."""
         if transfer.done:
-            return
-        now = trio.current_time()
-        self._advance(now)
+            return []
+        self._advance(trio.current_time())
         if transfer.done:
-            return
+            return []
         transfer.done = True  # pending: skipped when it comes up
-        if transfer.key is not None:
-            del self._running[self._index(transfer)]
-            for _, _, other in list(self._running):
-                other.waiter.rearm(now)
-            for _, _, other in list(self._pending):
-                if not other.done:
-                    other.waiter.rearm(now)
+        if transfer.key is None:
+            return []
+        del self._running[self._index(transfer)]
+        others = [other.waiter for _, _, other in self._running]
+        return others + [other.waiter for _, _, other in self._pending if not other.done]
 
     def _index(self, transfer: _Transfer) -> int:
         """Where a started transfer is among the running (by its end tag and order)."""
@@ -237,8 +235,16 @@ async def carry_groups(
         return [all(t.done for t in transfers) for transfers in owned]
     finally:
         waiter.scope = None
+        # Each waiter sped up sleeps again once, from the links as every cancel left them: a
+        # fan-out cut at its deadline cancels many transfers on a busy link, and re-arming
+        # every waiter on it at each (a walk of each one's transfers) was an eighth of the
+        # CPU of 1,000 simulated peers once they averaged.
+        sped_up: dict[_Waiter, None] = {}
         for link, transfer in waiter.transfers:
-            link._cancel(transfer)
+            sped_up.update(dict.fromkeys(link._cancel(transfer)))
+        now = trio.current_time()
+        for other in sped_up:
+            other.rearm(now)
 
 
 async def carry_parts(parts: list[tuple[SharedLink, float]], *, after: float = 0.0) -> None:

@@ -46,7 +46,7 @@ from simulation.collaboration import (
 )
 from simulation.cpu import VERIFY_SECONDS, SimCpu, charged
 from simulation.dataplane import SimDataPlane, SimDataServer, SimIdentity
-from simulation.links import SharedLink, carry
+from simulation.links import SharedLink, carry, carry_groups
 from simulation.nat import Nat, NatTally
 from simulation.network import MBIT, Link, SimNetwork, Traffic
 from simulation.progressload import placed_load, run_load
@@ -149,6 +149,24 @@ async def test_a_busy_link_ends_each_of_hundreds_of_transfers_at_its_exact_time(
         at += (size - done) * (len(sizes) - index) / link.capacity
         expected[size], done = at, size
     assert ends == pytest.approx(expected, rel=1e-9)
+
+
+async def test_a_fan_out_cut_at_its_deadline_speeds_up_what_else_its_link_carries(autojump_clock):
+    """Three messages of a fan-out share a link with a fourth transfer, and the fan-out's
+    deadline cuts them all at once: the fourth has its link alone from then on, and ends when
+    its bytes say (its task sleeps again once, from the link as all three cuts left it)."""
+    link = SharedLink(100.0)
+    ends: dict[str, float] = {}
+
+    async def alone() -> None:
+        await carry(100, link)
+        ends["alone"] = trio.current_time()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(alone)
+        landed = await carry_groups([(0.0, [(link, 1e9)]) for _ in range(3)], deadline=1.0)
+    assert landed == [False, False, False]
+    assert ends["alone"] == pytest.approx(1.0 + (100 - 100 / 4) / 100)  # 25 B by 1 s, then 100 B/s
 
 
 async def test_a_carry_that_ends_at_once_is_still_a_checkpoint(autojump_clock):
