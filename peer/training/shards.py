@@ -77,8 +77,8 @@ def shard_index(peer_id: str, at_level: int) -> int:
 def of_shard(entries: Mapping[str, T], at_level: int, index: int) -> dict[str, T]:
     """The entries of `entries` (by subkey) whose subkey shard `index` of `at_level` holds
     (`shard_index`): what a read keeps of that shard's replies. One pass with the level's shift
-    worked out once (a read filters every record it gets: at 1,000 simulated peers a call of
-    `shard_index` for each was 4 % of the simulator's time)."""
+    worked out once (a read filters every record it gets: at 1,000 simulated peers the filter
+    with a call of `shard_index` for each was 2.3 % of the simulator's time)."""
     if at_level == 0:
         return dict(entries)
     shift = 64 - at_level
