@@ -73,7 +73,7 @@ class SimCpu:
         if signature in self._checked:
             self._checked.move_to_end(signature)
             return False
-        self._checked[_shared(signature)] = None
+        self._checked[signature] = None
         if len(self._checked) > CHECKED_CACHE:
             self._checked.popitem(last=False)
         return True
@@ -92,13 +92,6 @@ def charge(seconds: float) -> None:
     cpu = CURRENT.get()
     if cpu is not None:
         cpu.charge(seconds)
-
-
-@functools.lru_cache(maxsize=1 << 16)
-def _shared(signature: bytes) -> bytes:
-    """One bytes object for every node's memory of a signature: each reply decodes its own
-    copy, and every node kept the copy it met first (up to `CHECKED_CACHE` of them a node)."""
-    return signature
 
 
 def download_check_seconds(state_bytes: float) -> float:
