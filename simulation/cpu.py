@@ -78,6 +78,21 @@ class SimCpu:
             self._checked.popitem(last=False)
         return True
 
+    def first_checks(self, signatures: tuple[bytes, ...]) -> int:
+        """How many of `signatures` this node checks for the first time, met in their order
+        (`first_check` of each, in one loop: a read at 1,000 simulated peers meets a thousand
+        records' step signatures, and a call for each was 3 % of the simulator's time)."""
+        checked, touch, first = self._checked, self._checked.move_to_end, 0
+        for signature in signatures:
+            if signature in checked:
+                touch(signature)
+                continue
+            checked[signature] = None
+            first += 1
+            if len(checked) > CHECKED_CACHE:
+                checked.popitem(last=False)
+        return first
+
     async def pay(self) -> None:
         """Wait while the core does what was charged since the last payment."""
         if self.owed > 0:
@@ -112,10 +127,11 @@ def _records_checked(entries: dict[str, Any]) -> None:
     cpu = CURRENT.get()
     if cpu is None:
         return
-    first_check = cpu.first_check
+    first_checks = cpu.first_checks
     for subkey, entry in entries.items():
-        for signature in _step_signatures(subkey, entry.value):
-            if first_check(signature):
+        signatures = _step_signatures(subkey, entry.value)
+        if signatures:
+            for _ in range(first_checks(signatures)):  # one by one: the same sums as ever
                 cpu.charge(VERIFY_SECONDS)
 
 

@@ -118,10 +118,11 @@ class SharedLink:
 
     def _run_to(self, now: float) -> None:
         running = self._running
+        until = now + _slack(now)  # once a call: this loop runs for every message's link
         while running:
             tag, _, transfer = running[0]
             ends = self._at + (tag - self._virtual) * len(running) / self.capacity
-            if ends > now + _slack(now):
+            if ends > until:
                 break
             self._virtual = max(self._virtual, tag)
             self._at = max(self._at, min(ends, now))
@@ -131,8 +132,7 @@ class SharedLink:
             self._virtual += (now - self._at) * self.capacity / len(running)
         self._at = max(self._at, now)
 
-    def _start(self, size: float, waiter: _Waiter, after: float) -> _Transfer:
-        now = trio.current_time()
+    def _start(self, size: float, waiter: _Waiter, after: float, now: float) -> _Transfer:
         transfer = _Transfer(size, now + after, waiter)
         self.carried += size
         if after > 0:
@@ -212,12 +212,13 @@ async def carry_groups(
     not stop sharing their links)."""
     waiter = _Waiter(cap=deadline)
     owned: list[list[_Transfer]] = []
+    now = trio.current_time()  # read once: trio's clock call was 5 % of the joins' time
     try:
         for after, parts in groups:
             started = []
             for link, size in parts:
                 if size > 0:
-                    started.append(link._start(size, waiter, after))
+                    started.append(link._start(size, waiter, after, now))
                     waiter.transfers.append((link, started[-1]))
             owned.append(started)
         for wakeups in range(MAX_WAKEUPS * max(1, len(groups))):

@@ -8,12 +8,20 @@ import math
 import msgspec
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from peer.averaging.allreduce import RoundReport
 from peer.averaging.averager import AveragingResult, longest_averaging
 from peer.averaging.reduce import ChunkResult
 from peer.config import AveragingConfig, PeerConfig, TaskConfig, TrainingConfig
-from peer.training.certificate import CARRIED_SIGNATURES, MAX_SIGNATURES, StepSignature, carried
+from peer.training.certificate import (
+    CARRIED_SIGNATURES,
+    MAX_SIGNATURES,
+    StepSignature,
+    carried,
+    merge_signatures,
+)
 from peer.training.deal import MAX_RATE_CLAIM, REMEASURE_STEPS, deal, shares
 from peer.training.policy import (
     CALL_GRID,
@@ -1000,6 +1008,43 @@ def test_a_record_carries_enough_signatures_to_certify_alone_and_no_more():
     assert [s.signer for s in ours[1:]] == sorted(PEERS)[: CARRIED_SIGNATURES - 1]
     # A larger quorum is carried whole, up to what a reader accepts.
     assert carried(6) == 6 and carried(100) == MAX_SIGNATURES
+
+
+SIGNERS = ["a", "b", "c", "d", "e", "n", "o", "p", "x", "y", "z"]
+
+
+@given(
+    st.lists(
+        st.lists(
+            st.tuples(st.sampled_from(SIGNERS), st.lists(st.sampled_from(SIGNERS), max_size=5)),
+            max_size=4,
+        ),
+        min_size=1,
+        max_size=4,
+    ),
+    st.integers(2, 4),
+)
+def test_a_read_carries_the_signatures_a_merge_of_every_record_at_our_step_would(reads, quorum):
+    """What a read leaves us carrying is what merging every other record's signatures of our
+    step would (ours first, then the smallest signers, `carried(quorum)` in all), whether the
+    read is worked out from its records or, with nothing new to carry, from its signers."""
+    policy = make_policy(min_group_size=quorum)
+    policy.hold(3, "d", own_signature(3))
+    limit = carried(quorum)
+    for records in reads:
+        view = [
+            other(
+                peer, step=3, digest="d", signatures=[StepSignature(s, bytes(64)) for s in signed]
+            )
+            for peer, signed in records
+        ]
+        held = policy.held.signatures
+        merged = merge_signatures(
+            held[0], [*held[1:], *(s for r in view for s in r.signatures)], limit=limit
+        )
+        expected = {s.signer for s in merged}
+        read(policy, *view, stored(3, *(s.signer for s in held[1:])))
+        assert {s.signer for s in policy.held.signatures} == expected
 
 
 def test_backoff_after_failed_downloads_doubles_and_a_success_resets_it():

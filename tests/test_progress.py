@@ -212,6 +212,31 @@ def test_with_record_is_the_records_with_ours_in_place_in_peer_id_order(held, ou
     assert view.records == expected
 
 
+@given(
+    st.lists(st.tuples(st.integers(0, 5), st.integers(2, 4), st.booleans()), max_size=6),
+    st.tuples(st.integers(0, 5), st.integers(2, 4), st.booleans(), st.booleans()),
+    st.booleans(),
+    st.integers(2, 4),
+)
+def test_what_a_view_keeps_is_the_filter_of_its_records(held, ours, shuffled, step):
+    """`kept` of a view with our record in it (`with_record`: the others filtered once a
+    read) is the filter of that view's records, in their order, as is a read's own (worked
+    out once); read again, the same; our record leaving, not in it."""
+    records = [rec(i, step=s, digest="d", holding=h) for i, s, h in held]
+    records = list({r.peer_id: r for r in records}.values())
+    records.sort(key=lambda r: r.peer_id, reverse=shuffled)
+    i, s, h, leaving = ours
+    view = CollaborationView(records)
+    mine = view.with_record(rec(i, step=s, digest="d", holding=h, leaving=leaving))
+    for v in (view, mine, mine):  # a second asker of the same key gets the same
+        for key, keep in [
+            (("trainers", step), lambda r: r.role == "trainer" and r.step == step),
+            (("holding", step), lambda r: r.holding and r.step <= step),
+        ]:
+            assert v.kept(key, keep) == [r for r in v.records if keep(r)]
+        assert v.trainers(step) == [r for r in v.records if r.step == step]
+
+
 @given(st.lists(st.integers(0, 5), max_size=8), st.integers(0, 5), st.booleans())
 def test_record_of_finds_a_peers_first_record_in_any_view(held, wanted, in_order):
     """A read's view (peer ids ascending) finds a record by bisection; any other view (out of

@@ -413,17 +413,19 @@ class StepPolicy:
         # The others who hold our step and digest signed it too: carry their signatures, so
         # that our record certifies the state after they leave (decode checked them). Those
         # we carry already stay (their records may have left); new ones are published now.
+        limit = carried(self.quorum)
+        ours = {s.signer for s in held.signatures}
         theirs = [
             signature
-            for r in view.records
+            for r in (() if self._carries_all(view, ours, limit) else view.records)
             if r.peer_id != self.me and r.step == held.step and r.digest == held.digest
             for signature in r.signatures
         ]
         if theirs and held.signatures:
             merged = merge_signatures(
-                held.signatures[0], [*held.signatures[1:], *theirs], limit=carried(self.quorum)
+                held.signatures[0], [*held.signatures[1:], *theirs], limit=limit
             )
-            if {s.signer for s in merged} != {s.signer for s in held.signatures}:
+            if {s.signer for s in merged} != ours:
                 held.signatures = merged
                 self.changed = True
         signers = view.signers(held.step, held.digest) | {s.signer for s in held.signatures}
@@ -451,6 +453,23 @@ class StepPolicy:
         for r in view.records:
             if r.role == "trainer" and abs(r.step - held.step) <= 1 and not r.downloading:
                 self._around[r.peer_id] = now
+
+    def _carries_all(self, view: CollaborationView, ours: set[str], limit: int) -> bool:
+        """Whether our signatures (`ours`: their signers) are already what carrying the
+        signatures in `view` would leave (`merge_signatures`: ours first, then the smallest
+        signers, `limit` in all): no signer of our step in view is missing from them, or every
+        missing one comes after our last (those are left out). Worked out from the view's
+        signers, not its records: a read at 1,000 simulated peers walked every record's
+        signatures (3 % of the simulator's time), to find nothing new."""
+        held = self.held
+        if not held.signatures or len(held.signatures) > limit:
+            return False
+        others = ours - {held.signatures[0].signer}
+        missing = view.signers(held.step, held.digest) - ours
+        if len(others) < limit - 1:
+            return not missing
+        last = max(others, default="")
+        return all(signer > last for signer in missing)
 
     def out_of_touch(self, now: float) -> bool:
         """We may have lost the others (a partition, contacts that died under our DHT calls):
@@ -1438,11 +1457,10 @@ class StepPolicy:
             voted = r.vote is not None and r.vote.step == step and r.vote.average != ABSTAIN
             return r.step == step or (r.step == step - 1 and (r.peer_id in members or voted))
 
-        return [
-            r
-            for r in view.records
-            if r.role == "trainer" and not r.downloading and about_to_step(r)
-        ]
+        return view.kept(
+            ("step company", step, members),
+            lambda r: r.role == "trainer" and not r.downloading and about_to_step(r),
+        )
 
     def _current_call(self, view: CollaborationView, now: float) -> float | None:
         # Not the call we missed: with it still earliest in view, a peer that missed it would
