@@ -81,7 +81,7 @@ class SimCpu:
     def first_checks(self, signatures: tuple[bytes, ...]) -> int:
         """How many of `signatures` this node checks for the first time, met in their order
         (`first_check` of each, in one loop: a read at 1,000 simulated peers meets a thousand
-        records' step signatures, and a call for each was 3 % of the simulator's time)."""
+        records' step signatures, a call for each)."""
         checked, touch, first = self._checked, self._checked.move_to_end, 0
         for signature in signatures:
             if signature in checked:

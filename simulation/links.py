@@ -212,7 +212,7 @@ async def carry_groups(
     not stop sharing their links)."""
     waiter = _Waiter(cap=deadline)
     owned: list[list[_Transfer]] = []
-    now = trio.current_time()  # read once: trio's clock call was 5 % of the joins' time
+    now = trio.current_time()  # read once: every transfer of the fan-out starts now
     try:
         for after, parts in groups:
             started = []

@@ -460,7 +460,7 @@ class StepPolicy:
         signers, `limit` in all): no signer of our step in view is missing from them, or every
         missing one comes after our last (those are left out). Worked out from the view's
         signers, not its records: a read at 1,000 simulated peers walked every record's
-        signatures (3 % of the simulator's time), to find nothing new."""
+        signatures, to find nothing new."""
         held = self.held
         if not held.signatures or len(held.signatures) > limit:
             return False

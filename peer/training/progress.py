@@ -348,8 +348,7 @@ class CollaborationView:
         besides the record (the same key, the same test). Worked out once a read: a view of a
         read with one record replaced (`with_record`: a trainer's view at every turn of its
         loop) filters the read's other records once, then places the replaced one. At 1,000
-        simulated peers the trainers' turns walked every record several times each (a tenth
-        of the simulator's time once they averaged)."""
+        simulated peers each turn of each trainer walked every record several times."""
         origin = self.__dict__.get("_origin")
         if origin is None:
             found = self._kept.get(key)
