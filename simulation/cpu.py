@@ -70,13 +70,7 @@ class SimCpu:
         real peer's size remembers): the process's caches are shared by every simulated
         node, so each node's own is kept here (by the signature itself: a bytes object
         keeps its hash, and every reader of a record meets the same ones)."""
-        if signature in self._checked:
-            self._checked.move_to_end(signature)
-            return False
-        self._checked[signature] = None
-        if len(self._checked) > CHECKED_CACHE:
-            self._checked.popitem(last=False)
-        return True
+        return self.first_checks((signature,)) == 1
 
     def first_checks(self, signatures: tuple[bytes, ...]) -> int:
         """How many of `signatures` this node checks for the first time, met in their order

@@ -107,10 +107,7 @@ def entry_bytes(key: str, subkey: str, entry: Entry) -> int:
 
 def wire_bytes(subkey: str, entry: Entry) -> int:
     """An entry's size in a reply, at most."""
-    # A subkey is ASCII (a peer id) but for open ones: its length then, without encoding it
-    # (every reply sizes every entry it holds, and every reader every entry it gets).
-    text = len(subkey) if subkey.isascii() else len(subkey.encode())
-    return text + len(entry.value or b"") + len(entry.signature) + ENTRY_OVERHEAD
+    return len(subkey.encode()) + len(entry.value or b"") + len(entry.signature) + ENTRY_OVERHEAD
 
 
 @functools.lru_cache(maxsize=4096)
