@@ -79,9 +79,16 @@ class _Waiter:
         """When it wakes at the latest, whatever its transfers (a fan-out's deadline)."""
 
     def deadline(self, now: float) -> float:
-        """When its transfers would all have ended if nothing else started (-inf: they have)."""
-        ends = [link._projected_end(t, now) for link, t in self.transfers if not t.done]
-        return max(ends, default=-math.inf)
+        """When its transfers would all have ended if nothing else started (-inf: they have):
+        link by link (`SharedLink._latest_end`), as a fan-out's messages share the caller's."""
+        by_link: dict[SharedLink, list[_Transfer]] = {}
+        for link, transfer in self.transfers:
+            if not transfer.done:
+                by_link.setdefault(link, []).append(transfer)
+        return max(
+            (link._latest_end(transfers, now) for link, transfers in by_link.items()),
+            default=-math.inf,
+        )
 
     def rearm(self, now: float) -> None:
         if self.scope is not None:
@@ -167,6 +174,27 @@ class SharedLink:
         self._advance(now)
         if transfer.done:
             return -math.inf
+        return self._end_of(transfer)
+
+    def _latest_end(self, transfers: list[_Transfer], now: float) -> float:
+        """The latest `_projected_end` of `transfers` (all on this link), with one walk of the
+        transfers ahead for all of those it is exact for: the started ones end in their
+        order, so the deepest of them ends last. (A fan-out's replies share the caller's
+        downlink: the waiter of a read of 32 shards walked up to 32 transfers for each of
+        its 32 replies, at each wake-up.)"""
+        self._advance(now)
+        latest, deepest = -math.inf, -1
+        for transfer in transfers:
+            if transfer.done:
+                continue
+            if transfer.key is not None and (index := self._index(transfer)) <= EXACT_PROJECTION:
+                deepest = max(deepest, index)
+            else:
+                latest = max(latest, self._end_of(transfer))
+        return latest if deepest < 0 else max(latest, self._walk(deepest))
+
+    def _end_of(self, transfer: _Transfer) -> float:
+        """`_projected_end` of a transfer that has not ended, on a link brought up to now."""
         at, virtual, share = self._at, self._virtual, len(self._running)
         if transfer.key is None and share > EXACT_PROJECTION:  # a busy link: as if alone
             return transfer.starts_at + transfer.size / self.capacity
@@ -190,6 +218,12 @@ class SharedLink:
         if index > EXACT_PROJECTION:  # a busy link: a lower bound, as if those ahead had ended
             tag = transfer.key[0]
             return at + (tag - virtual) * (share - index) / self.capacity
+        return self._walk(index)
+
+    def _walk(self, index: int) -> float:
+        """When the started transfer at `index` ends if nothing else starts: the transfers
+        ahead of it end one by one, each share growing as they leave."""
+        at, virtual, share = self._at, self._virtual, len(self._running)
         for tag, _, _ in itertools.islice(self._running, index + 1):
             at, virtual = at + (tag - virtual) * share / self.capacity, tag
             share -= 1

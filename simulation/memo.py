@@ -48,6 +48,8 @@ def _memos() -> list[tuple[Any, str]]:
         (protocol, "_peer_id"),
         (protocol, "_contact"),
         (routing, "node_id"),
+        (routing, "key_id"),
+        (routing, "_spread"),
         (shards, "_place"),
         (host, "_parse_addr"),
         (prefix, "prefix_of"),

@@ -193,6 +193,37 @@ def test_merge_is_order_independent(replies, rng):
     assert one == two
 
 
+@given(
+    st.dictionaries(
+        st.sampled_from(["a", "b"]),
+        st.builds(
+            Entry,
+            st.one_of(st.none(), st.binary(max_size=2)),
+            st.sampled_from([1.0, 2.0]),
+            st.binary(max_size=2),
+        ),
+    ),
+    st.dictionaries(
+        st.sampled_from(["a", "b", "c"]),
+        st.builds(
+            Entry,
+            st.one_of(st.none(), st.binary(max_size=2)),
+            st.sampled_from([1.0, 2.0]),
+            st.binary(max_size=2),
+        ),
+    ),
+)
+def test_merge_keeps_the_entry_that_supersedes(held, reply):
+    """Expirations compared first (`merge`'s shortcut) pick what `Entry.supersedes` picks, also
+    between entries of one expiration."""
+    merged = dict(held)
+    merge(merged, reply)
+    for subkey in held.keys() | reply.keys():
+        old, new = held.get(subkey), reply.get(subkey)
+        expected = new if old is None or (new is not None and new.supersedes(old)) else old
+        assert merged[subkey] is expected
+
+
 # ---------------------------------------------------------------------------- bounded writers
 
 ROOMY = Limits(

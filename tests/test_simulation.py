@@ -20,6 +20,8 @@ import numpy as np
 import pytest
 import trio
 import trio.testing
+from hypothesis import given
+from hypothesis import strategies as st
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.peer.id import ID
 
@@ -46,7 +48,7 @@ from simulation.collaboration import (
 )
 from simulation.cpu import VERIFY_SECONDS, SimCpu, charged
 from simulation.dataplane import SimDataPlane, SimDataServer, SimIdentity
-from simulation.links import SharedLink, carry, carry_groups
+from simulation.links import SharedLink, _Waiter, carry, carry_groups
 from simulation.nat import Nat, NatTally
 from simulation.network import MBIT, Link, SimNetwork, Traffic
 from simulation.progressload import placed_load, run_load
@@ -149,6 +151,29 @@ async def test_a_busy_link_ends_each_of_hundreds_of_transfers_at_its_exact_time(
         at += (size - done) * (len(sizes) - index) / link.capacity
         expected[size], done = at, size
     assert ends == pytest.approx(expected, rel=1e-9)
+
+
+@given(
+    st.lists(  # (which link, bytes, starts after, ours): one side of many messages
+        st.tuples(st.integers(0, 1), st.integers(1, 500), st.sampled_from([0.0, 0.0, 0.5, 3.0])),
+        min_size=1,
+        max_size=80,
+    ),
+    st.lists(st.booleans(), min_size=80, max_size=80),
+    st.floats(0.0, 20.0),
+)
+def test_a_waiter_s_deadline_is_the_latest_end_of_its_transfers(messages, ours, now):
+    """`_Waiter.deadline` works out each link's latest end once (`SharedLink._latest_end`); it
+    is the latest of its transfers' own projected ends, to the bit, past `EXACT_PROJECTION`
+    transfers on a link too, and with transfers of others and transfers yet to start."""
+    links, waiter, other = [SharedLink(100.0), SharedLink(37.0)], _Waiter(), _Waiter()
+    for (which, size, after), mine in zip(messages, ours, strict=False):
+        owner = waiter if mine else other
+        link = links[which]
+        owner.transfers.append((link, link._start(float(size), owner, after, 0.0)))
+    latest = waiter.deadline(now)
+    alone = [link._projected_end(t, now) for link, t in waiter.transfers if not t.done]
+    assert latest == max(alone, default=-math.inf)
 
 
 async def test_a_fan_out_cut_at_its_deadline_speeds_up_what_else_its_link_carries(autojump_clock):

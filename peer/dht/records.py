@@ -216,10 +216,16 @@ def pages_for(entries: Mapping[str, Entry], *, budget: int) -> int:
 
 
 def merge(into: dict[str, Entry], entries: Mapping[str, Entry]) -> None:
-    """Merge replies from several replicas: latest expiration wins per subkey."""
+    """Merge replies from several replicas: per subkey, the entry that supersedes the other
+    (`Entry.supersedes`: the latest expiration first). The expirations are compared before
+    `supersedes` builds its tuples, as a read merges each entry it gets two or three times."""
     for subkey, entry in entries.items():
         current = into.get(subkey)
-        if current is None or entry.supersedes(current):
+        if (
+            current is None
+            or entry.expiration > current.expiration
+            or (entry.expiration == current.expiration and entry.supersedes(current))
+        ):
             into[subkey] = entry
 
 

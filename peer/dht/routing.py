@@ -29,9 +29,13 @@ _SPREAD = re.compile(r"(.+)#spread/([1-9]|1[0-6])/(0|[1-9][0-9]{0,4})")
 MAX_SPREAD_BITS = 16
 
 
+@functools.lru_cache(maxsize=4096)
 def key_id(key: str) -> int:
     """A key's place on the ring: its SHA-256, or for a key of a spread family
-    (`spread_key`) its index as the top bits and its family's hash below."""
+    (`spread_key`) its index as the top bits and its family's hash below. Remembered: a hot
+    read works it out for each shard key several times, and each replica for each request (a
+    regular expression and a hash each time: 4.4 % of the samples of a 300-peer simulation's
+    progress reads, py-spy)."""
     spread = _spread(key)
     if spread is None:
         return _sha256(key)
@@ -45,8 +49,10 @@ def spread_bits(key: str) -> int:
     return 0 if spread is None else spread[1]
 
 
+@functools.lru_cache(maxsize=4096)
 def _spread(key: str) -> tuple[str, int, int] | None:
-    """(family, bits, index) of a well-formed spread key (`spread_key`), else None."""
+    """(family, bits, index) of a well-formed spread key (`spread_key`), else None
+    (remembered, as `key_id`)."""
     match = _SPREAD.fullmatch(key)
     if match is None or int(match[3]) >= 1 << int(match[2]):
         return None
