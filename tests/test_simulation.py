@@ -154,12 +154,12 @@ async def test_a_busy_link_ends_each_of_hundreds_of_transfers_at_its_exact_time(
 
 
 @given(
-    st.lists(  # (which link, bytes, starts after, ours): one side of many messages
+    st.lists(  # (which link, bytes, starts after): one link's side of many messages
         st.tuples(st.integers(0, 1), st.integers(1, 500), st.sampled_from([0.0, 0.0, 0.5, 3.0])),
         min_size=1,
         max_size=80,
     ),
-    st.lists(st.booleans(), min_size=80, max_size=80),
+    st.lists(st.booleans(), min_size=80, max_size=80),  # which of them are the waiter's
     st.floats(0.0, 20.0),
 )
 def test_a_waiter_s_deadline_is_the_latest_end_of_its_transfers(messages, ours, now):
