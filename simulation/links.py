@@ -169,15 +169,9 @@ class SharedLink:
         """Where a started transfer is among the running (by its end tag and order)."""
         return bisect.bisect_left(self._running, transfer.key, key=lambda e: e[:2])
 
-    def _projected_end(self, transfer: _Transfer, now: float) -> float:
-        """When `transfer` ends if nothing else starts on this link (-inf: it has ended)."""
-        self._advance(now)
-        if transfer.done:
-            return -math.inf
-        return self._end_of(transfer)
-
     def _latest_end(self, transfers: list[_Transfer], now: float) -> float:
-        """The latest `_projected_end` of `transfers` (all on this link), with one walk of the
+        """When the last of `transfers` (all on this link) ends if nothing else starts on it
+        (-inf: they have ended), each as `_end_of` projects it, with one walk of the
         transfers ahead for all of those it is exact for: the started ones end in their
         order, so the deepest of them ends last. (A fan-out's replies share the caller's
         downlink: the waiter of a read of 32 shards walked up to 32 transfers for each of
@@ -194,7 +188,8 @@ class SharedLink:
         return latest if deepest < 0 else max(latest, self._walk(deepest))
 
     def _end_of(self, transfer: _Transfer) -> float:
-        """`_projected_end` of a transfer that has not ended, on a link brought up to now."""
+        """When a transfer that has not ended ends if nothing else starts on this link, the
+        link brought up to now (`_advance`)."""
         at, virtual, share = self._at, self._virtual, len(self._running)
         if transfer.key is None and share > EXACT_PROJECTION:  # a busy link: as if alone
             return transfer.starts_at + transfer.size / self.capacity

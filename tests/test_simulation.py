@@ -164,7 +164,7 @@ async def test_a_busy_link_ends_each_of_hundreds_of_transfers_at_its_exact_time(
 )
 def test_a_waiter_s_deadline_is_the_latest_end_of_its_transfers(messages, ours, now):
     """`_Waiter.deadline` works out each link's latest end once (`SharedLink._latest_end`); it
-    is the latest of its transfers' own projected ends, to the bit, past `EXACT_PROJECTION`
+    is the latest of its transfers' own projected ends (`_end_of`), to the bit, past `EXACT_PROJECTION`
     transfers on a link too, and with transfers of others and transfers yet to start."""
     links, waiter, other = [SharedLink(100.0), SharedLink(37.0)], _Waiter(), _Waiter()
     for (which, size, after), mine in zip(messages, ours, strict=False):
@@ -172,7 +172,9 @@ def test_a_waiter_s_deadline_is_the_latest_end_of_its_transfers(messages, ours, 
         link = links[which]
         owner.transfers.append((link, link._start(float(size), owner, after, 0.0)))
     latest = waiter.deadline(now)
-    alone = [link._projected_end(t, now) for link, t in waiter.transfers if not t.done]
+    for link in links:
+        link._advance(now)  # as `deadline` left them: each transfer's end on its own
+    alone = [link._end_of(t) for link, t in waiter.transfers if not t.done]
     assert latest == max(alone, default=-math.inf)
 
 
