@@ -36,6 +36,7 @@ from peer.dht.routing import Contact, first_readers, hot_holders, key_id, node_i
 from peer.training import shards
 from peer.training.progress import CollaborationView, ProgressRecord
 from peer.training.publisher import ProgressPublisher
+from peer.training.timing import Timing
 from simulation import cpu
 from simulation.clock import VirtualClock
 from simulation.collaboration import EPOCH
@@ -96,6 +97,7 @@ async def _run(
     rng = random.Random(seed)
     network = SimNetwork(rng)
     config = PeerConfig()
+    timing = Timing.of(config)
     clock = lambda: EPOCH + trio.current_time()  # noqa: E731
     coverage: list[float] = []
     served_at_start: dict[object, int] = {}
@@ -130,8 +132,8 @@ async def _run(
             record=lambda: record(me, clock()),
             on_read=seen,
             interval=config.training.progress_interval,
-            longest_read_interval=7.5,
-            ttl=30.0,
+            longest_read_interval=timing.longest_read_interval,
+            ttl=timing.progress_ttl,
             clock=clock,
         )
         async with trio.open_nursery() as nursery:

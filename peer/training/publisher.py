@@ -62,10 +62,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("peertrain.progress")
 T = TypeVar("T")
 
-#: Bytes a second a peer spends reading progress records, at most (1 Mbit/s): with 0.7 KB
-#: records from one replica a shard (`CARRIED_READ_REPLICAS`), ~180 trainers are read every
-#: second, 1,000 every 5.3 s, as from two replicas at 2 Mbit/s before; the holders send half.
-READ_BYTES_PER_SECOND = 128 * 1024
+#: Bytes a second a peer spends reading progress records, at most (half a megabit): with
+#: 0.7 KB records from one replica a shard (`CARRIED_READ_REPLICAS`), ~90 trainers are read
+#: every second, 1,000 every 10.7 s (records of ~1.1 KB, as simulated: every 15 s, the cap).
+#: At 1 Mbit/s, reading records was about half the simulator's time at 1,000 peers; halved,
+#: 100 and 300 simulated peers stepped as before and 1,000 ran 1.4x faster (docs/scale.md).
+READ_BYTES_PER_SECOND = 64 * 1024
 
 
 def read_interval(read_bytes: int, *, interval: float, longest: float) -> float:
@@ -99,7 +101,8 @@ class ProgressRead(NamedTuple):
         return len(self.records)
 
 
-#: Seconds between two probes of every level by a reader whose level shows nobody else.
+#: Seconds between two probes of every level by a reader whose level shows nobody else, or
+#: who reads the one key.
 PROBE_SECONDS = 30.0
 
 
@@ -107,11 +110,13 @@ class ProgressReader:
     """Reads every progress record of a collaboration, wherever its shards are
     (`peer.training.shards`), remembering the size its last read showed (`size`).
 
-    A read takes every shard of the level of `size`. Where that shows nobody but us (`me`), or
-    nothing, or before any read, one shard of every level is probed, at most every
-    `PROBE_SECONDS` (always on a first read), and the level whose shard shows the most is read
-    (`shards.probe_level`): so a joiner is not held by a few records on the one key of a small
-    collaboration, nor a peer that was cut off by the level of its own record. A read that finds
+    A read takes every shard of the level of `size`. Where that is the one key (level 0), or
+    shows nobody but us (`me`), or nothing, or before any read, one shard of every level is
+    probed, at most every `PROBE_SECONDS` (always on a first read), and the level whose shard
+    shows the most is read (`shards.probe_level`): so a joiner is not held by a few records on
+    the one key of a small collaboration, nor a peer that was cut off by the level of its own
+    record (3 of 300 simulated peers wrote to the one key during the joins and read only each
+    other there, for minutes). A read that finds
     nothing after one that found records raises RemoteError (the last view and size stay): an
     unreachable DHT is no empty collaboration. Entries are taken only from the shard their peer
     id names (`shards.record_key`): one identity writing into every shard would count once per
@@ -139,7 +144,8 @@ class ProgressReader:
         if previous is not None:
             read = current = await self._read_level(shards.level(previous))
             recent = trio.current_time() - self._probed_at < PROBE_SECONDS
-            if self._others(read) or (recent and (read.records or not previous)):
+            spread = shards.level(previous) > 0  # on the one key, a few may see only each other
+            if (spread and self._others(read)) or (recent and (read.records or not previous)):
                 self.size = read.size
                 return read
         self._probed_at = trio.current_time()
