@@ -19,13 +19,20 @@ from peer.config import PeerConfig
 from peer.dht.records import Entry
 from peer.errors import RemoteError
 from peer.training import shards
-from peer.training.progress import CollaborationView, ProgressRecord, encode_progress
+from peer.training.progress import (
+    CollaborationView,
+    ProgressRecord,
+    decode_progress,
+    encode_progress,
+)
 from peer.training.publisher import (
+    MAX_RECORD_BYTES,
     PROBE_SECONDS,
     READ_BYTES_PER_SECOND,
     ProgressPublisher,
     ProgressReader,
     read_interval,
+    received_bytes,
 )
 from peer.training.timing import SLOW_BATCH, Timing
 from tests.test_progress import rec
@@ -124,6 +131,18 @@ def test_reads_are_stretched_to_the_byte_budget_and_capped():
     assert 10 < thousand < 11
     assert read_interval(10**9, interval=1.0, longest=15.0) == 15.0
     assert read_interval(10**9, interval=20.0, longest=15.0) == 20.0  # never below the interval
+
+
+def test_a_record_counts_toward_the_read_budget_at_most_2_kib():
+    """Owner-signed records of many identities stretch everyone's reads: each by at most
+    `MAX_RECORD_BYTES`, twice a record of ours, whatever it weighs (4 KB is the most a record
+    may be)."""
+    entries = progress_entries(3)
+    records = decode_progress(entries, collaboration="default")
+    ours = received_bytes(entries, records)
+    assert 3 * 600 < ours < 3 * MAX_RECORD_BYTES / 2
+    heavy = {peer_id: Entry(b"x" * 4096, e.expiration) for peer_id, e in entries.items()}
+    assert received_bytes(heavy, records) == 3 * MAX_RECORD_BYTES == 3 * 2048
 
 
 def test_a_thousand_trainers_records_are_read_every_half_window_and_a_call_still_fits_one():
@@ -434,6 +453,48 @@ async def test_peers_that_see_only_each_other_on_the_one_key_probe_for_the_rest(
     assert (await progress.read()).size == 3  # probed a moment ago
     await trio.sleep(PROBE_SECONDS)
     assert (await progress.read()).size == 200
+
+
+def ground_into(dht: ShardedDht, at: int, count: int) -> dict[str, Entry]:
+    """`count` records whose peer ids fall in the shard of level `at` that the next probe of
+    `dht` draws (`ProgressReader._probe` draws one shard a level, in order, from `dht.rng`)."""
+    draws = random.Random()
+    draws.setstate(dht.rng.getstate())
+    index = [draws.randrange(2**level) for level in range(shards.MAX_LEVEL + 1)][at]
+    found: dict[str, Entry] = {}
+    rng = random.Random(7)
+    while len(found) < count:
+        found |= {
+            peer_id: entry
+            for peer_id, entry in progress_entries(1, rng).items()
+            if shards.shard_index(peer_id, at) == index
+        }
+    for peer_id, entry in found.items():
+        dht.put(shards.record_key("default", peer_id, at), peer_id, entry)
+    return found
+
+
+@pytest.mark.parametrize(("at", "count"), [(4, 9), (6, 1)])
+async def test_a_few_identities_in_a_deep_shard_do_not_pull_members_off_the_one_key(
+    autojump_clock, at: int, count: int
+):
+    """(Found in review.) Members of a small collaboration probe every level every
+    `PROBE_SECONDS`: 9 identities ground into the level-4 shard a probe draws project 144
+    records, and pulled a member of 10 to a level where only they are; one at level 6 made it
+    read all 64 shards. A member leaves the one key only for a level whose probed shard holds
+    half a shard's records and whose read shows more than the one key."""
+    ten = progress_entries(10, random.Random(1))
+    dht = ShardedDht()
+    for peer_id, entry in ten.items():
+        dht.put(shards.shard_key("default", 0, 0), peer_id, entry)
+    progress = reader(dht, 10, me=next(iter(ten)))
+    progress._probed_at = 0.0  # a member probed when it joined
+    await trio.sleep(PROBE_SECONDS)
+    ground_into(dht, at, count)
+    read = await progress.read()
+    assert {r.peer_id for r in read.records} == set(ten) and progress.size == 10
+    deep = [key for key in dht.gets if key in set(shards.level_keys("default", at))]
+    assert len(deep) == 1 + (2**at if count >= shards.SHARD_RECORDS // 2 else 0)  # the probe
 
 
 async def test_a_probe_that_points_at_the_level_just_read_reads_it_once():

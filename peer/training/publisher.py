@@ -77,8 +77,9 @@ def read_interval(read_bytes: int, *, interval: float, longest: float) -> float:
     return min(max(interval, read_bytes / READ_BYTES_PER_SECOND), max(interval, longest))
 
 
-#: A record's bytes counted toward the read budget, at most (ours are ~0.7 KB).
-MAX_RECORD_BYTES = 4096
+#: A record's bytes counted toward the read budget, at most (ours are ~0.7-1.1 KB): owner-signed
+#: records of many identities stretch everyone's reads by at most this much each.
+MAX_RECORD_BYTES = 2048
 
 
 def received_bytes(entries: dict[str, Entry], records: list[ProgressRecord]) -> int:
@@ -116,7 +117,11 @@ class ProgressReader:
     shows the most is read (`shards.probe_level`): so a joiner is not held by a few records on
     the one key of a small collaboration, nor a peer that was cut off by the level of its own
     record (3 of 300 simulated peers wrote to the one key during the joins and read only each
-    other there, for minutes). A read that finds
+    other there, for minutes). A reader of the one key that sees others there leaves it only
+    for a level whose probed shard holds half a shard's records and whose read shows more than
+    the one key did: a few identities ground into one deep shard would otherwise pull members
+    of a small collaboration, one probe at a time, to where only they are (found in review),
+    or make them read 1,024 keys. A read that finds
     nothing after one that found records raises RemoteError (the last view and size stay): an
     unreachable DHT is no empty collaboration. Entries are taken only from the shard their peer
     id names (`shards.record_key`): one identity writing into every shard would count once per
@@ -150,11 +155,17 @@ class ProgressReader:
                 return read
         self._probed_at = trio.current_time()
         found = await self._probe()
+        settled = current if current is not None and self._others(current) else None
+        if settled is not None:  # the one key shows others: leave it on evidence only
+            found = [(at, n) for at, n in found if at == 0 or n >= shards.SHARD_RECORDS // 2]
         at = shards.probe_level(found)
         if current is not None and current.records and at == shards.level(previous or 0):
             read = current  # the level just read, a moment ago (an empty read is read again)
         else:
+            known = self._known
             read = await self._read_level(at)
+            if settled is not None and len(read.records) <= len(settled.records):
+                read, self._known = settled, known
         if not read.records and previous:
             raise RemoteError("no progress records found where there were: the DHT is unreachable")
         self.size = read.size
