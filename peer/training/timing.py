@@ -131,8 +131,9 @@ class Timing:
     @property
     def longest_read_interval(self) -> float:
         """Reads are at most this far apart, however large the collaboration: half the widest
-        gathering window, which still holds a read, a store and a micro-batch (at a quarter,
-        1,000 simulated trainers' reads all waited the cap, not the byte budget)."""
+        gathering window, which still holds a read, 1 s stores and a slow micro-batch
+        (`SLOW_BATCH` times ours) where ours take up to ~6 s (at a quarter, ~9.75 s; but
+        1,000 simulated trainers' reads all waited the cap there, not the byte budget)."""
         return self.max_window / 2
 
     @property
