@@ -71,6 +71,7 @@ from simulation.network import (
     log_uniform,
 )
 from simulation.safety import SafetyCheck, Violation
+from simulation.windows import Window, WindowWatch
 from simulation.worker import ComputeNoise, SimWorker
 
 log = logging.getLogger(__name__)
@@ -220,6 +221,8 @@ class Report:
     nat: NatTally
     """Connections by path, relayed bytes, data-plane pairs and planned reducers behind NAT
     (the whole run)."""
+    busiest_window: Window | None = None
+    """The measured window whose busiest node sent the most replies (`simulation.windows`)."""
 
 
 def scale_factor(model_bytes: float) -> float:
@@ -272,7 +275,7 @@ class Collaboration:
         self.safety = SafetyCheck()
         self.departures = self.arrivals = 0
         self.volunteers: list[Volunteer] = []
-        self.ended = False
+        self.ended = self.measuring = False
         self.measured_from = self.ended_at = 0.0
         self.step_at_start = self.downloads_at_start = 0
 
@@ -637,12 +640,18 @@ class Collaboration:
     def _start_measuring(self) -> None:
         """What happened so far was the warm-up: counting starts now."""
         self.measured_from = trio.current_time()
+        self.measuring = True
         self.network.traffic = Traffic()
         for seconds in self.dht_seconds.values():
             seconds.clear()
         self.views.clear()
         self.step_at_start = max((t.step for t in self.trainers.values()), default=0)
         self.downloads_at_start = sum(v.trainer.tally.downloads for v in self.volunteers)
+
+    def dht_servers(self) -> int:
+        """DHT servers alive now: the backbones up and the volunteers not behind NAT."""
+        up = sum(not self._down(b) for b in self.backbones)
+        return up + sum(v.left_at is None and v.nat is Nat.PUBLIC for v in self.volunteers)
 
     def _leave(self, scope: trio.CancelScope) -> None:
         self.departures += 1
@@ -734,6 +743,14 @@ def progress_printer(scenario: Scenario, out: TextIO) -> Callable[[float], None]
     return on_jump
 
 
+def both(*calls: Callable[[float], None]) -> Callable[[float], None]:
+    def each(now: float) -> None:
+        for call in calls:
+            call(now)
+
+    return each
+
+
 def run_collaboration(scenario: Scenario, *, progress: TextIO | None = None) -> Report:
     """Run `scenario` to its end; `progress`: where to write how far it is, every
     `PROGRESS_SECONDS` of virtual time (the run is the same either way)."""
@@ -749,7 +766,14 @@ def run_collaboration(scenario: Scenario, *, progress: TextIO | None = None) -> 
         cpu.charged(),
         rare_collections(),
     ):
-        on_jump = None if progress is None else progress_printer(scenario, progress)
+        windows = WindowWatch(
+            lambda: collaboration.network.traffic,
+            collaboration.dht_servers,
+            lambda: collaboration.measuring and not collaboration.ended,
+        )
+        on_jump = windows.on_jump
+        if progress is not None:
+            on_jump = both(on_jump, progress_printer(scenario, progress))
         trio.run(collaboration.run, clock=VirtualClock(on_jump))
     agree, newest = collaboration.final
     everyone = [v.trainer for v in collaboration.volunteers]
@@ -779,4 +803,5 @@ def run_collaboration(scenario: Scenario, *, progress: TextIO | None = None) -> 
         election_seconds=sum(t.tally.election_seconds for t in everyone)
         / max(1, sum(sum(t.tally.elections.values()) for t in everyone)),
         nat=collaboration.network.nat.tally,
+        busiest_window=windows.busiest,
     )

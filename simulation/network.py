@@ -101,6 +101,19 @@ class Traffic:
     bytes: Counter[tuple[str, str]] = field(default_factory=Counter)
     served: Counter[ID] = field(default_factory=Counter)
     """Reply bytes each peer sent: where the load of a popular key lands."""
+    served_as: Counter[tuple[ID, str]] = field(default_factory=Counter)
+    """The same by what each reply answered (`served_as_what`): which key's readers it was."""
+
+
+def served_as_what(method: str, request: object) -> str:
+    """What a reply answered, for the windows' busiest node (`simulation.windows`): the method,
+    and for a DHT key the family under the collaboration's name ("get progress": the progress
+    shards at any level, "get avg": a gathering's tickets)."""
+    key = getattr(request, "key", None)
+    if not isinstance(key, str):
+        return method
+    parts = key.split("#", 1)[0].split("/")
+    return f"{method} {parts[1] if len(parts) > 1 else parts[0]}"
 
 
 class SimNetwork:
@@ -248,9 +261,9 @@ class SimRpc:
         server = self._server(callee, key)
         if server is None:
             await trio.sleep_forever()  # a silent departure: until the caller's deadline
-        reply = await self._serve(server, callee, key, body)
+        reply, what = await self._serve(server, callee, key, body)
         await network.cpus[callee].pay()
-        self._count_reply(key, callee, reply)
+        self._count_reply(key, callee, reply, what)
         await network.send(callee, caller, len(reply))
         if callee in network.gone:
             raise Unreachable(f"{service}.{method} to {callee}: connection closed")
@@ -310,12 +323,12 @@ class SimRpc:
                 server = self._server(callee, key) if landed else None
                 if server is None:
                     continue  # not there by the deadline, or a silent departure
-                reply = await self._serve(server, callee, key, body)
+                reply, what = await self._serve(server, callee, key, body)
             except RemoteError as error:
                 outcomes[index] = error
                 continue
             replies[index] = reply
-            self._count_reply(key, callee, reply)
+            self._count_reply(key, callee, reply, what)
             cpu = network.cpus[callee]
             owed, cpu.owed = cpu.owed, 0.0
             after, parts = network.message(callee, caller, len(reply), now)
@@ -342,9 +355,11 @@ class SimRpc:
             self.network.traffic.failed[key] += 1
         return outcome
 
-    def _count_reply(self, key: tuple[str, str], callee: ID, reply: bytes) -> None:
-        self.network.traffic.bytes[key] += len(reply)
-        self.network.traffic.served[callee] += len(reply)
+    def _count_reply(self, key: tuple[str, str], callee: ID, reply: bytes, what: str) -> None:
+        traffic = self.network.traffic
+        traffic.bytes[key] += len(reply)
+        traffic.served[callee] += len(reply)
+        traffic.served_as[callee, what] += len(reply)
 
     def _server(self, callee: ID, key: tuple[str, str]) -> RpcServer | None:
         """The callee's server of `key`'s service (None: it left silently, so nothing answers);
@@ -356,9 +371,10 @@ class SimRpc:
 
     async def _serve(
         self, server: RpcServer, callee: ID, key: tuple[str, str], body: bytes
-    ) -> bytes:
-        """The callee's handler on `body`, as its real server runs it: the reply's bytes, or
-        the RpcError its caller gets; what its checks cost is owed to its CPU."""
+    ) -> tuple[bytes, str]:
+        """The callee's handler on `body`, as its real server runs it: the reply's bytes and
+        what it answered (`served_as_what`), or the RpcError its caller gets; what its checks
+        cost is owed to its CPU."""
         network, method = self.network, key[1]
         handler = server._methods.get(method)
         if handler is None:
@@ -378,7 +394,7 @@ class SimRpc:
             raise RpcError("internal", f"the handler failed: {error!r}") from None
         finally:
             cpu_module.CURRENT.reset(running)
-        return msgspec.msgpack.encode(result)
+        return msgspec.msgpack.encode(result), served_as_what(method, decoded)
 
     def forget(self, peer_id: ID) -> None:
         pass

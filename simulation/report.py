@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from simulation.collaboration import BACKBONES, EPOCH, Attempt, Report, RoundTime
 from simulation.nat import Nat, Path
+from simulation.windows import Window
 
 _PEER_ID = re.compile(r"12D3KooW[1-9A-HJ-NP-Za-km-z]+")
 """A peer id (ed25519, base58) in a failure's words."""
@@ -90,6 +91,8 @@ class Summary:
     """All-reduce rounds that failed for a pair with no direct connection (the whole run)."""
     donor_paths: dict[Path, int]
     """State downloads' pairs of a joiner and a NATed donor, by path."""
+    busiest_window: Window | None = None
+    """The measured window whose busiest node sent the most (`simulation.windows`)."""
 
 
 def summarize(report: Report) -> Summary:
@@ -154,6 +157,7 @@ def summarize(report: Report) -> Summary:
         reducer_paths={path: report.nat.reducer_paths[path] for path in Path},
         rounds_cut=report.nat.rounds_cut,
         donor_paths={path: report.nat.donor_paths[path] for path in Path},
+        busiest_window=report.busiest_window,
     )
 
 
@@ -371,6 +375,16 @@ def _quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def _window(window: Window | None) -> str:
+    if window is None:
+        return "-"
+    what = ", ".join(f"{kind} {share:.0%}" for kind, share in window.what)
+    return (
+        f"{window.busiest * 8 / 1e6:.1f} Mbit/s at {window.start:.0f}-{window.end:.0f} s"
+        f" ({window.ratio:.1f}x): {what}"
+    )
+
+
 def rows(summary: Summary) -> list[tuple[str, str]]:
     s = summary
     return [
@@ -405,6 +419,10 @@ def rows(summary: Summary) -> list[tuple[str, str]]:
             f"{s.hottest_node_bytes * 8 / 1e6:.1f} Mbit/s"
             f" ({s.hottest_node_bytes / max(s.mean_node_reply_bytes, 1e-9):.1f}x"
             f" / {s.hottest_node_bytes / max(s.mean_server_reply_bytes, 1e-9):.1f}x)",
+        ),
+        (
+            "busiest node in a 30 s window (x the mean DHT server's then): its replies",
+            _window(s.busiest_window),
         ),
         (
             "progress read coverage (mean / min)",

@@ -464,7 +464,8 @@ def a_report(**fields: Any) -> SimpleNamespace:
         "wall_seconds": 1.0, "steps": 1, "ideal_step_seconds": 1.0, "departures": 0,
         "arrivals": 0, "downloads": 0, "digests_agree": True, "violations": [],
         "backbone_failures": 0, "elections": Counter(), "election_seconds": 0.0,
-        "volunteers": [], "nat": NatTally(), "taken_at": {}, "taken_by": {}, **fields,
+        "volunteers": [], "nat": NatTally(), "taken_at": {}, "taken_by": {},
+        "busiest_window": None, **fields,
     })  # fmt: skip
 
 
@@ -519,6 +520,15 @@ def test_a_small_collaboration_trains_with_every_average_exact():
             ends.append(timing.ended)
             assert attempt.peer in timing.planned and len(timing.planned) >= 2
         assert all(t.averaged and not t.alone for t in attempt.rounds)
+    # Every reply is counted by what it answered, and the busiest window is a whole one.
+    by_node: Counter = Counter()
+    for (node, _), size in report.traffic.served_as.items():
+        by_node[node] += size
+    assert by_node == report.traffic.served
+    window = report.busiest_window
+    assert window is not None and window.end - window.start >= 30
+    assert window.busiest >= window.mean_server > 0
+    assert window.what[0][0] in ("get progress", "get avg", "find_node")
 
 
 def fingerprint(report) -> tuple:
