@@ -62,6 +62,9 @@ def test_no_window_before_measuring_nor_one_cut_short_by_the_end():
     run.serve("a", "find_node", 900)
     watch.on_jump(129.0)
     assert watch.busiest is None  # 29 s: no whole window yet
+    run.measuring = False  # the run ended (`Collaboration.ended`)
+    watch.on_jump(200.0)
+    assert watch.busiest is None  # the window it cut short is no window
 
 
 def test_a_reply_is_counted_as_its_method_and_its_key_s_family():
